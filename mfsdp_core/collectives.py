@@ -1,0 +1,153 @@
+"""The collectives the runtime uses, with a byte counter.
+
+Reductions are **deterministic**: a reduce-scatter is an ``all_to_all`` followed by a sum in rank
+order (0, 1, …, n-1) and a division by n. It moves the same bytes as a ring reduce-scatter, but its
+result does not depend on the backend's ring or tree order, so a run is bitwise reproducible and a
+single-process reference can reproduce it exactly. An all-reduce is that reduce-scatter followed
+by an all-gather (the same volume as a ring all-reduce).
+
+gloo has no fp8 collectives, so fp8 / e8m0 payloads travel as ``uint8`` views.
+
+The counter records *logical* operations (``all_gather``, ``reduce_scatter``, ``all_reduce``) with
+the bytes of the full (unsharded) tensor each one covers on this rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommRecord",
+    "CommCounter",
+    "count_comm",
+    "group_size",
+    "group_rank",
+    "all_gather",
+    "reduce_scatter_avg",
+    "all_reduce_avg",
+    "all_reduce_sum",
+]
+
+_BYTE_VIEW_DTYPES = {
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+}
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    dtype: torch.dtype
+    bytes: int
+
+
+@dataclass
+class CommCounter:
+    """Logical collectives issued while it is active (see :func:`count_comm`)."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def total_bytes(self, op: str | None = None) -> int:
+        return sum(r.bytes for r in self.records if op is None or r.op == op)
+
+    def ops(self) -> list[str]:
+        return [r.op for r in self.records]
+
+
+_active_counters: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    """Count the collectives issued by the runtime inside the ``with`` block."""
+    counter = CommCounter()
+    _active_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _active_counters.remove(counter)
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    for counter in _active_counters:
+        counter.records.append(CommRecord(op, tensor.dtype, tensor.numel() * tensor.element_size()))
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of ``group``; 1 when there is no group (a single rank) or no process group at all."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _BYTE_VIEW_DTYPES else t
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Concatenate every rank's ``shard`` (equal sizes) into the 1-D ``output``."""
+    _record("all_gather", output)
+    n = group_size(group)
+    if n == 1:
+        output.copy_(shard)
+        return
+    if shard.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+        shard = shard.clone()  # an input aliasing the output is not safe on every backend
+    dist.all_gather_single(_wire(output), _wire(shard), group=group)
+
+
+def _sum_in_rank_order(chunks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(chunks[0])
+    for r in range(1, chunks.shape[0]):
+        out.add_(chunks[r])
+
+
+def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``output`` = this rank's 1/n slice of the average over ranks of ``full`` (deterministic)."""
+    _record("reduce_scatter", full)
+    n = group_size(group)
+    if n == 1:
+        output.copy_(full)
+        return
+    received = torch.empty_like(full)
+    dist.all_to_all_single(received, full, group=group)
+    _sum_in_rank_order(received.view(n, -1), output)
+    output.div_(n)
+
+
+def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """In place: the average over ranks of a 1-D ``tensor`` (deterministic, see module doc)."""
+    _record("all_reduce", tensor)
+    n = group_size(group)
+    if n == 1:
+        return
+    chunk = -(-tensor.numel() // n)
+    padded = tensor.new_zeros(chunk * n)
+    padded[: tensor.numel()].copy_(tensor)
+    received = torch.empty_like(padded)
+    dist.all_to_all_single(received, padded, group=group)
+    mine = padded.new_empty(chunk)
+    _sum_in_rank_order(received.view(n, chunk), mine)
+    mine.div_(n)
+    dist.all_gather_single(padded, mine, group=group)
+    tensor.copy_(padded[: tensor.numel()])
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """In place sum over ``group`` of a small tensor (norms, counters); backend order.
+    As everywhere here, ``group=None`` means a single rank: nothing to communicate."""
+    _record("all_reduce", tensor)
+    if dist.is_initialized() and group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)

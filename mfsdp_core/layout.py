@@ -1,0 +1,272 @@
+"""Shard layouts: which rank owns which flat range of each parameter.
+
+A group of parameters is packed into one flat buffer and split into ``group_size`` shards of
+equal capacity ``shard_size``. Rank ``r`` owns one contiguous segment of the packed parameters;
+its shard holds that segment followed by padding. A *policy* says where a segment may end inside
+a parameter (its "atom": the number of elements that must stay on one rank):
+
+=============  ===============================================================================
+``even``       any element (atom 1): ``ceil(total / n)`` elements per rank, padding at the end
+``row``        whole rows (atom ``shape[1:].numel()``)
+``block(k)``   whole blocks of ``k`` rows (MXFP8: k=32, so data and scales stay on one rank);
+               a parameter with fewer than 2 dims (norm weight, bias) is kept whole
+``tensor``     whole parameters, assigned greedily to balance bytes (Muon needs whole matrices)
+=============  ===============================================================================
+
+Everything here is a pure function of (shapes, group size, policy): every rank computes the same
+layout without communication, which is what the checkpoint planners rely on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+__all__ = ["Policy", "parse_policy", "Piece", "Layout", "compute_layout", "POLICY_NAMES"]
+
+POLICY_NAMES = ("even", "row", "block(n)", "tensor")
+_BLOCK_RE = re.compile(r"^block\((\d+)\)$")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where shard boundaries may fall inside a parameter. ``kind`` is one of
+    ``even``, ``row``, ``block``, ``tensor``; ``block_rows`` is set for ``block``."""
+
+    kind: str
+    block_rows: int = 0
+
+    def __str__(self) -> str:
+        return f"block({self.block_rows})" if self.kind == "block" else self.kind
+
+    @property
+    def keeps_tensors_whole(self) -> bool:
+        """True when no parameter is ever split across ranks (params may be packed in any order)."""
+        return self.kind == "tensor"
+
+    def atom(self, shape: torch.Size, name: str = "<param>") -> int:
+        """Number of consecutive elements of a parameter that must stay on one rank."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return 1
+        row = math.prod(shape[1:]) if len(shape) >= 1 else 1
+        if self.kind == "even":
+            return 1
+        if self.kind == "row":
+            return row
+        if self.kind == "tensor":
+            return numel
+        # block(k)
+        if len(shape) < 2:
+            return numel
+        if shape[0] % self.block_rows:
+            raise ValueError(
+                f"policy {self}: parameter '{name}' of shape {tuple(shape)} has {shape[0]} rows, "
+                f"not a multiple of {self.block_rows}"
+            )
+        return self.block_rows * row
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """Parse ``even``, ``row``, ``block(32)`` or ``tensor`` (a Policy passes through)."""
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"unknown sharding policy {spec!r}; expected one of {', '.join(POLICY_NAMES)}")
+    text = spec.strip()
+    if text in ("even", "row", "tensor"):
+        return Policy(text)
+    match = _BLOCK_RE.match(text)
+    if match and int(match.group(1)) > 0:
+        return Policy("block", int(match.group(1)))
+    raise ValueError(f"unknown sharding policy {spec!r}; expected one of {', '.join(POLICY_NAMES)}")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, end)`` of parameter ``param`` (row-major flat index) held by ``rank``,
+    stored in that rank's shard from ``shard_offset``. Empty when ``start == end``."""
+
+    param: int
+    rank: int
+    start: int
+    end: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The result of :func:`compute_layout`.
+
+    ``order`` is the packing order of the parameters (indices into ``shapes``); ``bounds`` has
+    ``group_size + 1`` entries: rank ``r`` owns packed elements ``[bounds[r], bounds[r + 1])``.
+    In the *gathered* buffer (all shards concatenated, ``group_size * shard_size`` elements)
+    packed element ``x`` of rank ``r`` sits at ``r * shard_size + x - bounds[r]``.
+    """
+
+    shapes: tuple[torch.Size, ...]
+    group_size: int
+    policy: Policy
+    order: tuple[int, ...]
+    bounds: tuple[int, ...]
+    shard_size: int
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @cached_property
+    def packed_offsets(self) -> tuple[int, ...]:
+        """Start of each parameter (by parameter index) in the packed, unpadded order."""
+        offsets = [0] * len(self.shapes)
+        pos = 0
+        for i in self.order:
+            offsets[i] = pos
+            pos += self.numels[i]
+        return tuple(offsets)
+
+    @property
+    def total(self) -> int:
+        """Elements of all parameters, without padding."""
+        return sum(self.numels)
+
+    @property
+    def gathered_size(self) -> int:
+        return self.group_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        """Elements of padding over all ranks (gathered size minus total)."""
+        return self.gathered_size - self.total
+
+    @property
+    def rank_lengths(self) -> tuple[int, ...]:
+        """Used (non-padding) elements in each rank's shard."""
+        return tuple(self.bounds[r + 1] - self.bounds[r] for r in range(self.group_size))
+
+    def piece(self, param: int, rank: int) -> Piece:
+        """The part of ``param`` owned by ``rank`` (possibly empty)."""
+        p0 = self.packed_offsets[param]
+        numel = self.numels[param]
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        start = min(max(lo - p0, 0), numel)
+        end = max(min(hi - p0, numel), start)
+        return Piece(param, rank, start, end, max(p0 + start - lo, 0) if end > start else 0)
+
+    def local_pieces(self, rank: int) -> list[Piece]:
+        """Non-empty pieces of ``rank``'s shard, in shard order."""
+        out = []
+        for i in self.order:
+            pc = self.piece(i, rank)
+            if pc.numel:
+                out.append(pc)
+        return out
+
+    def owners(self, param: int) -> list[Piece]:
+        """Non-empty pieces of ``param``, ordered by flat position."""
+        return [pc for r in range(self.group_size) if (pc := self.piece(param, r)).numel]
+
+    @cached_property
+    def gathered_offsets(self) -> tuple[int | None, ...]:
+        """For each parameter, its offset in the gathered buffer if it lies there contiguously
+        (so it can be a view of that buffer), else None (it spans padding between shards)."""
+        out: list[int | None] = []
+        for i in range(len(self.shapes)):
+            pieces = self.owners(i)
+            if not pieces:
+                out.append(0)
+                continue
+            first = pieces[0].rank * self.shard_size + pieces[0].shard_offset
+            pos = first
+            for pc in pieces:
+                if pc.rank * self.shard_size + pc.shard_offset != pos:
+                    first = None
+                    break
+                pos += pc.numel
+            out.append(first)
+        return tuple(out)
+
+
+def compute_layout(
+    shapes: Sequence[torch.Size | Sequence[int]],
+    group_size: int,
+    policy: str | Policy = "even",
+    names: Sequence[str] | None = None,
+) -> Layout:
+    """Compute which rank owns which flat range of each parameter. Pure; no communication.
+
+    Raises ValueError (naming the parameter) when a parameter cannot be cut by ``policy``.
+    """
+    if group_size < 1:
+        raise ValueError(f"group size must be >= 1, got {group_size}")
+    pol = parse_policy(policy)
+    shapes_t = tuple(torch.Size(s) for s in shapes)
+    names = list(names) if names is not None else [f"param{i}" for i in range(len(shapes_t))]
+    numels = [math.prod(s) for s in shapes_t]
+    atoms = [pol.atom(s, n) for s, n in zip(shapes_t, names)]
+    if pol.keeps_tensors_whole:
+        order, bounds = _greedy_whole_tensors(numels, group_size)
+    else:
+        order = tuple(range(len(shapes_t)))
+        bounds = _partition(numels, atoms, group_size)
+    shard_size = max((bounds[r + 1] - bounds[r] for r in range(group_size)), default=0)
+    return Layout(shapes_t, group_size, pol, order, bounds, shard_size)
+
+
+def _greedy_whole_tensors(numels: list[int], n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Largest parameter first onto the least-loaded rank (ties: lowest rank, lowest index);
+    each rank's parameters are then packed in their original order."""
+    loads = [0] * n
+    assigned: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(n), key=lambda r: (loads[r], r))
+        loads[r] += numels[i]
+        assigned[r].append(i)
+    order: list[int] = []
+    bounds = [0]
+    for r in range(n):
+        order.extend(sorted(assigned[r]))
+        bounds.append(bounds[-1] + loads[r])
+    return tuple(order), tuple(bounds)
+
+
+def _partition(numels: list[int], atoms: list[int], n: int) -> tuple[int, ...]:
+    """Cut the packed parameters into n contiguous segments on allowed cut points so that the
+    largest segment is as small as possible (binary search on the capacity, greedy fill)."""
+    total = sum(numels)
+    starts = [0]
+    for m in numels:
+        starts.append(starts[-1] + m)
+
+    def largest_cut_at_most(x: int) -> int:
+        if x >= total:
+            return total
+        i = bisect.bisect_right(starts, x) - 1  # parameter containing x
+        return starts[i] + (x - starts[i]) // atoms[i] * atoms[i]
+
+    def fill(cap: int) -> list[int] | None:
+        bounds = [0]
+        for _ in range(n):
+            bounds.append(largest_cut_at_most(bounds[-1] + cap))
+        return bounds if bounds[-1] == total else None
+
+    lo, hi = max(-(-total // n), 0), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fill(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    bounds = fill(lo)
+    assert bounds is not None
+    return tuple(bounds)

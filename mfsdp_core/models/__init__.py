@@ -1,0 +1,1 @@
+"""Models the runtime is exercised with."""

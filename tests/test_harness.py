@@ -1,0 +1,226 @@
+"""Tests for tests/harness.py: real gloo process groups, real failures, no leaked processes.
+
+Rank functions are module-level on purpose: children import them by reference.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import harness
+from tests.harness import RankFailure, run_ranks
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children():
+    """Every run_ranks call, passing or failing, must leave no child process behind."""
+    yield
+    assert multiprocessing.active_children() == []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# --- rank functions (module level) -----------------------------------------------------------
+
+def _whoami(tag: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    time.sleep(0.2 * (world - 1 - rank))  # finish in reverse rank order
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                      "MASTER_PORT")}
+    return {"rank": rank, "world": world, "env": env, "tag": tag,
+            "threads": torch.get_num_threads(), "backend": dist.get_backend()}
+
+
+def _all_reduce_sum(n: int) -> torch.Tensor:
+    t = torch.arange(n, dtype=torch.float64) + dist.get_rank()
+    dist.all_reduce(t)
+    return t
+
+
+def _raise_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def _hang(pid_dir: str) -> None:
+    Path(pid_dir, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    if dist.get_rank() == 0:
+        dist.barrier()  # waits for rank 1, which never comes
+    else:
+        while True:
+            time.sleep(60)
+
+
+def _sleep_forever(pid_dir: str) -> None:
+    Path(pid_dir, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(60)
+
+
+def _die_on_rank_two(how: str) -> int:
+    if dist.get_rank() == 2:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def _tensors(scale: torch.Tensor) -> dict:
+    gen = torch.Generator().manual_seed(1234 + dist.get_rank())
+    return {"randn": torch.randn(257, 3, generator=gen, dtype=torch.float64),
+            "bf16": torch.randn(17, generator=gen).to(torch.bfloat16),
+            "scaled": scale * dist.get_rank()}
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 3, 5])
+def test_results_in_rank_order(ranks, world_size):
+    out = ranks(_whoami, world_size, "tag")
+    assert [o["rank"] for o in out] == list(range(world_size))
+    port = out[0]["env"]["MASTER_PORT"]
+    for rank, o in enumerate(out):
+        assert o["world"] == world_size and o["tag"] == "tag" and o["backend"] == "gloo"
+        assert o["threads"] == 1
+        assert o["env"] == {"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}
+
+
+def test_all_reduce_sums_across_ranks(ranks):
+    out = ranks(_all_reduce_sum, 3, 5)
+    expected = 3 * torch.arange(5, dtype=torch.float64) + (0 + 1 + 2)
+    assert len(out) == 3
+    for t in out:
+        assert torch.equal(t, expected)
+
+
+def test_exception_on_one_rank_surfaces(ranks):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        ranks(_raise_on_rank_one, 3)
+    message = str(info.value)
+    assert message.splitlines()[0] == "rank 1 of 3 failed: ValueError: boom on rank one"
+    assert "Traceback" in message and "_raise_on_rank_one" in message
+    assert 1 in info.value.ranks
+    assert time.monotonic() - start < 60
+
+
+def test_hanging_rank_is_killed(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_hang, 2, str(tmp_path), timeout=5)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, elapsed
+    assert "rank 1" in str(info.value) and 1 in info.value.ranks
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert multiprocessing.active_children() == []
+    assert all(_gone(pid) for pid in pids), pids
+
+
+def test_timeout_names_silent_ranks(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "STARTUP_SLACK_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_sleep_forever, 2, str(tmp_path), timeout=2)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert message.startswith("timed out after 2s")
+    assert "rank(s) 0, 1 of 2 never reported" in message
+    assert info.value.ranks == [0, 1]
+    assert 4 <= elapsed < 30, elapsed
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert all(_gone(pid) for pid in pids), pids
+
+
+def test_keyboard_interrupt_kills_all_ranks(tmp_path):
+    # A real SIGINT to this (main) thread, as Ctrl-C would deliver.
+    timer = threading.Timer(3.0, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_ranks(_sleep_forever, 2, str(tmp_path), timeout=60)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 30
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert multiprocessing.active_children() == []
+    assert all(_gone(pid) for pid in pids), pids
+
+
+@pytest.mark.parametrize(("how", "code"), [("exit", "code 3 "), ("segv", "code -11 (SIGSEGV)")],
+                         ids=["os_exit", "segfault"])
+def test_rank_dying_without_report(ranks, how, code):
+    with pytest.raises(RankFailure) as info:
+        ranks(_die_on_rank_two, 3, how)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 2 of 3 exited with") and code in first + " "
+    assert first.endswith("without reporting")
+    assert info.value.ranks == [2]
+
+
+def test_tensors_travel_exactly(ranks):
+    scale = torch.linspace(-1, 1, 11, dtype=torch.float64)
+    out = ranks(_tensors, 2, scale)
+    for rank, got in enumerate(out):
+        gen = torch.Generator().manual_seed(1234 + rank)
+        assert torch.equal(got["randn"], torch.randn(257, 3, generator=gen, dtype=torch.float64))
+        assert torch.equal(got["bf16"], torch.randn(17, generator=gen).to(torch.bfloat16))
+        assert torch.equal(got["scaled"], scale * rank)
+
+
+def test_unpicklable_fn_is_rejected_up_front():
+    with pytest.raises(TypeError, match="module-level"):
+        run_ranks(lambda: 0, 2)
+
+
+def _write_module(directory: Path, name: str) -> None:
+    (directory / f"{name}.py").write_text(textwrap.dedent("""
+        import torch.distributed as dist
+
+        def rank_fn():
+            return ("from", __name__, dist.get_rank())
+    """))
+
+
+def test_child_sees_parent_sys_path(tmp_path, monkeypatch):
+    _write_module(tmp_path, "harness_probe_mod")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import harness_probe_mod  # noqa: PLC0415  (only importable via the new sys.path entry)
+
+    assert run_ranks(harness_probe_mod.rank_fn, 2) == [("from", "harness_probe_mod", r)
+                                                       for r in range(2)]
+
+
+def test_child_import_error_is_reported(tmp_path, monkeypatch):
+    _write_module(tmp_path, "harness_unreachable_mod")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import harness_unreachable_mod  # noqa: PLC0415
+
+    sys.path.remove(str(tmp_path))  # the parent can pickle it, the child cannot import it
+    with pytest.raises(RankFailure) as info:
+        run_ranks(harness_unreachable_mod.rank_fn, 1)
+    assert str(info.value).startswith(
+        "rank 0 of 1 failed: ModuleNotFoundError: No module named 'harness_unreachable_mod'")
