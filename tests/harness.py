@@ -81,7 +81,7 @@ class _Failure:
     """One rank's failure as seen by the parent."""
 
     rank: int
-    at: float  # time.monotonic() of the failure (system-wide clock), orders root cause first
+    at: float  # time.monotonic() of the failure (system-wide clock), to order root cause first
     headline: str  # e.g. "rank 1 of 3 failed: ValueError: boom"
     detail: str  # full traceback, or "" for a death without report
     exitcode: int | None = None  # for a death without report
@@ -251,7 +251,10 @@ def _failure(world_size: int, timeout: float, failures: list[_Failure],
             f"timed out after {timeout:g}s (+{STARTUP_SLACK_S:g}s start-up slack): "
             f"rank(s) {_ranks(missing)} of {world_size} never reported; all ranks killed",
             failed_ranks)
-    failures = sorted(failures, key=lambda f: f.at)  # root cause first
+    # Root cause first: a rank that died without reporting (crash, os._exit) ranks ahead of the
+    # connection errors it causes in its peers (the parent only sees a death after the fact,
+    # so its timestamp cannot order it); otherwise the earliest failure comes first.
+    failures = sorted(failures, key=lambda f: (bool(f.detail), f.at))
     lines = [failures[0].headline]
     lines += [f"also: {f.headline}" for f in failures[1:]]
     if missing:

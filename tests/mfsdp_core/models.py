@@ -92,12 +92,21 @@ def make_adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
 
 
-def reference_run(name: str, world: int, steps: int, micro_batches: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, list[list[float]]]:
+def make_sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+OPTIMIZERS: dict[str, Callable] = {"adamw": make_adamw, "sgd": make_sgd}
+
+
+def reference_run(
+    name: str, world: int, steps: int, micro_batches: int = 1, optimizer: str = "adamw"
+) -> tuple[nn.Module, torch.optim.Optimizer, list[list[float]]]:
     """Data parallelism in one process: each rank's gradient computed separately, summed in
     rank order and divided by the world size (the runtime's deterministic reduction), then one
-    AdamW step. Returns the model, its optimizer and per-step per-rank losses."""
+    optimizer step. Returns the model, its optimizer and per-step per-rank losses."""
     model = make_model(name)
-    optim = make_adamw(model.parameters())
+    optim = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for step in range(steps):
         x, y = batch(step, world, per_rank=3 * micro_batches)

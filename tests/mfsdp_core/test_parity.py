@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mfsdp_core import describe_shards, fully_shard_optimizer
 from mfsdp_core.layout import POLICY_NAMES  # noqa: F401  (documents the policy set)
-from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, reference_run, shard_model
+from tests.mfsdp_core.models import OPTIMIZERS, batch, loss_fn, make_adamw, make_model, reference_run, shard_model
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 POLICIES = ["even", "row", "block(32)", "tensor"]
@@ -32,10 +32,12 @@ def _rel_err(ours: torch.Tensor, ref_full: torch.Tensor, start: int, end: int) -
     return diff / scale
 
 
-def train_sharded(name: str, strategy: str, policy: str, steps: int, micro_batches: int = 1, **kwargs):
+def train_sharded(
+    name: str, strategy: str, policy: str, steps: int, micro_batches: int = 1, optimizer: str = "adamw", **kwargs
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_model(make_model(name), strategy=strategy, policy=policy, **kwargs)
-    optim = fully_shard_optimizer(make_adamw(model.parameters()))
+    optim = fully_shard_optimizer(OPTIMIZERS[optimizer](model.parameters()))
     losses = []
     for step in range(steps):
         x, y = batch(step, world, per_rank=3 * micro_batches)
@@ -59,13 +61,16 @@ def compare(model, optim, losses, ref_model, ref_optim, ref_losses, steps: int =
     for ps in describe_shards(model, optim):
         ref = ref_params[ps.fqn]
         state = ref_optim.state[ref]
-        pairs = [(ps.param, ref), (ps.main, ref)] + [(ps.optim[k], state[k]) for k in ("exp_avg", "exp_avg_sq")]
+        tensor_state = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == ref.shape}
+        assert set(ps.optim) == tensor_state, (ps.fqn, set(ps.optim), tensor_state)
+        pairs = [(ps.param, ref), (ps.main, ref)] + [(ps.optim[k], state[k]) for k in sorted(tensor_state)]
         for shard, full in pairs:
             err = _rel_err(shard.tensor, full, shard.start, shard.end)
             worst = max(worst, err)
             expected = full.detach().reshape(-1)[shard.start : shard.end].to(shard.tensor.dtype)
             bitwise &= torch.equal(shard.tensor, expected)
-        assert ps.optim_extra["step"].item() == steps
+        if "step" in state:
+            assert ps.optim_extra["step"].item() == steps
         empty_piece |= ps.owned[0] == ps.owned[1]
     for ours, ref in zip(losses, ref_losses):
         worst = max(worst, abs(ours - ref[rank]) / abs(ref[rank]))
@@ -202,3 +207,21 @@ def test_bf16_mixed_precision(ranks):
         assert r["dtypes"] == {(torch.bfloat16, torch.float32)}
         # bf16 has 8 bits of mantissa: one rounding of a compute copy is <= 2^-8 relative
         assert r["worst"] <= 2**-8, r["worst"]
+
+
+def _sgd_momentum_parity() -> dict:
+    world = dist.get_world_size()
+    ref = reference_run("transformer", world, STEPS, optimizer="sgd")
+    out = {}
+    for strategy, policy in itertools.product(STRATEGIES, ["even", "tensor"]):
+        model, optim, losses = train_sharded("transformer", strategy, policy, STEPS, optimizer="sgd")
+        out[(strategy, policy)] = compare(model, optim, losses, *ref)
+    return out
+
+
+def test_sgd_with_momentum_parity(ranks):
+    merged = _merge(ranks(_sgd_momentum_parity, 3, timeout=300))
+    for (strategy, policy), r in merged.items():
+        assert r["worst"] <= REL_TOL, (strategy, policy, r)
+        if strategy == "no_shard":
+            assert r["bitwise"], (strategy, policy, r)

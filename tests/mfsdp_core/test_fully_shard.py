@@ -1,0 +1,92 @@
+"""fully_shard behaviours beyond parity: meshes, eval forwards, frozen parameters, keeping
+parameters gathered between forward and backward."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from mfsdp_core import count_comm, describe_shards, fully_shard_optimizer
+from mfsdp_core.fully_shard import buffers_of
+from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
+
+
+def _train(model, steps: int = 2) -> list[torch.Tensor]:
+    optim = fully_shard_optimizer(make_adamw(model.parameters()))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(steps):
+        x, y = batch(step, world)
+        loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        optim.step()
+        optim.zero_grad()
+    return [ps.main.tensor.clone() for ps in describe_shards(model, optim)]
+
+
+def _mesh_equals_default_group() -> bool:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with_mesh = _train(shard_model(make_model("transformer"), mesh=mesh, policy="row"))
+    default = _train(shard_model(make_model("transformer"), policy="row"))
+    return all(torch.equal(a, b) for a, b in zip(with_mesh, default))
+
+
+def test_device_mesh_equals_default_group(ranks):
+    assert all(ranks(_mesh_equals_default_group, 3, timeout=300))
+
+
+def _eval_forward_reshards() -> dict:
+    model = shard_model(make_model("transformer"), strategy="optim_grads_params")
+    x, _ = batch(0, 1)
+    with torch.no_grad():
+        out = model(x)
+    gathered_after_eval = [buf.is_unsharded for buf in buffers_of(model)]
+    ref = make_model("transformer")(x)
+    return {"equal": torch.equal(out, ref.detach()), "gathered": gathered_after_eval}
+
+
+def test_eval_forward_under_zero3_frees_gathered_params(ranks):
+    for r in ranks(_eval_forward_reshards, 2, timeout=300):
+        assert r["equal"] and not any(r["gathered"])
+
+
+def _frozen_parameters() -> dict:
+    model = make_model("transformer")
+    model.inp.requires_grad_(False)
+    frozen_before = model.inp.weight.detach().clone()
+    shard_model(model, strategy="optim_grads")
+    optim = fully_shard_optimizer(make_adamw([p for p in model.parameters() if p.requires_grad]))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = batch(0, world)
+    loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    optim.step()
+    shards = {ps.fqn: ps for ps in describe_shards(model, optim)}
+    return {
+        "frozen_main": shards["inp.weight"].main,
+        "frozen_unchanged": torch.equal(model.inp.weight.detach(), frozen_before),
+        "trained_changed": not torch.equal(model.out.weight.detach(), make_model("transformer").out.weight),
+    }
+
+
+def test_frozen_parameters_are_not_trained(ranks):
+    for r in ranks(_frozen_parameters, 2, timeout=300):
+        assert r["frozen_main"] is None and r["frozen_unchanged"] and r["trained_changed"]
+
+
+def _keep_gathered_between_forward_and_backward() -> dict:
+    model = shard_model(make_model("transformer"), reshard_after_forward=False)
+    optim = fully_shard_optimizer(make_adamw(model.parameters()))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = batch(0, world)
+    with count_comm() as counter:
+        loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        optim.step()
+    ops = collections.Counter(counter.ops())
+    return {"ops": ops, "buffers": len(buffers_of(model)), "resharded": not any(b.is_unsharded for b in buffers_of(model))}
+
+
+def test_reshard_after_forward_false_gathers_once(ranks):
+    for r in ranks(_keep_gathered_between_forward_and_backward, 2, timeout=300):
+        assert r["ops"] == {"all_gather": r["buffers"], "reduce_scatter": r["buffers"]}
+        assert r["resharded"]  # freed after backward all the same
