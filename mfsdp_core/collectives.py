@@ -108,10 +108,14 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     dist.all_gather_single(_wire(output), _wire(shard), group=group)
 
 
-def _sum_in_rank_order(chunks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(chunks[0])
-    for r in range(1, chunks.shape[0]):
-        out.add_(chunks[r])
+def _reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int) -> None:
+    received = torch.empty_like(full)
+    dist.all_to_all_single(received, full, group=group)
+    chunks = received.view(n, -1)
+    output.copy_(chunks[0])
+    for r in range(1, n):  # rank order, whatever the backend's ring order
+        output.add_(chunks[r])
+    output.div_(n)
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -121,10 +125,7 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
     if n == 1:
         output.copy_(full)
         return
-    received = torch.empty_like(full)
-    dist.all_to_all_single(received, full, group=group)
-    _sum_in_rank_order(received.view(n, -1), output)
-    output.div_(n)
+    _reduce_scatter_avg(output, full, group, n)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -136,11 +137,8 @@ def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Non
     chunk = -(-tensor.numel() // n)
     padded = tensor.new_zeros(chunk * n)
     padded[: tensor.numel()].copy_(tensor)
-    received = torch.empty_like(padded)
-    dist.all_to_all_single(received, padded, group=group)
     mine = padded.new_empty(chunk)
-    _sum_in_rank_order(received.view(n, chunk), mine)
-    mine.div_(n)
+    _reduce_scatter_avg(mine, padded, group, n)
     dist.all_gather_single(padded, mine, group=group)
     tensor.copy_(padded[: tensor.numel()])
 
