@@ -1,4 +1,30 @@
-"""mfsdp_ckpt: the checkpoint layer (DCP planners, storage, resharding, HF bridge).
+"""mfsdp_ckpt: canonical DCP checkpoints of ``fully_shard``-ed models (DESIGN §4).
 
-Not built yet: the canonical DCP checkpoint is issue #3. It reads the runtime only through
+``save`` / ``load`` are collective over the model's ranks; a checkpoint written at any layout
+(world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
+
+from .checkpoint import LATEST_NAME, load, resolve_checkpoint, save
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    StateMismatchError,
+    UncommittedCheckpointError,
+    UnsafeCheckpointError,
+)
+
+__all__ = [
+    "save",
+    "load",
+    "resolve_checkpoint",
+    "LATEST_NAME",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
+    "StateMismatchError",
+    "UncommittedCheckpointError",
+    "UnsafeCheckpointError",
+]

@@ -50,8 +50,8 @@ class ParamShard:
     group_rank: int  # this rank's index in that group
     is_expert: bool
     param: FlatShard  # compute weights: the owned range under ZeRO-3, else the whole parameter
-    main: FlatShard | None  # main params, owned range; None for frozen parameters
-    grad: FlatShard | None  # reduced grads: owned range (ZeRO-2/3) or whole (ZeRO-1, no_shard)
+    main: FlatShard  # main params, owned range (frozen parameters: their compute weights)
+    grad: FlatShard | None  # reduced grads, owned range (ZeRO-1 also keeps replicas of the rest)
     optim: dict[str, FlatShard] = field(default_factory=dict)  # per-element optimizer state
     optim_extra: dict[str, Any] = field(default_factory=dict)  # other state, e.g. Adam's 'step'
     layout: Layout | None = None  # the buffer's layout; this parameter is layout.shapes[index]
@@ -66,7 +66,6 @@ class ParamShard:
 
 def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None) -> list[ParamShard]:
     out = []
-    S = buf.layout.shard_size
     r = buf.shard_rank
     for i, name in enumerate(buf.names):
         pc = buf.local_piece(i)
@@ -76,13 +75,8 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
             param = FlatShard(pc.start, pc.end, buf.shard[local])
         else:
             param = FlatShard(0, numel, buf._unsharded_flat(i))
-        main = grad = None
-        if buf.requires_grad:
-            main = FlatShard(pc.start, pc.end, buf.main[local])
-            if buf.strategy.shards_grads:
-                grad = FlatShard(pc.start, pc.end, buf.grad[local])
-            else:
-                grad = FlatShard(0, numel, _full_grad_view(buf, i, r, S))
+        main = FlatShard(pc.start, pc.end, buf.main[local])
+        grad = FlatShard(pc.start, pc.end, buf.local_grad[local]) if buf.requires_grad else None
         optim: dict[str, FlatShard] = {}
         extra: dict[str, Any] = {}
         sp = buf.shard_params[i] if buf.shard_params is not None else None
@@ -113,15 +107,6 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
             )
         )
     return out
-
-
-def _full_grad_view(buf: FlatParamBuffer, i: int, r: int, S: int) -> torch.Tensor:
-    """The whole reduced gradient of parameter ``i`` when grads are not sharded. It is a view when
-    the parameter is contiguous in the gathered layout, else a copy (read-only use)."""
-    off = buf.layout.gathered_offsets[i]
-    if off is not None:
-        return buf.grad[off : off + buf.layout.numels[i]]
-    return torch.cat([buf._gathered_slice(pc, buf.grad) for pc in buf.layout.owners(i)])
 
 
 def describe_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ParamShard]:

@@ -1,0 +1,157 @@
+"""Checkpoint I/O benchmark: save and cold load of a ~2 GiB sharded state on 2 ranks.
+
+Compares, in one run and on the same disk: raw ``dd`` (write with fdatasync; cold read), stock
+DCP (``FileSystemWriter`` with default settings) on the same per-rank tensors, ``torch.save`` /
+``torch.load`` of each rank's tensors, and ``mfsdp_ckpt.save`` / ``load``. "Cold" means the files'
+pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
+
+    .venv/bin/torchrun --standalone --nproc-per-node 2 bench/ckpt_io.py --dir /tmp/ckpt_bench
+
+Prints the median of several rounds (the order rotates each round), GB/s (1e9 bytes per second,
+over the bytes of the whole state) and ratios to raw dd and to stock DCP (> 1: faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import mfsdp_ckpt
+from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
+
+
+def drop_cache(path: str) -> None:
+    """Evict a file or a directory tree from the page cache (its data is already on disk)."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def build_state(layers: int, dim: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model(torch.randn(2, dim)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def local_tensors(model, optim) -> dict[str, torch.Tensor]:
+    """This rank's shards as plain tensors (what the baselines save)."""
+    rank = dist.get_rank()
+    out = {}
+    for ps in describe_shards(model, optim):
+        out[f"r{rank}.{ps.fqn}.param"] = ps.main.tensor
+        for k, fs in ps.optim.items():
+            out[f"r{rank}.{ps.fqn}.{k}"] = fs.tensor
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/mfsdp_ckpt_bench")
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=1, help="writer threads per rank for mfsdp_ckpt")
+    parser.add_argument("--rounds", type=int, default=3, help="repetitions; the median is reported")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    root = args.dir
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    model, optim = build_state(args.layers, args.dim)
+    tensors = local_tensors(model, optim)
+    local_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = torch.tensor([local_bytes], dtype=torch.float64)
+    dist.all_reduce(total)
+    total_bytes = total.item()
+    stock_dir = os.path.join(root, "stock_dcp")
+    ours_dir = os.path.join(root, "run", "step_1")
+    dd_file = os.path.join(root, f"dd.{rank}")
+    ts_file = os.path.join(root, f"torch_save.{rank}.pt")
+    mib = max(local_bytes // (1 << 20), 1)
+    targets = {k: torch.empty_like(v) for k, v in tensors.items()}
+
+    def clear(path: str) -> None:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+
+    def cold(path: str) -> None:
+        if rank == 0 or os.path.isfile(path):
+            drop_cache(path)
+        dist.barrier()
+
+    def torch_save() -> None:
+        with open(ts_file, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    # (name, prepare, timed action); each write is followed by its cold read
+    pairs = [
+        ("dd", lambda: None,
+         lambda: subprocess.run(["dd", "if=/dev/zero", f"of={dd_file}", "bs=1M", f"count={mib}", "conv=fdatasync"], check=True, capture_output=True),
+         lambda: cold(dd_file),
+         lambda: subprocess.run(["dd", f"if={dd_file}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)),
+        ("torch.save/load", lambda: None, torch_save, lambda: cold(ts_file),
+         lambda: torch.load(ts_file, weights_only=True)),
+        ("stock DCP", lambda: clear(stock_dir),
+         lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(stock_dir)),
+         lambda: cold(stock_dir),
+         lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(stock_dir))),
+        ("mfsdp_ckpt", lambda: clear(os.path.dirname(ours_dir)),
+         lambda: mfsdp_ckpt.save(ours_dir, model, optim, thread_count=args.threads),
+         lambda: cold(ours_dir),
+         lambda: mfsdp_ckpt.load(ours_dir, model, optim)),
+    ]
+    times: dict[str, list[float]] = {}
+    for r in range(args.rounds):  # rotate the order: the disk's speed drifts with what ran before
+        for name, prepare, write, make_cold, read in pairs[r % len(pairs):] + pairs[: r % len(pairs)]:
+            prepare()
+            times.setdefault(f"{name} write", []).append(timed(write))
+            make_cold()
+            times.setdefault(f"{name} read (cold)", []).append(timed(read))
+    results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+    if rank == 0:
+        print(f"state: {total_bytes / 1e9:.2f} GB over {world} ranks ({args.layers} x Linear({args.dim},{args.dim}) + AdamW), "
+              f"median of {args.rounds} rounds; dd write uses fdatasync, reads are cold")
+        print(f"{'what':28s} {'seconds':>8s} {'GB/s':>7s} {'vs dd':>6s} {'vs DCP':>7s}")
+        for name, seconds in results.items():
+            kind = "read (cold)" if "read" in name else "write"
+            gbs = total_bytes / seconds / 1e9
+            print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

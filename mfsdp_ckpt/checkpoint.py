@@ -1,0 +1,357 @@
+"""``save`` and ``load``: collective over the ranks of a ``fully_shard``-ed model.
+
+A checkpoint is a standard DCP directory plus ``mfsdp.json`` (DESIGN §4). Every tensor is stored
+under its canonical key in its full logical shape, as boxes of the writer's flat shards, so it
+loads into any other layout (world size, strategy, policy): each rank reads the chunks that
+overlap what it owns.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from mfsdp_core import refresh_compute_params
+from mfsdp_core.optim import optimizer_buffers
+
+from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError
+from .manifest import MANIFEST_NAME, read_manifest
+from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
+from .state import FlatEntry, apply_param_groups, load_targets, save_entries
+from .storage import CommittingWriter, VerifyingReader, fsync_dir
+
+__all__ = ["save", "load", "resolve_checkpoint", "LATEST_NAME"]
+
+LATEST_NAME = "latest"
+_RNG_PREFIX = "extra.rng.rank"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _writer_layout(model: nn.Module) -> dict[str, Any]:
+    from mfsdp_core.fully_shard import buffers_of
+
+    rank, world = _rank_world()
+    layouts = sorted(
+        {(b.strategy.value, str(b.layout.policy), b.layout.group_size) for b in buffers_of(model)}
+    )
+    return {
+        "world_size": world,
+        "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in layouts],
+    }
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    include_grads: bool = False,
+    model_config: dict[str, Any] | None = None,
+    step: int | None = None,
+    keep: int | None = None,
+    update_latest: bool = True,
+    overwrite: bool = False,
+    thread_count: int = 1,
+) -> str:
+    """Save ``model`` (and ``optimizer``, adapted by ``fully_shard_optimizer``) to the directory
+    ``path``, atomically. Collective: every rank of the model's mesh calls it.
+
+    ``extra``: JSON-like values saved as ``extra.<name>`` (taken from rank 0; loaded with
+    ``weights_only=True``, so plain types and tensors only). Each rank's torch RNG state is saved
+    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_config``
+    and ``step`` go into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
+    (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
+    remain. Returns the checkpoint directory.
+    """
+    rank, world = _rank_world()
+    final = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(final)
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{token}")
+    if rank == 0:
+        os.makedirs(parent, exist_ok=True)
+    entries = save_entries(model, optimizer, include_grads)
+    if rank == 0:
+        for name, value in (extra or {}).items():
+            entries[f"extra.{name}"] = value
+    entries[f"{_RNG_PREFIX}{rank}"] = torch.get_rng_state()
+    manifest = {
+        "writer": _writer_layout(model),
+        "model_config": model_config,
+        "step": step,
+        "include_grads": include_grads,
+        "has_optimizer": optimizer is not None,
+        "versions": {"torch": torch.__version__, "mfsdp_ckpt": _version()},
+    }
+    writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
+    try:
+        dcp.save(entries, storage_writer=writer, planner=MfsdpSavePlanner(), no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _unwrap(e) from None
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        if update_latest:
+            _write_latest(parent, os.path.basename(final))
+        if keep is not None:
+            _prune(parent, keep, protect=final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mfsdp-ckpt")
+    except Exception:
+        return "unknown"
+
+
+def _write_latest(parent: str, name: str) -> None:
+    tmp = os.path.join(parent, f".{LATEST_NAME}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(parent, LATEST_NAME))
+    fsync_dir(parent)
+
+
+def _prune(parent: str, keep: int, protect: str) -> None:
+    """Delete all but the newest ``keep`` committed mfsdp checkpoints in ``parent``."""
+    found = []
+    for name in os.listdir(parent):
+        d = os.path.join(parent, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
+            continue
+        try:
+            manifest = read_manifest(d)
+        except CheckpointError:
+            continue
+        found.append((manifest.get("created_unix", 0.0), d))
+    found.sort()
+    latest = resolve_checkpoint(os.path.join(parent, LATEST_NAME)) if os.path.exists(os.path.join(parent, LATEST_NAME)) else None
+    for _, d in found[: max(len(found) - keep, 0)]:
+        if d not in (protect, latest):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """A checkpoint directory from ``path``: the directory itself, a ``latest`` pointer file, or
+    a run directory holding one."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        with open(path) as f:
+            name = f.read().strip()
+        if not name or "/" in name or name.startswith("."):
+            raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
+        return os.path.join(os.path.dirname(path), name)
+    if not os.path.isdir(path):
+        raise NotACheckpointError(f"{path}: no such checkpoint")
+    if not os.path.exists(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, LATEST_NAME)):
+        return resolve_checkpoint(os.path.join(path, LATEST_NAME))
+    return path
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """DCP wraps each rank's failure; surface ours (the first CheckpointError) as is."""
+    failures = sorted(e.failures.items())
+    for _rank, (exc, _tb) in failures:
+        if isinstance(exc, CheckpointError):
+            return exc
+    rank, (exc, _tb) = failures[0]
+    return CheckpointError(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """torch optimizers create their state at the first step; create it now (with lr 0, which
+    leaves the parameters untouched) so that a load has tensors to fill."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    borrowed = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            borrowed.append(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lr):
+            g["lr"] = lr
+        for p in borrowed:
+            p.grad = None
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    require_manifest: bool = True,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it; return the
+    ``extra`` values. Collective.
+
+    ``strict``: every model (and optimizer) key must be in the checkpoint and vice versa; all
+    mismatches are named in one error. Shapes must always match. Nothing in the model or optimizer
+    changes unless the whole load succeeds (every rank reads and verifies all its chunks before
+    any is copied into place). Checksums are verified for every chunk read. ``require_manifest=False`` admits a stock DCP checkpoint
+    (no ``mfsdp.json``, so no checksums). ``restore_rng`` restores each rank's torch RNG state
+    when the checkpoint was written at the same world size.
+    """
+    rank, world = _rank_world()
+    directory = resolve_checkpoint(path)
+    manifest = None
+    if require_manifest or os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
+        manifest = read_manifest(directory)
+    reader = VerifyingReader(directory, manifest)
+    metadata = reader.read_metadata()
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        optimizer_buffers(optimizer)  # raises if it was not adapted
+    targets = load_targets(model, optimizer)
+    targets_by_key, scalar_objects = _plan_targets(targets, metadata, optimizer is not None, strict, directory)
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("extra.") and not key.startswith(_RNG_PREFIX):
+            if isinstance(md, BytesStorageMetadata):
+                targets_by_key[key] = None
+            else:
+                targets_by_key[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    rng_key = f"{_RNG_PREFIX}{rank}"
+    writer_world = (manifest or {}).get("writer", {}).get("world_size")
+    if restore_rng and writer_world == world and rng_key in metadata.state_dict_metadata:
+        targets_by_key[rng_key] = torch.empty_like(torch.get_rng_state())
+    if optimizer is not None and "optim.param_groups" in metadata.state_dict_metadata:
+        targets_by_key["optim.param_groups"] = None
+    planner = MfsdpLoadPlanner()
+    try:
+        dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise _unwrap(e) from None
+    # every rank read and verified everything: only now does anything change
+    if optimizer is not None and "optim.param_groups" in planner.objects:
+        apply_param_groups(model, optimizer, planner.objects["optim.param_groups"], directory)
+    with torch.no_grad():
+        reader.apply(planner)
+        for key, (state, name) in scalar_objects:
+            state[name] = planner.objects[key]
+    refresh_compute_params(model)
+    if rng_key in targets_by_key:
+        torch.set_rng_state(targets_by_key[rng_key])
+    extras = {k: v for k, v in targets_by_key.items() if k.startswith("extra.") and not k.startswith(_RNG_PREFIX)}
+    extras.update((k, v) for k, v in planner.objects.items() if k.startswith("extra."))
+    return {k[len("extra.") :]: v for k, v in extras.items()}
+
+
+def _plan_targets(
+    targets, metadata: Metadata, with_optimizer: bool, strict: bool, source: str
+) -> tuple[dict[str, Any], list[tuple[str, tuple[dict, str]]]]:
+    """The destination of every key to read (views of the live state), the non-tensor optimizer
+    scalars to set afterwards, and the strict / shape checks, all before any byte is read."""
+    saved = metadata.state_dict_metadata
+    plan: dict[str, Any] = {}
+    scalar_objects: list[tuple[str, tuple[dict, str]]] = []
+    missing, shape_errors, coverage_errors = [], [], []
+    ours: set[str] = set()
+
+    def want(key: str, shape: torch.Size, lo: int, hi: int, dst: torch.Tensor, required: bool = True) -> None:
+        ours.add(key)
+        md = saved.get(key)
+        if md is None:
+            if required:
+                missing.append(key)
+            return
+        if not isinstance(md, TensorStorageMetadata):
+            shape_errors.append(f"{key} (not a tensor in the checkpoint)")
+            return
+        if tuple(md.size) != tuple(shape):
+            shape_errors.append(f"{key} (checkpoint {tuple(md.size)}, model {tuple(shape)})")
+            return
+        if sum(torch.Size(c.sizes).numel() for c in md.chunks) != torch.Size(shape).numel():
+            coverage_errors.append(key)
+            return
+        plan[key] = FlatEntry(torch.Size(shape), lo, hi, dst)
+
+    for t in targets:
+        ps = t.shard
+        lo, hi = ps.owned
+        main_key = f"optim.{ps.fqn}.main_param"
+        if main_key in saved:
+            ours.add(f"model.{ps.fqn}")
+            want(main_key, ps.shape, lo, hi, t.weights)
+        else:
+            ours.add(main_key)
+            want(f"model.{ps.fqn}", ps.shape, lo, hi, t.weights)
+        for name, dst in t.optim.items():
+            want(f"optim.{ps.fqn}.{name}", ps.shape, lo, hi, dst)
+        for name, value in t.optim_extra.items():
+            key = f"optim.{ps.fqn}.{name}"
+            ours.add(key)
+            if key not in saved:
+                missing.append(key)
+            elif isinstance(value, torch.Tensor):
+                plan[key] = value
+            else:
+                plan[key] = None
+                scalar_objects.append((key, (t.optim_state, name)))
+        if t.grad is not None and f"grad.{ps.fqn}" in saved:
+            want(f"grad.{ps.fqn}", ps.shape, lo, hi, t.grad, required=False)
+    unexpected = []
+    if strict:
+        prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
+        for key in saved:
+            if key.startswith(prefixes) and key not in ours and key != "optim.param_groups":
+                unexpected.append(key)
+    else:
+        missing = []
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {', '.join(sorted(missing))}")
+    if unexpected:
+        problems.append(f"not in the model/optimizer: {', '.join(sorted(unexpected))}")
+    if shape_errors:
+        problems.append(f"shape mismatch: {', '.join(sorted(shape_errors))}")
+    if coverage_errors:
+        problems.append(f"chunks do not cover the tensor exactly: {', '.join(coverage_errors)}")
+    if problems:
+        raise StateMismatchError(f"{source}: " + "; ".join(problems))
+    return plan, scalar_objects

@@ -1,0 +1,32 @@
+"""One exception family for the checkpoint layer. Every message names the file, key or rank at
+fault, on one line, so the CLI can print it as is."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class: anything wrong with a checkpoint or with how it is used."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path does not exist or holds no checkpoint."""
+
+
+class UncommittedCheckpointError(CheckpointError):
+    """The directory has no committed manifest (a save that did not finish, or a foreign dir)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A data file is truncated, unreadable, or its bytes do not match their checksum."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The checkpoint's metadata would run code or load an object we do not admit."""
+
+
+class StateMismatchError(CheckpointError):
+    """Keys, shapes or parameter groups of the checkpoint do not match the model / optimizer."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """The destination already holds a checkpoint and overwriting was not asked for."""

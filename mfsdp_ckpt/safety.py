@@ -1,0 +1,58 @@
+"""Never run code from a checkpoint. Stock DCP's ``.metadata`` is a pickle; we read it with an
+unpickler that admits only DCP's metadata classes, torch dtypes / sizes / layouts and plain
+containers. Anything else is refused before it is called."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import IO, Any
+
+import torch
+
+from .errors import UnsafeCheckpointError
+
+__all__ = ["safe_load_metadata"]
+
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.source}: refusing to load '{module}.{name}' (only DCP metadata classes are admitted)"
+        )
+
+
+def safe_load_metadata(data: bytes, source: str) -> Any:
+    """Unpickle DCP metadata bytes read from ``source`` (named in errors) with the allow-list."""
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # truncated or garbled pickle
+        raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {e})") from None

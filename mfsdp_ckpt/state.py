@@ -1,0 +1,144 @@
+"""Sharded model + optimizer ⇄ the canonical state (DESIGN §4).
+
+The canonical state is a flat dict: ``model.<fqn>`` weights in the model's dtype,
+``optim.<fqn>.<state>`` for every per-parameter optimizer state the optimizer keeps (plus
+``optim.<fqn>.main_param`` when the main params are in another dtype than the weights),
+``optim.param_groups`` (hyper-parameters, parameters named, never indexed), ``grad.<fqn>`` when
+asked, and ``extra.*``. Sharded values are :class:`FlatEntry`: one rank's contiguous flat range
+of the logical tensor, read from / written to the runtime's storage through
+``mfsdp_core.describe_shards``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfsdp_core import ParamShard, describe_shards
+
+from .boxes import Box, box_view, flat_range_to_boxes
+
+__all__ = ["FlatEntry", "ParamTargets", "save_entries", "load_targets", "param_groups_state", "apply_param_groups"]
+
+
+@dataclass
+class FlatEntry:
+    """Elements ``[start, end)`` of the row-major flattening of a tensor of ``shape``, held in the
+    1-D ``tensor``."""
+
+    shape: torch.Size
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+    def boxes(self) -> list[Box]:
+        return flat_range_to_boxes(self.shape, self.start, self.end)
+
+    def view(self, box: Box) -> torch.Tensor:
+        return box_view(self.tensor, self.start, box)
+
+
+def _owned_slice(ps: ParamShard, shard) -> torch.Tensor:
+    """The owned range of a state that holds either the owned range or the whole parameter."""
+    lo, hi = ps.owned
+    if shard.start == lo and shard.end == hi:
+        return shard.tensor
+    return shard.tensor[lo - shard.start : hi - shard.start]
+
+
+def save_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, include_grads: bool) -> dict[str, Any]:
+    """What this rank writes: each rank writes the range it owns of each tensor, so replicated
+    state (whole weights under ZeRO-1/2) is still written once, in parallel."""
+    out: dict[str, Any] = {}
+    for ps in describe_shards(model, optimizer):
+        lo, hi = ps.owned
+        out[f"model.{ps.fqn}"] = FlatEntry(ps.shape, lo, hi, _owned_slice(ps, ps.param))
+        if ps.main_dtype != ps.dtype:
+            out[f"optim.{ps.fqn}.main_param"] = FlatEntry(ps.shape, lo, hi, ps.main.tensor)
+        if optimizer is not None:
+            for name, fs in ps.optim.items():
+                out[f"optim.{ps.fqn}.{name}"] = FlatEntry(ps.shape, lo, hi, fs.tensor)
+            for name, value in ps.optim_extra.items():
+                out[f"optim.{ps.fqn}.{name}"] = value
+        if include_grads and ps.grad is not None:
+            out[f"grad.{ps.fqn}"] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
+    if optimizer is not None:
+        out["optim.param_groups"] = param_groups_state(model, optimizer)
+    return out
+
+
+@dataclass
+class ParamTargets:
+    """Where a load writes one parameter's state on this rank."""
+
+    shard: ParamShard
+    weights: torch.Tensor  # main params (frozen parameters: the compute weights), owned range
+    optim: dict[str, torch.Tensor]  # per-element state: owned range
+    optim_extra: dict[str, Any]  # scalar state (e.g. Adam's step), replaced whole
+    grad: torch.Tensor | None
+    optim_state: dict[str, Any] | None  # the optimizer's state dict for this parameter's shard
+
+
+def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[ParamTargets]:
+    from mfsdp_core.fully_shard import buffers_of
+
+    states: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        for buf in buffers_of(model):
+            for i, sp in enumerate(buf.shard_params or ()):
+                if sp is not None and sp in optimizer.state:
+                    states[buf.names[i]] = optimizer.state[sp]
+    out = []
+    for ps in describe_shards(model, optimizer):
+        weights = ps.main.tensor
+        optim = {k: fs.tensor for k, fs in ps.optim.items()} if optimizer is not None else {}
+        extra = dict(ps.optim_extra) if optimizer is not None else {}
+        grad = ps.grad.tensor if ps.grad is not None else None
+        out.append(ParamTargets(ps, weights, optim, extra, grad, states.get(ps.fqn)))
+    return out
+
+
+def _fqn_by_shard_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    from mfsdp_core.fully_shard import buffers_of
+
+    names = {}
+    for buf in buffers_of(model):
+        for i, sp in enumerate(buf.shard_params or ()):
+            if sp is not None:
+                names[id(sp)] = buf.names[i]
+    return names
+
+
+def param_groups_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Hyper-parameters of each group, with its parameters by canonical name."""
+    names = _fqn_by_shard_param(model, optimizer)
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(entry)
+    return groups
+
+
+def apply_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str) -> None:
+    """Set each group's hyper-parameters from the saved group holding its parameters."""
+    from .errors import StateMismatchError
+
+    names = _fqn_by_shard_param(model, optimizer)
+    group_of = {fqn: i for i, g in enumerate(saved) for fqn in g["params"]}
+    updates = []
+    for g, group in enumerate(optimizer.param_groups):
+        fqns = [names[id(p)] for p in group["params"]]
+        found = {group_of.get(f) for f in fqns}
+        if None in found or len(found) != 1:
+            missing = [f for f in fqns if f not in group_of]
+            raise StateMismatchError(
+                f"{source}: optimizer param_groups[{g}] does not match a saved group"
+                + (f" (not in any saved group: {', '.join(missing)})" if missing else " (its parameters are split across saved groups)")
+            )
+        updates.append({k: v for k, v in saved[found.pop()].items() if k != "params"})
+    for group, update in zip(optimizer.param_groups, updates):
+        group.update(update)

@@ -1,0 +1,236 @@
+"""Storage: DCP's file-system writer / reader in the stock on-disk format (so stock PyTorch
+tools read our checkpoints), plus checksums, atomic commit and safe metadata reading.
+
+Commit protocol: every rank writes into a temporary sibling directory; the coordinator writes
+``.metadata`` (DCP), then ``mfsdp.json`` with every chunk's crc32c, then renames the directory to
+its final name in one ``rename``. A directory without ``mfsdp.json`` is never a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import shutil
+import time
+from torch.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .errors import CheckpointExistsError, CorruptCheckpointError
+from .manifest import FORMAT, FORMAT_VERSION, write_manifest
+from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
+from .safety import safe_load_metadata
+
+__all__ = ["CommittingWriter", "VerifyingReader", "fsync_dir"]
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (torch.load reads
+    a chunk's record straight into its tensor, with no intermediate copy)."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + pos, 0), self.length)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CommittingWriter(FileSystemWriter):
+    """Writes into ``tmp_dir`` and, on the coordinator, commits it as ``final_dir``."""
+
+    def __init__(self, tmp_dir: str, final_dir: str, manifest: dict[str, Any], *, overwrite: bool, thread_count: int = 1, sync_files: bool = True) -> None:
+        super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files, overwrite=False)
+        self.tmp_dir = tmp_dir
+        self.final_dir = final_dir
+        self.manifest = manifest
+        self.allow_overwrite = overwrite
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()
+        assert isinstance(planner, MfsdpSavePlanner)
+        # the checksum travels with each result to the coordinator; finish() strips it again
+        stamped = [
+            dataclasses.replace(wr, storage_data=(wr.storage_data, planner.checksums[chunk_id(wr.index)]))
+            for wr in results
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(stamped)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        chunks: dict[str, dict[str, Any]] = {}
+        plain = []
+        for rank_results in results:
+            plain_rank = []
+            for wr in rank_results:
+                info, crc = wr.storage_data
+                chunks[chunk_id(wr.index)] = {
+                    "file": info.relative_path,
+                    "offset": info.offset,
+                    "length": info.length,
+                    "crc32c": crc,
+                }
+                plain_rank.append(dataclasses.replace(wr, storage_data=info))
+            plain.append(plain_rank)
+        super().finish(metadata, plain)
+        manifest = dict(self.manifest)
+        manifest.update(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            save_id=self.save_id,
+            created_unix=time.time(),
+            chunks=chunks,
+            total_bytes=sum(c["length"] for c in chunks.values()),
+        )
+        write_manifest(self.tmp_dir, manifest, sync=self.sync_files)
+        if self.sync_files:
+            fsync_dir(self.tmp_dir)
+        commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)
+
+
+def commit_directory(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
+    """Make ``tmp_dir`` visible as ``final_dir`` with one rename. An existing ``final_dir`` is
+    replaced only with ``overwrite``; it is moved aside first, so one of the two always exists."""
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    old = None
+    if os.path.exists(final_dir):
+        if not overwrite:
+            raise CheckpointExistsError(f"{final_dir}: already exists (pass overwrite=True to replace it)")
+        old = os.path.join(parent, f".{os.path.basename(final_dir)}.replaced-{os.getpid()}-{time.time_ns()}")
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class VerifyingReader(FileSystemReader):
+    """Reads ``.metadata`` through the restricted unpickler and checks every chunk it reads
+    against the manifest's crc32c (when there is a manifest: a stock DCP checkpoint has none).
+
+    Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
+    rank has read everything, so a failed load changes nothing."""
+
+    def __init__(self, path: str, manifest: dict[str, Any] | None) -> None:
+        super().__init__(path)
+        self.dir = str(path)
+        self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    def apply(self, planner: LoadPlanner) -> None:
+        """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
+        for req, piece in self.pending:
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+        self.pending = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(self.dir, ".metadata")
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror})") from None
+        metadata = safe_load_metadata(data, path)
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path}: does not hold DCP metadata")
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, dict[Any, list]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            by_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
+        for relative_path, by_chunk in by_file.items():
+            path = os.path.join(self.dir, relative_path)
+            try:
+                f = open(path, "rb")
+            except OSError as e:
+                first = next(iter(by_chunk))
+                raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror}), needed for key '{first.fqn}'") from None
+            with f:
+                for index, reqs in sorted(by_chunk.items(), key=lambda kv: self.storage_data[kv[0]].offset):
+                    self._read_chunk(f, path, index, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_chunk(self, f: io.BufferedReader, path: str, index: Any, reqs: list, planner: LoadPlanner) -> None:
+        info = self.storage_data[index]
+        where = f"{path}: key '{index.fqn}'" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+        if info.transform_descriptors:
+            raise CorruptCheckpointError(f"{where}: stream transforms {info.transform_descriptors} are not supported")
+        if os.fstat(f.fileno()).st_size < info.offset + info.length:
+            raise CorruptCheckpointError(
+                f"{where}: truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {os.fstat(f.fileno()).st_size})"
+            )
+        expected = None
+        if self.manifest_chunks is not None:
+            entry = self.manifest_chunks.get(chunk_id(index))
+            if entry is None:
+                raise CorruptCheckpointError(f"{where}: not listed in the manifest")
+            expected = entry["crc32c"]
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+            if expected is not None and payload_crc32c(raw) != expected:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch")
+            for req in reqs:
+                planner.load_bytes(req, io.BytesIO(raw))
+            return
+        try:
+            tensor = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(f"{where}: unreadable chunk ({type(e).__name__}: {e})") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: chunk does not hold a tensor")
+        if expected is not None and payload_crc32c(tensor) != expected:
+            raise CorruptCheckpointError(f"{where}: checksum mismatch")
+        for req in reqs:
+            piece = _narrow(tensor, req.storage_offsets, req.lengths)
+            if tuple(piece.size()) != tuple(req.lengths):
+                raise CorruptCheckpointError(f"{where}: chunk has shape {tuple(tensor.shape)}, which does not fit the read")
+            self.pending.append((req, piece))

@@ -1,0 +1,196 @@
+"""Integrity and bad input: corrupt / truncated data, uncommitted directories, malicious
+metadata, key and shape mismatches. Each fails with one clear error naming the file / key, and
+nothing in the model changes when a load fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import mfsdp_ckpt
+from mfsdp_ckpt import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    UncommittedCheckpointError,
+    UnsafeCheckpointError,
+)
+from mfsdp_core import fully_shard_optimizer
+from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
+from tests.mfsdp_core.models import OPTIMIZERS, make_model, shard_model
+
+
+def _save(path: str) -> None:
+    model, optim = build("optim_grads_params", "row")
+    train_steps(model, optim, 0, 2)
+    mfsdp_ckpt.save(path, model, optim, extra={"step": 2})
+
+
+@pytest.fixture
+def ckpt(ranks, tmp_path):
+    path = str(tmp_path / "step_2")
+    ranks(_save, 2, path, timeout=300)
+    return path
+
+
+def _load_expecting(path: str, error: type, **build_kwargs) -> dict:
+    """Try a load that must fail; report the error and whether the model changed."""
+    model, optim = build("optim_grads", "even", seed=5)
+    train_steps(model, optim, 0, 1)
+    before = owned_pieces(model, optim)
+    try:
+        mfsdp_ckpt.load(path, model, optim)
+    except error as e:
+        after = owned_pieces(model, optim)
+        unchanged = all(torch.equal(before[k][2], after[k][2]) for k in before)
+        return {"message": str(e), "unchanged": unchanged}
+    return {"message": None}
+
+
+def _chunk(path: str, key_prefix: str) -> tuple[str, dict]:
+    with open(os.path.join(path, "mfsdp.json")) as f:
+        chunks = json.load(f)["chunks"]
+    key = max((k for k in chunks if k.startswith(key_prefix)), key=lambda k: chunks[k]["length"])
+    return key, chunks[key]
+
+
+def _check_failure(ranks, path, error, *fragments):
+    for r in ranks(_load_expecting, 2, path, error, timeout=300):
+        assert r["message"] is not None, f"load did not raise {error.__name__}"
+        assert "\n" not in r["message"]
+        for fragment in fragments:
+            assert fragment in r["message"], r["message"]
+        assert r["unchanged"], "the model changed although the load failed"
+
+
+def test_flipped_byte_names_file_and_key(ranks, ckpt):
+    key, entry = _chunk(ckpt, "optim.block.qkv.weight.exp_avg")
+    data_file = os.path.join(ckpt, entry["file"])
+    with open(data_file, "r+b") as f:
+        pos = entry["offset"] + entry["length"] // 2
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x40]))
+    _check_failure(ranks, ckpt, CorruptCheckpointError, entry["file"], "optim.block.qkv.weight.exp_avg")
+
+
+def test_truncated_data_file_names_file_and_key(ranks, ckpt):
+    key, entry = _chunk(ckpt, "model.")
+    data_file = os.path.join(ckpt, entry["file"])
+    os.truncate(data_file, entry["offset"] + entry["length"] // 2)
+    _check_failure(ranks, ckpt, CorruptCheckpointError, entry["file"], "truncated", "key '")
+
+
+def test_directory_without_manifest_is_refused(ranks, ckpt):
+    os.remove(os.path.join(ckpt, "mfsdp.json"))
+    _check_failure(ranks, ckpt, UncommittedCheckpointError, "no committed manifest")
+
+
+class _CreatesFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_metadata_that_would_run_code_is_refused(ranks, ckpt, tmp_path):
+    victim = tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(str(victim)))
+    pickle.loads(payload).close()  # the payload is real: a plain unpickler creates the file
+    assert victim.exists()
+    victim.unlink()
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        f.write(payload)
+    _check_failure(ranks, ckpt, UnsafeCheckpointError, ".metadata", "refusing to load 'io.open'")
+    assert not victim.exists()
+
+
+
+
+def _load_mismatched(path: str, kind: str) -> dict:
+    if kind == "model":
+        model = shard_model(make_model("mlp"))  # other parameter names
+        optim = fully_shard_optimizer(OPTIMIZERS["adamw"](model.parameters()))
+    elif kind == "shape":
+        raw = make_model("transformer")
+        raw.out = nn.Linear(32, 64)  # same name, other shape
+        model = shard_model(raw)
+        optim = fully_shard_optimizer(OPTIMIZERS["adamw"](model.parameters()))
+    else:  # an optimizer with other state
+        model = shard_model(make_model("transformer"))
+        optim = fully_shard_optimizer(OPTIMIZERS["sgd"](model.parameters()))
+    try:
+        mfsdp_ckpt.load(path, model, optim)
+    except StateMismatchError as e:
+        return {"message": str(e)}
+    return {"message": None}
+
+
+def test_missing_and_unexpected_keys_are_all_named(ranks, ckpt):
+    for r in ranks(_load_mismatched, 2, ckpt, "model", timeout=300):
+        msg = r["message"]
+        assert msg is not None and "\n" not in msg
+        assert "missing from the checkpoint: model.fc1.bias, model.fc1.weight" in msg
+        assert "model.scale" in msg and "optim.scale.exp_avg" in msg
+        assert "not in the model/optimizer: model.block.attn_norm.bias" in msg and "model.gate" in msg
+
+
+def test_shape_mismatch_is_named(ranks, ckpt):
+    for r in ranks(_load_mismatched, 2, ckpt, "shape", timeout=300):
+        assert "shape mismatch: model.out.bias (checkpoint (32,), model (64,))" in r["message"]
+        assert "model.out.weight (checkpoint (32, 32), model (64, 32))" in r["message"]
+
+
+def test_other_optimizer_state_is_named(ranks, ckpt):
+    for r in ranks(_load_mismatched, 2, ckpt, "optim", timeout=300):
+        assert "missing from the checkpoint: optim.block.attn_norm.bias.momentum_buffer" in r["message"]
+        assert "optim.gate.exp_avg_sq" in r["message"]
+
+
+def _save_into_existing(path: str) -> str:
+    model, optim = build("optim", "even")
+    try:
+        mfsdp_ckpt.save(path, model, optim)
+    except CheckpointExistsError as e:
+        return str(e)
+    return ""
+
+
+def test_save_over_existing_checkpoint_is_refused(ranks, ckpt):
+    before = sorted(os.listdir(ckpt))
+    for msg in ranks(_save_into_existing, 2, ckpt, timeout=300):
+        assert "already exists" in msg and ckpt in msg
+    assert sorted(os.listdir(ckpt)) == before
+    assert not [n for n in os.listdir(os.path.dirname(ckpt)) if ".partial-" in n]
+
+
+def _save_series(root: str, steps: list[int], keep: int) -> None:
+    model, optim = build("optim_grads_params", "even")
+    for step in steps:
+        train_steps(model, optim, step - 1, step)
+        mfsdp_ckpt.save(os.path.join(root, f"step_{step}"), model, optim, extra={"step": step}, step=step, keep=keep)
+
+
+def _load_latest_step(root: str) -> int:
+    model, optim = build("optim", "tensor")
+    return mfsdp_ckpt.load(os.path.join(root, "latest"), model, optim)["step"]
+
+
+def test_latest_and_keep_last_k(ranks, tmp_path):
+    root = str(tmp_path / "run")
+    ranks(_save_series, 2, root, [1, 2, 3, 4], 2, timeout=300)
+    assert sorted(os.listdir(root)) == ["latest", "step_3", "step_4"]
+    # a save that died half-way leaves a hidden partial directory: not a checkpoint, latest unmoved
+    partial = os.path.join(root, ".step_5.partial-deadbeef")
+    shutil.copytree(os.path.join(root, "step_4"), partial)
+    os.remove(os.path.join(partial, "mfsdp.json"))
+    assert ranks(_load_latest_step, 3, root, timeout=300) == [4, 4, 4]
+    _check_failure(ranks, partial, UncommittedCheckpointError, partial)
