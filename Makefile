@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NPROC ?= 2
 
 .PHONY: demo test clean
 
@@ -13,8 +12,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks
+DEMO_DIR ?= out/demo
+TRAIN := -m mfsdp_core.train --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
 demo: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m mfsdp_core.train --steps 30
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 $(TRAIN) --resume
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)

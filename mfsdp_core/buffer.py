@@ -74,8 +74,9 @@ class FlatParamBuffer:
         self.reduce_dtype = mixed_precision.reduce_dtype
 
         S, G, r = self.layout.shard_size, self.layout.gathered_size, self.shard_rank
+        self.device = params[0].device
         originals = [p.detach().reshape(-1) for p in params]
-        self.gathered = torch.zeros(G, dtype=self.compute_dtype)
+        self.gathered = torch.zeros(G, dtype=self.compute_dtype, device=self.device)
         for i, flat in enumerate(originals):
             for pc in self.layout.owners(i):
                 self._gathered_slice(pc).copy_(flat[pc.start : pc.end])
@@ -84,11 +85,11 @@ class FlatParamBuffer:
         if self.main_dtype == self.compute_dtype:
             self.main = self.shard
         else:  # filled from the original values, not from their low-precision copy
-            self.main = torch.zeros(S, dtype=self.main_dtype)
+            self.main = torch.zeros(S, dtype=self.main_dtype, device=self.device)
             for pc in self.layout.local_pieces(r):
                 self.main[pc.shard_offset : pc.shard_offset + pc.numel].copy_(originals[pc.param][pc.start : pc.end])
         if self.requires_grad:
-            self.grad = torch.zeros(S if strategy.shards_grads else G, dtype=self.reduce_dtype)
+            self.grad = torch.zeros(S if strategy.shards_grads else G, dtype=self.reduce_dtype, device=self.device)
             self.local_grad = self.grad if strategy.shards_grads else self.grad[r * S : (r + 1) * S]
         self.spills: dict[int, torch.Tensor] = {}
         for i, off in enumerate(self.layout.gathered_offsets):
@@ -179,7 +180,7 @@ class FlatParamBuffer:
         into the staging buffer, drop it, and reduce once the whole buffer is ready."""
         p = self.params[i]
         if self._staging is None:
-            self._staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype)
+            self._staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
         flat = p.grad.reshape(-1)
         for pc in self.layout.owners(i):
             self._gathered_slice(pc, self._staging).copy_(flat[pc.start : pc.end])
@@ -195,12 +196,12 @@ class FlatParamBuffer:
         if self.requires_grad and not self.reduced_this_pass:
             staging = self._staging
             if staging is None:
-                staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype)
+                staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
             for p in self.params:  # gradients that arrived without the hook (should not happen)
                 p.grad = None
             self._restart_accumulation_if_zeroed()
             if self.strategy.shards_grads:
-                reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype)
+                reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
                 C.reduce_scatter_avg(reduced, staging, self.shard_group)
                 self.grad.add_(reduced)
             else:

@@ -1,94 +1,243 @@
-"""A small sharded training run: ``torchrun --nproc-per-node 2 -m mfsdp_core.train``.
+"""Resumable sharded training of the reference GPT models, launched by torchrun:
 
-Trains :class:`~mfsdp_core.models.toy.TinyLM` on a synthetic, learnable token stream (a fixed
-random Markov chain) with ``fully_shard`` on every block and the root, AdamW through
-``fully_shard_optimizer``, and gradient clipping; rank 0 prints the loss of every step.
+    torchrun --standalone --nproc-per-node 2 -m mfsdp_core.train --model tiny-moe --steps 60 \\
+        --stop-at 30 --ckpt-dir ckpts/run1 --save-every 10
+    torchrun --standalone --nproc-per-node 3 -m mfsdp_core.train --model tiny-moe --steps 60 \\
+        --ckpt-dir ckpts/run1 --resume
+
+Every decoder layer and then the root are ``fully_shard``-ed; AdamW steps on the local fp32
+shards. The data is a deterministic, seekable synthetic stream whose position is checkpointed, so a
+resumed run (at any world size) continues the same sample sequence; at the same world size it is
+bitwise identical to an uninterrupted run. gloo on CPU by default; NCCL when CUDA is available.
+
+This module is the application on top of both packages: it is the one place in ``mfsdp_core``
+that uses the checkpoint layer (``mfsdp_ckpt``); the runtime itself never does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import resource
+import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import clip_grad_norm_, fully_shard, fully_shard_optimizer
+from . import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
+from .data import SyntheticText
 from .layout import parse_policy
-from .models.toy import TinyLM
+from .models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
 from .strategy import STRATEGY_NAMES, parse_strategy
 
 
-def markov_batch(step: int, batch: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
-    """Batch ``step`` of a deterministic token stream: each token follows from the previous one
-    through a fixed sparse transition table, so there is something to learn."""
-    table_gen = torch.Generator().manual_seed(seed)
-    successors = torch.randint(vocab, (vocab, 4), generator=table_gen)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab, (batch,), generator=gen)
-    choice = torch.randint(4, (batch, seq_len), generator=gen)
-    for t in range(seq_len):
-        tokens[:, t + 1] = successors[tokens[:, t], choice[:, t]]
-    return tokens
+class UsageError(Exception):
+    """Bad flags or a request that cannot be met: one line on stderr, non-zero exit."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mfsdp_core.train", description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", default="optim_grads_params", help=f"one of {', '.join(STRATEGY_NAMES)}")
+    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
+    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--strategy", default="optim_grads_params", help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default="even", help="even, row, block(N) or tensor")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences); split over ranks")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--clip", type=float, default=1.0, help="max global grad norm")
-    args = p.parse_args(argv)
+    p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
+    p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
+    p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (local path)")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/latest, at any world size")
+    p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
+    p.add_argument("--log-every", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
+    """Validate flags before anything is built; returns the model config."""
     try:
+        config = get_preset(args.model)
         parse_strategy(args.strategy)
         parse_policy(args.policy)
     except ValueError as e:
-        p.error(str(e))
-    return args
+        raise UsageError(str(e)) from None
+    if args.batch_size % (world * args.micro_batches):
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
+        )
+    if args.seq_len > config.seq_length:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
+    if (args.resume or args.save_every) and not args.ckpt_dir:
+        raise UsageError("--resume and --save-every need --ckpt-dir")
+    return config
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the world size {world}")
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to ``--lr``, then cosine decay to ``--min-lr`` at ``--steps``: a pure
+    function of the step, so nothing about the schedule needs checkpointing."""
+    if step <= args.warmup:
+        return args.lr * step / max(args.warmup, 1)
+    progress = min((step - args.warmup) / max(args.steps - args.warmup, 1), 1.0)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.optim.Optimizer]:
     torch.manual_seed(args.seed)
-    model = TinyLM()
-    for block in model.blocks:
-        fully_shard(block, strategy=args.strategy, policy=args.policy)
+    model = GPTModel(config)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    for layer in model.decoder.layers:
+        fully_shard(layer, strategy=args.strategy, policy=args.policy)
     fully_shard(model, strategy=args.strategy, policy=args.policy)
-    optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+    )
+    return model, fully_shard_optimizer(optim)
+
+
+def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
+    """The checkpoint to resume from, after checking it was written for this model."""
+    import mfsdp_ckpt
+    from mfsdp_ckpt.manifest import read_manifest
+
+    latest = os.path.join(args.ckpt_dir, mfsdp_ckpt.LATEST_NAME)
+    if not os.path.exists(latest):
+        raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
+    try:
+        path = mfsdp_ckpt.resolve_checkpoint(latest)
+        saved = read_manifest(path).get("model_config") or {}
+    except mfsdp_ckpt.CheckpointError as e:
+        raise UsageError(f"--resume: {e}") from None
+    ours = config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+    if diffs:
+        raise UsageError(f"--resume: {path} was written for another model config: {', '.join(diffs)}")
+    return path
+
+
+def memory_mib() -> float:
+    """Peak resident memory of this process, MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
+    import mfsdp_ckpt
+
+    resume_from = resume_point(args, config) if args.resume else None
+    model, optim = build(config, args)
+    device = next(model.parameters()).device
+    data = SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
+    step, position = 0, 0
+    if resume_from is not None:
+        try:
+            extra = mfsdp_ckpt.load(resume_from, model, optim)
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"--resume: {e}") from None
+        step, position = extra["step"], extra["data_position"]
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {step} (world size {world})", flush=True)
     if rank == 0:
-        print(f"world size {world}, strategy {args.strategy}, policy {args.policy}", flush=True)
-    for step in range(1, args.steps + 1):
+        n_params = sum(ps.shape.numel() for ps in describe_shards(model))
+        print(f"model {args.model}, {n_params:,} parameters, "
+              f"world size {world}, strategy {args.strategy}, policy {args.policy}", flush=True)
+    last = min(args.steps, args.stop_at or args.steps)
+    bar = _progress(rank, step, last)
+    per_rank = args.batch_size // world
+    while step < last:
+        step += 1
         start = time.perf_counter()
-        tokens = markov_batch(step, args.batch_size, args.seq_len, 64, args.seed).chunk(world)[rank]
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        norm = clip_grad_norm_(optim, args.clip)
+        lr = lr_at(step, args)
+        for group in optim.param_groups:
+            group["lr"] = lr
+        tokens = data.batch(position, args.batch_size)[rank * per_rank : (rank + 1) * per_rank].to(device)
+        position += args.batch_size
+        loss_sum = torch.zeros((), device=device)
+        for micro in tokens.chunk(args.micro_batches):
+            logits = model(micro[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
+            ((loss + model.aux_loss) / args.micro_batches).backward()
+            loss_sum += loss.detach() / args.micro_batches
+        grad_norm = clip_grad_norm_(optim, args.clip)
         optim.step()
         optim.zero_grad()
-        mean_loss = loss.detach().clone()
         if dist.is_initialized():
-            dist.all_reduce(mean_loss)
-            mean_loss /= world
+            dist.all_reduce(loss_sum)
+        mean_loss = loss_sum.item() / world
+        seconds = time.perf_counter() - start
         if rank == 0:
-            tok_s = args.batch_size * args.seq_len / (time.perf_counter() - start)
-            print(f"step {step:4d}  loss {mean_loss.item():.4f}  grad-norm {norm.item():.3f}  {tok_s:,.0f} tok/s", flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+            _report(args, bar, step, mean_loss, lr, grad_norm.item(), args.batch_size * args.seq_len / seconds)
+        if args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last):
+            mfsdp_ckpt.save(
+                os.path.join(args.ckpt_dir, f"step_{step:06d}"),
+                model,
+                optim,
+                extra={"step": step, "data_position": position, "model": args.model},
+                model_config=config.to_dict(),
+                step=step,
+                keep=args.keep,
+                overwrite=True,
+            )
+    if bar is not None:
+        bar.close()
+
+
+def _progress(rank: int, step: int, steps: int) -> Any:
+    if rank != 0 or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
+
+
+def _report(args: argparse.Namespace, bar: Any, step: int, loss: float, lr: float, grad_norm: float, tok_s: float) -> None:
+    if args.metrics:
+        with open(args.metrics, "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}) + "\n")
+    if step % args.log_every == 0 or step == args.steps or step == args.stop_at:
+        line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
+                f"{tok_s:,.0f} tok/s | peak-rss {memory_mib():,.0f} MiB")
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+    if bar is not None:
+        bar.update(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = check_args(args, world)
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        train(args, config, rank, world)
+    except UsageError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
