@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import collections
-import gc
-import warnings
 
 import pytest
 import torch
@@ -15,19 +13,26 @@ from mfsdp_core.fully_shard import buffers_of
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage reachable from Python in this process, except 0-d
-    tensors (Adam's per-parameter step counters: a few bytes each, not parameter-sized)."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if obj.dim() > 0:
-            st = obj.untyped_storage()
-            if st.nbytes():
-                storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+def _resident_bytes(model, optim) -> int:
+    """Bytes of every distinct storage holding parameters, gradients or optimizer state: the
+    module's parameters (their gathered storage, freed between steps under ZeRO-3) and their
+    ``.grad``, every runtime buffer (shards, main params, reduced grads, gathered buffer, spills,
+    staging), the optimizer's parameters and their ``.grad``, and all optimizer state tensors
+    except 0-d ones (Adam's per-parameter step counters: 4 bytes each, not parameter-sized)."""
+    tensors = []
+    for p in model.parameters():
+        tensors += [p, p.grad]
+    for buf in buffers_of(model):
+        tensors += [buf.shard, buf.main, buf.gathered, buf._staging, getattr(buf, "grad", None), *buf.spills.values()]
+    for group in optim.param_groups:
+        for p in group["params"]:
+            tensors += [p, p.grad]
+    for state in optim.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    storages = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -42,7 +47,7 @@ def _zero3_resident(policy: str) -> dict:
         optim.step()
         optim.zero_grad(set_to_none=False)
     del x, y, loss
-    live = _live_tensor_bytes()
+    live = _resident_bytes(model, optim)
     # param + grad + exp_avg + exp_avg_sq, fp32: 16 bytes per element of the unsharded model
     unsharded = sum(16 * ps.shape.numel() for ps in describe_shards(model, optim))
     padding = sum(16 * buf.layout.padding for buf in buffers_of(model))
