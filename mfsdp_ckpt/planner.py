@@ -95,6 +95,8 @@ class MfsdpSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+            data = data.cpu()  # the writer needs host memory anyway; checksum that copy
         self.checksums[chunk_id(write_item.index)] = payload_crc32c(data)
         return data
 

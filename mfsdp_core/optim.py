@@ -82,7 +82,7 @@ def clip_grad_norm_(
     the norm before scaling. The norm is summed over shards, each element counted once
     (replicated state is counted on one replica only), with one all-reduce over the world."""
     buffers = optimizer_buffers(optimizer)
-    squares = torch.zeros((), dtype=torch.float32)
+    squares = torch.zeros((), dtype=torch.float32, device=buffers[0].device if buffers else None)
     for buf in buffers:
         replica = buf.shard_group is None and C.group_rank(buf.dp_group) != 0
         if not replica:
