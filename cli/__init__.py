@@ -1,1 +1,1 @@
-"""The ``mfsdp-ckpt`` command line (click front end over ``mfsdp_ckpt``). Not built yet (issue #5)."""
+"""The ``mfsdp-ckpt`` command line: a click front end over ``mfsdp_ckpt`` (parse, call, print)."""

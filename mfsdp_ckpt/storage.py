@@ -37,7 +37,7 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-class _FileSlice(io.RawIOBase):
+class FileSlice(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (torch.load reads
     a chunk's record straight into its tensor, with no intermediate copy)."""
 
@@ -222,7 +222,7 @@ class VerifyingReader(FileSystemReader):
                 planner.load_bytes(req, io.BytesIO(raw))
             return
         try:
-            tensor = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: unreadable chunk ({type(e).__name__}: {e})") from None
         if not isinstance(tensor, torch.Tensor):

@@ -1,0 +1,108 @@
+"""``mfsdp-ckpt``: the command line. It parses, calls the Python API, and prints; errors are one
+line on stderr with exit code 1 (usage errors: 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from mfsdp_ckpt.errors import CheckpointError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except CheckpointError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Inspect and verify mfsdp / PyTorch DCP checkpoints."""
+
+
+@main.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def inspect(path: str, as_json: bool) -> None:
+    """Format, step, writer layout, model config and the tensors of the checkpoint at PATH."""
+    from mfsdp_ckpt.inspect import GROUPS, inspect_checkpoint
+
+    info = _run(lambda: inspect_checkpoint(path))
+    if as_json:
+        click.echo(json.dumps(info.to_json(), indent=1))
+        return
+    click.echo(f"checkpoint  {info.path}")
+    click.echo(f"format      {info.format}{'' if info.committed else ' (no mfsdp.json)'}")
+    click.echo(f"step        {info.step if info.step is not None else 'unknown'}")
+    if info.writer:
+        layouts = ", ".join(f"{b['strategy']}/{b['policy']} over {b['group_size']}" for b in info.writer.get("buffers", []))
+        click.echo(f"writer      world size {info.writer.get('world_size')}; {layouts}")
+    click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
+    if info.unknown:
+        click.echo(f"unknown     {', '.join(info.unknown)}")
+    for group in (*GROUPS, "other"):
+        rows = [t for t in info.tensors if t.group == group]
+        if not rows:
+            continue
+        click.echo(f"\n[{group}]")
+        width = max(len(t.key) for t in rows)
+        for t in rows:
+            shape = "object" if t.shape is None else "x".join(map(str, t.shape)) or "scalar"
+            click.echo(f"  {t.key:<{width}}  {t.dtype or '-':<9} {shape:<14} {_human(t.bytes):>10}  {t.chunks} chunk(s)")
+    click.echo("")
+    for group, total in info.totals().items():
+        click.echo(f"total {group:<6} {total['tensors']:5d} entries {_human(total['bytes']):>10}")
+
+
+@main.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def verify(path: str, as_json: bool) -> None:
+    """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
+    Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
+    from mfsdp_ckpt.inspect import verify_checkpoint
+
+    faults = _run(lambda: verify_checkpoint(path))
+    if as_json:
+        click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults]}, indent=1))
+    elif faults:
+        for fault in faults:
+            click.echo(f"FAULT {fault}")
+        click.echo(f"{len(faults)} fault(s)")
+    else:
+        click.echo(f"ok: {path}")
+    sys.exit(1 if faults else 0)
+
+
+@main.command(name="ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def ls(root: str, as_json: bool) -> None:
+    """The checkpoints under a run directory ROOT: step, size, committed or not, latest."""
+    from mfsdp_ckpt.listing import list_checkpoints
+
+    entries = _run(lambda: list_checkpoints(root))
+    if as_json:
+        click.echo(json.dumps([e.to_json() for e in entries], indent=1))
+        return
+    for e in entries:
+        state = "committed" if e.committed else "UNCOMMITTED"
+        step = e.step if e.step is not None else "-"
+        click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
+
+
+if __name__ == "__main__":
+    main()
