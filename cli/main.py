@@ -30,7 +30,7 @@ def _run(fn: Callable[[], Any]) -> Any:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Inspect and verify mfsdp / PyTorch DCP checkpoints."""
+    """Inspect, verify, compare and list mfsdp / PyTorch DCP checkpoints."""
 
 
 @main.command()
@@ -85,6 +85,31 @@ def verify(path: str, as_json: bool) -> None:
     else:
         click.echo(f"ok: {path}")
     sys.exit(1 if faults else 0)
+
+
+@main.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="absolute tolerance")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
+    """Compare checkpoints A and B logically, whatever their layouts; exit 1 when they differ.
+    (Per-rank RNG states are not compared: they depend on the world size.)"""
+    from mfsdp_ckpt.diff import diff_checkpoints
+
+    result = _run(lambda: diff_checkpoints(a, b, atol=atol, rtol=rtol))
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        for key in result.only_in_a:
+            click.echo(f"only in A  {key}")
+        for key in result.only_in_b:
+            click.echo(f"only in B  {key}")
+        for d in result.different:
+            click.echo(f"{d.problem:<10} {d.key}: {d.detail}")
+        click.echo(f"{'equal' if result.equal else 'different'}: {result.compared} common entries compared")
+    sys.exit(0 if result.equal else 1)
 
 
 @main.command(name="ls")

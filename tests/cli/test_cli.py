@@ -28,6 +28,13 @@ def _save_run(root: str) -> None:
                         model_config={"name": "test-transformer"})
 
 
+def _save_elsewhere(src: str, dst: str, grads: bool) -> None:
+    """The same state, loaded and re-saved at another world size and layout."""
+    model, optim = build("optim", "tensor", seed=5)
+    mfsdp_ckpt.load(src, model, optim)
+    mfsdp_ckpt.save(dst, model, optim, extra={"step": 2}, include_grads=grads, update_latest=False)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     from tests.harness import run_ranks
@@ -144,3 +151,24 @@ def test_real_subprocess(run_dir):
     missing = subprocess.run([sys.executable, "-m", "cli.main", "inspect", "/nonexistent/ckpt"],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and missing.stderr == "error: /nonexistent/ckpt: no such checkpoint\n"
+
+
+def test_diff_equal_across_layouts_and_reports_differences(run_dir, tmp_path):
+    from tests.harness import run_ranks
+
+    same = str(tmp_path / "same")
+    run_ranks(_save_elsewhere, 2, os.path.join(run_dir, "step_2"), same, False, timeout=300)
+    result = _cli("diff", os.path.join(run_dir, "step_2"), same)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("equal: ")
+    result = _cli("diff", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2"))
+    assert result.exit_code == 1
+    assert "values     model.block.qkv.weight: max |a - b| = " in result.output
+    assert "object     extra.step: 1 vs 2" in result.output
+    grads = str(tmp_path / "grads")
+    run_ranks(_save_elsewhere, 3, os.path.join(run_dir, "step_2"), grads, True, timeout=300)
+    data = json.loads(_cli("diff", "--json", os.path.join(run_dir, "step_2"), grads).output)
+    assert not data["equal"] and data["only_in_a"] == [] and "grad.block.qkv.weight" in data["only_in_b"]
+    assert data["different"] == []
+    loose = _cli("diff", "--atol", "1", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2"))
+    assert "values" not in loose.output  # within tolerance now; only extra.step differs
