@@ -151,6 +151,13 @@ def test_real_subprocess(run_dir):
     missing = subprocess.run([sys.executable, "-m", "cli.main", "inspect", "/nonexistent/ckpt"],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and missing.stderr == "error: /nonexistent/ckpt: no such checkpoint\n"
+    listing = subprocess.run([sys.executable, "-m", "cli.main", "ls", "--json", run_dir],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0 and [e["name"] for e in json.loads(listing.stdout)] == ["step_1", "step_2"]
+    differ = subprocess.run([sys.executable, "-m", "cli.main", "diff", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert differ.returncode == 1 and differ.stdout.rstrip().endswith("common entries compared")
+    assert differ.stderr == ""
 
 
 def test_diff_equal_across_layouts_and_reports_differences(run_dir, tmp_path):
