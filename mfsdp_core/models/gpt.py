@@ -15,7 +15,6 @@ trainer can ``fully_shard`` each block and then the root.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 

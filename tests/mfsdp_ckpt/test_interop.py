@@ -3,9 +3,7 @@ into a sharded model."""
 
 from __future__ import annotations
 
-import os
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

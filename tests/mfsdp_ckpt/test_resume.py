@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mfsdp_ckpt
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps

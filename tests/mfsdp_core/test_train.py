@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
