@@ -232,11 +232,13 @@ def load(
     ``extra`` values. Collective.
 
     ``strict``: every model (and optimizer) key must be in the checkpoint and vice versa; all
-    mismatches are named in one error. Shapes must always match. Nothing in the model or optimizer
-    changes unless the whole load succeeds (every rank reads and verifies all its chunks before
-    any is copied into place). Checksums are verified for every chunk read. ``require_manifest=False`` admits a stock DCP checkpoint
-    (no ``mfsdp.json``, so no checksums). ``restore_rng`` restores each rank's torch RNG state
-    when the checkpoint was written at the same world size.
+    mismatches are named in one error. Shapes must always match. Checksums are verified for every
+    chunk read. Nothing in the model or optimizer changes unless the whole load succeeds: every
+    rank reads and verifies all its chunks before any is copied into place. (A fresh optimizer
+    first gets its state created by a learning-rate-0 step, which leaves the parameters as they
+    are.) ``require_manifest=False`` admits a stock DCP checkpoint (no ``mfsdp.json``, so no
+    checksums). ``restore_rng`` restores each rank's torch RNG state when the checkpoint was
+    written at the same world size.
     """
     rank, world = _rank_world()
     directory = resolve_checkpoint(path)
