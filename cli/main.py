@@ -112,6 +112,19 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
     sys.exit(0 if result.equal else 1)
 
 
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp"]), required=True,
+              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file")
+def convert(src: str, dst: str, to: str) -> None:
+    """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
+    from mfsdp_ckpt.convert import convert as run_convert
+
+    out = _run(lambda: run_convert(src, dst, to))
+    click.echo(f"wrote {out}")
+
+
 @main.command(name="ls")
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")

@@ -179,3 +179,40 @@ def test_diff_equal_across_layouts_and_reports_differences(run_dir, tmp_path):
     assert data["different"] == []
     loose = _cli("diff", "--atol", "1", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2"))
     assert "values" not in loose.output  # within tolerance now; only extra.step differs
+
+
+def test_convert_round_trips_through_torch_and_safetensors(run_dir, tmp_path):
+    src = os.path.join(run_dir, "step_2")
+    for fmt, name in (("torch", "full.pt"), ("safetensors", "full.safetensors")):
+        single = str(tmp_path / name)
+        result = _cli("convert", src, single, "--to", fmt)
+        assert result.exit_code == 0, result.output + result.stderr
+        back = str(tmp_path / f"back_{fmt}")
+        result = _cli("convert", single, back, "--to", "dcp")
+        assert result.exit_code == 0, result.output + result.stderr
+        assert _cli("verify", back).exit_code == 0
+        result = _cli("diff", src, back)
+        assert result.exit_code == 0, result.output  # every tensor and object, bitwise
+    full = torch.load(str(tmp_path / "full.pt"), weights_only=True)  # a plain torch file
+    assert full["model.block.qkv.weight"].shape == (96, 32) and full["extra.step"] == 2
+    from safetensors.torch import load_file
+
+    flat = load_file(str(tmp_path / "full.safetensors"))
+    assert torch.equal(flat["model.block.qkv.weight"], full["model.block.qkv.weight"])
+
+
+def test_convert_bad_input(run_dir, tmp_path):
+    src = os.path.join(run_dir, "step_2")
+    existing = tmp_path / "exists.pt"
+    existing.write_bytes(b"keep me")
+    result = _cli("convert", src, str(existing), "--to", "torch")
+    assert result.exit_code == 1 and "already exists" in result.stderr
+    assert existing.read_bytes() == b"keep me"
+    assert _cli("convert", src, str(tmp_path / "x"), "--to", "onnx").exit_code == 2
+    result = _cli("convert", src, str(tmp_path / "y"), "--to", "dcp")
+    assert result.exit_code == 1 and "not a file" in result.stderr
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x80\x04not a pickle")
+    result = _cli("convert", str(garbage), str(tmp_path / "z"), "--to", "dcp")
+    assert result.exit_code == 1 and "garbage.pt: not a loadable torch file" in result.stderr
+    assert not (tmp_path / "z").exists()
