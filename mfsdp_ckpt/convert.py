@@ -22,7 +22,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
-from .inspect import _open
+from .inspect import open_checkpoint
 from .planner import MfsdpSavePlanner
 from .storage import CommittingWriter
 
@@ -37,10 +37,10 @@ _OBJECTS_KEY = "mfsdp.objects"
 def read_full_state(path: str | os.PathLike) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as full tensors / objects (verified against the manifest
     when there is one)."""
-    from .diff import _read
+    from .diff import read_entry
 
-    directory, manifest, metadata, _ = _open(os.fspath(path))
-    return {key: _read(directory, manifest, key, md) for key, md in sorted(metadata.state_dict_metadata.items())}
+    directory, manifest, metadata, _ = open_checkpoint(os.fspath(path))
+    return {key: read_entry(directory, manifest, key, md) for key, md in sorted(metadata.state_dict_metadata.items())}
 
 
 def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:

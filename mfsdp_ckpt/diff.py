@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .inspect import _open
+from .inspect import open_checkpoint
 from .planner import MfsdpLoadPlanner
 
 __all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
@@ -51,7 +51,8 @@ class CheckpointDiff:
         }
 
 
-def _read(reader_dir: str, manifest: dict | None, key: str, md: Any) -> Any:
+def read_entry(reader_dir: str, manifest: dict | None, key: str, md: Any) -> Any:
+    """One whole entry (tensor or object) of a checkpoint, verified, in one process."""
     from .storage import VerifyingReader
 
     reader = VerifyingReader(reader_dir, manifest)
@@ -69,8 +70,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float 
     """Keys only in one checkpoint, shape / dtype changes, and tensors whose values differ by more
     than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal). Keys starting with a prefix in
     ``ignore`` are skipped (by default the per-rank RNG states, which depend on the world size)."""
-    dir_a, man_a, meta_a, _ = _open(os.fspath(a))
-    dir_b, man_b, meta_b, _ = _open(os.fspath(b))
+    dir_a, man_a, meta_a, _ = open_checkpoint(os.fspath(a))
+    dir_b, man_b, meta_b, _ = open_checkpoint(os.fspath(b))
     keys_a = {k for k in meta_a.state_dict_metadata if not k.startswith(ignore)}
     keys_b = {k for k in meta_b.state_dict_metadata if not k.startswith(ignore)}
     out = CheckpointDiff(only_in_a=sorted(keys_a - keys_b), only_in_b=sorted(keys_b - keys_a))
@@ -87,7 +88,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float 
         if tensor_a and md_a.properties.dtype != md_b.properties.dtype:
             out.different.append(TensorDiff(key, "dtype", f"{md_a.properties.dtype} vs {md_b.properties.dtype}"))
             continue
-        va, vb = _read(dir_a, man_a, key, md_a), _read(dir_b, man_b, key, md_b)
+        va, vb = read_entry(dir_a, man_a, key, md_a), read_entry(dir_b, man_b, key, md_b)
         if not tensor_a:
             if va != vb:
                 out.different.append(TensorDiff(key, "object", f"{va!r} vs {vb!r}"[:200]))

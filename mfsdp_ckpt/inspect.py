@@ -73,7 +73,8 @@ def _group(key: str) -> str:
     return head if head in GROUPS else "other"
 
 
-def _open(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingReader]:
+def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingReader]:
+    """(directory, manifest or None, DCP metadata read safely, a verifying reader) for ``path``."""
     from .checkpoint import resolve_checkpoint
 
     directory = resolve_checkpoint(path)
@@ -89,7 +90,7 @@ def _open(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingRea
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Format, step, writer layout, model config and every tensor of the checkpoint at ``path``."""
-    directory, manifest, metadata, _ = _open(os.fspath(path))
+    directory, manifest, metadata, _ = open_checkpoint(os.fspath(path))
     info = CheckpointInfo(
         path=directory,
         format="mfsdp" if manifest else "stock DCP",
@@ -151,7 +152,7 @@ def verify_checkpoint(path: str | os.PathLike) -> list[Fault]:
     """Every fault found: coverage gaps / overlaps, chunks missing from the manifest or the
     manifest naming chunks the metadata lacks, missing or short files, unreadable chunks and
     checksum mismatches. An empty list means the checkpoint is sound."""
-    directory, manifest, metadata, reader = _open(os.fspath(path))
+    directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     faults: list[Fault] = []
     if manifest is None:
         faults.append(Fault(MANIFEST_NAME, "-", None, "missing: not a committed mfsdp checkpoint (no checksums to verify)"))
