@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from mfsdp_core import refresh_compute_params
+from mfsdp_core import describe_shards, refresh_compute_params
 from mfsdp_core.optim import optimizer_buffers
 
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError
@@ -50,12 +50,8 @@ def _broadcast(value: Any) -> Any:
 
 
 def _writer_layout(model: nn.Module) -> dict[str, Any]:
-    from mfsdp_core.fully_shard import buffers_of
-
-    rank, world = _rank_world()
-    layouts = sorted(
-        {(b.strategy.value, str(b.layout.policy), b.layout.group_size) for b in buffers_of(model)}
-    )
+    _, world = _rank_world()
+    layouts = sorted({(ps.strategy.value, str(ps.policy), ps.group_size) for ps in describe_shards(model)})
     return {
         "world_size": world,
         "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in layouts],
@@ -248,8 +244,8 @@ def load(
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
     if optimizer is not None:
+        optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
         _ensure_optimizer_state(optimizer)
-        optimizer_buffers(optimizer)  # raises if it was not adapted
     targets = load_targets(model, optimizer)
     targets_by_key, scalar_objects = _plan_targets(targets, metadata, optimizer is not None, strict, directory)
     for key, md in metadata.state_dict_metadata.items():

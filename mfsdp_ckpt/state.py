@@ -83,38 +83,30 @@ class ParamTargets:
 
 
 def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[ParamTargets]:
-    from mfsdp_core.fully_shard import buffers_of
-
-    states: dict[str, dict[str, Any]] = {}
-    if optimizer is not None:
-        for buf in buffers_of(model):
-            for i, sp in enumerate(buf.shard_params or ()):
-                if sp is not None and sp in optimizer.state:
-                    states[buf.names[i]] = optimizer.state[sp]
     out = []
     for ps in describe_shards(model, optimizer):
-        weights = ps.main.tensor
-        optim = {k: fs.tensor for k, fs in ps.optim.items()} if optimizer is not None else {}
-        extra = dict(ps.optim_extra) if optimizer is not None else {}
-        grad = ps.grad.tensor if ps.grad is not None else None
-        out.append(ParamTargets(ps, weights, optim, extra, grad, states.get(ps.fqn)))
+        with_optim = optimizer is not None
+        state = optimizer.state.get(ps.optim_param) if with_optim and ps.optim_param is not None else None
+        out.append(
+            ParamTargets(
+                shard=ps,
+                weights=ps.main.tensor,
+                optim={k: fs.tensor for k, fs in ps.optim.items()} if with_optim else {},
+                optim_extra=dict(ps.optim_extra) if with_optim else {},
+                grad=ps.grad.tensor if ps.grad is not None else None,
+                optim_state=state,
+            )
+        )
     return out
 
 
-def _fqn_by_shard_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    from mfsdp_core.fully_shard import buffers_of
-
-    names = {}
-    for buf in buffers_of(model):
-        for i, sp in enumerate(buf.shard_params or ()):
-            if sp is not None:
-                names[id(sp)] = buf.names[i]
-    return names
+def _fqn_by_optim_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    return {id(ps.optim_param): ps.fqn for ps in describe_shards(model) if ps.optim_param is not None}
 
 
 def param_groups_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Hyper-parameters of each group, with its parameters by canonical name."""
-    names = _fqn_by_shard_param(model, optimizer)
+    names = _fqn_by_optim_param(model, optimizer)
     groups = []
     for group in optimizer.param_groups:
         entry = {k: v for k, v in group.items() if k != "params"}
@@ -127,7 +119,7 @@ def apply_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, saved
     """Set each group's hyper-parameters from the saved group holding its parameters."""
     from .errors import StateMismatchError
 
-    names = _fqn_by_shard_param(model, optimizer)
+    names = _fqn_by_optim_param(model, optimizer)
     group_of = {fqn: i for i, g in enumerate(saved) for fqn in g["params"]}
     updates = []
     for g, group in enumerate(optimizer.param_groups):

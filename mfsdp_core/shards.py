@@ -56,6 +56,7 @@ class ParamShard:
     optim_extra: dict[str, Any] = field(default_factory=dict)  # other state, e.g. Adam's 'step'
     layout: Layout | None = None  # the buffer's layout; this parameter is layout.shapes[index]
     index: int = 0
+    optim_param: torch.Tensor | None = None  # the parameter the optimizer steps for it (None: not in the optimizer)
 
     @property
     def owned(self) -> tuple[int, int]:
@@ -104,6 +105,7 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
                 optim_extra=extra,
                 layout=buf.layout,
                 index=i,
+                optim_param=sp,
             )
         )
     return out

@@ -29,6 +29,7 @@ def _describe(strategy: str, policy: str) -> list[dict]:
             entry[kind] = (fs.start, fs.end, fs.tensor.numel(), fs.tensor.dim())
         entry["optim"] = {k: (fs.start, fs.end, fs.tensor.numel()) for k, fs in ps.optim.items()}
         entry["extra"] = sorted(ps.optim_extra)
+        entry["optim_param"] = ps.optim_param is not None and ps.optim_param in optim.state and optim.state[ps.optim_param]["exp_avg"] is ps.optim["exp_avg"].tensor
         # any rank's range is computable from the layout alone
         entry["all_owned"] = [(pc.start, pc.end) for pc in (ps.layout.piece(ps.index, r) for r in range(ps.group_size))]
         out.append(entry)
@@ -53,6 +54,7 @@ def test_description_covers_every_parameter_once(ranks, strategy, policy):
             assert (e["main"][0], e["main"][1]) == e["owned"]
             assert e["optim"] == {k: e["owned"] + (e["owned"][1] - e["owned"][0],) for k in ("exp_avg", "exp_avg_sq")}
             assert e["extra"] == ["step"]
+            assert e["optim_param"]  # the optimizer's own handle for this parameter's state
             whole = (0, numel, numel, 1)
             assert e["param"] == (e["main"] if strategy == "optim_grads_params" else whole)
             assert e["grad"] == e["main"]  # the owned range (ZeRO-1 keeps replicas of the rest)
