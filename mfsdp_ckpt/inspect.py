@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .errors import NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
-from .planner import chunk_id, payload_crc32c
-from .storage import VerifyingReader, FileSlice
+from .planner import chunk_id
+from .storage import ChunkFault, VerifyingReader, read_chunk
 
 __all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
@@ -183,31 +182,17 @@ def verify_checkpoint(path: str | os.PathLike) -> list[Fault]:
 
 
 def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, handles: dict) -> str | None:
-    path = os.path.join(directory, info.relative_path)
     if info.relative_path not in handles:
         try:
-            handles[info.relative_path] = open(path, "rb")
+            handles[info.relative_path] = open(os.path.join(directory, info.relative_path), "rb")
         except OSError as e:
             handles[info.relative_path] = None
             return f"cannot open ({e.strerror})"
     f = handles[info.relative_path]
     if f is None:
         return "cannot open"
-    size = os.fstat(f.fileno()).st_size
-    if size < info.offset + info.length:
-        return f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})"
-    entry = (manifest or {}).get("chunks", {}).get(chunk_id(index)) if manifest else None
-    if manifest is not None and entry is None:
-        return "not listed in the manifest"
-    if index.offset is None:  # a serialized object: checksum of its bytes
-        f.seek(info.offset)
-        crc = payload_crc32c(f.read(info.length))
-    else:
-        try:
-            tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        except Exception as e:
-            return f"unreadable ({type(e).__name__})"
-        crc = payload_crc32c(tensor)
-    if entry is not None and crc != entry["crc32c"]:
-        return "checksum mismatch"
+    try:
+        read_chunk(f, info, index, manifest["chunks"] if manifest else None)
+    except ChunkFault as e:
+        return str(e)
     return None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .errors import CheckpointExistsError, CorruptCheckpointError
@@ -27,7 +27,7 @@ from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
 from .safety import safe_load_metadata
 
-__all__ = ["CommittingWriter", "VerifyingReader", "fsync_dir"]
+__all__ = ["CommittingWriter", "VerifyingReader", "read_chunk", "ChunkFault", "FileSlice", "fsync_dir"]
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -199,38 +199,52 @@ class VerifyingReader(FileSystemReader):
         return fut
 
     def _read_chunk(self, f: io.BufferedReader, path: str, index: Any, reqs: list, planner: LoadPlanner) -> None:
-        info = self.storage_data[index]
         where = f"{path}: key '{index.fqn}'" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
-        if info.transform_descriptors:
-            raise CorruptCheckpointError(f"{where}: stream transforms {info.transform_descriptors} are not supported")
-        if os.fstat(f.fileno()).st_size < info.offset + info.length:
-            raise CorruptCheckpointError(
-                f"{where}: truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {os.fstat(f.fileno()).st_size})"
-            )
-        expected = None
-        if self.manifest_chunks is not None:
-            entry = self.manifest_chunks.get(chunk_id(index))
-            if entry is None:
-                raise CorruptCheckpointError(f"{where}: not listed in the manifest")
-            expected = entry["crc32c"]
-        if reqs[0].type == LoadItemType.BYTE_IO:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-            if expected is not None and payload_crc32c(raw) != expected:
-                raise CorruptCheckpointError(f"{where}: checksum mismatch")
-            for req in reqs:
-                planner.load_bytes(req, io.BytesIO(raw))
-            return
         try:
-            tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptCheckpointError(f"{where}: unreadable chunk ({type(e).__name__}: {e})") from None
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptCheckpointError(f"{where}: chunk does not hold a tensor")
-        if expected is not None and payload_crc32c(tensor) != expected:
-            raise CorruptCheckpointError(f"{where}: checksum mismatch")
+            payload = read_chunk(f, self.storage_data[index], index, self.manifest_chunks)
+        except ChunkFault as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        if isinstance(payload, bytes):
+            for req in reqs:
+                planner.load_bytes(req, io.BytesIO(payload))
+            return
         for req in reqs:
-            piece = _narrow(tensor, req.storage_offsets, req.lengths)
+            piece = _narrow(payload, req.storage_offsets, req.lengths)
             if tuple(piece.size()) != tuple(req.lengths):
-                raise CorruptCheckpointError(f"{where}: chunk has shape {tuple(tensor.shape)}, which does not fit the read")
+                raise CorruptCheckpointError(f"{where}: chunk has shape {tuple(payload.shape)}, which does not fit the read")
             self.pending.append((req, piece))
+
+
+class ChunkFault(Exception):
+    """What is wrong with one chunk (the caller adds the file and key)."""
+
+
+def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dict[str, Any] | None) -> torch.Tensor | bytes:
+    """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
+    None). Checks that it is complete, readable, listed in the manifest and matches its crc32c
+    (when there is a manifest); raises :class:`ChunkFault` otherwise."""
+    if info.transform_descriptors:
+        raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
+    size = os.fstat(f.fileno()).st_size
+    if size < info.offset + info.length:
+        raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})")
+    expected = None
+    if manifest_chunks is not None:
+        entry = manifest_chunks.get(chunk_id(index))
+        if entry is None:
+            raise ChunkFault("not listed in the manifest")
+        expected = entry["crc32c"]
+    if index.offset is None:
+        f.seek(info.offset)
+        payload: torch.Tensor | bytes = f.read(info.length)
+    else:
+        try:
+            payload = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as e:
+            first_line = (str(e).splitlines() or [""])[0]
+            raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
+        if not isinstance(payload, torch.Tensor):
+            raise ChunkFault("chunk does not hold a tensor")
+    if expected is not None and payload_crc32c(payload) != expected:
+        raise ChunkFault("checksum mismatch")
+    return payload
