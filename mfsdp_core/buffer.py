@@ -178,6 +178,13 @@ class FlatParamBuffer:
     def on_grad_ready(self, i: int) -> None:
         """Called once parameter ``i``'s gradient for this backward pass is accumulated: move it
         into the staging buffer, drop it, and reduce once the whole buffer is ready."""
+        self._stage(i)
+        self._pending -= 1
+        if self._pending == 0:
+            self.finish_backward()
+
+    def _stage(self, i: int) -> None:
+        """Move parameter ``i``'s ``.grad`` into the staging buffer (gathered layout)."""
         p = self.params[i]
         if self._staging is None:
             self._staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
@@ -185,20 +192,18 @@ class FlatParamBuffer:
         for pc in self.layout.owners(i):
             self._gathered_slice(pc, self._staging).copy_(flat[pc.start : pc.end])
         p.grad = None
-        self._pending -= 1
-        if self._pending == 0:
-            self.finish_backward()
 
     @torch.no_grad()
     def finish_backward(self) -> None:
         """Reduce this pass's gradients into the accumulated grads and, for ZeRO-3, reshard.
         Parameters that got no gradient contribute zeros."""
         if self.requires_grad and not self.reduced_this_pass:
+            for i, p in enumerate(self.params):  # a gradient that reached .grad without the hook
+                if p.grad is not None:
+                    self._stage(i)
             staging = self._staging
-            if staging is None:
+            if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
                 staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
-            for p in self.params:  # gradients that arrived without the hook (should not happen)
-                p.grad = None
             self._restart_accumulation_if_zeroed()
             if self.strategy.shards_grads:
                 reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
