@@ -50,11 +50,23 @@ def _broadcast(value: Any) -> Any:
 
 
 def _writer_layout(model: nn.Module) -> dict[str, Any]:
+    """The writer's layout: a summary, and every flat buffer's parameters in buffer order (what
+    ``reshard`` needs to compute another world size's ranges without the model)."""
     _, world = _rank_world()
-    layouts = sorted({(ps.strategy.value, str(ps.policy), ps.group_size) for ps in describe_shards(model)})
+    shards = describe_shards(model)
+    layouts = sorted({(ps.strategy.value, str(ps.policy), ps.group_size) for ps in shards})
+    groups: list[dict[str, Any]] = []
+    last = None
+    for ps in shards:
+        if ps.layout is not last:
+            last = ps.layout
+            groups.append({"params": [], "strategy": ps.strategy.value, "policy": str(ps.policy),
+                           "group_size": ps.group_size, "is_expert": ps.is_expert})
+        groups[-1]["params"].append(ps.fqn)
     return {
         "world_size": world,
         "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in layouts],
+        "groups": groups,
     }
 
 
