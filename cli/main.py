@@ -5,27 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
 
 import click
 
-from mfsdp_ckpt.errors import CheckpointError
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _run(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except CheckpointError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+from cli.common import _human, _Progress, _run
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -125,6 +108,40 @@ def convert(src: str, dst: str, to: str) -> None:
     click.echo(f"wrote {out}")
 
 
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--world-size", type=int, required=True, help="ranks of the target job")
+@click.option("--strategy", default=None, help="no_shard, optim, optim_grads or optim_grads_params (default: the writer's)")
+@click.option("--policy", default=None, help="even, row, block(N) or tensor (default: the writer's)")
+@click.option("--ep", type=int, default=1, show_default=True, help="expert-parallel size (only 1: EP is not in the runtime yet)")
+@click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="cast the model weights")
+@click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
+@click.option("--overwrite", is_flag=True, help="replace DST if it exists")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: str | None, ep: int, model_only: bool,
+            dtype: str | None, workers: int, overwrite: bool, as_json: bool) -> None:
+    """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
+    exactly what that rank reads. Streams one tensor range at a time (bounded memory)."""
+    from mfsdp_ckpt.reshard import reshard as run_reshard
+
+    bar = _Progress("reshard")
+    try:
+        result = _run(lambda: run_reshard(src, dst, world_size=world_size, strategy=strategy, policy=policy, ep=ep,
+                                          model_only=model_only, dtype=dtype, workers=workers, overwrite=overwrite,
+                                          progress=bar))
+    finally:
+        bar.close()
+    if as_json:
+        click.echo(json.dumps(result.__dict__, indent=1))
+        return
+    click.echo(f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
+               f"file(s) for world size {result.world_size}")
+    if result.dropped:
+        click.echo(f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})")
+
+
 @main.command(name="ls")
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -140,6 +157,8 @@ def ls(root: str, as_json: bool) -> None:
         state = "committed" if e.committed else "UNCOMMITTED"
         step = e.step if e.step is not None else "-"
         click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
+
+
 
 
 if __name__ == "__main__":

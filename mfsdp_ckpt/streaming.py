@@ -16,7 +16,8 @@ import pickle
 import shutil
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy
 import torch
@@ -34,9 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import chunk_id, payload_crc32c
+from .records import locate_raw_tensor
 from .storage import ChunkFault, commit_directory, fsync_dir, read_chunk
 
-__all__ = ["CheckpointReader", "CheckpointBuilder", "compact"]
+__all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
 
 class CheckpointReader:
@@ -130,6 +132,78 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of {out.numel()} elements")
         return out
 
+    def read_flat(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the row-major flattening of tensor ``key``, as a new 1-D
+        tensor, reading only the chunks that overlap the range (each whole, so its crc32c is
+        checked). Chunks lying inside the range are read straight into place. Peak memory: the
+        range plus one chunk."""
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: no tensor '{key}'")
+        shape, dtype = tuple(md.size), md.properties.dtype
+        out = torch.empty(end - start, dtype=dtype)
+        if start == end:
+            return out
+        placed = []
+        for index, info in self._chunks_by_key.get(key, []):
+            sizes = next((c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+            flat0 = _contiguous_flat_start(index.offset, sizes, shape) if sizes is not None else None
+            if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
+                return self.read(key).reshape(-1)[start:end].clone()
+            placed.append((flat0, math.prod(sizes), index, info))
+        covered = 0
+        for flat0, n, index, info in sorted(placed, key=lambda c: (c[3].relative_path, c[3].offset)):
+            lo, hi = max(flat0, start), min(flat0 + n, end)
+            if lo >= hi:
+                continue
+            covered += hi - lo
+            if lo == flat0 and hi == flat0 + n:
+                self._read_into(index, info, out[lo - start : hi - start])
+            else:
+                tmp = torch.empty(n, dtype=dtype)
+                self._read_into(index, info, tmp)
+                out[lo - start : hi - start].copy_(tmp[lo - flat0 : hi - flat0])
+                del tmp
+        if covered != end - start:
+            raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of elements [{start}, {end})")
+        return out
+
+    def _read_into(self, index: MetadataIndex, info: _StorageInfo, dst: torch.Tensor) -> None:
+        """Fill the contiguous 1-D ``dst`` with the chunk's elements, verified."""
+        f = self._file(info.relative_path, index.fqn)
+        raw = None if info.transform_descriptors else locate_raw_tensor(f, info.offset, info.length, dst.dtype, dst.numel())
+        if raw is None:
+            piece = self._payload(index, info)
+            if not isinstance(piece, torch.Tensor) or piece.numel() != dst.numel() or piece.dtype != dst.dtype:
+                raise CorruptCheckpointError(f"{os.path.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}: does not fit its metadata")
+            dst.copy_(piece.reshape(-1))
+            return
+        where = f"{os.path.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}"
+        f.seek(raw.offset)
+        view = dst.view(torch.uint8).numpy() if dst.numel() else bytearray()
+        got = f.readinto(view)
+        if got != raw.nbytes:
+            raise CorruptCheckpointError(f"{where}: truncated")
+        if self.manifest is not None:
+            entry = self.manifest["chunks"].get(chunk_id(index))
+            if entry is None:
+                raise CorruptCheckpointError(f"{where}: not listed in the manifest")
+            if payload_crc32c(dst) != entry["crc32c"]:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch")
+
+
+def _contiguous_flat_start(offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> int | None:
+    """Where a box starts in the row-major flattening of ``shape``, if the box is one contiguous
+    run there (leading sizes 1, then one partial dim, then whole dims); else None."""
+    k = next((i for i, s in enumerate(sizes) if s != 1), len(sizes))
+    if any(s != d for s, d in zip(sizes[k + 1 :], shape[k + 1 :])):
+        return None
+    flat, stride = 0, 1
+    for o, d in zip(reversed(offsets), reversed(shape)):
+        flat += o * stride
+        stride *= d
+    return flat
+
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor with the same values whose storage is exactly its bytes, without copying when
@@ -143,13 +217,81 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(numpy.ascontiguousarray(raw)).view(tensor.dtype).reshape(tensor.shape)
 
 
-class CheckpointBuilder:
-    """Builds a committed checkpoint from chunks appended one at a time, in one process.
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk written to a data file: what :class:`CheckpointBuilder` needs to list it (plain
+    data, so another process can write chunks and hand the records back)."""
 
-    ``files[i]`` is the data file ``__{i}_0.distcp``; choose ``file`` per chunk so that each
-    future reader rank reads one contiguous file. Nothing is visible at ``path`` until
-    :meth:`commit`; on an exception inside ``with`` (or :meth:`abort`) the temporary directory is
-    removed and ``path`` is untouched."""
+    key: str
+    dtype: torch.dtype | None  # None: a serialized object
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+class ChunkFileWriter:
+    """Appends chunks to data files ``__{i}_0.distcp`` in ``directory`` and returns their records.
+    One writer per file: two writers must not share a file index."""
+
+    def __init__(self, directory: str, *, sync: bool = True) -> None:
+        self.directory = directory
+        self.sync = sync
+        self._files: dict[int, io.BufferedWriter] = {}
+        self.bytes_written = 0
+
+    def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
+        name = f"__{file}_0.distcp"
+        f = self._files.get(file)
+        if f is None:
+            f = self._files[file] = open(os.path.join(self.directory, name), "wb")
+        offset = f.tell()
+        if isinstance(payload, bytes):
+            f.write(payload)
+        else:
+            torch.save(payload, f)
+        length = f.tell() - offset
+        self.bytes_written += length
+        return name, offset, length
+
+    def write_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], file: int) -> ChunkRecord:
+        shape, offsets = tuple(shape), tuple(offsets)
+        if len(offsets) != len(shape) or chunk.dim() != len(shape) or any(
+            o < 0 or o + s > d for o, s, d in zip(offsets, chunk.shape, shape)
+        ):
+            raise CheckpointError(f"key '{key}': chunk {tuple(chunk.shape)} at {list(offsets)} lies outside {shape}")
+        payload = compact(chunk.detach().cpu())
+        name, offset, length = self._append(file, payload)
+        return ChunkRecord(key, chunk.dtype, shape, offsets, tuple(chunk.shape), name, offset, length, payload_crc32c(payload))
+
+    def write_object(self, key: str, value: Any, file: int) -> ChunkRecord:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        data = buf.getvalue()
+        name, offset, length = self._append(file, data)
+        return ChunkRecord(key, None, (), (), (), name, offset, length, payload_crc32c(data))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.flush()
+            if self.sync:
+                os.fsync(f.fileno())
+            f.close()
+        self._files = {}
+
+
+class CheckpointBuilder:
+    """Builds a committed checkpoint from chunks appended one at a time.
+
+    ``file=i`` puts a chunk in the data file ``__{i}_0.distcp``; choose it per chunk so that each
+    future reader rank reads one contiguous file. Other processes may write files into
+    :attr:`tmp` with their own :class:`ChunkFileWriter` and hand back the records
+    (:meth:`add_records`). Nothing is visible at ``path`` until :meth:`commit`; on an exception
+    inside ``with`` (or :meth:`abort`) the temporary directory is removed and ``path`` is
+    untouched."""
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any], *, overwrite: bool = False, sync: bool = True) -> None:
         self.final = os.path.abspath(os.fspath(path))
@@ -162,12 +304,11 @@ class CheckpointBuilder:
         os.makedirs(parent, exist_ok=True)
         self.tmp = os.path.join(parent, f".{os.path.basename(self.final)}.partial-{uuid.uuid4().hex[:12]}")
         os.makedirs(self.tmp)
-        self._files: dict[int, io.BufferedWriter] = {}
+        self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
         self._chunks: dict[str, dict[str, Any]] = {}
-        self.bytes_written = 0
         self.committed = False
 
     def __enter__(self) -> "CheckpointBuilder":
@@ -177,47 +318,42 @@ class CheckpointBuilder:
         if exc_type is not None or not self.committed:
             self.abort()
 
-    def _stream(self, file: int) -> tuple[str, io.BufferedWriter]:
-        name = f"__{file}_0.distcp"
-        f = self._files.get(file)
-        if f is None:
-            f = open(os.path.join(self.tmp, name), "wb")
-            self._files[file] = f
-        return name, f
+    @property
+    def bytes_written(self) -> int:
+        return sum(c["length"] for c in self._chunks.values())
 
-    def _record(self, index: MetadataIndex, file: int, payload: torch.Tensor | bytes) -> None:
-        name, f = self._stream(file)
-        offset = f.tell()
-        if isinstance(payload, bytes):
-            f.write(payload)
-        else:
-            torch.save(payload, f)
-        length = f.tell() - offset
-        self.bytes_written += length
-        self._storage[index] = _StorageInfo(name, offset, length)
-        self._chunks[chunk_id(index)] = {"file": name, "offset": offset, "length": length, "crc32c": payload_crc32c(payload)}
+    def add_records(self, records: Sequence[ChunkRecord]) -> None:
+        """List chunks already written into :attr:`tmp` (checks each key's dtype and shape agree
+        and that no chunk is listed twice)."""
+        for rec in records:
+            if rec.dtype is None:
+                if rec.key in self._tensors or rec.key in self._objects:
+                    raise CheckpointError(f"key '{rec.key}': written twice")
+                self._objects.add(rec.key)
+                index = MetadataIndex(rec.key)
+            else:
+                if rec.key in self._objects:
+                    raise CheckpointError(f"key '{rec.key}': already written as an object")
+                md = self._tensors.get(rec.key)
+                if md is None:
+                    md = self._tensors[rec.key] = TensorStorageMetadata(TensorProperties(dtype=rec.dtype), torch.Size(rec.shape), [])
+                elif tuple(md.size) != rec.shape or md.properties.dtype != rec.dtype:
+                    raise CheckpointError(f"key '{rec.key}': chunk {rec.dtype} of a {rec.shape} tensor, earlier chunks said "
+                                          f"{md.properties.dtype} {tuple(md.size)}")
+                index = MetadataIndex(rec.key, torch.Size(rec.offsets))
+                if index in self._storage:
+                    raise CheckpointError(f"key '{rec.key}': a chunk at {list(rec.offsets)} was written twice")
+                md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(rec.offsets), sizes=torch.Size(rec.sizes)))
+            self._storage[index] = _StorageInfo(rec.file, rec.offset, rec.length)
+            self._chunks[chunk_id(index)] = {"file": rec.file, "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
 
-    def add_chunk(self, key: str, chunk: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...] | torch.Size, *, file: int = 0) -> None:
+    def add_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], *, file: int = 0) -> None:
         """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``."""
         if key in self._objects:
             raise CheckpointError(f"key '{key}': already written as an object")
-        shape = torch.Size(shape)
-        md = self._tensors.get(key)
-        if md is None:
-            md = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), shape, [])
-            self._tensors[key] = md
-        elif md.size != shape or md.properties.dtype != chunk.dtype:
-            raise CheckpointError(f"key '{key}': chunk {chunk.dtype} of a {tuple(shape)} tensor, earlier chunks said {md.properties.dtype} {tuple(md.size)}")
-        offsets = torch.Size(offsets)
-        if len(offsets) != len(shape) or chunk.dim() != len(shape) or any(
-            o < 0 or o + s > d for o, s, d in zip(offsets, chunk.shape, shape)
-        ):
-            raise CheckpointError(f"key '{key}': chunk {tuple(chunk.shape)} at {list(offsets)} lies outside {tuple(shape)}")
-        index = MetadataIndex(key, offsets)
-        if index in self._storage:
+        if MetadataIndex(key, torch.Size(offsets)) in self._storage:
             raise CheckpointError(f"key '{key}': a chunk at {list(offsets)} was already written")
-        self._record(index, file, compact(chunk.detach().cpu()))
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
+        self.add_records([self._writer.write_chunk(key, chunk, offsets, shape, file)])
 
     def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0) -> None:
         """Append the whole tensor ``key`` as one chunk."""
@@ -227,10 +363,7 @@ class CheckpointBuilder:
         """Append a plain object (saved with ``torch.save``; loaded back with ``weights_only``)."""
         if key in self._tensors or key in self._objects:
             raise CheckpointError(f"key '{key}': already written")
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        self._objects.add(key)
-        self._record(MetadataIndex(key), file, buf.getvalue())
+        self.add_records([self._writer.write_object(key, value, file)])
 
     def _check_coverage(self) -> None:
         from .inspect import _coverage_faults
@@ -246,12 +379,7 @@ class CheckpointBuilder:
     def commit(self) -> str:
         """Check coverage, write ``.metadata`` and ``mfsdp.json``, and make the directory visible."""
         self._check_coverage()
-        for f in self._files.values():
-            f.flush()
-            if self.sync:
-                os.fsync(f.fileno())
-            f.close()
-        self._files = {}
+        self._writer.close()
         save_id = str(uuid.uuid4())
         state_md: dict[str, Any] = dict(self._tensors)
         state_md.update((k, BytesStorageMetadata()) for k in self._objects)
@@ -272,7 +400,7 @@ class CheckpointBuilder:
             save_id=save_id,
             created_unix=time.time(),
             chunks=self._chunks,
-            total_bytes=sum(c["length"] for c in self._chunks.values()),
+            total_bytes=self.bytes_written,
         )
         write_manifest(self.tmp, manifest, sync=self.sync)
         if self.sync:
@@ -283,8 +411,6 @@ class CheckpointBuilder:
 
     def abort(self) -> None:
         """Remove everything written so far; ``path`` stays as it was."""
-        for f in self._files.values():
-            f.close()
-        self._files = {}
+        self._writer.close()
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)

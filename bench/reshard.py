@@ -1,0 +1,131 @@
+"""Offline reshard benchmark: ``mfsdp-ckpt reshard`` of a ~2 GiB checkpoint (4 → 3 ranks) against
+``dd`` reading and writing the same bytes, in one run, with the peak RSS of the reshard process.
+
+    .venv/bin/python bench/reshard.py --dir /tmp/reshard_bench
+
+The source is written by ``mfsdp_ckpt.save`` on 4 gloo ranks (11 × Linear(4096, 4096) fp32 +
+AdamW: 2.06 GiB of params and optimizer state; the largest tensor is 64 MiB). Reads are cold
+(pages dropped with ``posix_fadvise(DONTNEED)`` first); writes are synced (dd: ``conv=fdatasync``;
+reshard fsyncs each file). Targets (issue 5): wall ≤ 1.5× dd, peak RSS ≤ largest tensor + 512 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_source(path: str, layers: int, dim: int) -> None:
+    """Run on each torchrun rank: build, take one AdamW step, save."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import mfsdp_ckpt
+    from mfsdp_core import fully_shard, fully_shard_optimizer
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, policy="row")
+    fully_shard(model, policy="row")
+    optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model(torch.randn(2, dim)).sum().backward()
+    optim.step()
+    mfsdp_ckpt.save(path, model, optim, extra={"step": 1}, update_latest=False)
+    dist.destroy_process_group()
+
+
+def drop_cache(path: str) -> None:
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def data_files(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
+
+
+def run_child(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB, the largest process of the child's tree) of ``cmd``."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/tmp/reshard_bench")
+    p.add_argument("--layers", type=int, default=11)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--target-world-size", type=int, default=3)
+    p.add_argument("--make-source", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.make_source:
+        make_source(args.make_source, args.layers, args.dim)
+        return
+
+    os.makedirs(args.dir, exist_ok=True)
+    src = os.path.join(args.dir, "src")
+    if not os.path.exists(src):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                        os.path.abspath(__file__), "--make-source", src, "--layers", str(args.layers), "--dim", str(args.dim)],
+                       check=True, cwd=ROOT)
+    total = sum(os.path.getsize(f) for f in data_files(src))
+    largest_mib = args.dim * args.dim * 4 / 2**20
+
+    # dd: read every source file and write it, synced
+    dd_out = os.path.join(args.dir, "dd")
+    shutil.rmtree(dd_out, ignore_errors=True)
+    os.makedirs(dd_out)
+    drop_cache(src)
+    start = time.perf_counter()
+    for f in data_files(src):
+        subprocess.run(["dd", f"if={f}", f"of={os.path.join(dd_out, os.path.basename(f))}", "bs=16M", "conv=fdatasync"],
+                       check=True, capture_output=True)
+    dd_wall = time.perf_counter() - start
+    shutil.rmtree(dd_out)
+
+    rows = []
+    for workers in (1, 2):
+        dst = os.path.join(args.dir, f"w{workers}")
+        shutil.rmtree(dst, ignore_errors=True)
+        drop_cache(src)
+        wall, rss = run_child([sys.executable, "-m", "cli.main", "reshard", src, dst,
+                               "--world-size", str(args.target_world_size), "--workers", str(workers)])
+        rows.append((workers, wall, rss))
+        shutil.rmtree(dst)
+
+    baseline_rss = run_child([sys.executable, "-c", "import torch, mfsdp_ckpt.reshard"])[1]
+    print(f"\nreshard {total / 2**30:.2f} GiB, 4 -> {args.target_world_size} ranks; largest tensor {largest_mib:.0f} MiB; "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'':30s} {'wall s':>8s} {'GB/s':>6s} {'dd/ours':>8s} {'peak RSS MiB':>13s}")
+    print(f"{'dd read+write (fdatasync)':30s} {dd_wall:8.2f} {total / dd_wall / 1e9:6.2f} {1.0:8.2f} {'-':>13s}")
+    for workers, wall, rss in rows:
+        print(f"{f'mfsdp-ckpt reshard --workers {workers}':30s} {wall:8.2f} {total / wall / 1e9:6.2f} {dd_wall / wall:8.2f} {rss:13.0f}")
+    print(f"\ntarget wall <= 1.5x dd: ours/dd = {rows[0][1] / dd_wall:.2f} (1 worker), {rows[1][1] / dd_wall:.2f} (2 workers)")
+    print(f"target peak RSS <= largest tensor + 512 MiB = {largest_mib + 512:.0f} MiB: measured {rows[0][2]:.0f} MiB "
+          f"(python + torch + mfsdp_ckpt alone: {baseline_rss:.0f} MiB)")
+
+
+
+if __name__ == "__main__":
+    main()
