@@ -6,7 +6,8 @@ The architecture is the Llama / Qwen3 / Mixtral family: RMSNorm (computed in fp3
 attention and MLP, fused QKV laid out per query group (GQA), rotary embeddings (rotate-half),
 causal ``scaled_dot_product_attention``, SwiGLU MLPs with a fused ``[gate; up]`` first
 projection, optional per-head q/k RMSNorm (Qwen3), and, when ``num_experts > 0``, a top-k routed
-MoE in *every* layer with an optional shared expert. No biases anywhere.
+MoE in *every* layer with an optional shared expert. No biases, except optional q/k/v biases
+(``add_qkv_bias``, Qwen2).
 
 Module tree: ``model.decoder.layers`` is an ``nn.ModuleList`` of :class:`TransformerLayer`, so a
 trainer can ``fully_shard`` each block and then the root.
@@ -36,6 +37,13 @@ class GPTConfig:
     is the head dimension and may differ from ``hidden_size // num_attention_heads``.
     ``num_experts = 0`` is a dense model; otherwise every layer is an MoE layer and
     ``ffn_hidden_size`` is unused. ``moe_shared_expert_ffn_hidden_size = 0`` means no shared expert.
+
+    ``add_qkv_bias`` adds a bias to the fused QKV projection (``linear_qkv.bias``, laid out per
+    query group like the weight; Qwen2). ``moe_router_pre_softmax`` (MCore's flag of that name)
+    keeps the top-k softmax probabilities as they are instead of renormalising them to sum to 1
+    (Qwen3-MoE with ``norm_topk_prob = false``); softmax routing only. Both default to off, which
+    is the behaviour of every model before they existed; ``from_dict`` fills them in for old
+    manifests.
     """
 
     vocab_size: int
@@ -56,6 +64,8 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 1e-2
     moe_shared_expert_ffn_hidden_size: int = 0
     seq_length: int = 256
+    add_qkv_bias: bool = False
+    moe_router_pre_softmax: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -79,6 +89,8 @@ class GPTConfig:
                 raise ValueError("an MoE model needs moe_ffn_hidden_size > 0")
             if self.moe_score_func not in ("softmax", "sigmoid"):
                 raise ValueError(f"moe_score_func must be 'softmax' or 'sigmoid', got {self.moe_score_func!r}")
+            if self.moe_router_pre_softmax and self.moe_score_func != "softmax":
+                raise ValueError("moe_router_pre_softmax applies to softmax routing only")
         if self.moe_shared_expert_ffn_hidden_size < 0:
             raise ValueError("moe_shared_expert_ffn_hidden_size must be >= 0")
 
@@ -167,17 +179,18 @@ class Linear(nn.Module):
 
 
 class LayerNormLinear(nn.Module):
-    """RMSNorm fused in front of a bias-free linear (MCore ``TELayerNormColumnParallelLinear``):
-    parameters ``layer_norm_weight`` and ``weight``."""
+    """RMSNorm fused in front of a linear (MCore ``TELayerNormColumnParallelLinear``): parameters
+    ``layer_norm_weight`` and ``weight``, and ``bias`` when asked (none by default)."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float) -> None:
+    def __init__(self, in_features: int, out_features: int, eps: float, bias: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(out_features, in_features)
         self.layer_norm_weight = _param(in_features)
+        self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
+        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
 
 
 def swiglu(fc1_out: torch.Tensor) -> torch.Tensor:
@@ -217,7 +230,7 @@ class SelfAttention(nn.Module):
         self.heads, self.groups, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
         self.rotary_base = c.rotary_base
         qkv_rows = self.groups * (self.heads // self.groups + 2) * self.head_dim
-        self.linear_qkv = LayerNormLinear(c.hidden_size, qkv_rows, c.norm_epsilon)
+        self.linear_qkv = LayerNormLinear(c.hidden_size, qkv_rows, c.norm_epsilon, bias=c.add_qkv_bias)
         if c.qk_layernorm:
             self.q_layernorm = RMSNorm(self.head_dim, c.norm_epsilon)
             self.k_layernorm = RMSNorm(self.head_dim, c.norm_epsilon)
@@ -317,7 +330,9 @@ class MoELayer(nn.Module):
 
     Routing, per token:
       * ``softmax``: probabilities = softmax(logits) over all experts; take the top-k and
-        **renormalise** them to sum to 1 (equals MCore's default top-k-then-softmax and Mixtral).
+        **renormalise** them to sum to 1 (equals MCore's default top-k-then-softmax and Mixtral);
+        with ``moe_router_pre_softmax`` the top-k probabilities are used as they are
+        (Qwen3-MoE with ``norm_topk_prob = false``).
       * ``sigmoid``: scores = sigmoid(logits); take the top-k; renormalise them to sum to 1 when
         k > 1 (MCore / DeepSeek-V3).
     The output is ``sum_k weight_k * expert_k(x)`` (+ ``shared_experts(x)``).
@@ -338,6 +353,7 @@ class MoELayer(nn.Module):
         c = config
         self.num_experts, self.topk = c.num_experts, c.moe_router_topk
         self.score_func, self.aux_loss_coeff = c.moe_score_func, c.moe_aux_loss_coeff
+        self.pre_softmax = c.moe_router_pre_softmax
         self.router = Router(c.num_experts, c.hidden_size)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_ffn_hidden_size)
         if c.moe_shared_expert_ffn_hidden_size > 0:
@@ -354,7 +370,8 @@ class MoELayer(nn.Module):
         if self.score_func == "softmax":
             dist = torch.softmax(logits, dim=-1)
             top_w, top_idx = torch.topk(dist, self.topk, dim=-1)
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            if not self.pre_softmax:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         else:
             scores = torch.sigmoid(logits)
             top_w, top_idx = torch.topk(scores, self.topk, dim=-1)
@@ -439,7 +456,7 @@ class GPTModel(nn.Module):
     ``forward`` a plain tensor-to-tensor function for sharding wrappers.
 
     Initialisation is deterministic under ``torch.manual_seed``: in parameter-registration order,
-    every 2-D weight is drawn from N(0, 0.02²) and every norm weight set to 1.
+    every 2-D weight is drawn from N(0, 0.02²), every norm weight set to 1 and every bias to 0.
     ``output_layer`` is absent when ``tie_embeddings`` (the embedding table is reused).
     """
 
@@ -454,9 +471,12 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """N(0, 0.02²) for 2-D weights, ones for 1-D (norm) weights, in registration order."""
-        for p in self.parameters():
-            if p.ndim == 1:
+        """N(0, 0.02²) for 2-D weights, ones for norm weights, zeros for biases, in registration
+        order."""
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, INIT_STD)
