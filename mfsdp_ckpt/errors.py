@@ -30,3 +30,9 @@ class StateMismatchError(CheckpointError):
 
 class CheckpointExistsError(CheckpointError):
     """The destination already holds a checkpoint and overwriting was not asked for."""
+
+
+class ConversionError(CheckpointError):
+    """A conversion to or from another format (the Hugging Face bridge) cannot be done as asked:
+    an unknown architecture, a model config the mapping cannot express, a missing or unexpected
+    tensor, a shape mismatch."""

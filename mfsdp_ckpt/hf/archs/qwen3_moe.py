@@ -1,0 +1,63 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): MoE in every layer (softmax over all experts, top-k,
+renormalised only with ``norm_topk_prob``), experts ``mlp.experts.{e}.gate_proj / up_proj /
+down_proj``, per-head q/k RMSNorm, no shared expert, no biases."""
+
+from __future__ import annotations
+
+from mfsdp_core.models.gpt import GPTConfig
+
+from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
+from ..mapping import Architecture, Direct, FusedQKV, GatedMLP, untied
+from ._common import H, L, feature_problems, moe_problems
+
+RULES = (
+    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    Direct(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight"),
+    FusedQKV(L + "self_attention.linear_qkv.weight",
+             (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight")),
+    Direct(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight"),
+    Direct(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight"),
+    Direct(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
+    Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
+    Direct(L + "mlp.router.weight", H + "mlp.gate.weight"),
+    GatedMLP(L + "mlp.experts.linear_fc1.weight{e}",
+             (H + "mlp.experts.{e}.gate_proj.weight", H + "mlp.experts.{e}.up_proj.weight")),
+    Direct(L + "mlp.experts.linear_fc2.weight{e}", H + "mlp.experts.{e}.down_proj.weight"),
+    Direct("decoder.final_layernorm.weight", "model.norm.weight"),
+    Direct("output_layer.weight", "lm_head.weight", when=untied),
+)
+
+
+def unsupported(c: GPTConfig) -> list[str]:
+    return feature_problems(c, moe=True, qk_norm=True, qkv_bias=False) + moe_problems(c, renormalises_only=False)
+
+
+def to_hf_config(c: GPTConfig) -> dict:
+    return {**common_to_hf(c, "qwen3_moe", "Qwen3MoeForCausalLM"), "intermediate_size": c.ffn_hidden_size,
+            "moe_intermediate_size": c.moe_ffn_hidden_size, "num_experts": c.num_experts,
+            "num_experts_per_tok": c.moe_router_topk, "norm_topk_prob": not c.moe_router_pre_softmax,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": c.moe_aux_loss_coeff,
+            "output_router_logits": False, "attention_bias": False, "use_sliding_window": False,
+            "sliding_window": None}
+
+
+def from_hf_config(d: dict, source: str) -> GPTConfig:
+    r = HFConfigReader(d, source, "qwen3_moe")
+    kwargs = common_from_hf(r, tie_default=False)
+    r.refuse(not r.get("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
+    r.refuse(not r.get("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
+    step = r.get("decoder_sparse_step", 1)
+    r.refuse(step == 1, f"decoder_sparse_step={step} (our model has MoE in every layer)")
+    dense_layers = r.get("mlp_only_layers", [])
+    r.refuse(not dense_layers, f"mlp_only_layers={dense_layers} (our model has MoE in every layer)")
+    return model_config(r, {
+        **kwargs, "ffn_hidden_size": int(r.get("intermediate_size")),
+        "moe_ffn_hidden_size": int(r.get("moe_intermediate_size")),
+        "num_experts": int(r.get("num_experts", r.get("num_local_experts", 128))),
+        "moe_router_topk": int(r.get("num_experts_per_tok", 8)), "moe_score_func": "softmax",
+        "moe_router_pre_softmax": not r.get("norm_topk_prob", False), "qk_layernorm": True,
+        "moe_aux_loss_coeff": float(r.get("router_aux_loss_coef", 0.001)),
+    })
+
+
+ARCH = Architecture("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

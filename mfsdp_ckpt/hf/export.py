@@ -1,0 +1,289 @@
+"""Export a canonical checkpoint to a Hugging Face model directory, streaming.
+
+The whole plan (which HF tensors, their shapes and dtypes, which shard file each goes to) comes
+from metadata alone, so it is the same on every rank and every check runs before a byte is read.
+Then each canonical tensor is read once, split into its HF tensors, and written straight into its
+shard file, whose header was written first: memory holds one source tensor and its pieces, never
+a shard or the model. Under ``torch.distributed`` the ranks write disjoint shard files in
+parallel (file ``i`` by rank ``i % world``); rank 0 writes the index and ``config.json`` once
+every rank has finished, and renames the temporary directory into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_core.models.gpt import GPTConfig
+
+from ..errors import CheckpointError, CheckpointExistsError, ConversionError
+from ..storage import commit_directory, fsync_dir
+from ..streaming import CheckpointReader
+from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
+from .mapping import Architecture, Conversion, check_against, expand
+from .registry import get_architecture, infer_architecture
+
+__all__ = ["export", "ExportResult", "DTYPES"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote (the same on every rank)."""
+
+    path: str
+    architecture: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Item:
+    """One conversion in the plan: the checkpoint key it reads and the HF tensors it writes."""
+
+    conv: Conversion
+    source: str
+    outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    nbytes: int
+
+
+@dataclass
+class _Plan:
+    arch: Architecture
+    config: GPTConfig
+    shards: list[list[_Item]] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32
+
+
+def _model_config(reader: CheckpointReader, source: str) -> GPTConfig:
+    saved = (reader.manifest or {}).get("model_config")
+    if not saved:
+        raise ConversionError(f"{source}: the manifest has no model_config (export needs the model's shape)")
+    try:
+        return GPTConfig.from_dict(saved)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{source}: model_config in the manifest is not ours: {e}") from None
+
+
+def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: torch.dtype | None, max_bytes: int) -> _Plan:
+    """Everything an export will do, from metadata; raises naming every missing, unexpected or
+    misshapen key before anything is written."""
+    cfg = _model_config(reader, source)
+    arch = get_architecture(arch_name) if arch_name else infer_architecture(cfg, reader.manifest, source)
+    problems = arch.unsupported(cfg)
+    if problems:
+        raise ConversionError(f"{source}: the model config cannot be expressed as {arch.name}: {'; '.join(problems)}")
+    conversions = expand(arch, cfg)
+    shapes = check_against(conversions, cfg, arch)
+    stored = {k for k in reader.keys() if k.startswith("model.") and reader.is_tensor(k)}
+    missing = sorted(set(shapes) - stored)
+    unexpected = sorted(stored - set(shapes))
+    misshapen = sorted(f"{k} (checkpoint {tuple(reader.shape(k))}, model config {tuple(shapes[k])})"
+                       for k in set(shapes) & stored if reader.shape(k) != shapes[k])
+    faults = []
+    if missing:
+        faults.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        faults.append(f"not in the model config (no HF name): {', '.join(unexpected)}")
+    if misshapen:
+        faults.append(f"shape mismatch: {', '.join(misshapen)}")
+    if faults:
+        raise ConversionError(f"{source}: {'; '.join(faults)}")
+
+    keys = set(reader.keys())
+    items = []
+    for conv in conversions:
+        fqn = conv.ours[len("model."):]
+        main = f"optim.{fqn}.main_param"  # bf16 training keeps the fp32 master weights here: read those
+        src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shapes[conv.ours] else conv.ours
+        out_dtype = dtype or reader.dtype(conv.ours)
+        outs = [(name, out_dtype, tuple(shape)) for name, shape in zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg))]
+        nbytes = sum(torch.Size(s).numel() for _, _, s in outs) * torch.empty((), dtype=out_dtype).element_size()
+        items.append(_Item(conv, src, outs, nbytes))
+
+    plan = _Plan(arch, cfg, dtype=dtype or Counter(reader.dtype(c.ours) for c in conversions).most_common(1)[0][0])
+    current: list[_Item] = []
+    size = 0
+    for item in items:  # greedy, in HF key order; one conversion's tensors stay in one file
+        if current and size + item.nbytes > max_bytes:
+            plan.shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item.nbytes
+    if current:
+        plan.shards.append(current)
+    sources = Counter(item.source for shard in plan.shards for item in shard)
+    targets = Counter(name for shard in plan.shards for item in shard for name, _, _ in item.outputs)
+    twice = sorted([k for k, n in sources.items() if n != 1] + [k for k, n in targets.items() if n != 1])
+    if twice or len(sources) != len(shapes):
+        raise ConversionError(f"{source}: the export plan reads or writes these keys more than once: {', '.join(twice)}")
+    return plan
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
+    """Write this rank's shard files; check each source it was given was read exactly once."""
+    n = len(plan.shards)
+    mine = [s for s in range(n) if s % world == rank]
+    total = sum(item.nbytes for s in mine for item in plan.shards[s])
+    done = 0
+    consumed: Counter[str] = Counter()
+    for s in mine:
+        entries = [out for item in plan.shards[s] for out in item.outputs]
+        writer = SafetensorsWriter(os.path.join(tmp, shard_name(s + 1, n)), entries, {"format": "pt"})
+        try:
+            for item in plan.shards[s]:
+                tensor = reader.read(item.source)
+                consumed[item.source] += 1
+                pieces = item.conv.rule.split(tensor, plan.config)
+                del tensor
+                for (name, dtype, _), piece in zip(item.outputs, pieces):
+                    writer.write(name, piece.to(dtype))
+                del pieces
+                done += item.nbytes
+                if progress is not None:
+                    progress(done, total)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    expected = Counter(item.source for s in mine for item in plan.shards[s])
+    if consumed != expected:
+        wrong = sorted(k for k in set(consumed) | set(expected) if consumed[k] != 1)
+        raise ConversionError(f"rank {rank}: these checkpoint keys were not read exactly once: {', '.join(wrong)}")
+
+
+def _hf_config(plan: _Plan) -> dict[str, Any]:
+    name = {v: k for k, v in DTYPES.items()}.get(plan.dtype, str(plan.dtype).replace("torch.", ""))
+    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": name}
+
+
+def _finish(plan: _Plan, tmp: str) -> None:
+    """Rank 0, after every shard is written: the index and ``config.json``."""
+    n = len(plan.shards)
+    files = [shard_name(s + 1, n) for s in range(n)]
+    weight_map = {name: files[s] for s in range(n) for item in plan.shards[s] for name, _, _ in item.outputs}
+    total = sum(item.nbytes for shard in plan.shards for item in shard)
+    for s in range(n):  # every planned file exists with the planned size (another rank wrote it)
+        path = os.path.join(tmp, files[s])
+        if not os.path.isfile(path):
+            raise ConversionError(f"{path}: shard file missing after every rank finished")
+    for name, payload in ((INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}),
+                          ("config.json", _hf_config(plan))):
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(tmp)
+
+
+def export(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    arch: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
+    the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
+    ``config.json`` made from the manifest's ``model_config``.
+
+    ``arch``: an architecture name (``mfsdp_ckpt.hf.architectures()``); default: the one the
+    checkpoint was imported from, else the only one that can express the model config. ``dtype``:
+    ``bfloat16`` / ``float16`` / ``float32`` (default: the checkpoint's). Where the checkpoint
+    holds fp32 master weights (``optim.<fqn>.main_param``, bf16 training) they are the source.
+
+    Collective when ``torch.distributed`` is initialised: every rank calls it with the same
+    arguments and writes the shard files ``i`` with ``i % world == rank``; rank 0 writes the index
+    and config after all are done. ``out`` appears only when complete (a temporary sibling is
+    renamed); on any error, on any rank, nothing is left at ``out``. ``progress(done, total)``
+    gets this rank's bytes written so far.
+    """
+    start = time.perf_counter()
+    rank, world = _rank_world()
+    source = os.path.abspath(os.fspath(checkpoint))
+    final = os.path.abspath(os.fspath(out))
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+    max_bytes = parse_size(max_shard_size)
+    with CheckpointReader(source) as reader:
+        plan = _plan(reader, source, arch, dtype, max_bytes)
+        parent = os.path.dirname(final)
+        tmp = None
+        if rank == 0:
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
+            os.makedirs(tmp)
+        if world > 1:
+            tmp = _broadcast(tmp)  # also: nobody writes before the directory exists
+        failure: BaseException | None = None
+        try:
+            _write_shards(reader, plan, tmp, rank, world, progress)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+            failure = e
+    if world > 1:
+        flag = torch.tensor([rank + 1 if failure is not None else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed_rank = int(flag.item()) - 1
+    else:
+        failed_rank = rank if failure is not None else -1
+    status: str | None = None
+    if rank == 0:
+        if failed_rank >= 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            status = f"rank {failed_rank} failed"
+        else:
+            try:
+                _finish(plan, tmp)
+                commit_directory(tmp, final, overwrite=overwrite)
+            except BaseException as e:  # noqa: BLE001
+                shutil.rmtree(tmp, ignore_errors=True)
+                failure = failure or e
+                status = f"rank 0 failed: {e}"
+    if world > 1:
+        status = _broadcast(status)
+    if failure is not None:
+        raise failure
+    if status is not None:
+        raise CheckpointError(f"{final}: export not written: {status}")
+    n = len(plan.shards)
+    return ExportResult(
+        path=final, architecture=plan.arch.name, files=[shard_name(s + 1, n) for s in range(n)],
+        tensors=sum(len(item.outputs) for shard in plan.shards for item in shard),
+        bytes=sum(item.nbytes for shard in plan.shards for item in shard), seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,251 @@
+"""The mapping language of the Hugging Face bridge: declarative rules between canonical keys
+(DESIGN §4, Megatron-Core TE names, without the ``model.`` prefix) and HF hub keys.
+
+An architecture is a list of :class:`Rule` templates. ``{i}`` in a template is the layer index,
+``{e}`` the *global* expert index; a rule applies only when its ``when`` predicate holds for the
+model config. Each rule kind knows how one canonical tensor becomes its HF tensors and back:
+
+* :class:`Direct` — the same tensor under another name;
+* :class:`FusedQKV` — ``linear_qkv.{weight,bias}``, rows laid out per query group (the group's
+  q heads, then its k head, then its v head) ⇄ ``q_proj`` / ``k_proj`` / ``v_proj`` (head-major);
+* :class:`GatedMLP` — ``linear_fc1.weight = [gate; up]`` ⇄ ``gate_proj`` / ``up_proj``
+  (also Mixtral's ``w1`` / ``w3`` and shared experts).
+
+:func:`expand` turns the templates into concrete :class:`Conversion` s for one config and checks
+that no canonical key and no HF key is produced twice, so that every export / import consumes
+each source tensor once and writes each target once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mfsdp_core.models.gpt import GPTConfig
+
+from ..errors import ConversionError
+
+__all__ = [
+    "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
+    "dense", "moe", "untied", "qk_norm", "qkv_bias", "shared_expert", "canonical_shapes", "check_against",
+]
+
+Predicate = Callable[[GPTConfig], bool]
+
+
+def always(_: GPTConfig) -> bool:
+    return True
+
+
+def dense(c: GPTConfig) -> bool:
+    return c.num_experts == 0
+
+
+def moe(c: GPTConfig) -> bool:
+    return c.num_experts > 0
+
+
+def untied(c: GPTConfig) -> bool:
+    return not c.tie_embeddings
+
+
+def qk_norm(c: GPTConfig) -> bool:
+    return c.qk_layernorm
+
+
+def qkv_bias(c: GPTConfig) -> bool:
+    return c.add_qkv_bias
+
+
+def shared_expert(c: GPTConfig) -> bool:
+    return c.num_experts > 0 and c.moe_shared_expert_ffn_hidden_size > 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One canonical key template ⇄ one or more HF key templates (see the module docstring)."""
+
+    ours: str
+    theirs: tuple[str, ...] | str
+    when: Predicate = field(default=always, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.theirs, str):
+            object.__setattr__(self, "theirs", (self.theirs,))
+
+    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+        """The shapes of the HF tensors made from a canonical tensor of ``shape``."""
+        raise NotImplementedError
+
+    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        """Canonical tensor -> the HF tensors, in the order of ``theirs`` (contiguous)."""
+        raise NotImplementedError
+
+    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+        """The HF tensors, in the order of ``theirs`` -> the canonical tensor (contiguous)."""
+        raise NotImplementedError
+
+
+class Direct(Rule):
+    """The same tensor under another name."""
+
+    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+        return [torch.Size(shape)]
+
+    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        return [tensor.contiguous()]
+
+    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+        return tensors[0].contiguous()
+
+
+class FusedQKV(Rule):
+    """``linear_qkv`` (weight ``[groups*(per+2)*d, hidden]`` or bias ``[groups*(per+2)*d]``,
+    per query group: ``per = heads/groups`` q heads, one k head, one v head) ⇄ q, k, v
+    projections ``[heads*d, …]``, ``[groups*d, …]``, ``[groups*d, …]``. HF's query head h uses
+    key/value head ``h // per``, the same grouping."""
+
+    @staticmethod
+    def _dims(c: GPTConfig) -> tuple[int, int, int]:
+        return c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.kv_channels
+
+    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+        g, per, d = self._dims(c)
+        rest = tuple(shape[1:])
+        return [torch.Size((g * per * d, *rest)), torch.Size((g * d, *rest)), torch.Size((g * d, *rest))]
+
+    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        g, per, d = self._dims(c)
+        rest = tuple(tensor.shape[1:])
+        grouped = tensor.reshape(g, per + 2, d, *rest)
+        q = grouped[:, :per].reshape(g * per * d, *rest).contiguous()
+        k = grouped[:, per].reshape(g * d, *rest).contiguous()
+        v = grouped[:, per + 1].reshape(g * d, *rest).contiguous()
+        return [q, k, v]
+
+    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+        g, per, d = self._dims(c)
+        q, k, v = tensors
+        rest = tuple(q.shape[1:])
+        fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+        return fused.reshape(g * (per + 2) * d, *rest).contiguous()
+
+
+class GatedMLP(Rule):
+    """``linear_fc1.weight = [gate; up]`` ``[2*ffn, hidden]`` ⇄ gate ``[ffn, hidden]``, up
+    ``[ffn, hidden]``."""
+
+    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+        half = torch.Size((shape[0] // 2, *shape[1:]))
+        return [half, half]
+
+    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        gate, up = tensor.chunk(2, dim=0)
+        return [gate.contiguous(), up.contiguous()]
+
+    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+        return torch.cat(tensors, dim=0).contiguous()
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One rule at one layer / expert: canonical key ``ours`` (with the ``model.`` prefix) ⇄
+    HF keys ``theirs``."""
+
+    rule: Rule
+    ours: str
+    theirs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its rules (in HF's key order), its config translation both ways, and
+    what of our model config it cannot express.
+
+    ``unsupported(cfg)`` lists, one phrase each, what in ``cfg`` this architecture cannot
+    represent (empty: it can). ``to_hf_config(cfg)`` gives the ``config.json`` dict (without
+    dtype); ``from_hf_config(d, source)`` gives our config or raises :class:`ConversionError`
+    naming every field it cannot express."""
+
+    name: str
+    model_type: str
+    hf_class: str
+    rules: tuple[Rule, ...]
+    unsupported: Callable[[GPTConfig], list[str]]
+    to_hf_config: Callable[[GPTConfig], dict]
+    from_hf_config: Callable[[dict, str], GPTConfig]
+
+
+def _fill(template: str, i: int | None, e: int | None) -> str:
+    return template.replace("{i}", str(i)).replace("{e}", str(e))
+
+
+def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
+    """The concrete conversions of ``arch`` for config ``c``, in HF key order (rules outside
+    layers where they stand; a run of layer rules repeated per layer, expert rules per expert).
+    Raises if two conversions share a canonical or an HF key (a broken mapping)."""
+    out: list[Conversion] = []
+    block: list[Rule] = []
+
+    def emit(rule: Rule, i: int | None) -> None:
+        experts = range(c.num_experts) if "{e}" in rule.ours else [None]
+        for e in experts:
+            out.append(Conversion(rule, "model." + _fill(rule.ours, i, e), tuple(_fill(t, i, e) for t in rule.theirs)))
+
+    def flush() -> None:
+        for i in range(c.num_layers):
+            for rule in block:
+                emit(rule, i)
+        block.clear()
+
+    for rule in arch.rules:
+        if not rule.when(c):
+            continue
+        if "{i}" in rule.ours:
+            block.append(rule)
+        else:
+            flush()
+            emit(rule, None)
+    flush()
+    seen_ours: set[str] = set()
+    seen_theirs: set[str] = set()
+    twice = []
+    for conv in out:
+        if conv.ours in seen_ours:
+            twice.append(conv.ours)
+        seen_ours.add(conv.ours)
+        for t in conv.theirs:
+            if t in seen_theirs:
+                twice.append(t)
+            seen_theirs.add(t)
+    if twice:
+        raise ConversionError(f"architecture '{arch.name}': mapping produces these keys more than once: {', '.join(twice)}")
+    return out
+
+
+def canonical_shapes(c: GPTConfig) -> dict[str, torch.Size]:
+    """Every canonical model key (``model.<fqn>``) of our model with config ``c`` and its shape,
+    from a model built on the meta device (no memory)."""
+    from mfsdp_core.models.gpt import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(c)
+    return {f"model.{name}": p.shape for name, p in model.named_parameters()}
+
+
+def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture) -> dict[str, torch.Size]:
+    """Check that ``conversions`` cover every parameter of the model exactly (a mapping that
+    misses or invents a parameter is a bug in the architecture module); returns the shapes."""
+    shapes = canonical_shapes(c)
+    ours = {conv.ours for conv in conversions}
+    missing, extra = sorted(set(shapes) - ours), sorted(ours - set(shapes))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"no rule for {', '.join(missing)}")
+        if extra:
+            parts.append(f"rules for keys the model does not have: {', '.join(extra)}")
+        raise ConversionError(f"architecture '{arch.name}' does not map this model config: {'; '.join(parts)}")
+    return shapes
