@@ -4,6 +4,8 @@
         --stop-at 30 --ckpt-dir ckpts/run1 --save-every 10
     torchrun --standalone --nproc-per-node 3 -m mfsdp_core.train --model tiny-moe --steps 60 \\
         --ckpt-dir ckpts/run1 --resume
+    torchrun --standalone --nproc-per-node 2 -m mfsdp_core.train --model tiny --steps 60 \\
+        --init-from ckpts/from_hf    # weights only (e.g. from ``mfsdp-ckpt import-hf``), fresh optimizer
 
 Every decoder layer and then the root are ``fully_shard``-ed; AdamW steps on the local fp32
 shards. The data is a deterministic, seekable synthetic stream whose position is checkpointed, so a
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/latest, at any world size")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
+                        "fresh optimizer, step 0, any world size")
     p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
     p.add_argument("--log-every", type=int, default=1)
     return p.parse_args(argv)
@@ -81,6 +86,8 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
     if (args.resume or args.save_every) and not args.ckpt_dir:
         raise UsageError("--resume and --save-every need --ckpt-dir")
+    if args.resume and args.init_from:
+        raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
     return config
 
 
@@ -112,20 +119,32 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
 def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
     """The checkpoint to resume from, after checking it was written for this model."""
     import mfsdp_ckpt
-    from mfsdp_ckpt.manifest import read_manifest
 
     latest = os.path.join(args.ckpt_dir, mfsdp_ckpt.LATEST_NAME)
     if not os.path.exists(latest):
         raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
+    return checked_checkpoint(latest, config, "--resume")
+
+
+def checked_checkpoint(where: str, config: GPTConfig, flag: str) -> str:
+    """The checkpoint directory ``where`` names, after checking its manifest's model config is
+    ``config`` (fields an older manifest lacks count as their defaults)."""
+    import mfsdp_ckpt
+    from mfsdp_ckpt.manifest import read_manifest
+
     try:
-        path = mfsdp_ckpt.resolve_checkpoint(latest)
+        path = mfsdp_ckpt.resolve_checkpoint(where)
         saved = read_manifest(path).get("model_config") or {}
     except mfsdp_ckpt.CheckpointError as e:
-        raise UsageError(f"--resume: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
+    try:
+        saved = GPTConfig.from_dict(saved).to_dict()
+    except (TypeError, ValueError):
+        pass  # not a config of ours: every field is reported below
     ours = config.to_dict()
     diffs = [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
     if diffs:
-        raise UsageError(f"--resume: {path} was written for another model config: {', '.join(diffs)}")
+        raise UsageError(f"{flag}: {path} was written for another model config: {', '.join(diffs)}")
     return path
 
 
@@ -138,6 +157,7 @@ def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) ->
     import mfsdp_ckpt
 
     resume_from = resume_point(args, config) if args.resume else None
+    init_from = checked_checkpoint(args.init_from, config, "--init-from") if args.init_from else None
     model, optim = build(config, args)
     device = next(model.parameters()).device
     data = SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
@@ -150,6 +170,13 @@ def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) ->
         step, position = extra["step"], extra["data_position"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {step} (world size {world})", flush=True)
+    if init_from is not None:
+        try:  # model weights only; the optimizer, step and data position start fresh
+            mfsdp_ckpt.load(init_from, model, None, restore_rng=False)
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"--init-from: {e}") from None
+        if rank == 0:
+            print(f"initialised from the weights of {init_from} (world size {world})", flush=True)
     if rank == 0:
         n_params = sum(ps.shape.numel() for ps in describe_shards(model))
         print(f"model {args.model}, {n_params:,} parameters, "
