@@ -1,0 +1,82 @@
+"""``mfsdp-ckpt export-hf`` / ``import-hf``: the command-line front of :mod:`mfsdp_ckpt.hf`
+(parse, call, print; registered by cli/main.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from cli.common import _human, _run
+
+
+def _progress_bar(label: str) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    """A tqdm byte bar on stderr when it is a terminal (else nothing), and its closer."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, desc=label, leave=False, dynamic_ncols=True)
+        bar["bar"].update(done - bar["bar"].n)
+
+    def close() -> None:
+        if "bar" in bar:
+            bar["bar"].close()
+
+    return update, close
+
+
+@click.command(name="export-hf")
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="dtype of the exported tensors; default: the checkpoint's")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)")
+@click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, overwrite: bool, as_json: bool) -> None:
+    """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
+    (safetensors shards, index, config.json), loadable by transformers."""
+    from mfsdp_ckpt.hf import export
+
+    progress, close = _progress_bar("export-hf")
+    try:
+        result = _run(lambda: export(ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size,
+                                     overwrite=overwrite, progress=progress))
+    finally:
+        close()
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        click.echo(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
+                   f"in {len(result.files)} file(s), {result.seconds:.1f} s")
+
+
+@click.command(name="import-hf")
+@click.argument("hf_dir")
+@click.argument("ckpt")
+@click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type")
+@click.option("--overwrite", is_flag=True, help="replace CKPT if it exists")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def import_hf(hf_dir: str, ckpt: str, arch: str | None, overwrite: bool, as_json: bool) -> None:
+    """Convert the Hugging Face model directory HF_DIR (config.json + safetensors) into a committed
+    checkpoint CKPT with the model weights and config (train from it with --init-from)."""
+    from mfsdp_ckpt.hf import import_
+
+    progress, close = _progress_bar("import-hf")
+    try:
+        result = _run(lambda: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=progress))
+    finally:
+        close()
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        click.echo(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
+                   f"{result.seconds:.1f} s")
