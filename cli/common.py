@@ -39,7 +39,7 @@ class _Progress:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=True, unit_divisor=1024,
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=self.unit == "B", unit_divisor=1024,
                             dynamic_ncols=True, leave=False, file=sys.stderr)
         self.bar.update(done - self.bar.n)
 

@@ -58,7 +58,11 @@ def verify(path: str, as_json: bool) -> None:
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
     from mfsdp_ckpt.inspect import verify_checkpoint
 
-    faults = _run(lambda: verify_checkpoint(path))
+    bar = _Progress("verify")
+    try:
+        faults = _run(lambda: verify_checkpoint(path, progress=bar))
+    finally:
+        bar.close()
     if as_json:
         click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults]}, indent=1))
     elif faults:
@@ -81,7 +85,11 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
     (Per-rank RNG states are not compared: they depend on the world size.)"""
     from mfsdp_ckpt.diff import diff_checkpoints
 
-    result = _run(lambda: diff_checkpoints(a, b, atol=atol, rtol=rtol))
+    bar = _Progress("diff", unit="entries")
+    try:
+        result = _run(lambda: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar))
+    finally:
+        bar.close()
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -104,7 +112,11 @@ def convert(src: str, dst: str, to: str) -> None:
     """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
     from mfsdp_ckpt.convert import convert as run_convert
 
-    out = _run(lambda: run_convert(src, dst, to))
+    bar = _Progress("read", unit="entries")
+    try:
+        out = _run(lambda: run_convert(src, dst, to, progress=bar))
+    finally:
+        bar.close()
     click.echo(f"wrote {out}")
 
 
@@ -159,10 +171,7 @@ def ls(root: str, as_json: bool) -> None:
         click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
 
 
-from cli.hf import export_hf, import_hf  # noqa: E402
 
-main.add_command(export_hf)
-main.add_command(import_hf)
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from mfsdp_core import describe_shards, refresh_compute_params
 from mfsdp_core.optim import optimizer_buffers
 
+from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
@@ -94,6 +95,7 @@ def save(
     (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
     remain. Returns the checkpoint directory.
     """
+    _local_only(path, "save")
     rank, world = _rank_world()
     final = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(final)
@@ -178,20 +180,25 @@ def _prune(parent: str, keep: int, protect: str) -> None:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """A checkpoint directory from ``path``: the directory itself, a ``latest`` pointer file, or
-    a run directory holding one."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(path):
-        with open(path) as f:
-            name = f.read().strip()
+    """A checkpoint directory from ``path`` (a local path or an fsspec URL): the directory
+    itself, a ``latest`` pointer file, or a run directory holding one."""
+    path = fs.normalize(path)
+    if fs.isfile(path):
+        name = fs.read_bytes(path).decode(errors="replace").strip()
         if not name or "/" in name or name.startswith("."):
             raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
-        return os.path.join(os.path.dirname(path), name)
-    if not os.path.isdir(path):
+        return fs.join(fs.dirname(path), name)
+    if not fs.isdir(path):
         raise NotACheckpointError(f"{path}: no such checkpoint")
-    if not os.path.exists(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, LATEST_NAME)):
-        return resolve_checkpoint(os.path.join(path, LATEST_NAME))
+    if not fs.exists(fs.join(path, ".metadata")) and fs.isfile(fs.join(path, LATEST_NAME)):
+        return resolve_checkpoint(fs.join(path, LATEST_NAME))
     return path
+
+
+def _local_only(path: str | os.PathLike, what: str) -> None:
+    if fs.is_url(path):
+        raise CheckpointError(f"{os.fspath(path)}: {what} takes a local path; fsspec URLs work with the offline tools "
+                              "(mfsdp-ckpt inspect / verify / diff / reshard / convert / ls)")
 
 
 def _unwrap(e: CheckpointException) -> BaseException:
@@ -248,6 +255,7 @@ def load(
     checksums). ``restore_rng`` restores each rank's torch RNG state when the checkpoint was
     written at the same world size.
     """
+    _local_only(path, "load")
     rank, world = _rank_world()
     directory = resolve_checkpoint(path)
     manifest = None

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import uuid
-import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file as load_safetensors
-from safetensors.torch import save_file as save_safetensors
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
+from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
-from .inspect import open_checkpoint
-from .planner import MfsdpSavePlanner
-from .storage import CommittingWriter
+from .streaming import CheckpointBuilder, CheckpointReader
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "convert"]
 
@@ -34,30 +32,31 @@ FORMATS = ("torch", "safetensors", "dcp")
 _OBJECTS_KEY = "mfsdp.objects"
 
 
-def read_full_state(path: str | os.PathLike) -> dict[str, Any]:
+def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as full tensors / objects (verified against the manifest
     when there is one)."""
-    from .diff import read_entry
-
-    directory, manifest, metadata, _ = open_checkpoint(os.fspath(path))
-    return {key: read_entry(directory, manifest, key, md) for key, md in sorted(metadata.state_dict_metadata.items())}
+    with CheckpointReader(os.fspath(path)) as reader:
+        keys = reader.keys()
+        out = {}
+        for done, key in enumerate(keys, 1):
+            out[key] = reader.read(key)
+            if progress is not None:
+                progress(done, len(keys))
+        return out
 
 
 def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
-    """Write a plain state dict as a committed, checksummed DCP checkpoint (one process)."""
-    final = os.path.abspath(os.fspath(path))
-    if os.path.exists(final):
-        raise CheckpointExistsError(f"{final}: already exists")
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
-    manifest = {"writer": {"world_size": 1, "buffers": []}, "model_config": None, "step": None,
+    """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
+    may be an fsspec URL)."""
+    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": None, "step": None,
                 "converted_from": source, "versions": {"torch": torch.__version__}}
-    writer = CommittingWriter(tmp, final, manifest, overwrite=False)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=writer, planner=MfsdpSavePlanner(), no_dist=True)
-    return final
+    with CheckpointBuilder(path, manifest) as builder:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                builder.add_tensor(key, value)
+            else:
+                builder.add_object(key, value)
+        return builder.commit()
 
 
 def _pack_objects(objects: dict[str, Any]) -> str:
@@ -75,45 +74,66 @@ def _unpack_objects(text: str | None, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: unreadable '{_OBJECTS_KEY}' metadata ({type(e).__name__})") from None
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> str:
-    """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
-    ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file."""
-    src, dst = os.fspath(src), os.fspath(dst)
-    if to not in FORMATS:
-        raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
-    if os.path.exists(dst):
-        raise CheckpointExistsError(f"{dst}: already exists")
-    if to == "dcp":
-        if not os.path.isfile(src):
-            raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
-        if src.endswith(".safetensors"):
-            try:
-                state: dict[str, Any] = dict(load_safetensors(src))
-            except Exception as e:
-                raise CheckpointError(f"{src}: unreadable safetensors file ({e})") from None
-            from safetensors import safe_open
+def _read_single_file(src: str) -> dict[str, Any]:
+    """The state in a ``.safetensors`` or ``torch.save`` file (local or fsspec URL)."""
+    data = fs.read_bytes(src)
+    if src.endswith(".safetensors"):
+        try:
+            state: dict[str, Any] = dict(safetensors_load(data))
+            header_len = int.from_bytes(data[:8], "little")
+            metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        except Exception as e:
+            raise CheckpointError(f"{src}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+        state.update(_unpack_objects(metadata.get(_OBJECTS_KEY), src))
+        return state
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{src}: not a loadable torch file with plain contents ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"{src}: expected a dict with string keys")
+    return state
 
-            with safe_open(src, framework="pt") as f:
-                state.update(_unpack_objects((f.metadata() or {}).get(_OBJECTS_KEY), src))
-        else:
-            try:
-                state = torch.load(src, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise CheckpointError(f"{src}: not a loadable torch file with plain contents ({type(e).__name__})") from None
-            if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-                raise CheckpointError(f"{src}: expected a dict with string keys")
-        return write_dcp(state, dst, source=os.path.abspath(src))
-    state = read_full_state(src)
+
+def _write_single_file(dst: str, data: bytes) -> None:
+    """``data`` at ``dst``, all or nothing: locally via a temporary name and a rename, on an
+    object store as one upload."""
+    if fs.is_url(dst):
+        fs.write_bytes(dst, data)
+        return
     tmp = f"{dst}.partial-{uuid.uuid4().hex[:12]}"
     try:
-        if to == "torch":
-            torch.save(state, tmp)
-        else:
-            tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-            save_safetensors(tensors, tmp, metadata={_OBJECTS_KEY: _pack_objects(objects)})
+        with open(tmp, "wb") as f:
+            f.write(data)
         os.replace(tmp, dst)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
+            progress: Callable[[int, int], None] | None = None) -> str:
+    """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
+    ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file.
+    Either side may be an fsspec URL."""
+    src, dst = fs.normalize(src), fs.normalize(dst)
+    if to not in FORMATS:
+        raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
+    if fs.exists(dst):
+        raise CheckpointExistsError(f"{dst}: already exists")
+    if to == "dcp":
+        if not fs.isfile(src):
+            raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
+        return write_dcp(_read_single_file(src), dst, source=src)
+    state = read_full_state(src, progress)
+    if to == "torch":
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+    else:
+        tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects)})
+    del state
+    _write_single_file(dst, data)
     return dst

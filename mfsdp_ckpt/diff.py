@@ -1,23 +1,19 @@
 """Compare two checkpoints logically, whatever layouts wrote them.
 
-Each tensor is read whole (DCP assembles it from whichever chunks hold it) one key at a time, so
-memory stays bounded by the largest tensor of the two checkpoints, not by their size.
+Each tensor is read whole (assembled from whichever chunks hold it, every chunk verified) one key
+at a time, so memory stays bounded by the largest tensor of the two checkpoints, not by their size.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .inspect import open_checkpoint
-from .planner import MfsdpLoadPlanner
+from .streaming import CheckpointReader
 
 __all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
 
@@ -51,54 +47,45 @@ class CheckpointDiff:
         }
 
 
-def read_entry(reader_dir: str, manifest: dict | None, key: str, md: Any) -> Any:
-    """One whole entry (tensor or object) of a checkpoint, verified, in one process."""
-    from .storage import VerifyingReader
-
-    reader = VerifyingReader(reader_dir, manifest)
-    planner = MfsdpLoadPlanner()
-    target: dict[str, Any] = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)} if isinstance(md, TensorStorageMetadata) else {key: None}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
-    reader.apply(planner)
-    return target[key] if target[key] is not None else planner.objects[key]
-
-
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-                     ignore: tuple[str, ...] = ("extra.rng.",)) -> CheckpointDiff:
+                     ignore: tuple[str, ...] = ("extra.rng.",),
+                     progress: Callable[[int, int], None] | None = None) -> CheckpointDiff:
     """Keys only in one checkpoint, shape / dtype changes, and tensors whose values differ by more
-    than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal). Keys starting with a prefix in
-    ``ignore`` are skipped (by default the per-rank RNG states, which depend on the world size)."""
-    dir_a, man_a, meta_a, _ = open_checkpoint(os.fspath(a))
-    dir_b, man_b, meta_b, _ = open_checkpoint(os.fspath(b))
-    keys_a = {k for k in meta_a.state_dict_metadata if not k.startswith(ignore)}
-    keys_b = {k for k in meta_b.state_dict_metadata if not k.startswith(ignore)}
-    out = CheckpointDiff(only_in_a=sorted(keys_a - keys_b), only_in_b=sorted(keys_b - keys_a))
-    for key in sorted(keys_a & keys_b):
-        md_a, md_b = meta_a.state_dict_metadata[key], meta_b.state_dict_metadata[key]
-        tensor_a, tensor_b = isinstance(md_a, TensorStorageMetadata), isinstance(md_b, TensorStorageMetadata)
-        out.compared += 1
-        if tensor_a != tensor_b:
-            out.different.append(TensorDiff(key, "object", "a tensor in one checkpoint, an object in the other"))
-            continue
-        if tensor_a and tuple(md_a.size) != tuple(md_b.size):
-            out.different.append(TensorDiff(key, "shape", f"{tuple(md_a.size)} vs {tuple(md_b.size)}"))
-            continue
-        if tensor_a and md_a.properties.dtype != md_b.properties.dtype:
-            out.different.append(TensorDiff(key, "dtype", f"{md_a.properties.dtype} vs {md_b.properties.dtype}"))
-            continue
-        va, vb = read_entry(dir_a, man_a, key, md_a), read_entry(dir_b, man_b, key, md_b)
-        if not tensor_a:
-            if va != vb:
-                out.different.append(TensorDiff(key, "object", f"{va!r} vs {vb!r}"[:200]))
-            continue
-        if va.numel() == 0 or torch.equal(va, vb):
-            continue
-        fa, fb = va.double(), vb.double()
-        if not bool(torch.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True).all()):
-            delta = (fa - fb).abs()
-            finite = delta[~torch.isnan(delta)]
-            max_abs = float(finite.max()) if finite.numel() else math.nan
-            out.different.append(TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g}", max_abs))
+    than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal).
+    Keys starting with a prefix in ``ignore`` are skipped (by default the per-rank RNG states,
+    which depend on the world size). ``progress(done, total)`` counts entries compared."""
+    with CheckpointReader(os.fspath(a)) as ra, CheckpointReader(os.fspath(b)) as rb:
+        keys_a = {k for k in ra.keys() if not k.startswith(ignore)}
+        keys_b = {k for k in rb.keys() if not k.startswith(ignore)}
+        out = CheckpointDiff(only_in_a=sorted(keys_a - keys_b), only_in_b=sorted(keys_b - keys_a))
+        common = sorted(keys_a & keys_b)
+        for done, key in enumerate(common, 1):
+            out.compared += 1
+            problem = _compare(ra, rb, key, atol, rtol)
+            if problem is not None:
+                out.different.append(problem)
+            if progress is not None:
+                progress(done, len(common))
     return out
+
+
+def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, rtol: float) -> TensorDiff | None:
+    tensor_a, tensor_b = ra.is_tensor(key), rb.is_tensor(key)
+    if tensor_a != tensor_b:
+        return TensorDiff(key, "object", "a tensor in one checkpoint, an object in the other")
+    if tensor_a and ra.shape(key) != rb.shape(key):
+        return TensorDiff(key, "shape", f"{tuple(ra.shape(key))} vs {tuple(rb.shape(key))}")
+    if tensor_a and ra.dtype(key) != rb.dtype(key):
+        return TensorDiff(key, "dtype", f"{ra.dtype(key)} vs {rb.dtype(key)}")
+    va, vb = ra.read(key), rb.read(key)
+    if not tensor_a:
+        return None if va == vb else TensorDiff(key, "object", f"{va!r} vs {vb!r}"[:200])
+    if va.numel() == 0 or torch.equal(va, vb):
+        return None
+    fa, fb = va.double(), vb.double()
+    if bool(torch.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True).all()):
+        return None
+    delta = (fa - fb).abs()
+    finite = delta[~torch.isnan(delta)]
+    max_abs = float(finite.max()) if finite.numel() else math.nan
+    return TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g}", max_abs)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from . import fs
 from .errors import NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import chunk_id
@@ -77,11 +78,11 @@ def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, Ve
     from .checkpoint import resolve_checkpoint
 
     directory = resolve_checkpoint(path)
-    if not os.path.isfile(os.path.join(directory, ".metadata")):
-        if os.path.isdir(directory) and any(n.endswith(".distcp") for n in os.listdir(directory)):
+    if not fs.isfile(fs.join(directory, ".metadata")):
+        if fs.isdir(directory) and any(n.endswith(".distcp") for n in fs.listdir(directory)):
             raise NotACheckpointError(f"{directory}: no .metadata: the save did not finish")
         raise NotACheckpointError(f"{directory}: not a checkpoint (no .metadata)")
-    manifest = read_manifest(directory) if os.path.isfile(os.path.join(directory, MANIFEST_NAME)) else None
+    manifest = read_manifest(directory) if fs.isfile(fs.join(directory, MANIFEST_NAME)) else None
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
     return directory, manifest, metadata, reader
@@ -147,10 +148,11 @@ def _coverage_faults(key: str, md: TensorStorageMetadata) -> list[Fault]:
     return faults
 
 
-def verify_checkpoint(path: str | os.PathLike) -> list[Fault]:
+def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> list[Fault]:
     """Every fault found: coverage gaps / overlaps, chunks missing from the manifest or the
     manifest naming chunks the metadata lacks, missing or short files, unreadable chunks and
-    checksum mismatches. An empty list means the checkpoint is sound."""
+    checksum mismatches. An empty list means the checkpoint is sound. ``progress(done, total)``
+    counts stored bytes checked."""
     directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     faults: list[Fault] = []
     if manifest is None:
@@ -164,8 +166,12 @@ def verify_checkpoint(path: str | os.PathLike) -> list[Fault]:
     listed = set((manifest or {}).get("chunks", {}))
     seen = set()
     handles: dict[str, Any] = {}
+    total, done = sum(info.length for info in storage.values()), 0
     try:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+            done += info.length
+            if progress is not None:
+                progress(done, total)
             cid = chunk_id(index)
             seen.add(cid)
             offset = tuple(index.offset) if index.offset is not None else None
@@ -184,7 +190,7 @@ def verify_checkpoint(path: str | os.PathLike) -> list[Fault]:
 def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, handles: dict) -> str | None:
     if info.relative_path not in handles:
         try:
-            handles[info.relative_path] = open(os.path.join(directory, info.relative_path), "rb")
+            handles[info.relative_path] = fs.open_file(fs.join(directory, info.relative_path))
         except OSError as e:
             handles[info.relative_path] = None
             return f"cannot open ({e.strerror})"

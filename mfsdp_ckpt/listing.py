@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from . import fs
 from .errors import CheckpointError, NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
 
@@ -23,37 +24,32 @@ class CheckpointEntry:
         return asdict(self)
 
 
-def _size(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs)
-
-
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
     """Every checkpoint directory under ``root`` (committed, and half-written ``.partial`` ones),
     oldest step first."""
     from .checkpoint import LATEST_NAME
 
-    root = os.fspath(root)
-    if not os.path.isdir(root):
+    root = fs.normalize(root)
+    if not fs.isdir(root):
         raise NotACheckpointError(f"{root}: no such directory")
     latest = None
-    pointer = os.path.join(root, LATEST_NAME)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            latest = f.read().strip()
+    pointer = fs.join(root, LATEST_NAME)
+    if fs.isfile(pointer):
+        latest = fs.read_bytes(pointer).decode(errors="replace").strip()
     entries = []
-    for name in sorted(os.listdir(root)):
-        d = os.path.join(root, name)
-        if not os.path.isdir(d):
+    for name in sorted(fs.listdir(root)):
+        d = fs.join(root, name)
+        if not fs.isdir(d):
             continue
         committed, step = False, None
-        if os.path.isfile(os.path.join(d, MANIFEST_NAME)):
+        if fs.isfile(fs.join(d, MANIFEST_NAME)):
             try:
                 step = read_manifest(d).get("step")
                 committed = True
             except CheckpointError:
                 pass
-        elif not (".partial-" in name or os.path.isfile(os.path.join(d, ".metadata"))):
+        elif not (".partial-" in name or fs.isfile(fs.join(d, ".metadata"))):
             continue  # not a checkpoint at all
-        entries.append(CheckpointEntry(name, step, _size(d), committed, name == latest))
+        entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return entries

@@ -5,9 +5,9 @@ and a crc32c for every chunk's payload."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from . import fs
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 
 __all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "read_manifest", "write_manifest", "is_committed"]
@@ -18,32 +18,26 @@ FORMAT_VERSION = 1
 
 
 def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:
-    """Write ``mfsdp.json`` in ``directory`` (via a temporary file and a rename)."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``mfsdp.json`` in ``directory`` (local: via a temporary file and a rename; object
+    store: one upload)."""
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    fs.write_bytes(fs.join(directory, MANIFEST_NAME), text.encode(), sync=sync)
 
 
 def is_committed(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MANIFEST_NAME))
+    return fs.isfile(fs.join(directory, MANIFEST_NAME))
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
-    """The manifest of a committed checkpoint; raises if it is missing or not ours."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.isfile(path):
+    """The manifest of a committed checkpoint (local path or fsspec URL); raises if it is missing
+    or not ours."""
+    path = fs.join(directory, MANIFEST_NAME)
+    if not fs.isfile(path):
         raise UncommittedCheckpointError(
             f"{directory}: no committed manifest ({MANIFEST_NAME}); the save did not finish or this is not an mfsdp checkpoint"
         )
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(fs.read_bytes(path))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

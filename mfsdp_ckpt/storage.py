@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from . import fs
 from .errors import CheckpointExistsError, CorruptCheckpointError
 from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
@@ -168,10 +169,9 @@ class VerifyingReader(FileSystemReader):
         self.pending = []
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(self.dir, ".metadata")
+        path = fs.join(self.dir, ".metadata")
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = fs.read_bytes(path)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror})") from None
         metadata = safe_load_metadata(data, path)
@@ -185,9 +185,9 @@ class VerifyingReader(FileSystemReader):
             info = self.storage_data[req.storage_index]
             by_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
         for relative_path, by_chunk in by_file.items():
-            path = os.path.join(self.dir, relative_path)
+            path = fs.join(self.dir, relative_path)
             try:
-                f = open(path, "rb")
+                f = fs.open_file(path)
             except OSError as e:
                 first = next(iter(by_chunk))
                 raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror}), needed for key '{first.fqn}'") from None
@@ -225,7 +225,7 @@ def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dic
     (when there is a manifest); raises :class:`ChunkFault` otherwise."""
     if info.transform_descriptors:
         raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
-    size = os.fstat(f.fileno()).st_size
+    size = fs.file_size(f)
     if size < info.offset + info.length:
         raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})")
     expected = None

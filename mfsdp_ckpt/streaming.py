@@ -13,7 +13,6 @@ import io
 import math
 import os
 import pickle
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from . import fs
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import chunk_id, payload_crc32c
@@ -82,9 +82,9 @@ class CheckpointReader:
     def _file(self, relative_path: str, key: str) -> io.BufferedReader:
         f = self._files.get(relative_path)
         if f is None:
-            path = os.path.join(self.directory, relative_path)
+            path = fs.join(self.directory, relative_path)
             try:
-                f = open(path, "rb")
+                f = fs.open_file(path)
             except OSError as e:
                 raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror}), needed for key '{key}'") from None
             self._files[relative_path] = f
@@ -96,7 +96,7 @@ class CheckpointReader:
             return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None)
         except ChunkFault as e:
             at = f" chunk at {list(index.offset)}" if index.offset is not None else ""
-            raise CorruptCheckpointError(f"{os.path.join(self.directory, info.relative_path)}: key '{index.fqn}'{at}: {e}") from None
+            raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}'{at}: {e}") from None
 
     def read(self, key: str) -> Any:
         """The entry ``key``: a full tensor, or the object (unpickled with ``weights_only``)."""
@@ -175,10 +175,10 @@ class CheckpointReader:
         if raw is None:
             piece = self._payload(index, info)
             if not isinstance(piece, torch.Tensor) or piece.numel() != dst.numel() or piece.dtype != dst.dtype:
-                raise CorruptCheckpointError(f"{os.path.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}: does not fit its metadata")
+                raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}: does not fit its metadata")
             dst.copy_(piece.reshape(-1))
             return
-        where = f"{os.path.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}"
+        where = f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}"
         f.seek(raw.offset)
         view = dst.view(torch.uint8).numpy() if dst.numel() else bytearray()
         got = f.readinto(view)
@@ -247,7 +247,7 @@ class ChunkFileWriter:
         name = f"__{file}_0.distcp"
         f = self._files.get(file)
         if f is None:
-            f = self._files[file] = open(os.path.join(self.directory, name), "wb")
+            f = self._files[file] = fs.open_file(fs.join(self.directory, name), "wb")
         offset = f.tell()
         if isinstance(payload, bytes):
             f.write(payload)
@@ -275,11 +275,20 @@ class ChunkFileWriter:
         return ChunkRecord(key, None, (), (), (), name, offset, length, payload_crc32c(data))
 
     def close(self) -> None:
+        """Flush (and fsync, locally) every file; on an object store this completes the uploads."""
         for f in self._files.values():
             f.flush()
-            if self.sync:
+            if self.sync and not fs.is_url(self.directory):
                 os.fsync(f.fileno())
             f.close()
+        self._files = {}
+
+    def discard(self) -> None:
+        """Close without completing: an object store drops the unfinished uploads."""
+        for f in self._files.values():
+            (getattr(f, "discard", None) or f.close)()
+            if not f.closed:
+                f.close()
         self._files = {}
 
 
@@ -290,20 +299,33 @@ class CheckpointBuilder:
     future reader rank reads one contiguous file. Other processes may write files into
     :attr:`tmp` with their own :class:`ChunkFileWriter` and hand back the records
     (:meth:`add_records`). Nothing is visible at ``path`` until :meth:`commit`; on an exception
-    inside ``with`` (or :meth:`abort`) the temporary directory is removed and ``path`` is
-    untouched."""
+    inside ``with`` (or :meth:`abort`) what was written is removed and ``path`` is untouched.
+
+    ``path`` may be an fsspec URL. An object store has no rename: files are written in place and
+    the checkpoint is committed by writing ``mfsdp.json`` last (readers refuse a prefix without
+    it); ``overwrite`` there first removes the old checkpoint's manifest, then its files."""
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any], *, overwrite: bool = False, sync: bool = True) -> None:
-        self.final = os.path.abspath(os.fspath(path))
-        if os.path.exists(self.final) and not overwrite:
+        self.final = fs.normalize(path)
+        self.remote = fs.is_url(self.final)
+        if fs.exists(self.final) and not overwrite:
             raise CheckpointExistsError(f"{self.final}: already exists (use --overwrite / overwrite=True to replace it)")
         self.overwrite = overwrite
         self.sync = sync
         self.manifest = dict(manifest)
-        parent = os.path.dirname(self.final)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{os.path.basename(self.final)}.partial-{uuid.uuid4().hex[:12]}")
-        os.makedirs(self.tmp)
+        if self.remote:
+            if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
+                from .manifest import MANIFEST_NAME
+
+                if fs.exists(fs.join(self.final, MANIFEST_NAME)):
+                    fs.remove_tree(fs.join(self.final, MANIFEST_NAME))
+                fs.remove_tree(self.final)
+            self.tmp = self.final
+        else:
+            parent = os.path.dirname(self.final)
+            os.makedirs(parent, exist_ok=True)
+            self.tmp = os.path.join(parent, f".{os.path.basename(self.final)}.partial-{uuid.uuid4().hex[:12]}")
+            os.makedirs(self.tmp)
         self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()
@@ -389,10 +411,7 @@ class CheckpointBuilder:
             storage_meta=StorageMeta(checkpoint_id=self.final, save_id=save_id),
             version=CURRENT_DCP_VERSION,
         )
-        with open(os.path.join(self.tmp, ".metadata"), "wb") as f:
-            pickle.dump(metadata, f)
-            if self.sync:
-                os.fsync(f.fileno())
+        fs.write_bytes(fs.join(self.tmp, ".metadata"), pickle.dumps(metadata), sync=self.sync)
         manifest = dict(self.manifest)
         manifest.update(
             format=FORMAT,
@@ -402,15 +421,17 @@ class CheckpointBuilder:
             chunks=self._chunks,
             total_bytes=self.bytes_written,
         )
-        write_manifest(self.tmp, manifest, sync=self.sync)
-        if self.sync:
-            fsync_dir(self.tmp)
-        commit_directory(self.tmp, self.final, overwrite=self.overwrite)
+        write_manifest(self.tmp, manifest, sync=self.sync)  # on an object store: the commit
+        if not self.remote:
+            if self.sync:
+                fsync_dir(self.tmp)
+            commit_directory(self.tmp, self.final, overwrite=self.overwrite)
         self.committed = True
         return self.final
 
     def abort(self) -> None:
-        """Remove everything written so far; ``path`` stays as it was."""
-        self._writer.close()
+        """Remove everything written so far; ``path`` stays as it was (on an object store with
+        ``overwrite``, the old checkpoint is already gone)."""
+        self._writer.discard()
         if not self.committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            fs.remove_tree(self.tmp)
