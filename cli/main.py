@@ -171,7 +171,10 @@ def ls(root: str, as_json: bool) -> None:
         click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
 
 
+from cli.hf import export_hf, import_hf  # noqa: E402
 
+main.add_command(export_hf)
+main.add_command(import_hf)
 
 if __name__ == "__main__":
     main()
