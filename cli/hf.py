@@ -4,32 +4,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from typing import Any, Callable
 
 import click
 
-from cli.common import _human, _run
-
-
-def _progress_bar(label: str) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
-    """A tqdm byte bar on stderr when it is a terminal (else nothing), and its closer."""
-    if not sys.stderr.isatty():
-        return None, lambda: None
-    from tqdm import tqdm
-
-    bar: dict[str, Any] = {}
-
-    def update(done: int, total: int) -> None:
-        if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, desc=label, leave=False, dynamic_ncols=True)
-        bar["bar"].update(done - bar["bar"].n)
-
-    def close() -> None:
-        if "bar" in bar:
-            bar["bar"].close()
-
-    return update, close
+from cli.common import _human, _Progress, _run
 
 
 @click.command(name="export-hf")
@@ -46,12 +24,12 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
     (safetensors shards, index, config.json), loadable by transformers."""
     from mfsdp_ckpt.hf import export
 
-    progress, close = _progress_bar("export-hf")
+    bar = _Progress("export-hf")
     try:
         result = _run(lambda: export(ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size,
-                                     overwrite=overwrite, progress=progress))
+                                     overwrite=overwrite, progress=bar))
     finally:
-        close()
+        bar.close()
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -70,11 +48,11 @@ def import_hf(hf_dir: str, ckpt: str, arch: str | None, overwrite: bool, as_json
     checkpoint CKPT with the model weights and config (train from it with --init-from)."""
     from mfsdp_ckpt.hf import import_
 
-    progress, close = _progress_bar("import-hf")
+    bar = _Progress("import-hf")
     try:
-        result = _run(lambda: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=progress))
+        result = _run(lambda: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar))
     finally:
-        close()
+        bar.close()
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

@@ -179,8 +179,13 @@ class HFDirectory:
         return handle
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, read alone from its file."""
-        return self._open(self.tensors[key].file).get_tensor(key)
+        """The tensor ``key``, read alone from its file. The file is opened for this one read:
+        ``safe_open`` maps the whole file, and the pages a read touches stay in this process's
+        resident set until the handle is dropped, which over a whole import would add up to the
+        model's size."""
+        path = os.path.join(self.path, self.tensors[key].file)
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(key)
 
     def close(self) -> None:
         self._handles = {}
