@@ -40,9 +40,9 @@ def phase_make(ckpt: str, layers: str) -> dict:
     """Write the canonical checkpoint (random fp32 weights, one tensor at a time)."""
     import torch
 
+    from mfsdp_ckpt.hf.mapping import canonical_shapes
     from mfsdp_ckpt.streaming import CheckpointBuilder
     from mfsdp_core.models.gpt import GPTConfig
-    from mfsdp_ckpt.hf.mapping import canonical_shapes
 
     config = GPTConfig(vocab_size=32000, hidden_size=2048, num_layers=int(layers), num_attention_heads=16,
                        num_query_groups=4, kv_channels=128, ffn_hidden_size=5632, seq_length=2048)

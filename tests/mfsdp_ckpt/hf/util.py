@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from mfsdp_core.models.gpt import GPTConfig, GPTModel
 from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 VOCAB = 96
 
