@@ -16,7 +16,7 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import IO, Any, Sequence
 
 import numpy
 import torch
@@ -145,8 +145,9 @@ class CheckpointReader:
         if start == end:
             return out
         placed = []
+        sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         for index, info in self._chunks_by_key.get(key, []):
-            sizes = next((c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+            sizes = sizes_at.get(tuple(index.offset))
             flat0 = _contiguous_flat_start(index.offset, sizes, shape) if sizes is not None else None
             if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
                 return self.read(key).reshape(-1)[start:end].clone()
@@ -233,6 +234,21 @@ class ChunkRecord:
     crc32c: int
 
 
+def _save_record(tensor: torch.Tensor, f: IO[bytes]) -> None:
+    """``torch.save`` one chunk without the zip format's CRC-32 of each member: the manifest's
+    crc32c already covers the payload (and is checked on every read), and torch's CRC-32 halves
+    the write speed. ``torch.load`` (so DCP and every stock PyTorch reader) does not check it;
+    a generic zip tool's integrity test would flag the records."""
+    from torch.utils.serialization import config
+
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        torch.save(tensor, f)
+    finally:
+        config.save.compute_crc32 = saved
+
+
 class ChunkFileWriter:
     """Appends chunks to data files ``__{i}_0.distcp`` in ``directory`` and returns their records.
     One writer per file: two writers must not share a file index."""
@@ -252,7 +268,7 @@ class ChunkFileWriter:
         if isinstance(payload, bytes):
             f.write(payload)
         else:
-            torch.save(payload, f)
+            _save_record(payload, f)
         length = f.tell() - offset
         self.bytes_written += length
         return name, offset, length

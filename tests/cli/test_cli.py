@@ -159,6 +159,17 @@ def test_real_subprocess(run_dir):
     assert differ.returncode == 1 and differ.stdout.rstrip().endswith("common entries compared")
     assert differ.stderr == ""
 
+def test_convert_as_a_real_subprocess(run_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = str(tmp_path / "flat.pt")
+    done = subprocess.run([sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == f"wrote {out}\n", done.stderr
+    again = subprocess.run([sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and again.stderr.startswith("error: ") and "already exists" in again.stderr
+    assert len(again.stderr.splitlines()) == 1
+
 
 def test_diff_equal_across_layouts_and_reports_differences(run_dir, tmp_path):
     from tests.harness import run_ranks
