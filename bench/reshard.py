@@ -23,6 +23,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pagecache import drop_cache  # noqa: E402  (bench/pagecache.py; the script's directory is on sys.path)
+
 
 def make_source(path: str, layers: int, dim: int) -> None:
     """Run on each torchrun rank: build, take one AdamW step, save."""
@@ -44,17 +46,6 @@ def make_source(path: str, layers: int, dim: int) -> None:
     optim.step()
     mfsdp_ckpt.save(path, model, optim, extra={"step": 1}, update_latest=False)
     dist.destroy_process_group()
-
-
-def drop_cache(path: str) -> None:
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def data_files(path: str) -> list[str]:
