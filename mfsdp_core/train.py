@@ -42,6 +42,9 @@ class UsageError(Exception):
     """Bad flags or a request that cannot be met: one line on stderr, non-zero exit."""
 
 
+_LATEST = "<ckpt-dir>/latest"  # --resume without a path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
     p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
@@ -61,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (local path)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/latest, at any world size")
+    p.add_argument("--resume", nargs="?", const=_LATEST, default=None, metavar="CKPT",
+                   help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
+                        "<ckpt-dir>/latest; at any world size")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
                         "fresh optimizer, step 0, any world size")
@@ -84,8 +89,8 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         )
     if args.seq_len > config.seq_length:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
-    if (args.resume or args.save_every) and not args.ckpt_dir:
-        raise UsageError("--resume and --save-every need --ckpt-dir")
+    if (args.resume == _LATEST or args.save_every) and not args.ckpt_dir:
+        raise UsageError("--resume without a checkpoint path, and --save-every, need --ckpt-dir")
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
     return config
@@ -120,6 +125,8 @@ def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
     """The checkpoint to resume from, after checking it was written for this model."""
     import mfsdp_ckpt
 
+    if args.resume != _LATEST:
+        return checked_checkpoint(args.resume, config, "--resume")
     latest = os.path.join(args.ckpt_dir, mfsdp_ckpt.LATEST_NAME)
     if not os.path.exists(latest):
         raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")

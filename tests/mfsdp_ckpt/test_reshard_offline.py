@@ -48,15 +48,19 @@ def source(tmp_path_factory) -> str:
     return str(run / "step_000002")
 
 
-def _resume_metrics(ckpt: str, run_dir, nproc: int) -> tuple[list[dict], str]:
-    """Resume a copy of ``ckpt`` at ``nproc`` ranks for the remaining steps; per-step metrics and
-    the final checkpoint."""
+def _resume_metrics(ckpt: str, run_dir, nproc: int, by_path: bool) -> tuple[list[dict], str]:
+    """Resume from ``ckpt`` at ``nproc`` ranks for the remaining steps (``--resume CKPT``, or a
+    copy of it as ``<ckpt-dir>/latest``); per-step metrics and the final checkpoint."""
     os.makedirs(run_dir)
-    shutil.copytree(ckpt, os.path.join(run_dir, "step_000002"))
-    with open(os.path.join(run_dir, "latest"), "w") as f:
-        f.write("step_000002\n")
+    if by_path:
+        resume = ["--resume", ckpt]
+    else:
+        shutil.copytree(ckpt, os.path.join(run_dir, "step_000002"))
+        with open(os.path.join(run_dir, "latest"), "w") as f:
+            f.write("step_000002\n")
+        resume = ["--resume"]
     metrics = os.path.join(run_dir, "m.jsonl")
-    out = _train(nproc, "--policy", "row", "--ckpt-dir", str(run_dir), "--resume", "--metrics", metrics)
+    out = _train(nproc, "--policy", "row", "--ckpt-dir", str(run_dir), *resume, "--metrics", metrics)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(metrics) as f:
         return [json.loads(line) for line in f], os.path.join(run_dir, "step_000005")
@@ -105,8 +109,8 @@ def test_reshard_4_to_n_verifies_diffs_equal_and_resumes_bitwise(source, tmp_pat
         for file, r in pairs:
             assert file == f"__{r}_0.distcp", (key, file, r)
 
-    from_source, final_source = _resume_metrics(source, tmp_path / "from_source", world)
-    from_resharded, final_resharded = _resume_metrics(dst, tmp_path / "from_resharded", world)
+    from_source, final_source = _resume_metrics(source, tmp_path / "from_source", world, by_path=False)
+    from_resharded, final_resharded = _resume_metrics(dst, tmp_path / "from_resharded", world, by_path=True)
     assert [m["step"] for m in from_source] == [3, 4, 5]
     assert from_source == from_resharded  # loss, lr, grad-norm of every step, bitwise (JSON floats round-trip)
     d = diff_checkpoints(final_source, final_resharded)

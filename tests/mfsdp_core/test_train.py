@@ -114,6 +114,10 @@ def test_resume_without_checkpoint(tmp_path):
     run = _run(None, "--model", "tiny", "--steps", "2", "--ckpt-dir", str(tmp_path / "none"), "--resume")
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0
     assert "--resume: no checkpoint to resume from" in run.stderr
+    run = _run(None, "--model", "tiny", "--steps", "2", "--resume", str(tmp_path / "nope"))
+    assert run.returncode == 1 and run.stderr.strip().count("\n") == 0
+    assert run.stderr.startswith(f"error: --resume: {tmp_path / 'nope'}: no such checkpoint")
+    assert not os.path.exists(tmp_path / "nope")
 
 
 def test_resume_from_another_model_config_touches_nothing(tmp_path):
