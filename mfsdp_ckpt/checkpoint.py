@@ -24,7 +24,7 @@ from mfsdp_core import describe_shards, refresh_compute_params
 from mfsdp_core.optim import optimizer_buffers
 
 from . import fs
-from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError
+from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
@@ -361,15 +361,10 @@ def _plan_targets(
                 unexpected.append(key)
     else:
         missing = []
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {', '.join(sorted(missing))}")
-    if unexpected:
-        problems.append(f"not in the model/optimizer: {', '.join(sorted(unexpected))}")
-    if shape_errors:
-        problems.append(f"shape mismatch: {', '.join(sorted(shape_errors))}")
-    if coverage_errors:
-        problems.append(f"chunks do not cover the tensor exactly: {', '.join(coverage_errors)}")
-    if problems:
-        raise StateMismatchError(f"{source}: " + "; ".join(problems))
+    raise_key_problems(source, [
+        ("missing from the checkpoint", sorted(missing)),
+        ("not in the model/optimizer", sorted(unexpected)),
+        ("shape mismatch", sorted(shape_errors)),
+        ("chunks do not cover the tensor exactly", coverage_errors),
+    ], StateMismatchError)
     return plan, scalar_objects

@@ -3,6 +3,8 @@ fault, on one line, so the CLI can print it as is."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class CheckpointError(Exception):
     """Base class: anything wrong with a checkpoint or with how it is used."""
@@ -36,3 +38,12 @@ class ConversionError(CheckpointError):
     """A conversion to or from another format (the Hugging Face bridge) cannot be done as asked:
     an unknown architecture, a model config the mapping cannot express, a missing or unexpected
     tensor, a shape mismatch."""
+
+
+def raise_key_problems(source: str, problems: Sequence[tuple[str, Sequence[str]]],
+                       error: type[CheckpointError] = CheckpointError) -> None:
+    """Raise one ``error`` naming every key of every non-empty problem (``label: k1, k2; …``), or
+    nothing when all lists are empty: a mismatch is reported whole, on one line."""
+    parts = [f"{label}: {', '.join(keys)}" for label, keys in problems if keys]
+    if parts:
+        raise error(f"{source}: " + "; ".join(parts))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mfsdp_core.models.gpt import GPTConfig
 
-from ..errors import CheckpointError, CheckpointExistsError, ConversionError
+from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
 from ..storage import commit_directory, fsync_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
@@ -96,15 +96,11 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     unexpected = sorted(stored - set(shapes))
     misshapen = sorted(f"{k} (checkpoint {tuple(reader.shape(k))}, model config {tuple(shapes[k])})"
                        for k in set(shapes) & stored if reader.shape(k) != shapes[k])
-    faults = []
-    if missing:
-        faults.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if unexpected:
-        faults.append(f"not in the model config (no HF name): {', '.join(unexpected)}")
-    if misshapen:
-        faults.append(f"shape mismatch: {', '.join(misshapen)}")
-    if faults:
-        raise ConversionError(f"{source}: {'; '.join(faults)}")
+    raise_key_problems(source, [
+        ("missing from the checkpoint", missing),
+        ("not in the model config (no HF name)", unexpected),
+        ("shape mismatch", misshapen),
+    ], ConversionError)
 
     keys = set(reader.keys())
     items = []

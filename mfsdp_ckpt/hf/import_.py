@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, raise_key_problems
 from ..streaming import CheckpointBuilder
 from .files import HFDirectory
 from .mapping import check_against, expand
@@ -94,17 +94,12 @@ def import_(
                            for k in set(planned) & set(present) if present[k].shape != planned[k])
         mixed = sorted(conv.ours for conv in conversions
                        if len({present[k].dtype for k in conv.theirs if k in present}) > 1)
-        faults = []
-        if missing:
-            faults.append(f"missing tensors: {', '.join(missing)}")
-        if unexpected:
-            faults.append(f"unexpected tensors (no mapping in {architecture.name}): {', '.join(unexpected)}")
-        if misshapen:
-            faults.append(f"shape mismatch: {', '.join(misshapen)}")
-        if mixed:
-            faults.append(f"pieces of one tensor in different dtypes: {', '.join(mixed)}")
-        if faults:
-            raise ConversionError(f"{source}: {'; '.join(faults)}")
+        raise_key_problems(source, [
+            ("missing tensors", missing),
+            (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
+            ("shape mismatch", misshapen),
+            ("pieces of one tensor in different dtypes", mixed),
+        ], ConversionError)
 
         manifest = {
             "writer": {"world_size": 1, "buffers": [], "groups": []},
