@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mfsdp_core.models.gpt import GPTConfig
 
+from .. import fs
 from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
 from ..storage import commit_directory, fsync_dir
 from ..streaming import CheckpointReader
@@ -229,7 +230,9 @@ def export(
     """
     start = time.perf_counter()
     rank, world = _rank_world()
-    source = os.path.abspath(os.fspath(checkpoint))
+    source = fs.normalize(checkpoint)  # a local path or an fsspec URL
+    if fs.is_url(out):
+        raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
     final = os.path.abspath(os.fspath(out))
     if isinstance(dtype, str):
         if dtype not in DTYPES:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import fsspec
+import torch
 import pytest
 from click.testing import CliRunner
 
@@ -120,3 +121,22 @@ def test_training_save_and_load_refuse_urls_clearly():
         mfsdp_ckpt.save("s3://bucket/x", None)  # type: ignore[arg-type]
     with pytest.raises(mfsdp_ckpt.CheckpointError, match="takes a local path"):
         mfsdp_ckpt.load("s3://bucket/x", None)  # type: ignore[arg-type]
+
+
+def test_hf_bridge_checkpoint_side_on_s3(s3_bucket, tmp_path):
+    """import-hf writes a checkpoint to S3 (manifest last); export-hf reads it back from S3; the
+    tensors come back bitwise."""
+    from tests.mfsdp_ckpt.hf.util import hf_config, hf_tensors, random_hf_model, save_hf
+
+    hf_dir = save_hf(random_hf_model(hf_config("qwen3")), str(tmp_path / "hf"))
+    ckpt = f"{s3_bucket}/from_hf"
+    res = _cli("import-hf", hf_dir, ckpt)
+    assert res.exit_code == 0, res.output
+    assert verify_checkpoint(ckpt) == []
+    res = _cli("export-hf", ckpt, str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    before, after = hf_tensors(hf_dir), hf_tensors(str(tmp_path / "out"))
+    assert before.keys() == after.keys()
+    assert all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in before)
+    res = _cli("export-hf", ckpt, f"{s3_bucket}/hf_out")
+    assert res.exit_code == 1 and "must be a local path" in res.output
