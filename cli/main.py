@@ -108,7 +108,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp"]), required=True,
               help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file")
-def convert(src: str, dst: str, to: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def convert(src: str, dst: str, to: str, as_json: bool) -> None:
     """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
     from mfsdp_ckpt.convert import convert as run_convert
 
@@ -117,7 +118,7 @@ def convert(src: str, dst: str, to: str) -> None:
         out = _run(lambda: run_convert(src, dst, to, progress=bar))
     finally:
         bar.close()
-    click.echo(f"wrote {out}")
+    click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
 @main.command()

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mfsdp_core.layout import Layout, compute_layout, parse_policy
-from mfsdp_core.strategy import Strategy, parse_strategy
+from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError

@@ -8,6 +8,8 @@ import pytest
 
 from tests.harness import run_ranks
 
+pytest_plugins = ["tests.s3"]  # the s3_endpoint / s3_bucket fixtures (a local moto server)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: slow multi-rank matrix; still run in CI")

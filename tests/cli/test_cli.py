@@ -199,8 +199,9 @@ def test_convert_round_trips_through_torch_and_safetensors(run_dir, tmp_path):
         result = _cli("convert", src, single, "--to", fmt)
         assert result.exit_code == 0, result.output + result.stderr
         back = str(tmp_path / f"back_{fmt}")
-        result = _cli("convert", single, back, "--to", "dcp")
+        result = _cli("convert", single, back, "--to", "dcp", "--json")
         assert result.exit_code == 0, result.output + result.stderr
+        assert json.loads(result.output) == {"path": back, "format": "dcp"}
         assert _cli("verify", back).exit_code == 0
         result = _cli("diff", src, back)
         assert result.exit_code == 0, result.output  # every tensor and object, bitwise

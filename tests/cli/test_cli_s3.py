@@ -19,7 +19,6 @@ from cli.main import main
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import verify_checkpoint
 from tests.mfsdp_ckpt.util import build, train_steps
-from tests.s3 import s3_bucket, s3_endpoint  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -123,9 +123,8 @@ def _save_then_reshard_then_load(ckpt_dir: str) -> dict:
 
     from mfsdp_ckpt import storage
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model, optim = build("optim_grads_params", "row", seed=1)
-    if world == 4:
+    if dist.get_world_size() == 4:
         train_steps(model, optim, 0, 2)
         mfsdp_ckpt.save(os.path.join(ckpt_dir, "src"), model, optim, extra={"step": 2}, update_latest=False)
         return {}
