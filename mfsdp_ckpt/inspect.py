@@ -18,7 +18,7 @@ from . import fs
 from .errors import NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import chunk_id
-from .storage import ChunkFault, VerifyingReader, read_chunk
+from .storage import ChunkFault, VerifyingReader, chunk_shapes, read_chunk
 
 __all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
@@ -166,6 +166,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     listed = set((manifest or {}).get("chunks", {}))
     seen = set()
     handles: dict[str, Any] = {}
+    shapes = chunk_shapes(metadata)
     total, done = sum(info.length for info in storage.values()), 0
     try:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
@@ -175,7 +176,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
             cid = chunk_id(index)
             seen.add(cid)
             offset = tuple(index.offset) if index.offset is not None else None
-            fault = _check_chunk(directory, info, index, manifest, handles)
+            fault = _check_chunk(directory, info, index, manifest, handles, shapes)
             if fault:
                 faults.append(Fault(info.relative_path, index.fqn, offset, fault))
     finally:
@@ -187,7 +188,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     return faults
 
 
-def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, handles: dict) -> str | None:
+def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, handles: dict, shapes: dict) -> str | None:
     if info.relative_path not in handles:
         try:
             handles[info.relative_path] = fs.open_file(fs.join(directory, info.relative_path))
@@ -198,7 +199,7 @@ def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, h
     if f is None:
         return "cannot open"
     try:
-        read_chunk(f, info, index, manifest["chunks"] if manifest else None)
+        read_chunk(f, info, index, manifest["chunks"] if manifest else None, shapes.get(index))
     except ChunkFault as e:
         return str(e)
     return None

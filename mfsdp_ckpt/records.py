@@ -8,14 +8,16 @@ dtype. Anything else returns None and the caller falls back to ``torch.load(weig
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-__all__ = ["RawTensorData", "locate_raw_tensor"]
+__all__ = ["RawTensorData", "locate_raw_tensor", "without_zip_crc"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 
@@ -35,6 +37,28 @@ def _storage_name(dtype: torch.dtype) -> bytes:
     }.get(dtype, b"")
 
 
+def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipInfo) -> int | None:
+    """Offset (within the record) of ``entry``'s first data byte, from its local file header."""
+    f.seek(record_offset + entry.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    fields = _LOCAL_HEADER.unpack(header)
+    if fields[0] != b"PK\x03\x04":
+        return None
+    return entry.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+
+
+def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: zipfile.ZipInfo) -> bytes | None:
+    """A small stored member's bytes, read without the zip CRC check (records may skip the CRC)."""
+    start = _member_start(f, record_offset, entry)
+    if start is None or entry.compress_type != zipfile.ZIP_STORED or start + entry.file_size > length:
+        return None
+    f.seek(record_offset + start)
+    data = f.read(entry.file_size)
+    return data if len(data) == entry.file_size else None
+
+
 def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int) -> RawTensorData | None:
     """The raw data of the record ``[offset, offset + length)`` of ``f``, if it is a plain record
     of ``numel`` elements of ``dtype`` (see module docstring); else None."""
@@ -44,8 +68,7 @@ def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: tor
     if not name:
         return None
     try:
-        archive = zipfile.ZipFile(FileSlice(f, offset, length))
-        infos = archive.infolist()
+        infos = zipfile.ZipFile(FileSlice(f, offset, length)).infolist()
         data = [i for i in infos if "/data/" in i.filename and not i.filename.endswith(".pkl")]
         pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
         order = [i for i in infos if i.filename.endswith("/byteorder")]
@@ -54,19 +77,30 @@ def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: tor
         entry = data[0]
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != numel * dtype.itemsize:
             return None
-        if archive.read(order[0]) != b"little" or name not in archive.read(pkl[0]):
+        if _member_bytes(f, offset, length, order[0]) != b"little":
             return None
-        f.seek(offset + entry.header_offset)
-        header = f.read(_LOCAL_HEADER.size)
-        if len(header) != _LOCAL_HEADER.size:
+        pickled = _member_bytes(f, offset, length, pkl[0])
+        if pickled is None or name not in pickled:
             return None
-        fields = _LOCAL_HEADER.unpack(header)
-        if fields[0] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = fields[-2], fields[-1]
-        start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if start + entry.file_size > length:
+        start = _member_start(f, offset, entry)
+        if start is None or start + entry.file_size > length:
             return None
         return RawTensorData(offset + start, entry.file_size)
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, struct.error):
         return None
+
+
+@contextlib.contextmanager
+def without_zip_crc() -> Iterator[None]:
+    """``torch.save`` records written inside skip the zip format's per-member CRC-32: every
+    chunk's crc32c is already in the manifest and checked on every read, and torch's CRC-32 halves
+    the write speed. ``torch.load`` (so DCP and every stock PyTorch reader) does not check it; a
+    generic zip tool's integrity test would flag the records."""
+    from torch.utils.serialization import config
+
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = saved

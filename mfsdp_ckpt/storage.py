@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import shutil
 import time
 from torch.futures import Future
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -26,6 +27,7 @@ from . import fs
 from .errors import CheckpointExistsError, CorruptCheckpointError
 from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
+from .records import locate_raw_tensor, without_zip_crc
 from .safety import safe_load_metadata
 
 __all__ = ["CommittingWriter", "VerifyingReader", "read_chunk", "ChunkFault", "FileSlice", "fsync_dir"]
@@ -89,7 +91,8 @@ class CommittingWriter(FileSystemWriter):
         self.allow_overwrite = overwrite
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
+        with without_zip_crc():  # the manifest's crc32c covers every chunk (see records.py)
+            results = super().write_data(plan, planner).wait()
         assert isinstance(planner, MfsdpSavePlanner)
         # the checksum travels with each result to the coordinator; finish() strips it again
         stamped = [
@@ -159,6 +162,7 @@ class VerifyingReader(FileSystemReader):
         self.dir = str(path)
         self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
         self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.chunk_shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
 
     def apply(self, planner: LoadPlanner) -> None:
         """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
@@ -177,6 +181,7 @@ class VerifyingReader(FileSystemReader):
         metadata = safe_load_metadata(data, path)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: does not hold DCP metadata")
+        self.chunk_shapes = chunk_shapes(metadata)
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -201,7 +206,7 @@ class VerifyingReader(FileSystemReader):
     def _read_chunk(self, f: io.BufferedReader, path: str, index: Any, reqs: list, planner: LoadPlanner) -> None:
         where = f"{path}: key '{index.fqn}'" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
         try:
-            payload = read_chunk(f, self.storage_data[index], index, self.manifest_chunks)
+            payload = read_chunk(f, self.storage_data[index], index, self.manifest_chunks, self.chunk_shapes.get(index))
         except ChunkFault as e:
             raise CorruptCheckpointError(f"{where}: {e}") from None
         if isinstance(payload, bytes):
@@ -215,14 +220,27 @@ class VerifyingReader(FileSystemReader):
             self.pending.append((req, piece))
 
 
+def chunk_shapes(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor chunk's dtype and sizes, by its storage index (what :func:`read_chunk` expects)."""
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                out[MetadataIndex(key, torch.Size(chunk.offsets))] = (md.properties.dtype, tuple(chunk.sizes))
+    return out
+
+
 class ChunkFault(Exception):
     """What is wrong with one chunk (the caller adds the file and key)."""
 
 
-def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dict[str, Any] | None) -> torch.Tensor | bytes:
+def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dict[str, Any] | None,
+               expect: tuple[torch.dtype, Sequence[int]] | None = None) -> torch.Tensor | bytes:
     """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
     None). Checks that it is complete, readable, listed in the manifest and matches its crc32c
-    (when there is a manifest); raises :class:`ChunkFault` otherwise."""
+    (when there is a manifest); raises :class:`ChunkFault` otherwise. With ``expect`` (the
+    chunk's dtype and sizes from the metadata) a plain record's bytes are read straight into a new
+    tensor instead of going through ``torch.load``."""
     if info.transform_descriptors:
         raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
     size = fs.file_size(f)
@@ -234,9 +252,18 @@ def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dic
         if entry is None:
             raise ChunkFault("not listed in the manifest")
         expected = entry["crc32c"]
+    raw = None
+    if index.offset is not None and expect is not None:
+        dtype, sizes = expect
+        raw = locate_raw_tensor(f, info.offset, info.length, dtype, math.prod(sizes))
     if index.offset is None:
         f.seek(info.offset)
         payload: torch.Tensor | bytes = f.read(info.length)
+    elif raw is not None:
+        payload = torch.empty(tuple(sizes), dtype=dtype)
+        f.seek(raw.offset)
+        if payload.numel() and f.readinto(payload.view(-1).view(torch.uint8).numpy()) != raw.nbytes:
+            raise ChunkFault("truncated tensor data")
     else:
         try:
             payload = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)

@@ -16,7 +16,7 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass
-from typing import IO, Any, Sequence
+from typing import Any, Sequence
 
 import numpy
 import torch
@@ -35,8 +35,8 @@ from . import fs
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import FORMAT, FORMAT_VERSION, write_manifest
 from .planner import chunk_id, payload_crc32c
-from .records import locate_raw_tensor
-from .storage import ChunkFault, commit_directory, fsync_dir, read_chunk
+from .records import locate_raw_tensor, without_zip_crc
+from .storage import ChunkFault, chunk_shapes, commit_directory, fsync_dir, read_chunk
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -55,6 +55,7 @@ class CheckpointReader:
         for index, info in (self.metadata.storage_data or {}).items():
             self._chunks_by_key.setdefault(index.fqn, []).append((index, info))
         self._files: dict[str, io.BufferedReader] = {}
+        self._shapes = chunk_shapes(self.metadata)
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -93,7 +94,7 @@ class CheckpointReader:
     def _payload(self, index: MetadataIndex, info: _StorageInfo) -> torch.Tensor | bytes:
         f = self._file(info.relative_path, index.fqn)
         try:
-            return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None)
+            return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None, self._shapes.get(index))
         except ChunkFault as e:
             at = f" chunk at {list(index.offset)}" if index.offset is not None else ""
             raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}'{at}: {e}") from None
@@ -234,21 +235,6 @@ class ChunkRecord:
     crc32c: int
 
 
-def _save_record(tensor: torch.Tensor, f: IO[bytes]) -> None:
-    """``torch.save`` one chunk without the zip format's CRC-32 of each member: the manifest's
-    crc32c already covers the payload (and is checked on every read), and torch's CRC-32 halves
-    the write speed. ``torch.load`` (so DCP and every stock PyTorch reader) does not check it;
-    a generic zip tool's integrity test would flag the records."""
-    from torch.utils.serialization import config
-
-    saved = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        torch.save(tensor, f)
-    finally:
-        config.save.compute_crc32 = saved
-
-
 class ChunkFileWriter:
     """Appends chunks to data files ``__{i}_0.distcp`` in ``directory`` and returns their records.
     One writer per file: two writers must not share a file index."""
@@ -268,7 +254,8 @@ class ChunkFileWriter:
         if isinstance(payload, bytes):
             f.write(payload)
         else:
-            _save_record(payload, f)
+            with without_zip_crc():
+                torch.save(payload, f)
         length = f.tell() - offset
         self.bytes_written += length
         return name, offset, length

@@ -1,0 +1,49 @@
+"""``records.locate_raw_tensor``: the raw bytes of a plain ``torch.save`` chunk record are found
+(with or without the zip CRC), and anything else is declined so the caller falls back to
+``torch.load``."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from mfsdp_ckpt.records import locate_raw_tensor, without_zip_crc
+
+
+def _record(tensor: torch.Tensor, crc: bool, prefix: bytes = b"x" * 77) -> tuple[io.BytesIO, int, int]:
+    buf = io.BytesIO()
+    buf.write(prefix)
+    if crc:
+        torch.save(tensor, buf)
+    else:
+        with without_zip_crc():
+            torch.save(tensor, buf)
+    return buf, len(prefix), buf.tell() - len(prefix)
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
+def test_plain_record_bytes_are_found(crc, dtype):
+    t = (torch.randn(13, 7) * 10).to(dtype)
+    buf, offset, length = _record(t, crc)
+    raw = locate_raw_tensor(buf, offset, length, dtype, t.numel())
+    assert raw is not None and raw.nbytes == t.numel() * t.element_size()
+    data = buf.getvalue()[raw.offset : raw.offset + raw.nbytes]
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(13, 7), t)
+    if not crc:
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()[offset:]), weights_only=True), t)  # stock reader
+
+
+def test_anything_else_is_declined():
+    t = torch.randn(10)
+    buf, offset, length = _record(t, crc=False)
+    assert locate_raw_tensor(buf, offset, length, torch.float64, t.numel()) is None  # other dtype
+    assert locate_raw_tensor(buf, offset, length, torch.int32, t.numel()) is None  # same width, other dtype
+    assert locate_raw_tensor(buf, offset, length, torch.float32, t.numel() + 1) is None  # other size
+    view_buf, o, n = _record(torch.randn(100)[10:20], crc=True)  # a view: the whole storage is saved
+    assert locate_raw_tensor(view_buf, o, n, torch.float32, 10) is None
+    garbage = io.BytesIO(b"\0" * 500)
+    assert locate_raw_tensor(garbage, 0, 500, torch.float32, 10) is None
+    assert locate_raw_tensor(buf, offset, length - 30, torch.float32, t.numel()) is None  # truncated record
