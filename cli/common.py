@@ -46,3 +46,12 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _run_with_progress(desc: str, fn: Callable[[_Progress], Any], unit: str = "B") -> Any:
+    """:func:`_run` of ``fn(bar)`` with a progress bar that is closed however ``fn`` ends."""
+    bar = _Progress(desc, unit)
+    try:
+        return _run(lambda: fn(bar))
+    finally:
+        bar.close()

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from cli.common import _human, _Progress, _run
+from cli.common import _human, _run_with_progress
 
 
 @click.command(name="export-hf")
@@ -24,12 +24,8 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
     (safetensors shards, index, config.json), loadable by transformers."""
     from mfsdp_ckpt.hf import export
 
-    bar = _Progress("export-hf")
-    try:
-        result = _run(lambda: export(ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size,
-                                     overwrite=overwrite, progress=bar))
-    finally:
-        bar.close()
+    result = _run_with_progress("export-hf", lambda bar: export(
+        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -48,11 +44,7 @@ def import_hf(hf_dir: str, ckpt: str, arch: str | None, overwrite: bool, as_json
     checkpoint CKPT with the model weights and config (train from it with --init-from)."""
     from mfsdp_ckpt.hf import import_
 
-    bar = _Progress("import-hf")
-    try:
-        result = _run(lambda: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar))
-    finally:
-        bar.close()
+    result = _run_with_progress("import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from cli.common import _human, _Progress, _run
+from cli.common import _human, _run, _run_with_progress
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,11 +58,7 @@ def verify(path: str, as_json: bool) -> None:
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
     from mfsdp_ckpt.inspect import verify_checkpoint
 
-    bar = _Progress("verify")
-    try:
-        faults = _run(lambda: verify_checkpoint(path, progress=bar))
-    finally:
-        bar.close()
+    faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
         click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults]}, indent=1))
     elif faults:
@@ -85,11 +81,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
     (Per-rank RNG states are not compared: they depend on the world size.)"""
     from mfsdp_ckpt.diff import diff_checkpoints
 
-    bar = _Progress("diff", unit="entries")
-    try:
-        result = _run(lambda: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar))
-    finally:
-        bar.close()
+    result = _run_with_progress("diff", lambda bar: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar),
+                                unit="entries")
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -113,11 +106,7 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
     """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
     from mfsdp_ckpt.convert import convert as run_convert
 
-    bar = _Progress("read", unit="entries")
-    try:
-        out = _run(lambda: run_convert(src, dst, to, progress=bar))
-    finally:
-        bar.close()
+    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar), unit="entries")
     click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
@@ -139,13 +128,9 @@ def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: s
     exactly what that rank reads. Streams one tensor range at a time (bounded memory)."""
     from mfsdp_ckpt.reshard import reshard as run_reshard
 
-    bar = _Progress("reshard")
-    try:
-        result = _run(lambda: run_reshard(src, dst, world_size=world_size, strategy=strategy, policy=policy, ep=ep,
-                                          model_only=model_only, dtype=dtype, workers=workers, overwrite=overwrite,
-                                          progress=bar))
-    finally:
-        bar.close()
+    result = _run_with_progress("reshard", lambda bar: run_reshard(
+        src, dst, world_size=world_size, strategy=strategy, policy=policy, ep=ep, model_only=model_only, dtype=dtype,
+        workers=workers, overwrite=overwrite, progress=bar))
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=1))
         return
