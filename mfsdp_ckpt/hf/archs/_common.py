@@ -1,13 +1,59 @@
-"""Key prefixes and the checks shared by the architecture modules."""
+"""What the architecture modules share: key prefixes, the rule groups every Llama-family model
+spells the same way (embedding, attention, dense MLP, final norm and head), and config checks.
+An architecture module lists its rules by composing these groups with its own."""
 
 from __future__ import annotations
 
 from mfsdp_core.models.gpt import GPTConfig
 
+from ..mapping import Direct, FusedQKV, GatedMLP, Rule, untied
+
 #: canonical layer prefix (``model.`` is added by :func:`mfsdp_ckpt.hf.mapping.expand`)
 L = "decoder.layers.{i}."
 #: HF layer prefix
 H = "model.layers.{i}."
+
+EMBEDDING = Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+#: final norm, and the output head unless it is tied to the embedding
+HEAD = (
+    Direct("decoder.final_layernorm.weight", "model.norm.weight"),
+    Direct("output_layer.weight", "lm_head.weight", when=untied),
+)
+#: SwiGLU MLP of a dense layer, with its pre-norm fused into ``linear_fc1``
+DENSE_MLP = (
+    Direct(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight"),
+    GatedMLP(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight")),
+    Direct(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight"),
+)
+
+
+def attention(*, qkv_bias: bool = False, qk_norm: bool = False) -> tuple[Rule, ...]:
+    """Pre-norm, fused QKV (and its bias), per-head q/k norms, output projection (``self_attn.*``)."""
+    def qkv(kind: str) -> tuple[str, str, str]:
+        return tuple(H + f"self_attn.{p}_proj.{kind}" for p in "qkv")  # type: ignore[return-value]
+
+    rules: list[Rule] = [
+        Direct(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight"),
+        FusedQKV(L + "self_attention.linear_qkv.weight", qkv("weight")),
+    ]
+    if qkv_bias:
+        rules.append(FusedQKV(L + "self_attention.linear_qkv.bias", qkv("bias")))
+    if qk_norm:
+        rules += [Direct(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight"),
+                  Direct(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight")]
+    rules.append(Direct(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"))
+    return tuple(rules)
+
+
+def moe_mlp(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """An MoE layer: pre-norm, router, and per-expert SwiGLU weights under HF's ``expert``
+    prefix (``{e}`` = global expert index) with its names for the gate / up / down projections."""
+    return (
+        Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
+        Direct(L + "mlp.router.weight", H + router),
+        GatedMLP(L + "mlp.experts.linear_fc1.weight{e}", (H + expert + gate, H + expert + up)),
+        Direct(L + "mlp.experts.linear_fc2.weight{e}", H + expert + down),
+    )
 
 
 def feature_problems(c: GPTConfig, *, moe: bool, qk_norm: bool, qkv_bias: bool) -> list[str]:

@@ -5,21 +5,10 @@ from __future__ import annotations
 from mfsdp_core.models.gpt import GPTConfig
 
 from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
-from ..mapping import Architecture, Direct, FusedQKV, GatedMLP, untied
-from ._common import H, L, feature_problems
+from ..mapping import Architecture
+from ._common import DENSE_MLP, EMBEDDING, HEAD, attention, feature_problems
 
-RULES = (
-    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-    Direct(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight"),
-    FusedQKV(L + "self_attention.linear_qkv.weight",
-             (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight")),
-    Direct(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
-    Direct(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight"),
-    GatedMLP(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight")),
-    Direct(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight"),
-    Direct("decoder.final_layernorm.weight", "model.norm.weight"),
-    Direct("output_layer.weight", "lm_head.weight", when=untied),
-)
+RULES = (EMBEDDING, *attention(), *DENSE_MLP, *HEAD)
 
 
 def unsupported(c: GPTConfig) -> list[str]:

@@ -7,22 +7,14 @@ from __future__ import annotations
 from mfsdp_core.models.gpt import GPTConfig
 
 from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
-from ..mapping import Architecture, Direct, FusedQKV, GatedMLP, untied
-from ._common import H, L, feature_problems, moe_problems
+from ..mapping import Architecture
+from ._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems
 
 RULES = (
-    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-    Direct(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight"),
-    FusedQKV(L + "self_attention.linear_qkv.weight",
-             (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight")),
-    Direct(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
-    Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
-    Direct(L + "mlp.router.weight", H + "block_sparse_moe.gate.weight"),
-    GatedMLP(L + "mlp.experts.linear_fc1.weight{e}",
-             (H + "block_sparse_moe.experts.{e}.w1.weight", H + "block_sparse_moe.experts.{e}.w3.weight")),
-    Direct(L + "mlp.experts.linear_fc2.weight{e}", H + "block_sparse_moe.experts.{e}.w2.weight"),
-    Direct("decoder.final_layernorm.weight", "model.norm.weight"),
-    Direct("output_layer.weight", "lm_head.weight", when=untied),
+    EMBEDDING,
+    *attention(),
+    *moe_mlp("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", "w1.weight", "w3.weight", "w2.weight"),
+    *HEAD,
 )
 
 
