@@ -25,7 +25,7 @@ from mfsdp_core.optim import optimizer_buffers
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
 from .storage import CommittingWriter, VerifyingReader, fsync_dir
@@ -54,21 +54,15 @@ def _writer_layout(model: nn.Module) -> dict[str, Any]:
     """The writer's layout: a summary, and every flat buffer's parameters in buffer order (what
     ``reshard`` needs to compute another world size's ranges without the model)."""
     _, world = _rank_world()
-    shards = describe_shards(model)
-    layouts = sorted({(ps.strategy.value, str(ps.policy), ps.group_size) for ps in shards})
     groups: list[dict[str, Any]] = []
     last = None
-    for ps in shards:
+    for ps in describe_shards(model):
         if ps.layout is not last:
             last = ps.layout
             groups.append({"params": [], "strategy": ps.strategy.value, "policy": str(ps.policy),
                            "group_size": ps.group_size, "is_expert": ps.is_expert})
         groups[-1]["params"].append(ps.fqn)
-    return {
-        "world_size": world,
-        "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in layouts],
-        "groups": groups,
-    }
+    return writer_layout(world, groups)
 
 
 def save(
@@ -118,7 +112,7 @@ def save(
         "step": step,
         "include_grads": include_grads,
         "has_optimizer": optimizer is not None,
-        "versions": {"torch": torch.__version__, "mfsdp_ckpt": _version()},
+        "versions": versions(),
     }
     writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
     try:
@@ -139,15 +133,6 @@ def save(
     if dist.is_initialized():
         dist.barrier()
     return final
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("mfsdp-ckpt")
-    except Exception:
-        return "unknown"
 
 
 def _write_latest(parent: str, name: str) -> None:

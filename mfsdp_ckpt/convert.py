@@ -22,6 +22,7 @@ from safetensors.torch import save as safetensors_save
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
+from .manifest import versions, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "convert"]
@@ -48,8 +49,8 @@ def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None
 def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
     """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
     may be an fsspec URL)."""
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": None, "step": None,
-                "converted_from": source, "versions": {"torch": torch.__version__}}
+    manifest = {"writer": writer_layout(1, []), "model_config": None, "step": None,
+                "converted_from": source, "versions": versions()}
     with CheckpointBuilder(path, manifest) as builder:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):

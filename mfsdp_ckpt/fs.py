@@ -15,8 +15,8 @@ import posixpath
 import shutil
 from typing import IO, Any
 
-__all__ = ["is_url", "join", "normalize", "exists", "isfile", "isdir", "listdir", "open_file", "file_size",
-           "tree_size", "remove_tree", "makedirs"]
+__all__ = ["is_url", "join", "dirname", "normalize", "exists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
+           "write_bytes", "file_size", "tree_size", "remove_tree"]
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -50,10 +50,6 @@ def join(base: str, *parts: str) -> str:
 
 def dirname(path: str) -> str:
     return posixpath.dirname(path) if is_url(path) else os.path.dirname(path)
-
-
-def basename(path: str) -> str:
-    return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
 
 
 def exists(path: str) -> bool:
@@ -143,9 +139,3 @@ def remove_tree(path: str) -> None:
     fs, p = _fs(path)
     if fs.exists(p):
         fs.rm(p, recursive=True)
-
-
-def makedirs(path: str) -> None:
-    """Create a local directory (and parents); nothing to do on object stores."""
-    if not is_url(path):
-        os.makedirs(path, exist_ok=True)

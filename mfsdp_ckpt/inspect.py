@@ -18,7 +18,7 @@ from . import fs
 from .errors import NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import chunk_id
-from .storage import ChunkFault, VerifyingReader, chunk_shapes, read_chunk
+from .storage import ChunkFault, VerifyingReader, read_chunk
 
 __all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
@@ -166,7 +166,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     listed = set((manifest or {}).get("chunks", {}))
     seen = set()
     handles: dict[str, Any] = {}
-    shapes = chunk_shapes(metadata)
+    shapes = reader.chunk_shapes
     total, done = sum(info.length for info in storage.values()), 0
     try:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):

@@ -5,16 +5,49 @@ and a crc32c for every chunk's payload."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from . import fs
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 
-__all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "read_manifest", "write_manifest", "is_committed"]
+__all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "completed", "versions", "writer_layout", "read_manifest", "write_manifest", "is_committed"]
 
 MANIFEST_NAME = "mfsdp.json"
 FORMAT = "mfsdp-ckpt"
 FORMAT_VERSION = 1
+
+
+def writer_layout(world_size: int, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's ``writer`` entry: the world size, every flat buffer's parameters in buffer
+    order with its strategy / policy / group size (what ``reshard`` computes another layout from),
+    and a one-line-per-kind summary of those (what ``inspect`` shows)."""
+    kinds = sorted({(g["strategy"], g["policy"], g["group_size"]) for g in groups})
+    return {
+        "world_size": world_size,
+        "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in kinds],
+        "groups": groups,
+    }
+
+
+def versions() -> dict[str, str]:
+    """The software that wrote a checkpoint, for its manifest."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        ours = version("mfsdp-ckpt")
+    except Exception:  # noqa: BLE001 - running from a source tree without an install
+        ours = "unknown"
+    return {"torch": torch.__version__, "mfsdp_ckpt": ours}
+
+
+def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``manifest`` plus what every committed checkpoint's manifest holds: format and version, the
+    save id ``.metadata`` carries too, the time, every chunk's place and crc32c, total bytes."""
+    return {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "save_id": save_id,
+            "created_unix": time.time(), "chunks": chunks, "total_bytes": sum(c["length"] for c in chunks.values())}
 
 
 def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:

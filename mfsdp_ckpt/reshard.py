@@ -27,6 +27,7 @@ from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError
+from .manifest import writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
 __all__ = ["reshard", "ReshardResult", "DTYPES"]
@@ -113,10 +114,10 @@ def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int]], 
         key_cast = cast if cast is not None and key.startswith("model.") and reader.dtype(key).is_floating_point else None
         itemsize = (key_cast or reader.dtype(key)).itemsize
         name = _param_of(key, params)
-        if name is None or reader.shape(key) != torch.Size(params[name][0].shapes[params[name][1]]):
+        layout, index = params[name] if name is not None else (None, 0)
+        if layout is None or reader.shape(key) != torch.Size(layout.shapes[index]):  # e.g. Adam's scalar step
             jobs.append(_Job(key, 0, cast=key_cast, nbytes=reader.shape(key).numel() * itemsize))
             continue
-        layout, index = params[name]
         for r in range(layout.group_size):
             piece = layout.piece(index, r)
             if piece.numel:
@@ -160,10 +161,11 @@ def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any) -> Non
     except CheckpointError as e:
         results.put(("error", wid, str(e)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        results.put(("error", wid, f"worker {wid}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        traceback.print_exc()  # the details, on the worker's stderr; the parent raises one line
+        results.put(("error", wid, f"reshard worker {wid}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 
-def _assign(jobs: list[_Job], files: int, workers: int) -> list[list[_Job]]:
+def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     """Whole files to workers, largest first onto the least-loaded worker."""
     per_file: dict[int, list[_Job]] = {}
     for job in jobs:
@@ -200,7 +202,7 @@ def _run_parallel(src: str, tmp: str, assignments: list[list[_Job]], report: Cal
                 records.extend(payload)
                 pending.discard(wid)
             else:
-                raise CheckpointError(payload.splitlines()[0] if not payload.startswith("worker") else payload)
+                raise CheckpointError(payload)
     finally:
         for p in procs:
             if p.is_alive():
@@ -265,12 +267,7 @@ def reshard(
         src_dir = reader.directory
     files = max([j.file for j in jobs], default=0) + 1
     out_manifest = {k: v for k, v in manifest.items() if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")}
-    layouts = sorted({(g["strategy"], g["policy"], g["group_size"]) for g in groups})
-    out_manifest["writer"] = {
-        "world_size": world_size,
-        "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in layouts],
-        "groups": groups,
-    }
+    out_manifest["writer"] = writer_layout(world_size, groups)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
     out_manifest["resharded_from"] = {"path": src_dir, "save_id": manifest.get("save_id"), "world_size": source_world,
@@ -285,7 +282,7 @@ def reshard(
             progress(done, total)
 
     with CheckpointBuilder(dst, out_manifest, overwrite=overwrite) as builder:
-        assignments = _assign(jobs, files, workers)
+        assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
             records = _run_jobs(src_dir, builder.tmp, jobs, report)
         else:

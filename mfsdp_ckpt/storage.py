@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
 from .errors import CheckpointExistsError, CorruptCheckpointError
-from .manifest import FORMAT, FORMAT_VERSION, write_manifest
+from .manifest import completed, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
 from .records import locate_raw_tensor, without_zip_crc
 from .safety import safe_load_metadata
@@ -119,16 +119,7 @@ class CommittingWriter(FileSystemWriter):
                 plain_rank.append(dataclasses.replace(wr, storage_data=info))
             plain.append(plain_rank)
         super().finish(metadata, plain)
-        manifest = dict(self.manifest)
-        manifest.update(
-            format=FORMAT,
-            format_version=FORMAT_VERSION,
-            save_id=self.save_id,
-            created_unix=time.time(),
-            chunks=chunks,
-            total_bytes=sum(c["length"] for c in chunks.values()),
-        )
-        write_manifest(self.tmp_dir, manifest, sync=self.sync_files)
+        write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)
         if self.sync_files:
             fsync_dir(self.tmp_dir)
         commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)
@@ -235,12 +226,15 @@ class ChunkFault(Exception):
 
 
 def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dict[str, Any] | None,
-               expect: tuple[torch.dtype, Sequence[int]] | None = None) -> torch.Tensor | bytes:
+               expect: tuple[torch.dtype, Sequence[int]] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor | bytes:
     """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
     None). Checks that it is complete, readable, listed in the manifest and matches its crc32c
-    (when there is a manifest); raises :class:`ChunkFault` otherwise. With ``expect`` (the
-    chunk's dtype and sizes from the metadata) a plain record's bytes are read straight into a new
-    tensor instead of going through ``torch.load``."""
+    (when there is a manifest); raises :class:`ChunkFault` otherwise.
+
+    With ``expect`` (the chunk's dtype and sizes from the metadata) a plain record's bytes are read
+    straight into a new tensor instead of going through ``torch.load``; with ``out`` (a contiguous
+    tensor of the chunk's dtype and element count) straight into ``out``, which is returned."""
     if info.transform_descriptors:
         raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
     size = fs.file_size(f)
@@ -252,15 +246,16 @@ def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dic
         if entry is None:
             raise ChunkFault("not listed in the manifest")
         expected = entry["crc32c"]
+    if out is not None:
+        expect = (out.dtype, out.shape)
     raw = None
     if index.offset is not None and expect is not None:
-        dtype, sizes = expect
-        raw = locate_raw_tensor(f, info.offset, info.length, dtype, math.prod(sizes))
+        raw = locate_raw_tensor(f, info.offset, info.length, expect[0], math.prod(expect[1]))
     if index.offset is None:
         f.seek(info.offset)
         payload: torch.Tensor | bytes = f.read(info.length)
     elif raw is not None:
-        payload = torch.empty(tuple(sizes), dtype=dtype)
+        payload = out if out is not None else torch.empty(tuple(expect[1]), dtype=expect[0])
         f.seek(raw.offset)
         if payload.numel() and f.readinto(payload.view(-1).view(torch.uint8).numpy()) != raw.nbytes:
             raise ChunkFault("truncated tensor data")
@@ -272,6 +267,10 @@ def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dic
             raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
         if not isinstance(payload, torch.Tensor):
             raise ChunkFault("chunk does not hold a tensor")
+        if out is not None:
+            if payload.dtype != out.dtype or payload.numel() != out.numel():
+                raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata")
+            payload = out.copy_(payload.reshape(out.shape))
     if expected is not None and payload_crc32c(payload) != expected:
         raise ChunkFault("checksum mismatch")
     return payload

@@ -13,7 +13,6 @@ import io
 import math
 import os
 import pickle
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -33,10 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from .manifest import FORMAT, FORMAT_VERSION, write_manifest
+from .manifest import completed, write_manifest
 from .planner import chunk_id, payload_crc32c
-from .records import locate_raw_tensor, without_zip_crc
-from .storage import ChunkFault, chunk_shapes, commit_directory, fsync_dir, read_chunk
+from .records import without_zip_crc
+from .storage import ChunkFault, commit_directory, fsync_dir, read_chunk
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -50,12 +49,12 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike) -> None:
         from .inspect import open_checkpoint
 
-        self.directory, self.manifest, self.metadata, _ = open_checkpoint(os.fspath(path))
+        self.directory, self.manifest, self.metadata, verifying = open_checkpoint(os.fspath(path))
         self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
         for index, info in (self.metadata.storage_data or {}).items():
             self._chunks_by_key.setdefault(index.fqn, []).append((index, info))
         self._files: dict[str, io.BufferedReader] = {}
-        self._shapes = chunk_shapes(self.metadata)
+        self._shapes = verifying.chunk_shapes
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -91,10 +90,11 @@ class CheckpointReader:
             self._files[relative_path] = f
         return f
 
-    def _payload(self, index: MetadataIndex, info: _StorageInfo) -> torch.Tensor | bytes:
+    def _payload(self, index: MetadataIndex, info: _StorageInfo, out: torch.Tensor | None = None) -> torch.Tensor | bytes:
+        """The chunk's verified payload (read into ``out`` when given)."""
         f = self._file(info.relative_path, index.fqn)
         try:
-            return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None, self._shapes.get(index))
+            return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None, self._shapes.get(index), out)
         except ChunkFault as e:
             at = f" chunk at {list(index.offset)}" if index.offset is not None else ""
             raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}'{at}: {e}") from None
@@ -113,6 +113,8 @@ class CheckpointReader:
                 return torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})") from None
+        if all(_contiguous_flat_start(c.offsets, c.sizes, md.size) is not None for c in md.chunks):
+            return self.read_flat(key, 0, md.size.numel()).view(md.size)  # every chunk straight into place
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = 0
         for index, info in sorted(chunks, key=lambda c: (c[1].relative_path, c[1].offset)):
@@ -160,38 +162,15 @@ class CheckpointReader:
                 continue
             covered += hi - lo
             if lo == flat0 and hi == flat0 + n:
-                self._read_into(index, info, out[lo - start : hi - start])
+                self._payload(index, info, out[lo - start : hi - start])
             else:
                 tmp = torch.empty(n, dtype=dtype)
-                self._read_into(index, info, tmp)
+                self._payload(index, info, tmp)
                 out[lo - start : hi - start].copy_(tmp[lo - flat0 : hi - flat0])
                 del tmp
         if covered != end - start:
             raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of elements [{start}, {end})")
         return out
-
-    def _read_into(self, index: MetadataIndex, info: _StorageInfo, dst: torch.Tensor) -> None:
-        """Fill the contiguous 1-D ``dst`` with the chunk's elements, verified."""
-        f = self._file(info.relative_path, index.fqn)
-        raw = None if info.transform_descriptors else locate_raw_tensor(f, info.offset, info.length, dst.dtype, dst.numel())
-        if raw is None:
-            piece = self._payload(index, info)
-            if not isinstance(piece, torch.Tensor) or piece.numel() != dst.numel() or piece.dtype != dst.dtype:
-                raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}: does not fit its metadata")
-            dst.copy_(piece.reshape(-1))
-            return
-        where = f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}' chunk at {list(index.offset)}"
-        f.seek(raw.offset)
-        view = dst.view(torch.uint8).numpy() if dst.numel() else bytearray()
-        got = f.readinto(view)
-        if got != raw.nbytes:
-            raise CorruptCheckpointError(f"{where}: truncated")
-        if self.manifest is not None:
-            entry = self.manifest["chunks"].get(chunk_id(index))
-            if entry is None:
-                raise CorruptCheckpointError(f"{where}: not listed in the manifest")
-            if payload_crc32c(dst) != entry["crc32c"]:
-                raise CorruptCheckpointError(f"{where}: checksum mismatch")
 
 
 def _contiguous_flat_start(offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> int | None:
@@ -415,16 +394,7 @@ class CheckpointBuilder:
             version=CURRENT_DCP_VERSION,
         )
         fs.write_bytes(fs.join(self.tmp, ".metadata"), pickle.dumps(metadata), sync=self.sync)
-        manifest = dict(self.manifest)
-        manifest.update(
-            format=FORMAT,
-            format_version=FORMAT_VERSION,
-            save_id=save_id,
-            created_unix=time.time(),
-            chunks=self._chunks,
-            total_bytes=self.bytes_written,
-        )
-        write_manifest(self.tmp, manifest, sync=self.sync)  # on an object store: the commit
+        write_manifest(self.tmp, completed(self.manifest, save_id, self._chunks), sync=self.sync)  # object store: the commit
         if not self.remote:
             if self.sync:
                 fsync_dir(self.tmp)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConversionError, raise_key_problems
+from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .files import HFDirectory
 from .mapping import check_against, expand
@@ -37,15 +38,6 @@ class ImportResult:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("mfsdp-ckpt")
-    except Exception:  # noqa: BLE001 - running from a source tree without an install
-        return "unknown"
 
 
 def import_(
@@ -102,12 +94,12 @@ def import_(
         ], ConversionError)
 
         manifest = {
-            "writer": {"world_size": 1, "buffers": [], "groups": []},
+            "writer": writer_layout(1, []),
             "model_config": cfg.to_dict(),
             "step": None,
             "include_grads": False,
             "has_optimizer": False,
-            "versions": {"torch": torch.__version__, "mfsdp_ckpt": _version()},
+            "versions": versions(),
             "converted_from": source,
             "hf": {"architecture": architecture.name, "model_type": hf.config.get("model_type")},
         }
