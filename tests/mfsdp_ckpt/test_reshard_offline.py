@@ -105,7 +105,11 @@ def test_reshard_4_to_n_verifies_diffs_equal_and_resumes_bitwise(source, tmp_pat
     assert CliRunner().invoke(main, ["diff", source, dst]).exit_code == 0
 
     # every chunk of rank r's range sits in rank r's file
-    for key, pairs in _owner_files(dst).items():
+    owners = _owner_files(dst)
+    with CheckpointReader(dst) as reader:
+        assert {k for k in owners if k.startswith("model.")} == {k for k in reader.keys() if k.startswith("model.")}
+    assert {r for pairs in owners.values() for _, r in pairs} == set(range(world))  # every rank's file is used
+    for key, pairs in owners.items():
         for file, r in pairs:
             assert file == f"__{r}_0.distcp", (key, file, r)
 
