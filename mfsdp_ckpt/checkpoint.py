@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from mfsdp_core import describe_shards, refresh_compute_params
+from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.optim import optimizer_buffers
 
 from . import fs
@@ -40,14 +41,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _broadcast(value: Any) -> Any:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _writer_layout(model: nn.Module) -> dict[str, Any]:
@@ -93,14 +86,12 @@ def save(
     rank, world = _rank_world()
     final = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(final)
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    # rank 0 checks the destination for all: a failure on rank 0 alone would leave the others
+    # waiting in dcp.save's first collective
+    token = rank0_decides(_prepare_destination, final, overwrite)
     tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{token}")
-    if rank == 0:
-        os.makedirs(parent, exist_ok=True)
     entries = save_entries(model, optimizer, include_grads)
     if rank == 0:
         for name, value in (extra or {}).items():
@@ -133,6 +124,21 @@ def save(
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def _prepare_destination(final: str, overwrite: bool) -> str:
+    """Check ``final`` may be written and create its parent; a fresh token for the temporary
+    directory."""
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
+    parent = os.path.dirname(final)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{parent}: cannot create the checkpoint's parent directory ({e.strerror})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{parent}: not writable, cannot save {os.path.basename(final)} there")
+    return uuid.uuid4().hex[:12]
 
 
 def _write_latest(parent: str, name: str) -> None:
@@ -242,7 +248,8 @@ def load(
     """
     _local_only(path, "load")
     rank, world = _rank_world()
-    directory = resolve_checkpoint(path)
+    # one answer for all ranks, even if ``latest`` moves while they start
+    directory = rank0_decides(resolve_checkpoint, path)
     manifest = None
     if require_manifest or os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
         manifest = read_manifest(directory)

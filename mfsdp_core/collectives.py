@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,10 @@ __all__ = [
     "reduce_scatter_avg",
     "all_reduce_avg",
     "all_reduce_sum",
+    "rank0_decides",
 ]
+
+T = TypeVar("T")
 
 _BYTE_VIEW_DTYPES = {
     getattr(torch, name)
@@ -149,3 +152,27 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Non
     _record("all_reduce", tensor)
     if dist.is_initialized() and group_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def rank0_decides(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` run on rank 0 only; every rank returns its result, or raises the exception
+    it raised.
+
+    For decisions that read shared state which may change underneath (a ``latest`` pointer, whether
+    a directory exists): ranks that each read it could see different answers and enter different
+    collectives, and a rank that fails alone leaves the others waiting. Result and exception must
+    pickle. Outside a process group, a plain call.
+    """
+    if not dist.is_initialized():
+        return fn(*args)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, fn(*args))
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            box[0] = (False, e)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
+from .collectives import rank0_decides
 from .data import SyntheticText
 from .layout import parse_policy
 from .models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
@@ -93,7 +94,20 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         raise UsageError("--resume without a checkpoint path, and --save-every, need --ckpt-dir")
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
+    if args.ckpt_dir:  # fail now, not at the first save after hours of training
+        check_writable_dir(args.ckpt_dir, "--ckpt-dir")
     return config
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Raise unless ``path`` is, or could be created as, a directory this process may write."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {probe} is not writable")
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -163,8 +177,10 @@ def memory_mib() -> float:
 def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
     import mfsdp_ckpt
 
-    resume_from = resume_point(args, config) if args.resume else None
-    init_from = checked_checkpoint(args.init_from, config, "--init-from") if args.init_from else None
+    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
+    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
+    resume_from = rank0_decides(resume_point, args, config) if args.resume else None
+    init_from = rank0_decides(checked_checkpoint, args.init_from, config, "--init-from") if args.init_from else None
     model, optim = build(config, args)
     device = next(model.parameters()).device
     data = SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
@@ -215,16 +231,19 @@ def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) ->
         if rank == 0:
             _report(args, bar, step, mean_loss, lr, grad_norm.item(), args.batch_size * args.seq_len / seconds)
         if args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last):
-            mfsdp_ckpt.save(
-                os.path.join(args.ckpt_dir, f"step_{step:06d}"),
-                model,
-                optim,
-                extra={"step": step, "data_position": position, "model": args.model},
-                model_config=config.to_dict(),
-                step=step,
-                keep=args.keep,
-                overwrite=True,
-            )
+            try:
+                mfsdp_ckpt.save(
+                    os.path.join(args.ckpt_dir, f"step_{step:06d}"),
+                    model,
+                    optim,
+                    extra={"step": step, "data_position": position, "model": args.model},
+                    model_config=config.to_dict(),
+                    step=step,
+                    keep=args.keep,
+                    overwrite=True,
+                )
+            except mfsdp_ckpt.CheckpointError as e:
+                raise UsageError(f"saving step {step}: {e}") from None
     if bar is not None:
         bar.close()
 

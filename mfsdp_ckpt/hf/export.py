@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
@@ -145,6 +146,16 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
+def _make_partial_dir(final: str) -> str:
+    parent = os.path.dirname(final)
+    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise CheckpointError(f"{parent}: cannot create the export's directory there ({e.strerror})") from None
+    return tmp
+
+
 def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
     """Write this rank's shard files; check each source it was given was read exactly once."""
     n = len(plan.shards)
@@ -242,14 +253,9 @@ def export(
     max_bytes = parse_size(max_shard_size)
     with CheckpointReader(source) as reader:
         plan = _plan(reader, source, arch, dtype, max_bytes)
-        parent = os.path.dirname(final)
-        tmp = None
-        if rank == 0:
-            os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
-            os.makedirs(tmp)
-        if world > 1:
-            tmp = _broadcast(tmp)  # also: nobody writes before the directory exists
+        # rank 0 makes the directory for all; nobody writes before it exists, and if it cannot be
+        # made every rank raises the same error
+        tmp = rank0_decides(_make_partial_dir, final)
         failure: BaseException | None = None
         try:
             _write_shards(reader, plan, tmp, rank, world, progress)

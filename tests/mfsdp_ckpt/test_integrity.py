@@ -15,6 +15,7 @@ from torch import nn
 
 import mfsdp_ckpt
 from mfsdp_ckpt import (
+    CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
     StateMismatchError,
@@ -170,6 +171,27 @@ def test_save_over_existing_checkpoint_is_refused(ranks, ckpt):
         assert "already exists" in msg and ckpt in msg
     assert sorted(os.listdir(ckpt)) == before
     assert not [n for n in os.listdir(os.path.dirname(ckpt)) if ".partial-" in n]
+
+
+def _save_under_a_file(path: str) -> str:
+    model, optim = build("optim", "even")
+    try:
+        mfsdp_ckpt.save(path, model, optim)
+    except CheckpointError as e:
+        return str(e)
+    return ""
+
+
+def test_unusable_destination_fails_on_every_rank_alike(ranks, tmp_path):
+    # rank 0 creates the parent directory; when it cannot, every rank must hear why (rather than
+    # the others waiting in dcp.save's first collective for a rank that has left)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    messages = ranks(_save_under_a_file, 3, str(blocker / "run" / "step_1"), timeout=120)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(f"{blocker / 'run'}: cannot create the checkpoint's parent directory (")
+    assert "\n" not in messages[0]
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def _save_series(root: str, steps: list[int], keep: int) -> None:

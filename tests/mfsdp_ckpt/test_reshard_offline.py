@@ -23,16 +23,13 @@ from mfsdp_ckpt.reshard import reshard
 from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core import compute_layout
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
+from tests.torchrun import ENV, ROOT, failure, run_train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 TRAIN = ("--model", "tiny-moe", "--batch-size", "24", "--seq-len", "16", "--seed", "3", "--warmup", "2", "--steps", "5")
 
 
 def _train(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "mfsdp_core.train", *TRAIN, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    return run_train(nproc, *TRAIN, *args)
 
 
 def _cli_subprocess(*args: str) -> subprocess.CompletedProcess:
@@ -44,7 +41,7 @@ def source(tmp_path_factory) -> str:
     """A tiny-moe checkpoint written by the trainer at 4 ranks, ZeRO-3, row policy, step 2."""
     run = tmp_path_factory.mktemp("reshard") / "src_run"
     out = _train(4, "--policy", "row", "--stop-at", "2", "--ckpt-dir", str(run))
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure(out)
     return str(run / "step_000002")
 
 
@@ -61,7 +58,7 @@ def _resume_metrics(ckpt: str, run_dir, nproc: int, by_path: bool) -> tuple[list
         resume = ["--resume"]
     metrics = os.path.join(run_dir, "m.jsonl")
     out = _train(nproc, "--policy", "row", "--ckpt-dir", str(run_dir), *resume, "--metrics", metrics)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure(out)
     with open(metrics) as f:
         return [json.loads(line) for line in f], os.path.join(run_dir, "step_000005")
 

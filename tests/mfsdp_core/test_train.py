@@ -7,27 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-
-
-def _cmd(nproc: int | None, *args: str) -> list[str]:
-    if nproc is None:  # one process, no torchrun
-        return [sys.executable, "-m", "mfsdp_core.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "mfsdp_core.train", *args]
-
-
-def _run(nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(nproc, *args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+from tests.torchrun import ENV, ROOT, failure, kill_job, run_train as _run, train_cmd
 
 
 def _metrics(path) -> dict[int, dict]:
@@ -50,7 +36,7 @@ def _full_state(ckpt: str, out: str) -> dict:
 def test_loss_falls_over_200_steps_of_tiny(tmp_path):
     metrics = tmp_path / "m.jsonl"
     run = _run(2, "--model", "tiny", "--steps", "200", "--seed", "0", "--metrics", str(metrics), "--log-every", "50")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     losses = [r["loss"] for _, r in sorted(_metrics(metrics).items())]
     assert len(losses) == 200
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
@@ -65,19 +51,18 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     # A: uninterrupted
     run = _run(2, *COMMON, "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    # B: killed (SIGKILL, the whole process group) once it is past the checkpoint at step 10
-    proc = subprocess.Popen(_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
+    assert run.returncode == 0, failure(run)
+    # B: killed (SIGKILL to torchrun and every worker, as a node crash would) once past the checkpoint at step 10
+    proc = subprocess.Popen(train_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
                             cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while max(_metrics(tmp_path / "b.jsonl"), default=0) < 13 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_job(proc)
     killed_at = max(_metrics(tmp_path / "b.jsonl"))
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     run = _run(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     assert "resumed from" in run.stdout
     ma, mb = _metrics(tmp_path / "a.jsonl"), _metrics(tmp_path / "b.jsonl")
     assert [ma[s] for s in range(1, 41)] == [mb[s] for s in range(1, 41)]  # exact floats: bitwise
@@ -93,7 +78,7 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     shutil.copytree(a / "step_000010", c / "step_000010")
     (c / "latest").write_text("step_000010\n")
     run = _run(3, *COMMON, "--ckpt-dir", str(c), "--metrics", str(tmp_path / "c.jsonl"), "--resume")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     mc = _metrics(tmp_path / "c.jsonl")
     diffs = [abs(mc[s]["loss"] - ma[s]["loss"]) / ma[s]["loss"] for s in range(11, 41)]
     # gradients are averaged over 3 ranks instead of 2: another summation order, so rounding-level
@@ -123,7 +108,7 @@ def test_resume_without_checkpoint(tmp_path):
 def test_resume_from_another_model_config_touches_nothing(tmp_path):
     ckpt = tmp_path / "run"
     run = _run(None, "--model", "tiny", "--steps", "2", "--ckpt-dir", str(ckpt), "--seq-len", "16", "--batch-size", "2")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     before = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, fs in os.walk(ckpt) for p in fs}
     run = _run(None, "--model", "tiny-moe", "--steps", "4", "--ckpt-dir", str(ckpt), "--resume", "--seq-len", "16", "--batch-size", "2")
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0
@@ -131,6 +116,14 @@ def test_resume_from_another_model_config_touches_nothing(tmp_path):
     assert "num_experts=0 (this run: 4)" in run.stderr
     after = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, fs in os.walk(ckpt) for p in fs}
     assert before == after
+
+
+def test_unusable_ckpt_dir_fails_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    run = _run(None, "--model", "tiny", "--steps", "2", "--ckpt-dir", str(tmp_path / "a_file" / "run"))
+    assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert run.stderr.startswith(f"error: --ckpt-dir {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is not a directory")
+    assert "step" not in run.stdout
 
 
 def test_batch_not_divisible_by_world_size():

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,17 +18,15 @@ pytest.importorskip("transformers")
 from mfsdp_ckpt import hf  # noqa: E402
 from mfsdp_core.data import SyntheticText  # noqa: E402
 
+from tests.torchrun import failure, run_train  # noqa: E402
+
 from .util import reference_model  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 TRAIN = ("--model", "tiny", "--batch-size", "12", "--seq-len", "32", "--log-every", "100")
 
 
 def _train(nproc: int | None, *args: str) -> subprocess.CompletedProcess:
-    launch = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *launch, "-m", "mfsdp_core.train", *TRAIN, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    return run_train(nproc, *TRAIN, *args)
 
 
 def _losses(path) -> list[float]:
@@ -42,7 +38,7 @@ def test_trained_on_3_ranks_exports_and_trains_again_on_2_from_the_import(tmp_pa
     from transformers import AutoModelForCausalLM
 
     run = _train(3, "--steps", "20", "--ckpt-dir", str(tmp_path / "run"), "--save-every", "20")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     result = hf.export(tmp_path / "run" / "latest", tmp_path / "hf")
     assert result.architecture == "llama"
 
@@ -55,7 +51,7 @@ def test_trained_on_3_ranks_exports_and_trains_again_on_2_from_the_import(tmp_pa
 
     hf.import_(tmp_path / "hf", tmp_path / "imported")
     run = _train(2, "--steps", "8", "--init-from", str(tmp_path / "imported"), "--metrics", str(tmp_path / "m.jsonl"))
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, failure(run)
     assert "initialised from the weights of" in run.stdout
     losses = _losses(tmp_path / "m.jsonl")
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)

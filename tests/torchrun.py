@@ -1,0 +1,95 @@
+"""Run ``python -m mfsdp_core.train`` the way users do, under ``torchrun``, from tests.
+
+Two things about torchrun that tests must not get wrong:
+
+* It starts each worker in a session of its own. Killing torchrun (even its whole process
+  group) leaves the workers running as orphans that go on training and checkpointing; a test
+  that "kills the job" and then resumes into the same directory races them. :func:`kill_job`
+  kills the whole process tree and waits until every process is gone, as a node crash would.
+* When a worker fails, torchrun appends its own long report to stderr; the worker's traceback
+  comes before it. :func:`failure` keeps the workers' words and drops torchrun's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+
+
+def train_cmd(nproc: int | None, *args: str) -> list[str]:
+    """The command line: ``nproc`` ranks under torchrun, or one plain process for ``None``."""
+    if nproc is None:
+        return [sys.executable, "-m", "mfsdp_core.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "mfsdp_core.train", *args]
+
+
+def run_train(nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(nproc, *args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+_TORCHRUN_NOISE = ("torch/distributed/elastic/", "torch/distributed/run.py", "torch/distributed/launcher/")
+
+
+def failure(run: subprocess.CompletedProcess, limit: int = 4000) -> str:
+    """What a failed run said, for an assertion message: stderr without torchrun's report."""
+    text = run.stderr
+    cut = text.find("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    if cut >= 0:
+        start = text.rfind("Traceback (most recent call last):", 0, cut)
+        summary = [line for line in text[cut:].splitlines() if "exitcode" in line or "rank" in line]
+        text = text[: start if start >= 0 else cut] + "\n[torchrun] " + " | ".join(s.strip() for s in summary)
+    lines = [line for line in text.splitlines() if not any(n in line for n in _TORCHRUN_NOISE)]
+    text = "\n".join(lines)
+    if len(text) > limit:
+        text = text[: limit // 2] + "\n[...]\n" + text[-limit // 2 :]
+    return f"exit {run.returncode}\n{text}"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_job(proc: subprocess.Popen, patience: float = 60.0) -> None:
+    """SIGKILL torchrun and every process under it, then wait until all of them are gone."""
+    tree, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(_children(pid))
+    for pid in reversed(tree):  # workers first, torchrun last: nothing is left to respawn them
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + patience
+    while any(_alive(pid) for pid in tree[1:]):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes {[p for p in tree[1:] if _alive(p)]} outlived SIGKILL")
+        time.sleep(0.05)
