@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from mfsdp_core import describe_shards, refresh_compute_params
+from mfsdp_core import refresh_compute_params
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.optim import optimizer_buffers
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
+from .groups import groups_of
 from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
@@ -44,18 +45,7 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _writer_layout(model: nn.Module) -> dict[str, Any]:
-    """The writer's layout: a summary, and every flat buffer's parameters in buffer order (what
-    ``reshard`` needs to compute another world size's ranges without the model)."""
-    _, world = _rank_world()
-    groups: list[dict[str, Any]] = []
-    last = None
-    for ps in describe_shards(model):
-        if ps.layout is not last:
-            last = ps.layout
-            groups.append({"params": [], "strategy": ps.strategy.value, "policy": str(ps.policy),
-                           "group_size": ps.group_size, "is_expert": ps.is_expert})
-        groups[-1]["params"].append(ps.fqn)
-    return writer_layout(world, groups)
+    return writer_layout(_rank_world()[1], groups_of(model))
 
 
 def save(

@@ -4,7 +4,8 @@ one data file per target rank holding exactly the chunks that rank will read.
 Any checkpoint already loads into any layout (DESIGN §4); resharding makes that load cheap: each
 target rank opens one file and reads it front to back. The target ranges come from the same pure
 function the runtime uses (:func:`mfsdp_core.compute_layout`), applied to the parameter groups the
-writer recorded in its manifest (``writer.groups``), so no model has to be built.
+writer recorded in its manifest (``writer.groups``; planned from the model config when no sharded
+model wrote the checkpoint, see :mod:`mfsdp_ckpt.groups`), so no model has to be built.
 
 Streaming: a worker holds one target rank's range of one tensor plus one source chunk at a time,
 whatever the checkpoint's size. Source chunks are read whole (their crc32c is checked) and, where
@@ -27,6 +28,7 @@ from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError
+from .groups import planned_groups
 from .manifest import writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
@@ -64,17 +66,21 @@ def _target_groups(manifest: dict[str, Any], shapes: dict[str, torch.Size], worl
     """The target's parameter groups (for its manifest) and, for every parameter, its target
     layout and index there."""
     groups = manifest.get("writer", {}).get("groups")
-    if groups is None:
-        raise CheckpointError(f"{source}: the manifest does not record the writer's parameter groups "
-                              "(written by an older mfsdp-ckpt); load it at the target world size and save it instead")
+    origin = "manifest"
+    if not groups:  # no sharded model wrote it (import-hf), or it predates writer.groups
+        groups = planned_groups(manifest.get("model_config"))
+        origin = "model_config (buffers planned as mfsdp_core.train makes them)"
+        if groups is None and "groups" not in manifest.get("writer", {}):
+            raise CheckpointError(f"{source}: the manifest records neither the writer's parameter groups nor a GPT "
+                                  "model_config (written by an older mfsdp-ckpt); load it at the target world size and save it instead")
     out_groups, where = [], {}
-    for g in groups:
+    for g in groups or []:
         strat = parse_strategy(strategy or g["strategy"])
         pol = parse_policy(policy or g["policy"])
         names = list(g["params"])
         missing = [n for n in names if n not in shapes]
         if missing:
-            raise CheckpointError(f"{source}: manifest names parameters with no 'model.' tensor: {', '.join(missing)}")
+            raise CheckpointError(f"{source}: the {origin} names parameters with no 'model.' tensor: {', '.join(missing)}")
         shard_ranks = world_size if strat.shards_optim else 1
         try:
             layout = compute_layout([shapes[n] for n in names], shard_ranks, pol, names)

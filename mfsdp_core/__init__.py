@@ -1,7 +1,7 @@
 """mfsdp_core: the sharding runtime (layouts, flat buffers, ``fully_shard``, optimizer adapter)."""
 
 from .collectives import count_comm
-from .fully_shard import fully_shard
+from .fully_shard import fully_shard, plan_buffers
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .optim import clip_grad_norm_, fully_shard_optimizer
@@ -10,6 +10,7 @@ from .strategy import Strategy, parse_strategy
 
 __all__ = [
     "fully_shard",
+    "plan_buffers",
     "fully_shard_optimizer",
     "clip_grad_norm_",
     "MixedPrecision",

@@ -20,7 +20,7 @@ All ranks must run the same units in forward and backward (as with DDP and FSDP)
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from .layout import Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["fully_shard", "ShardedUnit", "units_of", "default_is_expert"]
+__all__ = ["fully_shard", "ShardedUnit", "units_of", "default_is_expert", "plan_buffers"]
 
 _UNIT_ATTR = "_mfsdp_unit"
 _OWNER_ATTR = "_mfsdp_owner"  # on a Parameter: (buffer, index)
@@ -175,15 +175,7 @@ def fully_shard(
     mp = mixed_precision or MixedPrecision()
     group = _resolve_group(mesh)
 
-    groups: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
-    for name, p in module.named_parameters():
-        if hasattr(p, _OWNER_ATTR):
-            continue  # taken by an inner unit
-        key = (p.dtype, is_expert(name), p.requires_grad)
-        names, params = groups.setdefault(key, ([], []))
-        names.append(name)
-        params.append(p)
-
+    groups = _group_parameters(module, is_expert, lambda p: hasattr(p, _OWNER_ATTR))
     shard_ranks = _group_size(group) if strat.shards_optim else 1
     layouts = {}
     for key, (names, params) in groups.items():  # validate everything before changing anything
@@ -220,6 +212,43 @@ def fully_shard(
             for buf in sub_unit.buffers:
                 buf.prefix = f"{prefix}." if prefix else ""
     return module
+
+
+def _group_parameters(
+    module: nn.Module, is_expert: Callable[[str], bool], taken: Callable[[nn.Parameter], bool]
+) -> dict[tuple, tuple[list[str], list[nn.Parameter]]]:
+    """``module``'s parameters that no inner unit took, by flat buffer: one per (dtype,
+    expert-ness, requires_grad), in registration order."""
+    groups: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
+    for name, p in module.named_parameters():
+        if taken(p):
+            continue
+        key = (p.dtype, is_expert(name), p.requires_grad)
+        names, params = groups.setdefault(key, ([], []))
+        names.append(name)
+        params.append(p)
+    return groups
+
+
+def plan_buffers(
+    root: nn.Module, units: Sequence[nn.Module], is_expert: Callable[[str], bool] = default_is_expert
+) -> list[tuple[list[str], bool]]:
+    """The flat buffers that calling ``fully_shard(u)`` for each ``u`` of ``units`` (inner modules
+    first, as those calls must be made) would create under ``root``: each buffer's parameter names
+    relative to ``root``, in buffer order, and whether it holds experts; buffers in the order
+    :func:`buffers_of` lists them. Touches no parameter and needs no process group, so it works on
+    a meta-device model: what offline tools use to plan a layout without building the model."""
+    prefix_of = {m: name for name, m in root.named_modules()}
+    taken: set[int] = set()
+    per_unit: dict[nn.Module, list[tuple[list[str], bool]]] = {}
+    for unit in units:
+        if unit not in prefix_of:
+            raise ValueError(f"plan_buffers: {type(unit).__name__} is not a submodule of {type(root).__name__}")
+        prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
+        groups = _group_parameters(unit, is_expert, lambda p: id(p) in taken)
+        per_unit[unit] = [([prefix + n for n in names], key[1]) for key, (names, _) in groups.items()]
+        taken.update(id(p) for _, params in groups.values() for p in params)
+    return [buffer for m in root.modules() if m in per_unit for buffer in per_unit[m]]
 
 
 def units_of(module: nn.Module) -> list[ShardedUnit]:

@@ -35,7 +35,7 @@ from . import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimiz
 from .collectives import rank0_decides
 from .data import SyntheticText
 from .layout import parse_policy
-from .models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
+from .models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_units
 from .strategy import STRATEGY_NAMES, parse_strategy
 
 
@@ -124,9 +124,8 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
     model = GPTModel(config)
     if torch.cuda.is_available():
         model = model.cuda()
-    for layer in model.decoder.layers:
-        fully_shard(layer, strategy=args.strategy, policy=args.policy)
-    fully_shard(model, strategy=args.strategy, policy=args.policy)
+    for unit in shard_units(model):
+        fully_shard(unit, strategy=args.strategy, policy=args.policy)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optim = torch.optim.AdamW(

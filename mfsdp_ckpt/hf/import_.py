@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConversionError, raise_key_problems
+from ..groups import planned_groups
 from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .files import HFDirectory
@@ -94,7 +95,7 @@ def import_(
         ], ConversionError)
 
         manifest = {
-            "writer": writer_layout(1, []),
+            "writer": writer_layout(1, planned_groups(cfg.to_dict()) or []),  # so reshard can place ranges
             "model_config": cfg.to_dict(),
             "step": None,
             "include_grads": False,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer"]
+__all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer", "shard_units"]
 
 INIT_STD = 0.02
 
@@ -492,3 +492,10 @@ class GPTModel(nn.Module):
         moe = [layer.mlp.aux_loss for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
         self.aux_loss = torch.stack(moe).sum() if moe else torch.zeros((), device=logits.device)
         return logits
+
+
+def shard_units(model: GPTModel) -> list[nn.Module]:
+    """The modules to ``fully_shard``, inner first: each decoder layer, then the root (which takes
+    the embedding, the final norm and the output layer). ``mfsdp_core.train`` shards this way, and
+    offline tools plan the same flat buffers from it (``plan_buffers``)."""
+    return [*model.decoder.layers, model]

@@ -156,30 +156,22 @@ def test_other_optimizer_state_is_named(ranks, ckpt):
         assert "optim.gate.exp_avg_sq" in r["message"]
 
 
-def _save_into_existing(path: str) -> str:
-    model, optim = build("optim", "even")
-    try:
-        mfsdp_ckpt.save(path, model, optim)
-    except CheckpointExistsError as e:
-        return str(e)
-    return ""
-
-
-def test_save_over_existing_checkpoint_is_refused(ranks, ckpt):
-    before = sorted(os.listdir(ckpt))
-    for msg in ranks(_save_into_existing, 2, ckpt, timeout=300):
-        assert "already exists" in msg and ckpt in msg
-    assert sorted(os.listdir(ckpt)) == before
-    assert not [n for n in os.listdir(os.path.dirname(ckpt)) if ".partial-" in n]
-
-
-def _save_under_a_file(path: str) -> str:
+def _save_error(path: str) -> tuple[str, str]:
+    """Save to ``path``; the error's type and message (empty when the save succeeds)."""
     model, optim = build("optim", "even")
     try:
         mfsdp_ckpt.save(path, model, optim)
     except CheckpointError as e:
-        return str(e)
-    return ""
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_save_over_existing_checkpoint_is_refused(ranks, ckpt):
+    before = sorted(os.listdir(ckpt))
+    for kind, msg in ranks(_save_error, 2, ckpt, timeout=300):
+        assert kind == CheckpointExistsError.__name__ and "already exists" in msg and ckpt in msg
+    assert sorted(os.listdir(ckpt)) == before
+    assert not [n for n in os.listdir(os.path.dirname(ckpt)) if ".partial-" in n]
 
 
 def test_unusable_destination_fails_on_every_rank_alike(ranks, tmp_path):
@@ -187,10 +179,11 @@ def test_unusable_destination_fails_on_every_rank_alike(ranks, tmp_path):
     # the others waiting in dcp.save's first collective for a rank that has left)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    messages = ranks(_save_under_a_file, 3, str(blocker / "run" / "step_1"), timeout=120)
-    assert len(set(messages)) == 1, messages
-    assert messages[0].startswith(f"{blocker / 'run'}: cannot create the checkpoint's parent directory (")
-    assert "\n" not in messages[0]
+    errors = ranks(_save_error, 3, str(blocker / "run" / "step_1"), timeout=120)
+    assert len(set(errors)) == 1, errors
+    kind, message = errors[0]
+    assert kind == "CheckpointError" and "\n" not in message
+    assert message.startswith(f"{blocker / 'run'}: cannot create the checkpoint's parent directory (")
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 

@@ -18,9 +18,10 @@ from click.testing import CliRunner
 import mfsdp_ckpt
 from cli.main import main
 from mfsdp_ckpt.diff import diff_checkpoints
+from mfsdp_ckpt.groups import planned_groups
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.reshard import reshard
-from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 from mfsdp_core import compute_layout
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import ENV, ROOT, failure, run_train
@@ -191,6 +192,54 @@ def test_reshard_to_no_shard_writes_one_file_and_keeps_rng_at_same_world(source,
     result = reshard(source, tmp_path / "ns", world_size=4, strategy="no_shard")
     assert result.files == 1 and result.dropped == []
     assert diff_checkpoints(source, tmp_path / "ns", ignore=()).equal  # RNG states kept at the same world size
+
+
+def test_planned_groups_are_the_ones_the_trainer_records(source):
+    with CheckpointReader(source) as reader:
+        recorded = reader.manifest["writer"]["groups"]
+        assert planned_groups(reader.manifest["model_config"], policy="row", group_size=4) == recorded
+
+
+def _without_groups(source: str, path, writer: dict, model_config) -> str:
+    """The source's model weights in a checkpoint no sharded model wrote (as import-hf's)."""
+    with CheckpointReader(source) as src:
+        manifest = {"writer": writer, "model_config": model_config, "step": None,
+                    "include_grads": False, "has_optimizer": False, "versions": {}}
+        with CheckpointBuilder(path, manifest) as b:
+            for key in [k for k in src.keys() if k.startswith("model.")]:
+                b.add_tensor(key, src.read(key))
+            b.commit()
+    return str(path)
+
+
+@pytest.mark.parametrize("writer", [{"world_size": 1, "buffers": [], "groups": []},  # import-hf before groups
+                                    {"world_size": 1}],  # written before writer.groups existed
+                         ids=["empty-groups", "no-groups"])
+def test_reshard_plans_groups_from_the_model_config_when_none_are_recorded(source, tmp_path, writer):
+    with CheckpointReader(source) as src:
+        config = src.manifest["model_config"]
+    ckpt = _without_groups(source, tmp_path / "src", writer, config)
+    result = reshard(ckpt, tmp_path / "w3", world_size=3)
+    assert result.files == 3
+    assert verify_checkpoint(tmp_path / "w3") == [] and diff_checkpoints(ckpt, tmp_path / "w3").equal
+    owners = _owner_files(str(tmp_path / "w3"))
+    with CheckpointReader(ckpt) as reader:
+        assert set(owners) == {k for k in reader.keys() if k.startswith("model.")}
+    assert {r for pairs in owners.values() for _, r in pairs} == {0, 1, 2}
+    for key, pairs in owners.items():
+        for file, r in pairs:
+            assert file == f"__{r}_0.distcp", (key, file, r)
+
+
+def test_reshard_without_groups_or_gpt_config(source, tmp_path):
+    # recorded as "no groups" (convert --to dcp of a plain state dict): everything whole, in file 0
+    ckpt = _without_groups(source, tmp_path / "plain", {"world_size": 1, "buffers": [], "groups": []}, None)
+    result = reshard(ckpt, tmp_path / "w3", world_size=3)
+    assert result.files == 1 and diff_checkpoints(ckpt, tmp_path / "w3").equal
+    # nothing recorded at all, and nothing to plan from: refused in one line
+    old = _without_groups(source, tmp_path / "old", {"world_size": 4}, None)
+    _assert_refused([old, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "neither the writer's parameter groups")
+    assert not os.path.exists(tmp_path / "out")
 
 
 # ---- bad input: one line, exit 1 (usage: 2), nothing at DST ---------------------------------

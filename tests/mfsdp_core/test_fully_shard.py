@@ -1,16 +1,18 @@
 """fully_shard behaviours beyond parity: meshes, eval forwards, frozen parameters, keeping
-parameters gathered between forward and backward."""
+parameters gathered between forward and backward; planning its buffers without building them."""
 
 from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp_core import count_comm, describe_shards, fully_shard_optimizer
+from mfsdp_core import count_comm, describe_shards, fully_shard, fully_shard_optimizer, plan_buffers
 from mfsdp_core.fully_shard import buffers_of
+from mfsdp_core.models.gpt import PRESETS, GPTModel, shard_units
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
 
 
@@ -92,3 +94,35 @@ def test_reshard_after_forward_false_gathers_once(ranks):
     for r in ranks(_keep_gathered_between_forward_and_backward, 2, timeout=300):
         assert r["ops"] == {"all_gather": r["buffers"], "reduce_scatter": r["buffers"]}
         assert r["resharded"]  # freed after backward all the same
+
+
+def _tweak(model) -> None:
+    """A frozen weight and a bf16 weight: each gets a flat buffer of its own."""
+    model.decoder.layers[0].self_attention.linear_proj.weight.requires_grad_(False)
+    model.output_layer.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "tiny+frozen+bf16"])
+def test_plan_buffers_on_meta_model_is_what_fully_shard_builds(preset):
+    config = PRESETS[preset.split("+")[0]]
+    with torch.device("meta"):
+        meta = GPTModel(config)
+    real = GPTModel(config)
+    if "+" in preset:
+        _tweak(meta)
+        _tweak(real)
+    plan = plan_buffers(meta, shard_units(meta))
+    for unit in shard_units(real):
+        fully_shard(unit)
+    assert plan == [(buf.names, buf.is_expert) for buf in buffers_of(real)]
+    assert sorted(n for names, _ in plan for n in names) == sorted(n for n, _ in meta.named_parameters())
+    if "+" in preset:
+        assert (["decoder.layers.0.self_attention.linear_proj.weight"], False) in plan
+    if config.num_experts:
+        assert any(expert for _, expert in plan)
+
+
+def test_plan_buffers_refuses_a_unit_outside_the_root():
+    with pytest.raises(ValueError, match="plan_buffers: Linear is not a submodule of GPTModel"):
+        with torch.device("meta"):
+            plan_buffers(GPTModel(PRESETS["tiny"]), [torch.nn.Linear(2, 2)])

@@ -1,6 +1,6 @@
 """The bridge with the real trainer: a checkpoint trained on 3 gloo ranks exports to HF, and
 ``transformers`` computes our model's logits from the export; the export imported back trains on
-2 ranks with ``--init-from``, starting from exactly those weights (its first loss is the loss our
+2 ranks (after ``reshard`` for 2) with ``--init-from``, starting from exactly those weights (its first loss is the loss our
 reference model computes on the same batch). A checkpoint for another model is refused."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from mfsdp_ckpt import hf  # noqa: E402
+from mfsdp_ckpt.reshard import reshard  # noqa: E402
 from mfsdp_core.data import SyntheticText  # noqa: E402
 
 from tests.torchrun import failure, run_train  # noqa: E402
@@ -50,7 +51,9 @@ def test_trained_on_3_ranks_exports_and_trains_again_on_2_from_the_import(tmp_pa
     assert err <= 1e-5, err  # fp32, same math in another operation order
 
     hf.import_(tmp_path / "hf", tmp_path / "imported")
-    run = _train(2, "--steps", "8", "--init-from", str(tmp_path / "imported"), "--metrics", str(tmp_path / "m.jsonl"))
+    # resharded for 2 ranks first: the import records the trainer's buffers, so each rank gets a file
+    assert reshard(tmp_path / "imported", tmp_path / "imported_w2", world_size=2).files == 2
+    run = _train(2, "--steps", "8", "--init-from", str(tmp_path / "imported_w2"), "--metrics", str(tmp_path / "m.jsonl"))
     assert run.returncode == 0, failure(run)
     assert "initialised from the weights of" in run.stdout
     losses = _losses(tmp_path / "m.jsonl")
