@@ -20,7 +20,7 @@ from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 
 __all__ = ["groups_of", "planned_groups", "DEFAULT_STRATEGY", "DEFAULT_POLICY"]
 
-DEFAULT_STRATEGY = "optim_grads_params"  # mfsdp_core.train's defaults
+DEFAULT_STRATEGY = "optim_grads_params"  # the defaults of fully_shard and of mfsdp_core.train
 DEFAULT_POLICY = "even"
 
 

@@ -200,6 +200,19 @@ def test_planned_groups_are_the_ones_the_trainer_records(source):
         assert planned_groups(reader.manifest["model_config"], policy="row", group_size=4) == recorded
 
 
+def test_planned_groups_default_to_the_trainers_layout():
+    import inspect
+
+    from mfsdp_ckpt.groups import DEFAULT_POLICY, DEFAULT_STRATEGY
+    from mfsdp_core import fully_shard
+    from mfsdp_core.train import parse_args
+
+    args = parse_args([])
+    assert (args.strategy, args.policy) == (DEFAULT_STRATEGY, DEFAULT_POLICY)
+    params = inspect.signature(fully_shard).parameters
+    assert (params["strategy"].default, params["policy"].default) == (DEFAULT_STRATEGY, DEFAULT_POLICY)
+
+
 def _without_groups(source: str, path, writer: dict, model_config) -> str:
     """The source's model weights in a checkpoint no sharded model wrote (as import-hf's)."""
     with CheckpointReader(source) as src:
