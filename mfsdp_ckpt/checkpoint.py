@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from mfsdp_core import refresh_compute_params
-from mfsdp_core.collectives import rank0_decides
+from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.optim import optimizer_buffers
 
 from . import fs
@@ -38,14 +38,8 @@ LATEST_NAME = "latest"
 _RNG_PREFIX = "extra.rng.rank"
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _writer_layout(model: nn.Module) -> dict[str, Any]:
-    return writer_layout(_rank_world()[1], groups_of(model))
+    return writer_layout(rank_and_world()[1], groups_of(model))
 
 
 def save(
@@ -73,7 +67,7 @@ def save(
     remain. Returns the checkpoint directory.
     """
     _local_only(path, "save")
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
     final = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(final)
     if keep is not None and keep < 1:
@@ -237,7 +231,7 @@ def load(
     written at the same world size.
     """
     _local_only(path, "load")
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
     # one answer for all ranks, even if ``latest`` moves while they start
     directory = rank0_decides(resolve_checkpoint, path)
     manifest = None

@@ -65,16 +65,18 @@ def _target_groups(manifest: dict[str, Any], shapes: dict[str, torch.Size], worl
                    strategy: str | None, policy: str | None, source: str) -> tuple[list[dict[str, Any]], dict[str, tuple[Layout, int]]]:
     """The target's parameter groups (for its manifest) and, for every parameter, its target
     layout and index there."""
-    groups = manifest.get("writer", {}).get("groups")
-    origin = "manifest"
-    if not groups:  # no sharded model wrote it (import-hf), or it predates writer.groups
+    recorded = manifest.get("writer", {}).get("groups")
+    groups, origin = recorded, "manifest"
+    if not recorded:  # no sharded model wrote it (import-hf), or it predates writer.groups
         groups = planned_groups(manifest.get("model_config"))
         origin = "model_config (buffers planned as mfsdp_core.train makes them)"
-        if groups is None and "groups" not in manifest.get("writer", {}):
+    if groups is None:
+        if recorded is None:
             raise CheckpointError(f"{source}: the manifest records neither the writer's parameter groups nor a GPT "
                                   "model_config (written by an older mfsdp-ckpt); load it at the target world size and save it instead")
+        groups = []  # recorded as none (convert --to dcp): every tensor whole, in file 0
     out_groups, where = [], {}
-    for g in groups or []:
+    for g in groups:
         strat = parse_strategy(strategy or g["strategy"])
         pol = parse_policy(policy or g["policy"])
         names = list(g["params"])

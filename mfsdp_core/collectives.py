@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce_avg",
     "all_reduce_sum",
     "rank0_decides",
+    "rank_and_world",
 ]
 
 T = TypeVar("T")
@@ -152,6 +153,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Non
     _record("all_reduce", tensor)
     if dist.is_initialized() and group_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size; ``(0, 1)`` outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def rank0_decides(fn: Callable[..., T], *args: Any) -> T:

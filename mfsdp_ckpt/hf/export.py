@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mfsdp_core.collectives import rank0_decides
+from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
@@ -134,18 +134,6 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     return plan
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _broadcast(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _make_partial_dir(final: str) -> str:
     parent = os.path.dirname(final)
     tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
@@ -239,7 +227,7 @@ def export(
     gets this rank's bytes written so far.
     """
     start = time.perf_counter()
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
     if fs.is_url(out):
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
@@ -267,25 +255,25 @@ def export(
         failed_rank = int(flag.item()) - 1
     else:
         failed_rank = rank if failure is not None else -1
-    status: str | None = None
-    if rank == 0:
-        if failed_rank >= 0:
+
+    def conclude() -> None:  # rank 0, once every rank is done: commit, or clean up and say why
+        try:
+            if failed_rank >= 0:
+                raise CheckpointError(f"{final}: export not written: rank {failed_rank} failed")
+            _finish(plan, tmp)
+            commit_directory(tmp, final, overwrite=overwrite)
+        except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            status = f"rank {failed_rank} failed"
-        else:
-            try:
-                _finish(plan, tmp)
-                commit_directory(tmp, final, overwrite=overwrite)
-            except BaseException as e:  # noqa: BLE001
-                shutil.rmtree(tmp, ignore_errors=True)
-                failure = failure or e
-                status = f"rank 0 failed: {e}"
-    if world > 1:
-        status = _broadcast(status)
-    if failure is not None:
-        raise failure
-    if status is not None:
-        raise CheckpointError(f"{final}: export not written: {status}")
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{final}: export not written: rank 0 failed: {type(e).__name__}: {e}") from e
+
+    try:
+        rank0_decides(conclude)
+    except CheckpointError:
+        if failure is not None:
+            raise failure from None  # the rank that failed reports its own error
+        raise
     n = len(plan.shards)
     return ExportResult(
         path=final, architecture=plan.arch.name, files=[shard_name(s + 1, n) for s in range(n)],
