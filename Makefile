@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 
 # the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks
 DEMO_DIR ?= out/demo
-TRAIN := -m mfsdp_core.train --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
+TRAIN := -m cli.train --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30

@@ -31,7 +31,9 @@ def inspect(path: str, as_json: bool) -> None:
     click.echo(f"format      {info.format}{'' if info.committed else ' (no mfsdp.json)'}")
     click.echo(f"step        {info.step if info.step is not None else 'unknown'}")
     if info.writer:
-        layouts = ", ".join(f"{b['strategy']}/{b['policy']} over {b['group_size']}" for b in info.writer.get("buffers", []))
+        layouts = ", ".join(f"{b['strategy']}/{b['policy']} over {b['group_size']}"
+                            + (f" ({b['group']})" if b.get("group", "dp") != "dp" else "")
+                            for b in info.writer.get("buffers", []))
         click.echo(f"writer      world size {info.writer.get('world_size')}; {layouts}")
     click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
     if info.unknown:
@@ -116,20 +118,21 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
 @click.option("--world-size", type=int, required=True, help="ranks of the target job")
 @click.option("--strategy", default=None, help="no_shard, optim, optim_grads or optim_grads_params (default: the writer's)")
 @click.option("--policy", default=None, help="even, row, block(N) or tensor (default: the writer's)")
-@click.option("--ep", type=int, default=1, show_default=True, help="expert-parallel size (only 1: EP is not in the runtime yet)")
+@click.option("--plan-from", default=None, metavar="CKPT",
+              help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none")
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="cast the model weights")
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: str | None, ep: int, model_only: bool,
+def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: str | None, plan_from: str | None, model_only: bool,
             dtype: str | None, workers: int, overwrite: bool, as_json: bool) -> None:
     """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
     exactly what that rank reads. Streams one tensor range at a time (bounded memory)."""
     from mfsdp_ckpt.reshard import reshard as run_reshard
 
     result = _run_with_progress("reshard", lambda bar: run_reshard(
-        src, dst, world_size=world_size, strategy=strategy, policy=policy, ep=ep, model_only=model_only, dtype=dtype,
+        src, dst, world_size=world_size, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
         workers=workers, overwrite=overwrite, progress=bar))
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=1))

@@ -20,13 +20,14 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from mfsdp_core import refresh_compute_params
+from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.optim import optimizer_buffers
+from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
-from .groups import groups_of
+from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
@@ -35,11 +36,21 @@ from .storage import CommittingWriter, VerifyingReader, fsync_dir
 __all__ = ["save", "load", "resolve_checkpoint", "LATEST_NAME"]
 
 LATEST_NAME = "latest"
-_RNG_PREFIX = "extra.rng.rank"
 
 
-def _writer_layout(model: nn.Module) -> dict[str, Any]:
-    return writer_layout(rank_and_world()[1], groups_of(model))
+def _checked_plan(model: nn.Module) -> ModelPlan:
+    """The model's placement plan, refused when a buffer is sharded over a group smaller than the
+    model's data-parallel group: its instances on the other groups hold different values under the
+    same names, and a checkpoint keyed by name would keep only one of them."""
+    plan = plan_of(model)
+    dp = plan.group_sizes.get(DEFAULT_GROUP, 1)
+    for spec in plan.buffers:
+        if plan.group_sizes[spec.placement.group] < dp:
+            raise CheckpointError(
+                f"save: '{spec.fqns[0]}' is placed over group '{spec.placement.group}' "
+                f"({plan.group_sizes[spec.placement.group]} of {dp} ranks), whose instances are different parameters "
+                "under the same names; a canonical checkpoint cannot hold them (give them distinct names)")
+    return plan
 
 
 def save(
@@ -74,15 +85,16 @@ def save(
         raise ValueError(f"keep must be >= 1, got {keep}")
     # rank 0 checks the destination for all: a failure on rank 0 alone would leave the others
     # waiting in dcp.save's first collective
+    plan = _checked_plan(model)
     token = rank0_decides(_prepare_destination, final, overwrite)
     tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{token}")
-    entries = save_entries(model, optimizer, include_grads)
+    entries = save_entries(describe_shards(model, optimizer), optimizer, include_grads)
     if rank == 0:
         for name, value in (extra or {}).items():
-            entries[f"extra.{name}"] = value
-    entries[f"{_RNG_PREFIX}{rank}"] = torch.get_rng_state()
+            entries[extra_key(name)] = value
+    entries[rng_key(rank)] = torch.get_rng_state()
     manifest = {
-        "writer": _writer_layout(model),
+        "writer": writer_layout(world, plan),
         "model_config": model_config,
         "step": step,
         "include_grads": include_grads,
@@ -242,38 +254,38 @@ def load(
     if optimizer is not None:
         optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
         _ensure_optimizer_state(optimizer)
-    targets = load_targets(model, optimizer)
-    targets_by_key, scalar_objects = _plan_targets(targets, metadata, optimizer is not None, strict, directory)
+    shards = describe_shards(model, optimizer)
+    targets_by_key, scalar_objects = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None, strict, directory)
     for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("extra.") and not key.startswith(_RNG_PREFIX):
+        if extra_name(key) is not None:
             if isinstance(md, BytesStorageMetadata):
                 targets_by_key[key] = None
             else:
                 targets_by_key[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    rng_key = f"{_RNG_PREFIX}{rank}"
+    my_rng = rng_key(rank)
     writer_world = (manifest or {}).get("writer", {}).get("world_size")
-    if restore_rng and writer_world == world and rng_key in metadata.state_dict_metadata:
-        targets_by_key[rng_key] = torch.empty_like(torch.get_rng_state())
-    if optimizer is not None and "optim.param_groups" in metadata.state_dict_metadata:
-        targets_by_key["optim.param_groups"] = None
+    if restore_rng and writer_world == world and my_rng in metadata.state_dict_metadata:
+        targets_by_key[my_rng] = torch.empty_like(torch.get_rng_state())
+    if optimizer is not None and PARAM_GROUPS in metadata.state_dict_metadata:
+        targets_by_key[PARAM_GROUPS] = None
     planner = MfsdpLoadPlanner()
     try:
         dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise _unwrap(e) from None
     # every rank read and verified everything: only now does anything change
-    if optimizer is not None and "optim.param_groups" in planner.objects:
-        apply_param_groups(model, optimizer, planner.objects["optim.param_groups"], directory)
+    if optimizer is not None and PARAM_GROUPS in planner.objects:
+        apply_param_groups(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
     with torch.no_grad():
         reader.apply(planner)
         for key, (state, name) in scalar_objects:
             state[name] = planner.objects[key]
     refresh_compute_params(model)
-    if rng_key in targets_by_key:
-        torch.set_rng_state(targets_by_key[rng_key])
-    extras = {k: v for k, v in targets_by_key.items() if k.startswith("extra.") and not k.startswith(_RNG_PREFIX)}
-    extras.update((k, v) for k, v in planner.objects.items() if k.startswith("extra."))
-    return {k[len("extra.") :]: v for k, v in extras.items()}
+    if my_rng in targets_by_key:
+        torch.set_rng_state(targets_by_key[my_rng])
+    extras = {name: v for k, v in targets_by_key.items() if (name := extra_name(k)) is not None}
+    extras.update((name, v) for k, v in planner.objects.items() if (name := extra_name(k)) is not None)
+    return extras
 
 
 def _plan_targets(
@@ -308,17 +320,17 @@ def _plan_targets(
     for t in targets:
         ps = t.shard
         lo, hi = ps.owned
-        main_key = f"optim.{ps.fqn}.main_param"
+        main_key = optim_key(ps.fqn, MAIN_PARAM)
         if main_key in saved:
-            ours.add(f"model.{ps.fqn}")
+            ours.add(model_key(ps.fqn))
             want(main_key, ps.shape, lo, hi, t.weights)
         else:
             ours.add(main_key)
-            want(f"model.{ps.fqn}", ps.shape, lo, hi, t.weights)
+            want(model_key(ps.fqn), ps.shape, lo, hi, t.weights)
         for name, dst in t.optim.items():
-            want(f"optim.{ps.fqn}.{name}", ps.shape, lo, hi, dst)
+            want(optim_key(ps.fqn, name), ps.shape, lo, hi, dst)
         for name, value in t.optim_extra.items():
-            key = f"optim.{ps.fqn}.{name}"
+            key = optim_key(ps.fqn, name)
             ours.add(key)
             if key not in saved:
                 missing.append(key)
@@ -327,13 +339,13 @@ def _plan_targets(
             else:
                 plan[key] = None
                 scalar_objects.append((key, (t.optim_state, name)))
-        if t.grad is not None and f"grad.{ps.fqn}" in saved:
-            want(f"grad.{ps.fqn}", ps.shape, lo, hi, t.grad, required=False)
+        if t.grad is not None and grad_key(ps.fqn) in saved:
+            want(grad_key(ps.fqn), ps.shape, lo, hi, t.grad, required=False)
     unexpected = []
     if strict:
         prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
         for key in saved:
-            if key.startswith(prefixes) and key not in ours and key != "optim.param_groups":
+            if key.startswith(prefixes) and key not in ours and key != PARAM_GROUPS:
                 unexpected.append(key)
     else:
         missing = []

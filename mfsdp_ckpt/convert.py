@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
+
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from .manifest import versions, writer_layout
@@ -49,7 +51,7 @@ def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None
 def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
     """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
     may be an fsspec URL)."""
-    manifest = {"writer": writer_layout(1, []), "model_config": None, "step": None,
+    manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": None, "step": None,
                 "converted_from": source, "versions": versions()}
     with CheckpointBuilder(path, manifest) as builder:
         for key, value in state.items():

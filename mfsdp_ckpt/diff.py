@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from .keys import RNG_PREFIX
 from .streaming import CheckpointReader
 
 __all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
@@ -48,7 +49,7 @@ class CheckpointDiff:
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-                     ignore: tuple[str, ...] = ("extra.rng.",),
+                     ignore: tuple[str, ...] = (RNG_PREFIX,),
                      progress: Callable[[int, int], None] | None = None) -> CheckpointDiff:
     """Keys only in one checkpoint, shape / dtype changes, and tensors whose values differ by more
     than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal).

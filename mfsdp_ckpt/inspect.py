@@ -16,13 +16,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import fs
 from .errors import NotACheckpointError
+from .keys import GROUPS, group_of
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import chunk_id
 from .storage import ChunkFault, VerifyingReader, read_chunk
 
 __all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
-
-GROUPS = ("model", "optim", "grad", "mx", "extra")
 
 
 @dataclass(frozen=True)
@@ -68,11 +67,6 @@ class CheckpointInfo:
         }
 
 
-def _group(key: str) -> str:
-    head = key.split(".", 1)[0]
-    return head if head in GROUPS else "other"
-
-
 def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingReader]:
     """(directory, manifest or None, DCP metadata read safely, a verifying reader) for ``path``."""
     from .checkpoint import resolve_checkpoint
@@ -107,12 +101,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         if isinstance(md, TensorStorageMetadata):
             numel = math.prod(md.size)
             info.tensors.append(
-                TensorInfo(key, _group(key), str(md.properties.dtype).replace("torch.", ""), tuple(md.size),
+                TensorInfo(key, group_of(key), str(md.properties.dtype).replace("torch.", ""), tuple(md.size),
                            numel * md.properties.dtype.itemsize, len(md.chunks))
             )
         else:
             length = sum(v.length for k, v in storage.items() if k.fqn == key)
-            info.tensors.append(TensorInfo(key, _group(key), None, None, length, 1))
+            info.tensors.append(TensorInfo(key, group_of(key), None, None, length, 1))
     return info
 
 

@@ -1,33 +1,64 @@
 """The sidecar manifest ``mfsdp.json``: human-readable, never pickled. Its presence marks a
-committed checkpoint; it records the writer's layout, the model config, the step, versions, time,
-and a crc32c for every chunk's payload."""
+committed checkpoint; it records the writer's layout (its placement plan), the model config, the
+step, versions, time, and a crc32c for every chunk's payload."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Callable
+
+import torch
+
+from mfsdp_core.dtypes import dtype_name
+from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 from . import fs
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 
-__all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "completed", "versions", "writer_layout", "read_manifest", "write_manifest", "is_committed"]
+__all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "completed", "versions", "writer_layout", "recorded_plan", "read_manifest", "write_manifest", "is_committed"]
 
 MANIFEST_NAME = "mfsdp.json"
 FORMAT = "mfsdp-ckpt"
 FORMAT_VERSION = 1
 
 
-def writer_layout(world_size: int, groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest's ``writer`` entry: the world size, every flat buffer's parameters in buffer
-    order with its strategy / policy / group size (what ``reshard`` computes another layout from),
-    and a one-line-per-kind summary of those (what ``inspect`` shows)."""
-    kinds = sorted({(g["strategy"], g["policy"], g["group_size"]) for g in groups})
+def writer_layout(world_size: int, plan: ModelPlan) -> dict[str, Any]:
+    """The manifest's ``writer`` entry: the world size, the placement plan (every flat buffer's
+    parameters in buffer order with its shapes, strategy, policy, group and divisor: what
+    ``reshard`` computes another layout from), and a one-line-per-kind summary (what ``inspect``
+    shows)."""
+    kinds = sorted({(b.strategy.value, str(b.policy), b.placement.group, b.shard_size_ranks) for b in plan.buffers})
     return {
         "world_size": world_size,
-        "buffers": [{"strategy": s, "policy": p, "group_size": n} for s, p, n in kinds],
-        "groups": groups,
+        "buffers": [{"strategy": s, "policy": p, "group": g, "group_size": n} for s, p, g, n in kinds],
+        "plan": plan.to_dict(),
     }
+
+
+def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
+                  dtype_of: Callable[[str], torch.dtype | None]) -> ModelPlan | None:
+    """The placement plan the writer recorded, or None when it recorded none. Manifests written
+    before the plan existed list ``writer.groups`` (parameters, strategy, policy, group size);
+    their shapes and dtypes come from the checkpoint's tensors (``shape_of`` / ``dtype_of`` of a
+    parameter name)."""
+    writer = manifest.get("writer") or {}
+    if "plan" in writer:
+        return ModelPlan.from_dict(writer["plan"])
+    groups = writer.get("groups")
+    if groups is None:
+        return None
+    world = int(writer.get("world_size") or 1)
+    buffers = []
+    for g in groups:
+        names = list(g["params"])
+        shapes = [shape_of(n) for n in names]
+        dtype = next((d for d in map(dtype_of, names) if d is not None), torch.float32)
+        shards = g["strategy"] != "no_shard"
+        buffers.append({"params": names, "shapes": [list(s) if s is not None else None for s in shapes],
+                        "dtype": dtype_name(dtype), "strategy": g["strategy"], "policy": g["policy"],
+                        "group_size": g["group_size"] if shards else world, "is_expert": g.get("is_expert", False)})
+    return ModelPlan.from_dict({"group_sizes": {DEFAULT_GROUP: world}, "buffers": buffers})
 
 
 def versions() -> dict[str, str]:

@@ -1,11 +1,11 @@
 """Offline resharding: rewrite a checkpoint for a target layout (world size, strategy, policy),
 one data file per target rank holding exactly the chunks that rank will read.
 
-Any checkpoint already loads into any layout (DESIGN §4); resharding makes that load cheap: each
-target rank opens one file and reads it front to back. The target ranges come from the same pure
-function the runtime uses (:func:`mfsdp_core.compute_layout`), applied to the parameter groups the
-writer recorded in its manifest (``writer.groups``; planned from the model config when no sharded
-model wrote the checkpoint, see :mod:`mfsdp_ckpt.groups`), so no model has to be built.
+Any checkpoint already loads into any layout; resharding makes that load cheap: each target rank
+opens one file and reads it front to back. The target ranges come from the placement plan the
+writer recorded in its manifest (every flat buffer's parameters, policy and strategy), laid out
+for the target world size by the runtime's own layout function: no model is built, and nothing
+is planned from a model's code.
 
 Streaming: a worker holds one target rank's range of one tensor plus one source chunk at a time,
 whatever the checkpoint's size. Source chunks are read whole (their crc32c is checked) and, where
@@ -14,6 +14,7 @@ they fall inside the range, straight into place.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -22,20 +23,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mfsdp_core.layout import Layout, compute_layout, parse_policy
+from mfsdp_core.layout import Layout, parse_policy
+from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
-from .errors import CheckpointError, UncommittedCheckpointError
-from .groups import planned_groups
-from .manifest import writer_layout
+from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
+from .keys import fqn_of_model_key, group_of, is_rng, param_of
+from .manifest import recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
 __all__ = ["reshard", "ReshardResult", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_RNG_PREFIX = "extra.rng.rank"
 
 
 @dataclass(frozen=True)
@@ -61,67 +63,86 @@ class _Job:
     nbytes: int = 0
 
 
-def _target_groups(manifest: dict[str, Any], shapes: dict[str, torch.Size], world_size: int,
-                   strategy: str | None, policy: str | None, source: str) -> tuple[list[dict[str, Any]], dict[str, tuple[Layout, int]]]:
-    """The target's parameter groups (for its manifest) and, for every parameter, its target
-    layout and index there."""
-    recorded = manifest.get("writer", {}).get("groups")
-    groups, origin = recorded, "manifest"
-    if not recorded:  # no sharded model wrote it (import-hf), or it predates writer.groups
-        groups = planned_groups(manifest.get("model_config"))
-        origin = "model_config (buffers planned as mfsdp_core.train makes them)"
-    if groups is None:
-        if recorded is None:
-            raise CheckpointError(f"{source}: the manifest records neither the writer's parameter groups nor a GPT "
-                                  "model_config (written by an older mfsdp-ckpt); load it at the target world size and save it instead")
-        groups = []  # recorded as none (convert --to dcp): every tensor whole, in file 0
-    out_groups, where = [], {}
-    for g in groups:
-        strat = parse_strategy(strategy or g["strategy"])
-        pol = parse_policy(policy or g["policy"])
-        names = list(g["params"])
-        missing = [n for n in names if n not in shapes]
-        if missing:
-            raise CheckpointError(f"{source}: the {origin} names parameters with no 'model.' tensor: {', '.join(missing)}")
-        shard_ranks = world_size if strat.shards_optim else 1
+def _source_plan(reader: CheckpointReader, plan_from: str | None) -> ModelPlan:
+    """The plan recorded in the checkpoint's manifest, or in ``plan_from``'s (a checkpoint of the
+    same model that records one). Checked against the checkpoint's ``model.*`` tensors."""
+    source = reader.directory
+    plan_source = reader
+    if plan_from is not None:
+        plan_source = CheckpointReader(plan_from)
+        plan_source.close()  # its manifest and metadata are read; no data is
+        if plan_source.manifest is None:
+            raise UncommittedCheckpointError(f"--plan-from {plan_from}: no mfsdp.json, so no plan")
+
+    tensors = {n: md for k, md in plan_source.metadata.state_dict_metadata.items()
+               if (n := fqn_of_model_key(k)) is not None and isinstance(md, TensorStorageMetadata)}
+
+    def shape_of(name: str) -> torch.Size | None:
+        return torch.Size(tensors[name].size) if name in tensors else None
+
+    def dtype_of(name: str) -> torch.dtype | None:
+        return tensors[name].properties.dtype if name in tensors else None
+
+    where = plan_source.directory
+    try:
+        plan = recorded_plan(plan_source.manifest, shape_of, dtype_of)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: the manifest's placement plan is malformed ({type(e).__name__}: {e})") from None
+    if plan is None:
+        raise CheckpointError(f"{where}: the manifest records no placement plan (written by an older mfsdp-ckpt); "
+                              "pass --plan-from CKPT naming a checkpoint of the same model that records one, "
+                              "or load it at the target world size and save it")
+    ours = {n: reader.shape(k) for k in reader.keys() if (n := fqn_of_model_key(k)) is not None and reader.is_tensor(k)}
+    planned = plan.params()
+    missing = sorted(n for n in planned if n not in ours)
+    misshapen = sorted(f"{n} (plan {tuple(spec.shapes[i])}, checkpoint {tuple(ours[n])})"
+                       for n, (spec, i) in planned.items() if n in ours and tuple(spec.shapes[i]) != tuple(ours[n]))
+    raise_key_problems(f"{source}: the placement plan of {where} does not fit", [
+        ("parameters with no 'model.' tensor", missing), ("shape mismatch", misshapen)])
+    return plan
+
+
+def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy: str | None,
+                 cast: torch.dtype | None) -> tuple[ModelPlan, dict[str, tuple[Layout, int]]]:
+    """The source plan laid out for ``world_size`` ranks (and the strategy / policy asked), and
+    every parameter's target layout and index there."""
+    others = sorted(g for g in {spec.placement.group for spec in plan.buffers} if g != DEFAULT_GROUP)
+    if others:
+        raise CheckpointError(f"reshard: the plan places buffers over group(s) {', '.join(others)} besides "
+                              f"'{DEFAULT_GROUP}'; resharding such plans needs their target sizes, which reshard does not take yet")
+    strat = parse_strategy(strategy) if strategy else None
+    pol = parse_policy(policy) if policy else None
+    buffers, where = [], {}
+    for spec in plan.buffers:
+        target = spec.resized(world_size, strategy=strat, policy=pol)
+        if cast is not None and spec.dtype.is_floating_point:
+            target = dataclasses.replace(target, dtype=cast, param_dtype=cast)
         try:
-            layout = compute_layout([shapes[n] for n in names], shard_ranks, pol, names)
+            layout = target.layout
         except ValueError as e:
             raise CheckpointError(f"--policy: {e}") from None
-        for i, n in enumerate(names):
-            where[n] = (layout, i)
-        out_groups.append({"params": names, "strategy": strat.value, "policy": str(pol),
-                           "group_size": shard_ranks, "is_expert": g.get("is_expert", False)})
-    return out_groups, where
-
-
-def _param_of(key: str, params: dict[str, tuple[Layout, int]]) -> str | None:
-    """The parameter a per-element key belongs to: ``model.<p>``, ``grad.<p>``, ``optim.<p>.<state>``."""
-    if key.startswith(("model.", "grad.")):
-        name = key.split(".", 1)[1]
-        return name if name in params else None
-    if key.startswith("optim."):
-        name = key[len("optim.") :].rsplit(".", 1)[0]
-        return name if name in params else None
-    return None
+        for i, name in enumerate(target.fqns):
+            where[name] = (layout, i)
+        buffers.append(target)
+    return ModelPlan({DEFAULT_GROUP: world_size}, tuple(buffers)), where
 
 
 def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int]], *, model_only: bool,
                cast: torch.dtype | None, keep_rng: bool) -> tuple[list[_Job], list[str]]:
     jobs, dropped = [], []
     for key in reader.keys():
-        if model_only and key.startswith(("optim.", "grad.")):
+        if model_only and group_of(key) in ("optim", "grad"):
             dropped.append(key)
             continue
-        if key.startswith(_RNG_PREFIX) and not keep_rng:
+        if is_rng(key) and not keep_rng:
             dropped.append(key)
             continue
         if not reader.is_tensor(key):
             jobs.append(_Job(key, 0))
             continue
-        key_cast = cast if cast is not None and key.startswith("model.") and reader.dtype(key).is_floating_point else None
+        key_cast = cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
         itemsize = (key_cast or reader.dtype(key)).itemsize
-        name = _param_of(key, params)
+        name = param_of(key, params)
         layout, index = params[name] if name is not None else (None, 0)
         if layout is None or reader.shape(key) != torch.Size(layout.shapes[index]):  # e.g. Adam's scalar step
             jobs.append(_Job(key, 0, cast=key_cast, nbytes=reader.shape(key).numel() * itemsize))
@@ -226,7 +247,7 @@ def reshard(
     world_size: int,
     strategy: str | None = None,
     policy: str | None = None,
-    ep: int = 1,
+    plan_from: str | os.PathLike | None = None,
     model_only: bool = False,
     dtype: str | None = None,
     workers: int = 1,
@@ -247,8 +268,6 @@ def reshard(
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     if workers < 1:
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
-    if ep != 1:
-        raise CheckpointError(f"--ep {ep}: expert parallelism is not built in the runtime yet; only --ep 1 is supported")
     if strategy is not None:
         try:
             parse_strategy(strategy)
@@ -268,14 +287,14 @@ def reshard(
         if reader.manifest is None:
             raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json: reshard needs a committed mfsdp checkpoint")
         manifest = reader.manifest
-        shapes = {k[len("model."):]: reader.shape(k) for k in reader.keys() if k.startswith("model.") and reader.is_tensor(k)}
-        groups, params = _target_groups(manifest, shapes, world_size, strategy, policy, reader.directory)
+        plan, params = _target_plan(_source_plan(reader, None if plan_from is None else os.fspath(plan_from)),
+                                    world_size, strategy, policy, cast)
         source_world = manifest.get("writer", {}).get("world_size")
         jobs, dropped = _plan_jobs(reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size)
         src_dir = reader.directory
     files = max([j.file for j in jobs], default=0) + 1
     out_manifest = {k: v for k, v in manifest.items() if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")}
-    out_manifest["writer"] = writer_layout(world_size, groups)
+    out_manifest["writer"] = writer_layout(world_size, plan)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
     out_manifest["resharded_from"] = {"path": src_dir, "save_id": manifest.get("save_id"), "world_size": source_world,

@@ -4,22 +4,23 @@ The canonical state is a flat dict: ``model.<fqn>`` weights in the model's dtype
 ``optim.<fqn>.<state>`` for every per-parameter optimizer state the optimizer keeps (plus
 ``optim.<fqn>.main_param`` when the main params are in another dtype than the weights),
 ``optim.param_groups`` (hyper-parameters, parameters named, never indexed), ``grad.<fqn>`` when
-asked, and ``extra.*``. Sharded values are :class:`FlatEntry`: one rank's contiguous flat range
-of the logical tensor, read from / written to the runtime's storage through
-``mfsdp_core.describe_shards``.
+asked, and ``extra.*`` (spellings: :mod:`mfsdp_ckpt.keys`). Sharded values are
+:class:`FlatEntry`: one rank's contiguous flat range of the logical tensor, read from / written to
+the runtime's storage through the shard description (``mfsdp_core.describe_shards``), which the
+caller computes once per save or load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
-from torch import nn
 
-from mfsdp_core import ParamShard, describe_shards
+from mfsdp_core import ParamShard
 
 from .boxes import Box, box_view, flat_range_to_boxes
+from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, optim_key
 
 __all__ = ["FlatEntry", "ParamTargets", "save_entries", "load_targets", "param_groups_state", "apply_param_groups"]
 
@@ -49,24 +50,25 @@ def _owned_slice(ps: ParamShard, shard) -> torch.Tensor:
     return shard.tensor[lo - shard.start : hi - shard.start]
 
 
-def save_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, include_grads: bool) -> dict[str, Any]:
-    """What this rank writes: each rank writes the range it owns of each tensor, so replicated
-    state (whole weights under ZeRO-1/2) is still written once, in parallel."""
+def save_entries(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer | None, include_grads: bool) -> dict[str, Any]:
+    """What this rank writes, from the shard description: each rank writes the range it owns of
+    each tensor, so replicated state (whole weights under ZeRO-1/2) is still written once, in
+    parallel."""
     out: dict[str, Any] = {}
-    for ps in describe_shards(model, optimizer):
+    for ps in shards:
         lo, hi = ps.owned
-        out[f"model.{ps.fqn}"] = FlatEntry(ps.shape, lo, hi, _owned_slice(ps, ps.param))
+        out[model_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, _owned_slice(ps, ps.param))
         if ps.main_dtype != ps.dtype:
-            out[f"optim.{ps.fqn}.main_param"] = FlatEntry(ps.shape, lo, hi, ps.main.tensor)
+            out[optim_key(ps.fqn, MAIN_PARAM)] = FlatEntry(ps.shape, lo, hi, ps.main.tensor)
         if optimizer is not None:
             for name, fs in ps.optim.items():
-                out[f"optim.{ps.fqn}.{name}"] = FlatEntry(ps.shape, lo, hi, fs.tensor)
+                out[optim_key(ps.fqn, name)] = FlatEntry(ps.shape, lo, hi, fs.tensor)
             for name, value in ps.optim_extra.items():
-                out[f"optim.{ps.fqn}.{name}"] = value
+                out[optim_key(ps.fqn, name)] = value
         if include_grads and ps.grad is not None:
-            out[f"grad.{ps.fqn}"] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
+            out[grad_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
     if optimizer is not None:
-        out["optim.param_groups"] = param_groups_state(model, optimizer)
+        out[PARAM_GROUPS] = param_groups_state(shards, optimizer)
     return out
 
 
@@ -82,9 +84,9 @@ class ParamTargets:
     optim_state: dict[str, Any] | None  # the optimizer's state dict for this parameter's shard
 
 
-def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[ParamTargets]:
+def load_targets(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer | None) -> list[ParamTargets]:
     out = []
-    for ps in describe_shards(model, optimizer):
+    for ps in shards:
         with_optim = optimizer is not None
         state = optimizer.state.get(ps.optim_param) if with_optim and ps.optim_param is not None else None
         out.append(
@@ -100,13 +102,13 @@ def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> l
     return out
 
 
-def _fqn_by_optim_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    return {id(ps.optim_param): ps.fqn for ps in describe_shards(model) if ps.optim_param is not None}
+def _fqn_by_optim_param(shards: Sequence[ParamShard]) -> dict[int, str]:
+    return {id(ps.optim_param): ps.fqn for ps in shards if ps.optim_param is not None}
 
 
-def param_groups_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def param_groups_state(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Hyper-parameters of each group, with its parameters by canonical name."""
-    names = _fqn_by_optim_param(model, optimizer)
+    names = _fqn_by_optim_param(shards)
     groups = []
     for group in optimizer.param_groups:
         entry = {k: v for k, v in group.items() if k != "params"}
@@ -115,11 +117,11 @@ def param_groups_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
     return groups
 
 
-def apply_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str) -> None:
+def apply_param_groups(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str) -> None:
     """Set each group's hyper-parameters from the saved group holding its parameters."""
     from .errors import StateMismatchError
 
-    names = _fqn_by_optim_param(model, optimizer)
+    names = _fqn_by_optim_param(shards)
     group_of = {fqn: i for i, g in enumerate(saved) for fqn in g["params"]}
     updates = []
     for g, group in enumerate(optimizer.param_groups):

@@ -1,19 +1,26 @@
-"""mfsdp_core: the sharding runtime (layouts, flat buffers, ``fully_shard``, optimizer adapter)."""
+"""mfsdp_core: the sharding runtime (placement plans, layouts, flat buffers, ``fully_shard``,
+optimizer adapter). It never imports the checkpoint layer."""
 
 from .collectives import count_comm
-from .fully_shard import fully_shard, plan_buffers
+from .fully_shard import fully_shard, plan_of
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .optim import clip_grad_norm_, fully_shard_optimizer
+from .plan import BufferSpec, Companion, ModelPlan, Placement, plan_model
 from .shards import FlatShard, ParamShard, describe_shards, refresh_compute_params
 from .strategy import Strategy, parse_strategy
 
 __all__ = [
     "fully_shard",
-    "plan_buffers",
     "fully_shard_optimizer",
     "clip_grad_norm_",
     "MixedPrecision",
+    "Placement",
+    "Companion",
+    "BufferSpec",
+    "ModelPlan",
+    "plan_model",
+    "plan_of",
     "Strategy",
     "parse_strategy",
     "Policy",

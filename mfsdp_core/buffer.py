@@ -1,5 +1,6 @@
-"""One flat buffer: the parameters of one ``fully_shard`` unit that share a dtype and
-expert-ness, packed per a :class:`~mfsdp_core.layout.Layout` and sharded per a strategy.
+"""One flat buffer: the parameters of one ``fully_shard`` unit that share a placement, dtype and
+``requires_grad``, packed per their :class:`~mfsdp_core.plan.BufferSpec` and sharded per its
+strategy over the placement's group.
 
 Storage, by strategy (n = shard group size, S = shard size, G = n·S gathered size):
 
@@ -14,10 +15,14 @@ reduced grads          G               G / S                S
 When the compute dtype equals the main dtype the main params alias the local compute shard, so
 fp32 training keeps one copy. A parameter that is contiguous in the gathered buffer is a view of
 it; one that straddles the padding between two shards (``row`` / ``block`` layouts) gets its own
-"spill" tensor, reassembled after each all-gather.
+"spill" tensor, reassembled after each all-gather. Companion planes (see
+:class:`~mfsdp_core.plan.Companion`) are stored, derived and gathered the same way, next to the
+compute params.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,8 +30,7 @@ from torch import nn
 
 from . import collectives as C
 from .layout import Layout, Piece
-from .mixed_precision import MixedPrecision
-from .strategy import Strategy
+from .plan import BufferSpec
 
 __all__ = ["FlatParamBuffer"]
 
@@ -41,133 +45,218 @@ def _alloc(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+class _Plane:
+    """One gathered plane: this rank's shard, the gathered buffer (every rank's shard in rank
+    order) and a spill tensor for each item that is not contiguous there."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, device: torch.device, rank: int, own_shard: bool) -> None:
+        self.layout = layout
+        S = layout.shard_size
+        self.gathered = torch.zeros(layout.gathered_size, dtype=dtype, device=device)
+        self.spills = {i: torch.zeros(layout.numels[i], dtype=dtype, device=device)
+                       for i, off in enumerate(layout.gathered_offsets) if off is None}
+        local = self.gathered[rank * S : (rank + 1) * S]
+        self.shard = torch.zeros_like(local) if own_shard else local
+
+    def slot(self, pc: Piece, t: torch.Tensor | None = None) -> torch.Tensor:
+        """Where piece ``pc`` lies in the gathered layout of ``t`` (default: this plane)."""
+        base = self.gathered if t is None else t
+        pos = pc.rank * self.layout.shard_size + pc.shard_offset
+        return base[pos : pos + pc.numel]
+
+    def full(self, i: int) -> torch.Tensor:
+        """Item ``i`` whole (1-D): a view of the gathered buffer, or its spill."""
+        off = self.layout.gathered_offsets[i]
+        if off is None:
+            return self.spills[i]
+        return self.gathered[off : off + self.layout.numels[i]]
+
+    def fill(self, i: int, flat: torch.Tensor) -> None:
+        """Write item ``i`` whole into every rank's slot (and its spill)."""
+        for pc in self.layout.owners(i):
+            self.slot(pc).copy_(flat[pc.start : pc.end])
+        if i in self.spills:
+            self.spills[i].copy_(flat)
+
+    def gather(self, group: dist.ProcessGroup | None) -> None:
+        C.all_gather(self.gathered, self.shard, group)
+        self.fill_spills()
+
+    def fill_spills(self) -> None:
+        for i, spill in self.spills.items():
+            for pc in self.layout.owners(i):
+                spill[pc.start : pc.end].copy_(self.slot(pc))
+
+    def alloc(self) -> None:
+        for t in (self.gathered, *self.spills.values()):
+            _alloc(t)
+
+    def free(self) -> None:
+        for t in (self.gathered, *self.spills.values()):
+            _free(t)
+
+
 class FlatParamBuffer:
     """Packed, sharded storage for a list of parameters, with its unshard / reshard and
     gradient reduction. Parameters keep their identity: their ``.data`` becomes a view."""
 
     def __init__(
         self,
-        names: list[str],
+        spec: BufferSpec,
         params: list[nn.Parameter],
         *,
-        strategy: Strategy,
-        layout: Layout,
-        dp_group: dist.ProcessGroup | None,
-        mixed_precision: MixedPrecision,
-        is_expert: bool = False,
+        group: dist.ProcessGroup | None,
+        model_group: dist.ProcessGroup | None,
     ) -> None:
-        self.local_names = names
+        self.spec = spec
         self.params = params
-        self.prefix = ""  # set by fully_shard on the root: canonical name = prefix + local name
-        self.strategy = strategy
-        self.is_expert = is_expert
-        self.dp_group = dp_group
-        self.shard_group = dp_group if strategy.shards_optim else None
+        self.strategy = spec.strategy
+        self.group = group  # the placement's group: gradients are reduced over it
+        self.shard_group = group if spec.strategy.shards_optim else None
+        self.model_group = model_group  # the model's data-parallel group: norms are summed over it
         self.shard_rank = C.group_rank(self.shard_group)
-        if layout.group_size != C.group_size(self.shard_group):
-            raise ValueError(f"layout is for {layout.group_size} ranks, the shard group has {C.group_size(self.shard_group)}")
-        self.layout = layout
-        self.requires_grad = params[0].requires_grad
-        orig_dtype = params[0].dtype
-        self.compute_dtype = mixed_precision.param_dtype or orig_dtype
-        self.main_dtype = mixed_precision.main_dtype if self.requires_grad else self.compute_dtype
-        self.reduce_dtype = mixed_precision.reduce_dtype
-
-        S, G, r = self.layout.shard_size, self.layout.gathered_size, self.shard_rank
+        if spec.group_size != C.group_size(group):
+            raise ValueError(f"the plan is for {spec.group_size} ranks in group '{spec.placement.group}', "
+                             f"the process group has {C.group_size(group)}")
+        self.layout = spec.layout
+        self.requires_grad = spec.requires_grad
+        self.compute_dtype = spec.compute_dtype
+        self.main_dtype = spec.storage_main_dtype
+        self.reduce_dtype = spec.main_dtype
         self.device = params[0].device
+
+        S, r = self.layout.shard_size, self.shard_rank
         originals = [p.detach().reshape(-1) for p in params]
-        self.gathered = torch.zeros(G, dtype=self.compute_dtype, device=self.device)
+        self.plane = _Plane(self.layout, self.compute_dtype, self.device, r, own_shard=spec.strategy.shards_params)
         for i, flat in enumerate(originals):
-            for pc in self.layout.owners(i):
-                self._gathered_slice(pc).copy_(flat[pc.start : pc.end])
-        local = self.gathered[r * S : (r + 1) * S]
-        self.shard = local.clone() if strategy.shards_params else local
+            self.plane.fill(i, flat)
+        if spec.strategy.shards_params:
+            self.plane.shard.copy_(self.plane.gathered[r * S : (r + 1) * S])
         if self.main_dtype == self.compute_dtype:
             self.main = self.shard
         else:  # filled from the original values, not from their low-precision copy
             self.main = torch.zeros(S, dtype=self.main_dtype, device=self.device)
             for pc in self.layout.local_pieces(r):
                 self.main[pc.shard_offset : pc.shard_offset + pc.numel].copy_(originals[pc.param][pc.start : pc.end])
+        self.companions = {
+            c.name: (c, _Plane(spec.companion_layouts[c.name], c.dtype, self.device, r, own_shard=spec.strategy.shards_params))
+            for c in spec.placement.companions
+        }
         if self.requires_grad:
-            self.grad = torch.zeros(S if strategy.shards_grads else G, dtype=self.reduce_dtype, device=self.device)
-            self.local_grad = self.grad if strategy.shards_grads else self.grad[r * S : (r + 1) * S]
-        self.spills: dict[int, torch.Tensor] = {}
-        for i, off in enumerate(self.layout.gathered_offsets):
-            if off is None:
-                self.spills[i] = originals[i].to(self.compute_dtype, copy=True)
+            self.grad = torch.zeros(S if spec.strategy.shards_grads else self.layout.gathered_size,
+                                    dtype=self.reduce_dtype, device=self.device)
+            self.local_grad = self.grad if spec.strategy.shards_grads else self.grad[r * S : (r + 1) * S]
         for i, p in enumerate(params):
-            p.data = self._unsharded_flat(i).view(p.shape)
+            p.data = self.plane.full(i).view(p.shape)
         del originals
         self.is_unsharded = True
-        self.shard_params: list[nn.Parameter] | None = None  # set by the optimizer adapter
+        self._optim_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
         self._staging: torch.Tensor | None = None
         self._pending = 0
         self.reduced_this_pass = False
         self._reset_pass()
+        self._derive_companions()
+        for _, plane in self.companions.values():
+            plane.gather(self.shard_group)
         self.reshard()
 
     # ---- views -------------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
         """Canonical (root-relative) names of the parameters."""
-        return [self.prefix + n for n in self.local_names]
+        return self.spec.fqns
 
-    def _gathered_slice(self, pc: Piece, t: torch.Tensor | None = None) -> torch.Tensor:
-        base = self.gathered if t is None else t
-        pos = pc.rank * self.layout.shard_size + pc.shard_offset
-        return base[pos : pos + pc.numel]
+    @property
+    def is_expert(self) -> bool:
+        return self.spec.is_expert
 
-    def _unsharded_flat(self, i: int) -> torch.Tensor:
-        off = self.layout.gathered_offsets[i]
-        if off is None:
-            return self.spills[i]
-        return self.gathered[off : off + self.layout.numels[i]]
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard of the compute params."""
+        return self.plane.shard
+
+    @property
+    def gathered(self) -> torch.Tensor:
+        return self.plane.gathered
+
+    @property
+    def spills(self) -> dict[int, torch.Tensor]:
+        return self.plane.spills
+
+    def unsharded(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s whole compute weights (1-D; valid while unsharded)."""
+        return self.plane.full(i)
+
+    def companion(self, i: int, name: str) -> torch.Tensor:
+        """Parameter ``i``'s whole companion plane ``name``, shaped (valid while unsharded)."""
+        comp, plane = self.companions[name]
+        return plane.full(i).view(comp.shape(self.layout.shapes[i]))
+
+    def companion_shard(self, i: int, name: str) -> tuple[int, int, torch.Tensor]:
+        """This rank's owned range ``(start, end, tensor)`` of parameter ``i``'s plane ``name``."""
+        _, plane = self.companions[name]
+        pc = plane.layout.piece(i, self.shard_rank)
+        return pc.start, pc.end, plane.shard[pc.shard_offset : pc.shard_offset + pc.numel]
 
     def local_piece(self, i: int) -> Piece:
         """The part of parameter ``i`` this rank owns (its main param / optimizer state range)."""
         return self.layout.piece(i, self.shard_rank)
+
+    def owned(self, storage: torch.Tensor, i: int) -> torch.Tensor:
+        """The owned range of parameter ``i`` in ``storage`` (main params, reduced grads), shaped
+        as the plan shows it to the optimizer (see ``BufferSpec.owned_shape``)."""
+        pc = self.local_piece(i)
+        return storage[pc.shard_offset : pc.shard_offset + pc.numel].view(self.spec.owned_shape(i, self.shard_rank))
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def unshard(self) -> None:
         """Gather the full compute parameters (ZeRO-3 only; otherwise they are always there)."""
         if self.is_unsharded:
             return
-        _alloc(self.gathered)
-        for t in self.spills.values():
-            _alloc(t)
-        C.all_gather(self.gathered, self.shard, self.shard_group)
-        self._fill_spills()
+        for plane in self._planes():
+            plane.alloc()
+            plane.gather(self.shard_group)
         self.is_unsharded = True
 
     def reshard(self) -> None:
         """Free the full compute parameters (ZeRO-3 only)."""
         if not (self.strategy.shards_params and self.is_unsharded):
             return
-        _free(self.gathered)
-        for t in self.spills.values():
-            _free(t)
+        for plane in self._planes():
+            plane.free()
         self.is_unsharded = False
 
-    def _fill_spills(self) -> None:
-        for i, spill in self.spills.items():
-            for pc in self.layout.owners(i):
-                spill[pc.start : pc.end].copy_(self._gathered_slice(pc))
+    def _planes(self) -> list[_Plane]:
+        return [self.plane, *(plane for _, plane in self.companions.values())]
+
+    def _derive_companions(self) -> None:
+        """Each rank computes its companion rows from the main values of the rows it owns."""
+        for comp, plane in self.companions.values():
+            if comp.derive is None:
+                continue
+            for pc in self.layout.local_pieces(self.shard_rank):
+                shape = self.layout.shapes[pc.param]
+                cols = shape[1:].numel() if len(shape) else 1
+                rows = self.main[pc.shard_offset : pc.shard_offset + pc.numel].view(-1, cols)
+                cpc = plane.layout.piece(pc.param, self.shard_rank)
+                plane.shard[cpc.shard_offset : cpc.shard_offset + cpc.numel].copy_(comp.derive(rows.float()).reshape(-1))
 
     @torch.no_grad()
     def refresh_compute_params(self) -> None:
-        """Copy the main params into the compute params (cast) and make every rank's full
-        compute params current: after an optimizer step, or after a checkpoint load."""
+        """Copy the main params into the compute params (cast), derive the companion planes, and
+        make every rank's full compute params current: after an optimizer step, or after a
+        checkpoint load."""
         if self.main is not self.shard:
             self.shard.copy_(self.main)
-        if self.strategy.shards_params:
-            if self.is_unsharded:
-                C.all_gather(self.gathered, self.shard, self.shard_group)
-                self._fill_spills()
-        elif self.layout.group_size > 1:
-            C.all_gather(self.gathered, self.shard, self.shard_group)
-            self._fill_spills()
-        else:
-            self._fill_spills()
+        self._derive_companions()
+        for plane in self._planes():
+            if self.strategy.shards_params:
+                if self.is_unsharded:  # else the next unshard gathers them
+                    plane.gather(self.shard_group)
+            elif self.layout.group_size > 1:
+                plane.gather(self.shard_group)
+            else:  # the shard is a view of the gathered buffer already
+                plane.fill_spills()
 
     # ---- gradients -----------------------------------------------------------------------
     def _reset_pass(self) -> None:
@@ -190,13 +279,14 @@ class FlatParamBuffer:
             self._staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
         flat = p.grad.reshape(-1)
         for pc in self.layout.owners(i):
-            self._gathered_slice(pc, self._staging).copy_(flat[pc.start : pc.end])
+            self.plane.slot(pc, self._staging).copy_(flat[pc.start : pc.end])
         p.grad = None
 
     @torch.no_grad()
     def finish_backward(self) -> None:
         """Reduce this pass's gradients into the accumulated grads and, for ZeRO-3, reshard.
-        Parameters that got no gradient contribute zeros."""
+        Parameters that got no gradient contribute zeros. Gradients are summed over the
+        placement's group in rank order and divided by the plan's divisor."""
         if self.requires_grad and not self.reduced_this_pass:
             for i, p in enumerate(self.params):  # a gradient that reached .grad without the hook
                 if p.grad is not None:
@@ -205,33 +295,47 @@ class FlatParamBuffer:
             if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
                 staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
             self._restart_accumulation_if_zeroed()
+            divisor = self.spec.grad_divisor
             if self.strategy.shards_grads:
                 reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
-                C.reduce_scatter_avg(reduced, staging, self.shard_group)
+                C.reduce_scatter_avg(reduced, staging, self.shard_group, divisor)
                 self.grad.add_(reduced)
             else:
-                C.all_reduce_avg(staging, self.dp_group)
+                C.all_reduce_avg(staging, self.group, divisor)
                 self.grad.add_(staging)
             self._staging = None
             self.reduced_this_pass = True
         self.reshard()
 
-    def _restart_accumulation_if_zeroed(self) -> None:
-        """``optimizer.zero_grad()`` (set_to_none) unlinks the shard params' grads: then the
-        accumulated gradient starts again from zero, as PyTorch's own semantics say."""
-        if self.shard_params is None:
-            return
-        if any(sp is not None and sp.grad is None for sp in self.shard_params):
-            self.grad.zero_()
-            self.link_shard_grads()
-
-    def link_shard_grads(self) -> None:
-        """Point each optimizer shard parameter's ``.grad`` at its slice of the reduced grads."""
-        for i, sp in enumerate(self.shard_params or ()):
-            if sp is None:
-                continue  # a parameter the optimizer does not own
-            pc = self.local_piece(i)
-            sp.grad = self.local_grad[pc.shard_offset : pc.shard_offset + pc.numel]
-
     def end_pass(self) -> None:
         self._reset_pass()
+
+    # ---- the optimizer's view -------------------------------------------------------------
+    def make_optimizer_param(self, i: int) -> nn.Parameter:
+        """A parameter viewing the main params this rank owns of parameter ``i`` (shaped per the
+        plan), whose ``.grad`` views the reduced gradients; the optimizer steps on it. The buffer
+        keeps a weak link to relink the gradient after ``zero_grad(set_to_none=True)``."""
+        if not self.requires_grad:
+            raise ValueError(f"parameter '{self.names[i]}' does not require grad")
+        sp = nn.Parameter(self.owned(self.main, i), requires_grad=True)
+        sp.grad = self.owned(self.local_grad, i)
+        self._optim_params[i] = weakref.ref(sp)
+        return sp
+
+    def _linked(self) -> list[tuple[int, nn.Parameter]]:
+        return [(i, sp) for i, ref in self._optim_params.items() if (sp := ref()) is not None]
+
+    def _restart_accumulation_if_zeroed(self) -> None:
+        """``optimizer.zero_grad()`` (set_to_none) unlinks the optimizer params' grads: then the
+        accumulated gradient starts again from zero, as PyTorch's own semantics say."""
+        linked = self._linked()
+        if any(sp.grad is None for _, sp in linked):
+            self.grad.zero_()
+            for i, sp in linked:
+                sp.grad = self.owned(self.local_grad, i)
+
+    @property
+    def counts_in_norm(self) -> bool:
+        """Whether this rank's owned gradients enter a global norm: replicated state (no_shard)
+        counts on one replica per group; every instance of a group counts."""
+        return self.shard_group is not None or C.group_rank(self.group) == 0

@@ -112,37 +112,46 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     dist.all_gather_single(_wire(output), _wire(shard), group=group)
 
 
-def _reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int) -> None:
+def _reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int, divisor: int) -> None:
     received = torch.empty_like(full)
     dist.all_to_all_single(received, full, group=group)
     chunks = received.view(n, -1)
     output.copy_(chunks[0])
     for r in range(1, n):  # rank order, whatever the backend's ring order
         output.add_(chunks[r])
-    output.div_(n)
+    output.div_(divisor)
 
 
-def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``output`` = this rank's 1/n slice of the average over ranks of ``full`` (deterministic)."""
+def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
+                       divisor: int | None = None) -> None:
+    """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
+    ``divisor`` (default n: the average). Deterministic."""
     _record("reduce_scatter", full)
     n = group_size(group)
+    divisor = divisor or n
     if n == 1:
         output.copy_(full)
+        if divisor != 1:
+            output.div_(divisor)
         return
-    _reduce_scatter_avg(output, full, group, n)
+    _reduce_scatter_avg(output, full, group, n, divisor)
 
 
-def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """In place: the average over ranks of a 1-D ``tensor`` (deterministic, see module doc)."""
+def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None, divisor: int | None = None) -> None:
+    """In place: the sum over ranks of a 1-D ``tensor`` divided by ``divisor`` (default n: the
+    average). Deterministic, see module doc."""
     _record("all_reduce", tensor)
     n = group_size(group)
+    divisor = divisor or n
     if n == 1:
+        if divisor != 1:
+            tensor.div_(divisor)
         return
     chunk = -(-tensor.numel() // n)
     padded = tensor.new_zeros(chunk * n)
     padded[: tensor.numel()].copy_(tensor)
     mine = padded.new_empty(chunk)
-    _reduce_scatter_avg(mine, padded, group, n)
+    _reduce_scatter_avg(mine, padded, group, n, divisor)
     dist.all_gather_single(padded, mine, group=group)
     tensor.copy_(padded[: tensor.numel()])
 

@@ -1,60 +1,99 @@
-"""``fully_shard``: per-module sharding with four strategies and four layout policies.
+"""``fully_shard``: per-module sharding, placed parameter by parameter.
 
 Like PyTorch's FSDP2, call it on each block first and then on the root. Each call makes the
-parameters of that module which no inner call has taken into one *unit*; the unit packs them into
-one flat buffer per (dtype, expert-ness, requires_grad) and shards it over the data-parallel group.
+parameters of that module which no inner call has taken into one *unit*; the unit's placement
+plan (:mod:`mfsdp_core.plan`) packs them into flat buffers, each sharded over the process group
+its placement names.
 
 Hooks, per unit:
 - forward pre-hook: gather the parameters (ZeRO-3); cast floating inputs to ``param_dtype``;
-- forward hook: free the gathered parameters again (ZeRO-3) and hook the outputs so that the
-  first gradient reaching them gathers the parameters for backward;
+- forward hook: free the gathered parameters again (ZeRO-3), except on the root and on a unit
+  whose output hides its tensors from ``tree_flatten`` (a dataclass, a user class), which keep
+  them for backward; hook the visible outputs so that the first gradient reaching them gathers
+  the parameters for backward;
 - per-parameter post-accumulate-grad hook: move the gradient into the buffer's staging area; when a
   buffer has all its gradients, reduce them (deterministically, see ``collectives``) and free the
   gathered parameters;
 - an end-of-backward callback finishes any buffer that did not see all its gradients (unused
   parameters), in a fixed order, and resets the per-pass state.
 
-All ranks must run the same units in forward and backward (as with DDP and FSDP).
+The backward bookkeeping lives in a context owned by the outermost sharded module (the root):
+two models in one process share nothing. All ranks must run the same units in forward and
+backward (as with DDP and FSDP).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import collectives as C
 from .buffer import FlatParamBuffer
-from .collectives import group_size as _group_size
-from .layout import Policy, compute_layout, parse_policy
+from .layout import Policy
 from .mixed_precision import MixedPrecision
+from .plan import DEFAULT_GROUP, DEFAULT_STRATEGY, ModelPlan, Placement, PlacementFn, placement_fn, plan_unit
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["fully_shard", "ShardedUnit", "units_of", "default_is_expert", "plan_buffers"]
+__all__ = ["fully_shard", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
 
 _UNIT_ATTR = "_mfsdp_unit"
 _OWNER_ATTR = "_mfsdp_owner"  # on a Parameter: (buffer, index)
+_creation = itertools.count()  # units finish in creation order: the same on every rank
+
+Groups = Mapping[str, Union[dist.ProcessGroup, None]]
 
 
-def default_is_expert(name: str) -> bool:
-    """Expert parameters (``…mlp.experts.linear_fc1.weight3``) go to their own buffer."""
-    return "experts." in name
-
-
-def _resolve_group(mesh: Any) -> dist.ProcessGroup | None:
+def resolve_groups(mesh: Any) -> dict[str, dist.ProcessGroup | None]:
+    """Named process groups from ``fully_shard``'s ``mesh``: None (the world), a ProcessGroup or a
+    1-D DeviceMesh give ``{"dp": group}``; a DeviceMesh with named dimensions gives one group per
+    dimension plus ``"dp"`` for the whole mesh (unless a dimension is called so); a dict maps names
+    to groups and must name ``"dp"``, the model's data-parallel group."""
     if mesh is None:
-        return dist.group.WORLD if dist.is_initialized() else None
+        return {DEFAULT_GROUP: dist.group.WORLD if dist.is_initialized() else None}
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh
-    get_group = getattr(mesh, "get_group", None)
-    if get_group is not None:
-        if mesh.ndim != 1:
-            raise ValueError(f"fully_shard: expected a 1-D device mesh, got {mesh.ndim}-D (HSDP is not built yet)")
-        return get_group()
-    raise ValueError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+        return {DEFAULT_GROUP: mesh}
+    if isinstance(mesh, Mapping):
+        if DEFAULT_GROUP not in mesh:
+            raise ValueError(f"mesh: a dict of named groups must name the model's data-parallel group '{DEFAULT_GROUP}'")
+        return dict(mesh)
+    if hasattr(mesh, "get_group"):
+        if mesh.ndim == 1:
+            return {DEFAULT_GROUP: mesh.get_group()}
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(f"mesh: a {mesh.ndim}-D DeviceMesh needs mesh_dim_names (placements name the groups)")
+        groups = {name: mesh.get_group(name) for name in names}
+        if DEFAULT_GROUP not in groups:
+            groups[DEFAULT_GROUP] = mesh._flatten(DEFAULT_GROUP).get_group()
+        return groups
+    raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup, a dict of named groups or None, got {type(mesh).__name__}")
+
+
+class _RootContext:
+    """The backward bookkeeping of one root: its units, and whether the end-of-backward callback
+    is queued for the backward pass now running."""
+
+    def __init__(self, root: "ShardedUnit", units: list["ShardedUnit"]) -> None:
+        self.root_ref = weakref.ref(root)
+        self.units = sorted(units, key=lambda u: u.seq)
+        self.queued = False
+
+    def ensure_callback(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        self.queued = False
+        for unit in self.units:  # creation order: the same on every rank
+            if unit.used_in_forward or unit.in_backward:
+                unit.finish_pass()
 
 
 class ShardedUnit:
@@ -66,16 +105,24 @@ class ShardedUnit:
         buffers: list[FlatParamBuffer],
         *,
         strategy: Strategy,
+        groups: Groups,
         mixed_precision: MixedPrecision,
         reshard_after_forward: bool,
     ) -> None:
         self.module_ref = weakref.ref(module)
         self.buffers = buffers
         self.strategy = strategy
+        self.groups = dict(groups)
         self.mixed_precision = mixed_precision
         self.reshard_after_forward = reshard_after_forward
+        self.seq = next(_creation)
+        self.context = _RootContext(self, [self])
         self.used_in_forward = False  # since the last backward
         self.in_backward = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.context.root_ref() is self
 
     # ---- forward -------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -90,21 +137,32 @@ class ShardedUnit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if self.reshard_after_forward and not self.in_backward:
-            for buf in self.buffers:
-                buf.reshard()
+        tensors = []
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        # a backward may follow: the root keeps its parameters for it (backward starts there), and
+        # so does a unit whose output tensors no hook can see (nothing would gather them again)
+        keep = torch.is_grad_enabled() and (self.is_root or not tensors)
+        if self.reshard_after_forward and not self.in_backward and not keep:
+            for buf in self.buffers:
+                buf.reshard()
         return output
 
     # ---- backward ------------------------------------------------------------------------
     def _pre_backward(self, _grad: Any) -> None:
-        _BackwardPass.ensure_callback()
+        self.context.ensure_callback()
         self.in_backward = True
         for buf in self.buffers:
             buf.unshard()
+
+    def _grad_hook(self, buffer: FlatParamBuffer, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self.context.ensure_callback()  # also when no output hook fired (hidden outputs)
+            buffer.on_grad_ready(index)
+
+        return hook
 
     def finish_pass(self) -> None:
         for buf in self.buffers:
@@ -114,141 +172,63 @@ class ShardedUnit:
         self.in_backward = False
 
 
-class _BackwardPass:
-    """Finishes every unit used in forward once autograd's backward is done."""
-
-    order: list["weakref.ref[ShardedUnit]"] = []
-    queued = False
-
-    @classmethod
-    def register(cls, unit: ShardedUnit) -> None:
-        cls.order.append(weakref.ref(unit))
-
-    @classmethod
-    def ensure_callback(cls) -> None:
-        if not cls.queued:
-            cls.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(cls.finish)
-
-    @classmethod
-    def finish(cls) -> None:
-        cls.queued = False
-        alive = [u for ref in cls.order if (u := ref()) is not None]
-        cls.order = [weakref.ref(u) for u in alive]
-        for unit in alive:  # creation order: the same on every rank
-            if unit.used_in_forward or unit.in_backward:
-                unit.finish_pass()
-
-
-def _grad_hook(buffer: FlatParamBuffer, index: int) -> Callable[[torch.Tensor], None]:
-    def hook(_param: torch.Tensor) -> None:
-        buffer.on_grad_ready(index)
-
-    return hook
-
-
 def fully_shard(
     module: nn.Module,
     *,
     mesh: Any = None,
-    strategy: str | Strategy = "optim_grads_params",
-    policy: str | Policy = "even",
+    strategy: str | Strategy = DEFAULT_STRATEGY,
+    policy: str | Policy | None = None,
+    placement: Union[Placement, PlacementFn, None] = None,
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
-    is_expert: Callable[[str], bool] = default_is_expert,
 ) -> nn.Module:
-    """Shard ``module``'s parameters (those no inner ``fully_shard`` call took) over ``mesh``.
+    """Shard ``module``'s parameters (those no inner ``fully_shard`` call took).
 
-    ``mesh``: a 1-D DeviceMesh or ProcessGroup (default: the world group). ``strategy``:
-    ``no_shard``, ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2), ``optim_grads_params`` (ZeRO-3).
-    ``policy``: ``even``, ``row``, ``block(n)`` or ``tensor`` (see :mod:`mfsdp_core.layout`).
-    Every rank must hold the same initial weights. Returns ``module`` (sharded in place).
+    ``mesh``: the process groups (see :func:`resolve_groups`; default: the world as ``"dp"``).
+    ``strategy``: ``no_shard``, ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2),
+    ``optim_grads_params`` (ZeRO-3). ``placement``: a function ``fn(name, param) -> Placement``
+    (or one ``Placement`` for all) saying over which group, with which policy and gradient
+    divisor each parameter is sharded; without it, every parameter goes over ``"dp"`` with
+    ``policy`` (``even`` by default; ``row``, ``block(n)``, ``tensor``; see
+    :mod:`mfsdp_core.layout`), experts in buffers of their own. Every rank must hold the same
+    initial weights. Returns ``module`` (sharded in place).
     """
     what = f"fully_shard({type(module).__name__})"
     if hasattr(module, _UNIT_ATTR):
         raise ValueError(f"{what}: fully_shard was already applied to this module")
     try:
         strat = parse_strategy(strategy)
-        pol = parse_policy(policy)
+        fn = placement_fn(placement, policy)
+        groups = resolve_groups(mesh)
+        sizes = {name: C.group_size(g) for name, g in groups.items()}
+        mp = mixed_precision or MixedPrecision()
+        planned = plan_unit(module, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
+                            taken=lambda p: hasattr(p, _OWNER_ATTR))  # validates everything before changing anything
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
-    mp = mixed_precision or MixedPrecision()
-    group = _resolve_group(mesh)
 
-    groups = _group_parameters(module, is_expert, lambda p: hasattr(p, _OWNER_ATTR))
-    shard_ranks = _group_size(group) if strat.shards_optim else 1
-    layouts = {}
-    for key, (names, params) in groups.items():  # validate everything before changing anything
-        try:
-            layouts[key] = compute_layout([p.shape for p in params], shard_ranks, pol, names)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-
-    buffers = []
-    for key, (names, params) in groups.items():
-        buf = FlatParamBuffer(
-            names, params, strategy=strat, layout=layouts[key], dp_group=group, mixed_precision=mp, is_expert=key[1]
-        )
-        for i, p in enumerate(params):
+    buffers = [FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
+               for spec, params in planned]
+    unit = ShardedUnit(module, buffers, strategy=strat, groups=groups, mixed_precision=mp,
+                       reshard_after_forward=reshard_after_forward and strat.shards_params)
+    for buf in buffers:
+        for i, p in enumerate(buf.params):
             setattr(p, _OWNER_ATTR, (buf, i))
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(_grad_hook(buf, i))
-        buffers.append(buf)
-
-    unit = ShardedUnit(
-        module,
-        buffers,
-        strategy=strat,
-        mixed_precision=mp,
-        reshard_after_forward=reshard_after_forward and strat.shards_params,
-    )
+                p.register_post_accumulate_grad_hook(unit._grad_hook(buf, i))
     setattr(module, _UNIT_ATTR, unit)
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, with_kwargs=True)
-    _BackwardPass.register(unit)
+    # this module is now the root of every unit under it: one context for all of them
+    inner = units_of(module)
+    context = _RootContext(unit, inner)
     for prefix, sub in module.named_modules():
         sub_unit = getattr(sub, _UNIT_ATTR, None)
         if sub_unit is not None:
+            sub_unit.context = context
             for buf in sub_unit.buffers:
-                buf.prefix = f"{prefix}." if prefix else ""
+                buf.spec = buf.spec.with_prefix(f"{prefix}." if prefix else "")
     return module
-
-
-def _group_parameters(
-    module: nn.Module, is_expert: Callable[[str], bool], taken: Callable[[nn.Parameter], bool]
-) -> dict[tuple, tuple[list[str], list[nn.Parameter]]]:
-    """``module``'s parameters that no inner unit took, by flat buffer: one per (dtype,
-    expert-ness, requires_grad), in registration order."""
-    groups: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
-    for name, p in module.named_parameters():
-        if taken(p):
-            continue
-        key = (p.dtype, is_expert(name), p.requires_grad)
-        names, params = groups.setdefault(key, ([], []))
-        names.append(name)
-        params.append(p)
-    return groups
-
-
-def plan_buffers(
-    root: nn.Module, units: Sequence[nn.Module], is_expert: Callable[[str], bool] = default_is_expert
-) -> list[tuple[list[str], bool]]:
-    """The flat buffers that calling ``fully_shard(u)`` for each ``u`` of ``units`` (inner modules
-    first, as those calls must be made) would create under ``root``: each buffer's parameter names
-    relative to ``root``, in buffer order, and whether it holds experts; buffers in the order
-    :func:`buffers_of` lists them. Touches no parameter and needs no process group, so it works on
-    a meta-device model: what offline tools use to plan a layout without building the model."""
-    prefix_of = {m: name for name, m in root.named_modules()}
-    taken: set[int] = set()
-    per_unit: dict[nn.Module, list[tuple[list[str], bool]]] = {}
-    for unit in units:
-        if unit not in prefix_of:
-            raise ValueError(f"plan_buffers: {type(unit).__name__} is not a submodule of {type(root).__name__}")
-        prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
-        groups = _group_parameters(unit, is_expert, lambda p: id(p) in taken)
-        per_unit[unit] = [([prefix + n for n in names], key[1]) for key, (names, _) in groups.items()]
-        taken.update(id(p) for _, params in groups.values() for p in params)
-    return [buffer for m in root.modules() if m in per_unit for buffer in per_unit[m]]
 
 
 def units_of(module: nn.Module) -> list[ShardedUnit]:
@@ -257,8 +237,16 @@ def units_of(module: nn.Module) -> list[ShardedUnit]:
 
 
 def buffers_of(module: nn.Module) -> list[FlatParamBuffer]:
-    """Every flat buffer under ``module``."""
+    """Every flat buffer under ``module``, in module order."""
     return [b for u in units_of(module) for b in u.buffers]
+
+
+def plan_of(module: nn.Module) -> ModelPlan:
+    """The placement plan of a ``fully_shard``-ed ``module``: every buffer's spec (canonical
+    names) and the sizes of the groups they name."""
+    units = units_of(module)
+    sizes = {name: C.group_size(g) for u in units for name, g in u.groups.items()}
+    return ModelPlan(sizes, tuple(buf.spec for u in units for buf in u.buffers))
 
 
 def owner_of(param: nn.Parameter) -> tuple[FlatParamBuffer, int] | None:

@@ -1,12 +1,14 @@
 """The optimizer adapter: any ``torch.optim`` optimizer steps on this rank's main-param shards.
 
 ``fully_shard_optimizer(optimizer)`` swaps every model parameter in ``optimizer.param_groups``
-for a 1-D parameter viewing the part of the fp32 main params this rank owns (empty when it owns
-none), whose ``.grad`` views the reduced gradients. Elementwise optimizers (AdamW, SGD with
-momentum, …) compute exactly what they would on the full tensors; their state is per
-parameter, so it shards with the parameter. After each step the main params are copied into the
-compute params (cast) and, for ZeRO-1/2, all-gathered. The optimizer stays a real
-``torch.optim.Optimizer``: LR schedulers and ``state_dict`` work as usual.
+for a parameter viewing the part of the fp32 main params this rank owns (empty when it owns
+none), whose ``.grad`` views the reduced gradients. The plan decides its shape: 1-D pieces for
+flat policies, the whole shape where the policy keeps parameters whole (``tensor``), so that a
+matrix optimizer sees matrices. Elementwise optimizers (AdamW, SGD with momentum, …) compute
+exactly what they would on the full tensors; their state is per parameter, so it shards with the
+parameter. After each step the main params are copied into the compute params (cast) and, for
+ZeRO-1/2, all-gathered. The optimizer stays a real ``torch.optim.Optimizer``: LR schedulers and
+``state_dict`` work as usual.
 """
 
 from __future__ import annotations
@@ -21,19 +23,31 @@ from . import collectives as C
 from .buffer import FlatParamBuffer
 from .fully_shard import owner_of
 
-__all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers"]
+__all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers", "optimizer_param"]
 
-_BUFFERS_ATTR = "_mfsdp_buffers"
+_ADAPTED_ATTR = "_mfsdp_adapted"
+
+
+class _Adapted:
+    """What ``fully_shard_optimizer`` keeps on an optimizer: the buffers it steps on and, for each
+    (buffer, parameter index), the parameter it steps for it."""
+
+    def __init__(self) -> None:
+        self.params: dict[FlatParamBuffer, dict[int, nn.Parameter]] = {}
+
+    @property
+    def buffers(self) -> list[FlatParamBuffer]:
+        return list(self.params)
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer`` (built over a ``fully_shard``-ed model's parameters) step on the local
     fp32 shards. Call it once, before the first step. Returns the same optimizer object."""
-    if hasattr(optimizer, _BUFFERS_ATTR):
+    if hasattr(optimizer, _ADAPTED_ATTR):
         raise ValueError("fully_shard_optimizer: this optimizer is already adapted")
     if optimizer.state:
         raise ValueError("fully_shard_optimizer: adapt the optimizer before its first step (it already has state)")
-    buffers: list[FlatParamBuffer] = []
+    adapted = _Adapted()
     for g, group in enumerate(optimizer.param_groups):
         shard_params = []
         for p in group["params"]:
@@ -44,19 +58,16 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
                     "that fully_shard does not manage (call fully_shard on the module that owns it)"
                 )
             buf, i = owner
-            if buf.shard_params is None:
-                buf.shard_params = [None] * len(buf.params)
-                buffers.append(buf)
-            if buf.shard_params[i] is not None:
+            mine = adapted.params.setdefault(buf, {})
+            if i in mine:
                 raise ValueError(f"fully_shard_optimizer: parameter '{buf.names[i]}' appears twice in param_groups")
-            pc = buf.local_piece(i)
-            sp = nn.Parameter(buf.main[pc.shard_offset : pc.shard_offset + pc.numel], requires_grad=True)
-            buf.shard_params[i] = sp
-            shard_params.append(sp)
+            try:
+                mine[i] = buf.make_optimizer_param(i)
+            except ValueError as e:
+                raise ValueError(f"fully_shard_optimizer: param_groups[{g}]: {e}") from None
+            shard_params.append(mine[i])
         group["params"] = shard_params
-    for buf in buffers:
-        buf.link_shard_grads()
-    setattr(optimizer, _BUFFERS_ATTR, buffers)
+    setattr(optimizer, _ADAPTED_ATTR, adapted)
     optimizer.register_step_post_hook(_refresh_after_step)
     return optimizer
 
@@ -66,12 +77,22 @@ def _refresh_after_step(optimizer: torch.optim.Optimizer, _args: tuple, _kwargs:
         buf.refresh_compute_params()
 
 
+def _adapted(optimizer: torch.optim.Optimizer) -> _Adapted:
+    adapted = getattr(optimizer, _ADAPTED_ATTR, None)
+    if adapted is None:
+        raise ValueError("this optimizer was not adapted with fully_shard_optimizer")
+    return adapted
+
+
 def optimizer_buffers(optimizer: torch.optim.Optimizer) -> list[FlatParamBuffer]:
     """The flat buffers whose shards ``optimizer`` steps on."""
-    buffers = getattr(optimizer, _BUFFERS_ATTR, None)
-    if buffers is None:
-        raise ValueError("this optimizer was not adapted with fully_shard_optimizer")
-    return buffers
+    return _adapted(optimizer).buffers
+
+
+def optimizer_param(optimizer: torch.optim.Optimizer, buffer: FlatParamBuffer, index: int) -> nn.Parameter | None:
+    """The parameter ``optimizer`` steps for parameter ``index`` of ``buffer`` (its key in
+    ``optimizer.state``), or None when it does not hold that parameter."""
+    return _adapted(optimizer).params.get(buffer, {}).get(index)
 
 
 @torch.no_grad()
@@ -79,17 +100,22 @@ def clip_grad_norm_(
     optimizer: torch.optim.Optimizer, max_norm: float, *, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """Scale the reduced gradients so that their global L2 norm is at most ``max_norm``; return
-    the norm before scaling. The norm is summed over shards, each element counted once
-    (replicated state is counted on one replica only), with one all-reduce over the world."""
+    the norm before scaling. Each element is counted once (replicated state on one replica only)
+    and the squares are summed over the model's data-parallel group, the one the plan's buffers
+    belong to: one all-reduce per distinct such group (normally one), never over ranks outside
+    the model."""
     buffers = optimizer_buffers(optimizer)
-    squares = torch.zeros((), dtype=torch.float32, device=buffers[0].device if buffers else None)
-    for buf in buffers:
-        replica = buf.shard_group is None and C.group_rank(buf.dp_group) != 0
-        if not replica:
+    device = buffers[0].device if buffers else None
+    partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
+    for buf in buffers:  # every rank visits every group, in the same order
+        _, squares = partial.setdefault(id(buf.model_group), (buf.model_group, torch.zeros((), dtype=torch.float32, device=device)))
+        if buf.counts_in_norm:
             squares += buf.local_grad.float().pow(2).sum()
-    world = dist.group.WORLD if dist.is_initialized() else None
-    C.all_reduce_sum(squares, world)
-    total = squares.sqrt()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group, squares in partial.values():
+        C.all_reduce_sum(squares, group)
+        total += squares
+    total = total.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise FloatingPointError(f"clip_grad_norm_: the total gradient norm is {total.item()}")

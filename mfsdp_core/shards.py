@@ -21,6 +21,8 @@ from torch import nn
 from .buffer import FlatParamBuffer
 from .fully_shard import buffers_of
 from .layout import Layout, Policy
+from .optim import optimizer_param
+from .plan import BufferSpec
 from .strategy import Strategy
 
 __all__ = ["FlatShard", "ParamShard", "describe_shards", "refresh_compute_params"]
@@ -44,19 +46,37 @@ class ParamShard:
     shape: torch.Size  # global (logical) shape
     dtype: torch.dtype  # dtype the model computes with
     main_dtype: torch.dtype  # dtype of the optimizer's main params
-    strategy: Strategy
-    policy: Policy
-    group_size: int  # ranks the main params / optimizer state are sharded over (1: no_shard)
-    group_rank: int  # this rank's index in that group
-    is_expert: bool
+    spec: BufferSpec  # the plan of its flat buffer; this parameter is spec.shapes[index]
+    index: int
+    group_rank: int  # this rank's index in the group the state is sharded over
     param: FlatShard  # compute weights: the owned range under ZeRO-3, else the whole parameter
     main: FlatShard  # main params, owned range (frozen parameters: their compute weights)
     grad: FlatShard | None  # reduced grads, owned range (ZeRO-1 also keeps replicas of the rest)
-    optim: dict[str, FlatShard] = field(default_factory=dict)  # per-element optimizer state
+    optim: dict[str, FlatShard] = field(default_factory=dict)  # optimizer state shaped like the parameter
     optim_extra: dict[str, Any] = field(default_factory=dict)  # other state, e.g. Adam's 'step'
-    layout: Layout | None = None  # the buffer's layout; this parameter is layout.shapes[index]
-    index: int = 0
+    companions: dict[str, FlatShard] = field(default_factory=dict)  # owned range of each companion plane
     optim_param: torch.Tensor | None = None  # the parameter the optimizer steps for it (None: not in the optimizer)
+
+    @property
+    def layout(self) -> Layout:
+        return self.spec.layout
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.spec.strategy
+
+    @property
+    def policy(self) -> Policy:
+        return self.spec.policy
+
+    @property
+    def group_size(self) -> int:
+        """Ranks the main params / optimizer state are sharded over (1: no_shard)."""
+        return self.layout.group_size
+
+    @property
+    def is_expert(self) -> bool:
+        return self.spec.is_expert
 
     @property
     def owned(self) -> tuple[int, int]:
@@ -75,36 +95,34 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
         if buf.strategy.shards_params:
             param = FlatShard(pc.start, pc.end, buf.shard[local])
         else:
-            param = FlatShard(0, numel, buf._unsharded_flat(i))
+            param = FlatShard(0, numel, buf.unsharded(i))
         main = FlatShard(pc.start, pc.end, buf.main[local])
         grad = FlatShard(pc.start, pc.end, buf.local_grad[local]) if buf.requires_grad else None
         optim: dict[str, FlatShard] = {}
         extra: dict[str, Any] = {}
-        sp = buf.shard_params[i] if buf.shard_params is not None else None
-        if optimizer is not None and sp is not None:
+        sp = optimizer_param(optimizer, buf, i) if optimizer is not None else None
+        if sp is not None:
             for key, value in optimizer.state.get(sp, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == sp.shape:
-                    optim[key] = FlatShard(pc.start, pc.end, value)
+                    optim[key] = FlatShard(pc.start, pc.end, value if value.dim() == 1 else value.view(-1))
                 else:
                     extra[key] = value
+        companions = {name_: FlatShard(*buf.companion_shard(i, name_)) for name_ in buf.companions}
         out.append(
             ParamShard(
                 fqn=name,
                 shape=buf.layout.shapes[i],
                 dtype=buf.compute_dtype,
                 main_dtype=buf.main_dtype,
-                strategy=buf.strategy,
-                policy=buf.layout.policy,
-                group_size=buf.layout.group_size,
+                spec=buf.spec,
+                index=i,
                 group_rank=r,
-                is_expert=buf.is_expert,
                 param=param,
                 main=main,
                 grad=grad,
                 optim=optim,
                 optim_extra=extra,
-                layout=buf.layout,
-                index=i,
+                companions=companions,
                 optim_param=sp,
             )
         )
@@ -114,7 +132,8 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
 def describe_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ParamShard]:
     """This rank's shards of every parameter under ``module`` (a ``fully_shard``-ed root), with
     the optimizer's per-parameter state when ``optimizer`` (adapted by ``fully_shard_optimizer``)
-    is given."""
+    is given. Optimizer state shaped like the parameter the optimizer sees (1-D pieces, or whole
+    matrices under ``tensor``) is reported flat, by the same range as the main params."""
     return [ps for buf in buffers_of(module) for ps in _param_shards(buf, optimizer)]
 
 

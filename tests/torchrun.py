@@ -1,4 +1,4 @@
-"""Run ``python -m mfsdp_core.train`` the way users do, under ``torchrun``, from tests.
+"""Run ``python -m cli.train`` the way users do, under ``torchrun``, from tests.
 
 Two things about torchrun that tests must not get wrong:
 
@@ -25,9 +25,9 @@ ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH
 def train_cmd(nproc: int | None, *args: str) -> list[str]:
     """The command line: ``nproc`` ranks under torchrun, or one plain process for ``None``."""
     if nproc is None:
-        return [sys.executable, "-m", "mfsdp_core.train", *args]
+        return [sys.executable, "-m", "cli.train", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "mfsdp_core.train", *args]
+            "-m", "cli.train", *args]
 
 
 def run_train(nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

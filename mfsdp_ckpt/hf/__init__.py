@@ -5,7 +5,7 @@ index, ``config.json``), streaming one tensor at a time, for the architectures i
 
 ``export`` reads any canonical checkpoint (and may run on all ranks of a training job, each
 writing its own shard files); ``import_`` writes a committed checkpoint that ``mfsdp_ckpt.load``
-and ``python -m mfsdp_core.train --init-from`` read at any world size. ``transformers`` is not
+and ``python -m cli.train --init-from`` read at any world size. ``transformers`` is not
 needed for either."""
 
 from .export import DTYPES, ExportResult, export

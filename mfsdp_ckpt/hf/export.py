@@ -28,6 +28,7 @@ from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
 from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
+from ..keys import MAIN_PARAM, fqn_of_model_key, group_of, optim_key
 from ..storage import commit_directory, fsync_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
@@ -93,7 +94,7 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
         raise ConversionError(f"{source}: the model config cannot be expressed as {arch.name}: {'; '.join(problems)}")
     conversions = expand(arch, cfg)
     shapes = check_against(conversions, cfg, arch)
-    stored = {k for k in reader.keys() if k.startswith("model.") and reader.is_tensor(k)}
+    stored = {k for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
     missing = sorted(set(shapes) - stored)
     unexpected = sorted(stored - set(shapes))
     misshapen = sorted(f"{k} (checkpoint {tuple(reader.shape(k))}, model config {tuple(shapes[k])})"
@@ -107,8 +108,7 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     keys = set(reader.keys())
     items = []
     for conv in conversions:
-        fqn = conv.ours[len("model."):]
-        main = f"optim.{fqn}.main_param"  # bf16 training keeps the fp32 master weights here: read those
+        main = optim_key(fqn_of_model_key(conv.ours), MAIN_PARAM)  # bf16 training keeps the fp32 master weights here: read those
         src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shapes[conv.ours] else conv.ours
         out_dtype = dtype or reader.dtype(conv.ours)
         outs = [(name, out_dtype, tuple(shape)) for name, shape in zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg))]

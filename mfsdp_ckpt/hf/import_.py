@@ -18,11 +18,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConversionError, raise_key_problems
-from ..groups import planned_groups
 from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .files import HFDirectory
-from .mapping import check_against, expand
+from .mapping import check_against, default_plan, expand
 from .registry import architecture_of_hf_config, architectures, get_architecture
 
 __all__ = ["import_", "ImportResult"]
@@ -52,7 +51,7 @@ def import_(
     """Convert the HF model directory ``hf_dir`` (``config.json`` plus safetensors, sharded or
     not) into a committed canonical checkpoint at ``checkpoint``: ``model.<fqn>`` weights in their
     HF dtype and the model config in the manifest (``model_config``), ready for
-    ``python -m mfsdp_core.train --init-from`` or :func:`mfsdp_ckpt.load` at any world size.
+    ``python -m cli.train --init-from`` or :func:`mfsdp_ckpt.load` at any world size.
 
     ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. Every HF
     tensor must be consumed exactly once and every parameter of the model written exactly once;
@@ -76,6 +75,7 @@ def import_(
             raise ConversionError(f"{source}: {architecture.name}: {'; '.join(problems)}")
         conversions = expand(architecture, cfg)
         shapes = check_against(conversions, cfg, architecture)
+        plan = default_plan(cfg)
 
         planned: dict[str, torch.Size] = {}
         for conv in conversions:
@@ -95,7 +95,7 @@ def import_(
         ], ConversionError)
 
         manifest = {
-            "writer": writer_layout(1, planned_groups(cfg.to_dict()) or []),  # so reshard can place ranges
+            "writer": writer_layout(1, plan),  # so that reshard can place ranges
             "model_config": cfg.to_dict(),
             "step": None,
             "include_grads": False,

@@ -23,9 +23,11 @@ from typing import Callable
 
 import torch
 
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
+from mfsdp_core.plan import ModelPlan, plan_model
 
 from ..errors import ConversionError
+from ..keys import model_key
 
 __all__ = [
     "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
@@ -192,7 +194,7 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
     def emit(rule: Rule, i: int | None) -> None:
         experts = range(c.num_experts) if "{e}" in rule.ours else [None]
         for e in experts:
-            out.append(Conversion(rule, "model." + _fill(rule.ours, i, e), tuple(_fill(t, i, e) for t in rule.theirs)))
+            out.append(Conversion(rule, model_key(_fill(rule.ours, i, e)), tuple(_fill(t, i, e) for t in rule.theirs)))
 
     def flush() -> None:
         for i in range(c.num_layers):
@@ -225,14 +227,24 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
     return out
 
 
+def _meta_model(c: GPTConfig) -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(c)
+
+
 def canonical_shapes(c: GPTConfig) -> dict[str, torch.Size]:
     """Every canonical model key (``model.<fqn>``) of our model with config ``c`` and its shape,
     from a model built on the meta device (no memory)."""
-    from mfsdp_core.models.gpt import GPTModel
+    return {model_key(name): p.shape for name, p in _meta_model(c).named_parameters()}
 
-    with torch.device("meta"):
-        model = GPTModel(c)
-    return {f"model.{name}": p.shape for name, p in model.named_parameters()}
+
+def default_plan(c: GPTConfig) -> ModelPlan:
+    """The placement plan of the model an import writes: the units the model module names
+    (``shard_units``) with ``fully_shard``'s default placement, on one rank, computed by the
+    runtime's own planner on a meta-device model. Recorded in the manifest, it is what ``reshard``
+    lays the checkpoint out from."""
+    model = _meta_model(c)
+    return plan_model(model, shard_units(model))
 
 
 def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture) -> dict[str, torch.Size]:

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 import mfsdp_ckpt
 from cli.main import main
 from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.groups import planned_groups
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.reshard import reshard
 from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
-from mfsdp_core import compute_layout
+from mfsdp_core import ModelPlan, compute_layout, plan_model
+from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import ENV, ROOT, failure, run_train
 
@@ -67,10 +67,12 @@ def _resume_metrics(ckpt: str, run_dir, nproc: int, by_path: bool) -> tuple[list
 def _owner_files(ckpt: str) -> dict[str, set[tuple[str, int]]]:
     """For every parameter-shaped key: the (file, target shard rank) pairs of its chunks."""
     with CheckpointReader(ckpt) as reader:
-        groups = reader.manifest["writer"]["groups"]
+        plan = reader.manifest["writer"]["plan"]
         out: dict[str, set] = {}
-        for g in groups:
+        for g in plan["buffers"]:
+            assert g["group"] == "dp" and g["strategy"] != "no_shard"
             shapes = [reader.shape(f"model.{n}") for n in g["params"]]
+            assert shapes == [torch.Size(s) for s in g["shapes"]]
             layout = compute_layout(shapes, g["group_size"], g["policy"], g["params"])
             for i, name in enumerate(g["params"]):
                 for key in [k for k in reader.keys() if k == f"model.{name}" or k.startswith(f"optim.{name}.")]:
@@ -183,8 +185,8 @@ def test_reshard_changes_strategy_policy_drops_optimizer_and_casts(source, tmp_p
             assert out.dtype(key) == torch.bfloat16
             assert torch.equal(out.read(key), src.read(key).to(torch.bfloat16)), key
         assert out.read("extra.step") == 2
-        groups = out.manifest["writer"]["groups"]
-        assert {(g["strategy"], g["policy"], g["group_size"]) for g in groups} == {("optim", "tensor", 5)}
+        buffers = out.manifest["writer"]["plan"]["buffers"]
+        assert {(g["strategy"], g["policy"], g["group_size"]) for g in buffers} == {("optim", "tensor", 5)}
         assert out.manifest["has_optimizer"] is False and out.manifest["resharded_from"]["save_id"] == src.manifest["save_id"]
 
 
@@ -194,26 +196,25 @@ def test_reshard_to_no_shard_writes_one_file_and_keeps_rng_at_same_world(source,
     assert diff_checkpoints(source, tmp_path / "ns", ignore=()).equal  # RNG states kept at the same world size
 
 
-def test_planned_groups_are_the_ones_the_trainer_records(source):
+def test_the_recorded_plan_is_the_runtimes_plan_for_that_model(source):
+    """What the trainer records is the plan ``fully_shard`` makes of the model (every field), and
+    the plan import-hf records is the same planner's, with the defaults the trainer uses."""
+    from cli.train import parse_args
+    from mfsdp_ckpt.hf.mapping import default_plan
+
     with CheckpointReader(source) as reader:
-        recorded = reader.manifest["writer"]["groups"]
-        assert planned_groups(reader.manifest["model_config"], policy="row", group_size=4) == recorded
-
-
-def test_planned_groups_default_to_the_trainers_layout():
-    import inspect
-
-    from mfsdp_ckpt.groups import DEFAULT_POLICY, DEFAULT_STRATEGY
-    from mfsdp_core import fully_shard
-    from mfsdp_core.train import parse_args
-
+        recorded = ModelPlan.from_dict(reader.manifest["writer"]["plan"])
+        config = GPTConfig.from_dict(reader.manifest["model_config"])
+    with torch.device("meta"):
+        meta = GPTModel(config)
+    assert recorded == plan_model(meta, shard_units(meta), policy="row", group_sizes={"dp": 4})
     args = parse_args([])
-    assert (args.strategy, args.policy) == (DEFAULT_STRATEGY, DEFAULT_POLICY)
-    params = inspect.signature(fully_shard).parameters
-    assert (params["strategy"].default, params["policy"].default) == (DEFAULT_STRATEGY, DEFAULT_POLICY)
+    imported = default_plan(config)
+    assert {(b.strategy.value, str(b.policy)) for b in imported.buffers} == {(args.strategy, args.policy)}
+    assert [b.fqns for b in imported.buffers] == [b.fqns for b in recorded.buffers]
 
 
-def _without_groups(source: str, path, writer: dict, model_config) -> str:
+def _without_plan(source: str, path, writer: dict, model_config) -> str:
     """The source's model weights in a checkpoint no sharded model wrote (as import-hf's)."""
     with CheckpointReader(source) as src:
         manifest = {"writer": writer, "model_config": model_config, "step": None,
@@ -225,33 +226,64 @@ def _without_groups(source: str, path, writer: dict, model_config) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("writer", [{"world_size": 1, "buffers": [], "groups": []},  # import-hf before groups
-                                    {"world_size": 1}],  # written before writer.groups existed
-                         ids=["empty-groups", "no-groups"])
-def test_reshard_plans_groups_from_the_model_config_when_none_are_recorded(source, tmp_path, writer):
-    with CheckpointReader(source) as src:
-        config = src.manifest["model_config"]
-    ckpt = _without_groups(source, tmp_path / "src", writer, config)
-    result = reshard(ckpt, tmp_path / "w3", world_size=3)
-    assert result.files == 3
-    assert verify_checkpoint(tmp_path / "w3") == [] and diff_checkpoints(ckpt, tmp_path / "w3").equal
-    owners = _owner_files(str(tmp_path / "w3"))
+def _assert_each_range_in_its_owners_file(ckpt: str, world: int) -> None:
+    owners = _owner_files(ckpt)
     with CheckpointReader(ckpt) as reader:
         assert set(owners) == {k for k in reader.keys() if k.startswith("model.")}
-    assert {r for pairs in owners.values() for _, r in pairs} == {0, 1, 2}
+    assert {r for pairs in owners.values() for _, r in pairs} == set(range(world))
     for key, pairs in owners.items():
         for file, r in pairs:
             assert file == f"__{r}_0.distcp", (key, file, r)
 
 
-def test_reshard_without_groups_or_gpt_config(source, tmp_path):
-    # recorded as "no groups" (convert --to dcp of a plain state dict): everything whole, in file 0
-    ckpt = _without_groups(source, tmp_path / "plain", {"world_size": 1, "buffers": [], "groups": []}, None)
+def test_reshard_takes_the_plan_of_another_checkpoint(source, tmp_path):
+    """A checkpoint that records no plan (written before plans existed) reshards with the plan of
+    another checkpoint of the same model: every range in its owner's file."""
+    with CheckpointReader(source) as src:
+        config = src.manifest["model_config"]
+    ckpt = _without_plan(source, tmp_path / "src", {"world_size": 1}, config)
+    _assert_refused([ckpt, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan")
+    res = CliRunner().invoke(main, ["reshard", ckpt, str(tmp_path / "w3"), "--world-size", "3", "--plan-from", source])
+    assert res.exit_code == 0, res.output
+    assert verify_checkpoint(tmp_path / "w3") == [] and diff_checkpoints(ckpt, tmp_path / "w3").equal
+    _assert_each_range_in_its_owners_file(str(tmp_path / "w3"), 3)
+
+
+def test_reshard_reads_plans_of_older_manifests(source, tmp_path):
+    """Manifests written before the plan recorded ``writer.groups`` (names, strategy, policy, group
+    size): reshard reads those, taking shapes and dtypes from the tensors."""
+    with CheckpointReader(source) as src:
+        plan = src.manifest["writer"]["plan"]
+    groups = [{"params": b["params"], "strategy": b["strategy"], "policy": b["policy"], "group_size": b["group_size"],
+               "is_expert": b["is_expert"]} for b in plan["buffers"]]
+    ckpt = _without_plan(source, tmp_path / "old", {"world_size": 4, "groups": groups}, None)
+    result = reshard(ckpt, tmp_path / "w3", world_size=3)
+    assert result.files == 3 and diff_checkpoints(ckpt, tmp_path / "w3").equal
+    _assert_each_range_in_its_owners_file(str(tmp_path / "w3"), 3)
+
+
+def test_reshard_without_a_plan(source, tmp_path):
+    # recorded as "no buffers" (convert --to dcp of a plain state dict): everything whole, in file 0
+    ckpt = _without_plan(source, tmp_path / "plain", {"world_size": 1, "buffers": [], "groups": []}, None)
     result = reshard(ckpt, tmp_path / "w3", world_size=3)
     assert result.files == 1 and diff_checkpoints(ckpt, tmp_path / "w3").equal
-    # nothing recorded at all, and nothing to plan from: refused in one line
-    old = _without_groups(source, tmp_path / "old", {"world_size": 4}, None)
-    _assert_refused([old, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "neither the writer's parameter groups")
+    # nothing recorded at all: refused in one line, even with a GPT model config (offline layouts
+    # come from recorded plans, never from a model's code)
+    with CheckpointReader(source) as src:
+        config = src.manifest["model_config"]
+    old = _without_plan(source, tmp_path / "old", {"world_size": 4}, config)
+    _assert_refused([old, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan")
+    assert not os.path.exists(tmp_path / "out")
+    # the plan of a checkpoint of another model: refused, naming what does not fit
+    with CheckpointReader(source) as src:
+        keep = [k for k in src.keys() if k.startswith("model.") and k != "model.output_layer.weight"]
+        with CheckpointBuilder(tmp_path / "smaller", {"writer": {"world_size": 1}, "model_config": None}) as b:
+            for key in keep:
+                b.add_tensor(key, src.read(key) if key != "model.embedding.word_embeddings.weight" else src.read(key)[:-1])
+            b.commit()
+    _assert_refused([str(tmp_path / "smaller"), str(tmp_path / "out"), "--world-size", "3", "--plan-from", source],
+                    str(tmp_path / "out"), "parameters with no 'model.' tensor: output_layer.weight; shape mismatch: "
+                    "embedding.word_embeddings.weight")
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -277,7 +309,7 @@ def test_bad_input(source, tmp_path):
     _assert_refused([source, dst, "--world-size", "-3"], dst, "--world-size must be >= 1")
     _assert_refused([source, dst, "--world-size", "2", "--policy", "block(32)"], dst, "not a multiple of 32")
     _assert_refused([source, dst, "--world-size", "2", "--strategy", "zero9"], dst, "unknown sharding strategy")
-    _assert_refused([source, dst, "--world-size", "2", "--ep", "2"], dst, "--ep 2")
+    _assert_refused([source, dst, "--world-size", "2", "--ep", "2"], dst, "No such option '--ep'", code=2)
     _assert_refused([source, dst, "--world-size", "two"], dst, "not a valid integer", code=2)
     assert not os.path.exists(dst)
 

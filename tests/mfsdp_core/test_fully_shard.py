@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp_core import count_comm, describe_shards, fully_shard, fully_shard_optimizer, plan_buffers
+from mfsdp_core import count_comm, describe_shards, fully_shard, fully_shard_optimizer, plan_model, plan_of
 from mfsdp_core.fully_shard import buffers_of
 from mfsdp_core.models.gpt import PRESETS, GPTModel, shard_units
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
@@ -103,7 +103,7 @@ def _tweak(model) -> None:
 
 
 @pytest.mark.parametrize("preset", [*PRESETS, "tiny+frozen+bf16"])
-def test_plan_buffers_on_meta_model_is_what_fully_shard_builds(preset):
+def test_plan_model_on_meta_model_is_what_fully_shard_builds(preset):
     config = PRESETS[preset.split("+")[0]]
     with torch.device("meta"):
         meta = GPTModel(config)
@@ -111,18 +111,22 @@ def test_plan_buffers_on_meta_model_is_what_fully_shard_builds(preset):
     if "+" in preset:
         _tweak(meta)
         _tweak(real)
-    plan = plan_buffers(meta, shard_units(meta))
+    plan = plan_model(meta, shard_units(meta))
     for unit in shard_units(real):
         fully_shard(unit)
-    assert plan == [(buf.names, buf.is_expert) for buf in buffers_of(real)]
-    assert sorted(n for names, _ in plan for n in names) == sorted(n for n, _ in meta.named_parameters())
+    assert plan == plan_of(real)  # every field of every buffer: names, shapes, dtype, placement, ...
+    assert [(spec.fqns, spec.is_expert) for spec in plan.buffers] == [(buf.names, buf.is_expert) for buf in buffers_of(real)]
+    assert [spec.layout for spec in plan.buffers] == [buf.layout for buf in buffers_of(real)]
+    names = [n for spec in plan.buffers for n in spec.fqns]
+    assert sorted(names) == sorted(n for n, _ in meta.named_parameters())
     if "+" in preset:
-        assert (["decoder.layers.0.self_attention.linear_proj.weight"], False) in plan
+        assert any(spec.fqns == ["decoder.layers.0.self_attention.linear_proj.weight"] and not spec.is_expert
+                   for spec in plan.buffers)
     if config.num_experts:
-        assert any(expert for _, expert in plan)
+        assert any(spec.is_expert for spec in plan.buffers)
 
 
-def test_plan_buffers_refuses_a_unit_outside_the_root():
-    with pytest.raises(ValueError, match="plan_buffers: Linear is not a submodule of GPTModel"):
+def test_plan_model_refuses_a_unit_outside_the_root():
+    with pytest.raises(ValueError, match="plan_model: Linear is not a submodule of GPTModel"):
         with torch.device("meta"):
-            plan_buffers(GPTModel(PRESETS["tiny"]), [torch.nn.Linear(2, 2)])
+            plan_model(GPTModel(PRESETS["tiny"]), [torch.nn.Linear(2, 2)])

@@ -1,4 +1,4 @@
-"""The main job, ``python -m mfsdp_core.train``, on real gloo ranks launched by torchrun: the loss
+"""The main job, ``python -m cli.train``, on real gloo ranks launched by torchrun: the loss
 falls, a killed run resumes bitwise, a run resumes at another world size, and bad input fails
 with one clear line."""
 

@@ -19,8 +19,10 @@ import torch
 pytest.importorskip("transformers")
 
 from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.groups import planned_groups  # noqa: E402
+from mfsdp_ckpt.hf.mapping import default_plan  # noqa: E402
 from mfsdp_ckpt.streaming import CheckpointReader  # noqa: E402
+from mfsdp_core import ModelPlan  # noqa: E402
+from mfsdp_core.models.gpt import GPTConfig  # noqa: E402
 
 from .util import hf_config, hf_tensors, random_hf_model, reference_model, save_hf, tokens  # noqa: E402
 
@@ -55,8 +57,8 @@ def test_import_export_bitwise_and_transformers_logits(case, tmp_path):
     imported = hf.import_(src, tmp_path / "ckpt")
     assert imported.architecture == arch
     with CheckpointReader(tmp_path / "ckpt") as reader:  # the trainer's buffers, for reshard
-        groups = reader.manifest["writer"]["groups"]
-        assert groups and groups == planned_groups(reader.manifest["model_config"])
+        plan = ModelPlan.from_dict(reader.manifest["writer"]["plan"])
+        assert plan.buffers and plan == default_plan(GPTConfig.from_dict(reader.manifest["model_config"]))
     exported = hf.export(tmp_path / "ckpt", tmp_path / "out", max_shard_size="30KB")
     assert exported.architecture == arch and len(exported.files) > 1
 

@@ -1,10 +1,10 @@
 """Resumable sharded training of the reference GPT models, launched by torchrun:
 
-    torchrun --standalone --nproc-per-node 2 -m mfsdp_core.train --model tiny-moe --steps 60 \\
+    torchrun --standalone --nproc-per-node 2 -m cli.train --model tiny-moe --steps 60 \\
         --stop-at 30 --ckpt-dir ckpts/run1 --save-every 10
-    torchrun --standalone --nproc-per-node 3 -m mfsdp_core.train --model tiny-moe --steps 60 \\
+    torchrun --standalone --nproc-per-node 3 -m cli.train --model tiny-moe --steps 60 \\
         --ckpt-dir ckpts/run1 --resume
-    torchrun --standalone --nproc-per-node 2 -m mfsdp_core.train --model tiny --steps 60 \\
+    torchrun --standalone --nproc-per-node 2 -m cli.train --model tiny --steps 60 \\
         --init-from ckpts/from_hf    # weights only (e.g. from ``mfsdp-ckpt import-hf``), fresh optimizer
 
 Every decoder layer and then the root are ``fully_shard``-ed; AdamW steps on the local fp32
@@ -12,8 +12,9 @@ shards. The data is a deterministic, seekable synthetic stream whose position is
 resumed run (at any world size) continues the same sample sequence; at the same world size it is
 bitwise identical to an uninterrupted run. gloo on CPU by default; NCCL when CUDA is available.
 
-This module is the application on top of both packages: it is the one place in ``mfsdp_core``
-that uses the checkpoint layer (``mfsdp_ckpt``); the runtime itself never does.
+This module is the application on top of both packages (the runtime ``mfsdp_core`` and the
+checkpoint layer ``mfsdp_ckpt``), which is why it lives next to the command line: neither package
+imports it, and the runtime never imports the checkpoint layer.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
-from .collectives import rank0_decides
-from .data import SyntheticText
-from .layout import parse_policy
-from .models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_units
-from .strategy import STRATEGY_NAMES, parse_strategy
+import mfsdp_ckpt
+from mfsdp_ckpt.manifest import read_manifest
+from mfsdp_core import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_core.collectives import rank0_decides
+from mfsdp_core.data import SyntheticText
+from mfsdp_core.layout import parse_policy
+from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_units
+from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY
+from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
 
 class UsageError(Exception):
@@ -49,8 +53,8 @@ _LATEST = "<ckpt-dir>/latest"  # --resume without a path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
     p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
-    p.add_argument("--strategy", default="optim_grads_params", help=", ".join(STRATEGY_NAMES))
-    p.add_argument("--policy", default="even", help="even, row, block(N) or tensor")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
+    p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
     p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
     p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
@@ -136,8 +140,6 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
 
 def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
     """The checkpoint to resume from, after checking it was written for this model."""
-    import mfsdp_ckpt
-
     if args.resume != _LATEST:
         return checked_checkpoint(args.resume, config, "--resume")
     latest = os.path.join(args.ckpt_dir, mfsdp_ckpt.LATEST_NAME)
@@ -149,9 +151,6 @@ def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
 def checked_checkpoint(where: str, config: GPTConfig, flag: str) -> str:
     """The checkpoint directory ``where`` names, after checking its manifest's model config is
     ``config`` (fields an older manifest lacks count as their defaults)."""
-    import mfsdp_ckpt
-    from mfsdp_ckpt.manifest import read_manifest
-
     try:
         path = mfsdp_ckpt.resolve_checkpoint(where)
         saved = read_manifest(path).get("model_config") or {}
@@ -174,8 +173,6 @@ def memory_mib() -> float:
 
 
 def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
-    import mfsdp_ckpt
-
     # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
     # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
     resume_from = rank0_decides(resume_point, args, config) if args.resume else None

@@ -1,0 +1,396 @@
+"""The placement plan: how every parameter of a ``fully_shard``-ed model is stored and sharded.
+
+A :class:`Placement` says, for one parameter, over which named process group its flat buffer is
+sharded (``"dp"``: the model's data-parallel group, or any other group handed to ``fully_shard``),
+with which layout policy, what its summed gradients are divided by, whether it is an expert, and
+which :class:`Companion` planes are laid out from its rows and travel with it. A placement
+function ``fn(name, param) -> Placement`` (in the style of FSDP2's ``shard_placement_fn``) gives
+each parameter of a unit its placement; the parameters of one unit that share placement, dtype and
+``requires_grad`` become one flat buffer, described by a :class:`BufferSpec`.
+
+The plan is pure data, computed from (module, placement function, group sizes) without
+communication. The runtime's buffers, the optimizer adapter, the shard description, the
+checkpoint manifest and offline resharding all read it; none derives a layout another way.
+
+A buffer sharded over a group smaller than ``"dp"`` holds, on each instance of that group, its own
+parameters: gradients are reduced within the group only (the expert-parallel shape, where the
+divisor is the data-parallel size, not the group's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from .dtypes import dtype_by_name, dtype_name
+from .layout import Layout, Policy, compute_layout, parse_policy
+from .mixed_precision import MixedPrecision
+from .strategy import Strategy, parse_strategy
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "DEFAULT_POLICY",
+    "DEFAULT_STRATEGY",
+    "Companion",
+    "Placement",
+    "PlacementFn",
+    "BufferSpec",
+    "ModelPlan",
+    "default_is_expert",
+    "placement_fn",
+    "plan_unit",
+    "plan_model",
+]
+
+DEFAULT_GROUP = "dp"
+DEFAULT_STRATEGY = Strategy.OPTIM_GRADS_PARAMS
+DEFAULT_POLICY = Policy("even")
+
+
+def default_is_expert(name: str) -> bool:
+    """Expert parameters (``…mlp.experts.linear_fc1.weight3``) go to buffers of their own."""
+    return "experts." in name
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A plane stored next to its parameter and laid out from the same rows, so that it shards,
+    gathers and checkpoints with them (e.g. an MXFP8 scale plane).
+
+    The parameter is seen as a matrix ``[rows, cols]`` (``rows = shape[0]``, ``cols`` the rest).
+    Companion row ``j`` covers parameter rows ``[j·row_divisor, (j+1)·row_divisor)`` and has
+    ``ceil(cols / col_divisor)`` elements. ``derive(rows_fp32) -> plane_rows`` computes a rank's
+    part from the main (fp32) values of the whole row blocks it owns; it is behaviour, not data, so
+    it is left out of comparisons and of the manifest."""
+
+    name: str
+    dtype: torch.dtype
+    row_divisor: int = 1
+    col_divisor: int = 1
+    derive: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.row_divisor < 1 or self.col_divisor < 1:
+            raise ValueError(f"companion '{self.name}': divisors must be >= 1")
+
+    def shape(self, param_shape: Sequence[int]) -> torch.Size:
+        rows, cols = _as_matrix(param_shape)
+        return torch.Size((-(-rows // self.row_divisor), -(-cols // self.col_divisor)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": dtype_name(self.dtype), "row_divisor": self.row_divisor,
+                "col_divisor": self.col_divisor}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Companion":
+        return cls(d["name"], dtype_by_name(d["dtype"]), int(d["row_divisor"]), int(d["col_divisor"]))
+
+
+def _as_matrix(shape: Sequence[int]) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    return int(shape[0]), math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one parameter is placed. ``group`` names a process group given to ``fully_shard``;
+    ``grad_divisor`` (None: that group's size) divides the gradients summed over the group."""
+
+    policy: Policy = DEFAULT_POLICY
+    group: str = DEFAULT_GROUP
+    expert: bool = False
+    grad_divisor: int | None = None
+    companions: tuple[Companion, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", parse_policy(self.policy))
+        if self.grad_divisor is not None and self.grad_divisor < 1:
+            raise ValueError(f"grad_divisor must be >= 1, got {self.grad_divisor}")
+        names = [c.name for c in self.companions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"companion names must differ, got {names}")
+
+
+PlacementFn = Callable[[str, nn.Parameter], Placement]
+
+
+def placement_fn(placement: Union[Placement, PlacementFn, None], policy: str | Policy | None) -> PlacementFn:
+    """The placement function ``fully_shard`` uses: ``placement`` itself, a fixed ``Placement``
+    for every parameter, or the default (``policy``, group ``"dp"``, experts apart)."""
+    if placement is not None and policy is not None:
+        raise ValueError("pass either policy or placement, not both (a placement carries its policy)")
+    if callable(placement) and not isinstance(placement, Placement):
+        return placement
+    if isinstance(placement, Placement):
+        fixed = placement
+        return lambda name, param: dataclasses.replace(fixed, expert=fixed.expert or default_is_expert(name))
+    pol = parse_policy(policy if policy is not None else DEFAULT_POLICY)
+    return lambda name, param: Placement(pol, expert=default_is_expert(name))
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One flat buffer: its parameters (names relative to ``prefix``, the unit's path under the
+    outermost sharded module), their shapes and dtype, the strategy, the placement, and the size
+    of the group it is sharded over. Everything else (layout, divisor, companion layouts, storage
+    dtypes) follows from these."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    strategy: Strategy
+    placement: Placement
+    group_size: int  # ranks of placement.group (the buffer is sharded over them unless no_shard)
+    prefix: str = ""
+    param_dtype: torch.dtype | None = None  # compute dtype (mixed precision); None: ``dtype``
+    main_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.param_dtype is None:
+            object.__setattr__(self, "param_dtype", self.dtype)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def fqns(self) -> list[str]:
+        """Parameter names relative to the outermost sharded module (canonical names)."""
+        return [self.prefix + n for n in self.names]
+
+    @property
+    def policy(self) -> Policy:
+        return self.placement.policy
+
+    @property
+    def is_expert(self) -> bool:
+        return self.placement.expert
+
+    @property
+    def shard_size_ranks(self) -> int:
+        """Ranks the main params and optimizer state are split over (1 when nothing is sharded)."""
+        return self.group_size if self.strategy.shards_optim else 1
+
+    @property
+    def grad_divisor(self) -> int:
+        return self.placement.grad_divisor or self.group_size
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype
+
+    @property
+    def storage_main_dtype(self) -> torch.dtype:
+        """Dtype of the main params: the optimizer's dtype when trained, else the weights'."""
+        return self.main_dtype if self.requires_grad else self.compute_dtype
+
+    @property
+    def shaped_optimizer_state(self) -> bool:
+        """True when every parameter lies whole on one rank, so the optimizer can see its shape
+        (a matrix optimizer needs it); flat policies give it 1-D pieces."""
+        return self.policy.keeps_tensors_whole
+
+    @cached_property
+    def layout(self) -> Layout:
+        return compute_layout(self.shapes, self.shard_size_ranks, self.policy, self.fqns)
+
+    @cached_property
+    def companion_layouts(self) -> dict[str, Layout]:
+        """Each companion plane's layout: rank r holds the plane rows of the parameter rows it owns."""
+        return {c.name: _companion_layout(self.layout, c) for c in self.placement.companions}
+
+    def owned_shape(self, index: int, rank: int) -> torch.Size:
+        """Shape of rank ``rank``'s piece of parameter ``index`` as the optimizer sees it: 1-D for
+        flat policies; the whole shape (or an empty one with the same trailing dims) when the
+        policy keeps parameters whole."""
+        piece = self.layout.piece(index, rank)
+        if not self.shaped_optimizer_state:
+            return torch.Size((piece.numel,))
+        shape = self.shapes[index]
+        if piece.numel == math.prod(shape):
+            return shape
+        return torch.Size((0, *shape[1:])) if len(shape) else torch.Size((0,))
+
+    # ---- changes -------------------------------------------------------------------------
+    def with_prefix(self, prefix: str) -> "BufferSpec":
+        """The same buffer under another unit path (its layouts carry over: names do not change them)."""
+        out = dataclasses.replace(self, prefix=prefix)
+        for key in ("layout", "companion_layouts"):
+            if key in self.__dict__:
+                out.__dict__[key] = self.__dict__[key]
+        return out
+
+    def resized(self, group_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None) -> "BufferSpec":
+        """The same buffer in another layout: group size, and optionally strategy and policy."""
+        placement = self.placement if policy is None else dataclasses.replace(self.placement, policy=policy)
+        return dataclasses.replace(self, group_size=group_size, strategy=strategy or self.strategy, placement=placement)
+
+    # ---- manifest ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "unit": self.prefix[:-1],
+            "params": self.fqns,
+            "shapes": [list(s) for s in self.shapes],
+            "dtype": dtype_name(self.dtype),
+            "param_dtype": dtype_name(self.compute_dtype),
+            "main_dtype": dtype_name(self.storage_main_dtype),
+            "requires_grad": self.requires_grad,
+            "strategy": self.strategy.value,
+            "policy": str(self.policy),
+            "group": self.placement.group,
+            "group_size": self.group_size,
+            "grad_divisor": self.placement.grad_divisor,  # null: the group's size, whatever it becomes
+            "is_expert": self.is_expert,
+            "companions": [c.to_dict() for c in self.placement.companions],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BufferSpec":
+        """Inverse of :meth:`to_dict`."""
+        placement = Placement(
+            parse_policy(d["policy"]), d.get("group", DEFAULT_GROUP), bool(d.get("is_expert", False)),
+            d.get("grad_divisor"), tuple(Companion.from_dict(c) for c in d.get("companions", ())),
+        )
+        dtype = dtype_by_name(d["dtype"])
+        prefix = f"{d['unit']}." if d.get("unit") else ""
+        names = tuple(d["params"])
+        if all(n.startswith(prefix) for n in names):
+            names = tuple(n[len(prefix):] for n in names)
+        else:
+            prefix = ""
+        return cls(
+            names=names, shapes=tuple(torch.Size(s) for s in d["shapes"]), dtype=dtype, prefix=prefix,
+            requires_grad=bool(d.get("requires_grad", True)), strategy=parse_strategy(d["strategy"]),
+            placement=placement, group_size=int(d["group_size"]),
+            param_dtype=dtype_by_name(d.get("param_dtype", d["dtype"])),
+            main_dtype=dtype_by_name(d.get("main_dtype", "float32")),
+        )
+
+
+def _companion_layout(layout: Layout, comp: Companion) -> Layout:
+    """The layout of ``comp``'s planes: packed in the parameters' order; each rank's boundary is
+    moved from parameter rows to the plane rows covering them (ceil), so a rank holds exactly the
+    plane rows of the rows it owns."""
+    shapes = tuple(comp.shape(s) for s in layout.shapes)
+    numels = [math.prod(s) for s in shapes]
+    offsets, pos = [0] * len(shapes), 0
+    for i in layout.order:
+        offsets[i] = pos
+        pos += numels[i]
+    bounds = []
+    for b in layout.bounds:
+        at = next((i for i in layout.order if layout.packed_offsets[i] <= b < layout.packed_offsets[i] + layout.numels[i]), None)
+        if at is None:  # at the end of the packed parameters
+            bounds.append(pos)
+            continue
+        _, cols = _as_matrix(layout.shapes[at])
+        row = (b - layout.packed_offsets[at]) // cols
+        bounds.append(offsets[at] + -(-row // comp.row_divisor) * shapes[at][1])
+    shard = max((bounds[r + 1] - bounds[r] for r in range(layout.group_size)), default=0)
+    return Layout(shapes, layout.group_size, layout.policy, layout.order, tuple(bounds), shard)
+
+
+def _check_companions(name: str, shape: torch.Size, placement: Placement) -> None:
+    """A companion needs its parameter cut on whole blocks of ``row_divisor`` rows."""
+    numel = math.prod(shape)
+    _, cols = _as_matrix(shape)
+    atom = placement.policy.atom(shape, name)
+    for comp in placement.companions:
+        if numel and atom != numel and atom % (comp.row_divisor * cols):
+            raise ValueError(f"parameter '{name}': policy {placement.policy} cuts it inside blocks of "
+                             f"{comp.row_divisor} rows, which companion '{comp.name}' needs whole")
+
+
+def plan_unit(
+    module: nn.Module,
+    *,
+    placement: PlacementFn,
+    group_sizes: Mapping[str, int],
+    strategy: Strategy,
+    mixed_precision: MixedPrecision,
+    taken: Callable[[nn.Parameter], bool] = lambda p: False,
+) -> list[tuple[BufferSpec, list[nn.Parameter]]]:
+    """The flat buffers ``fully_shard(module)`` makes of the parameters no inner unit took
+    (``taken``): one per (placement, dtype, requires_grad), in registration order, each with its
+    parameters. Raises ValueError naming the parameter that cannot be placed."""
+    grouped: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
+    for name, p in module.named_parameters():
+        if taken(p):
+            continue
+        where = placement(name, p)
+        if not isinstance(where, Placement):
+            raise ValueError(f"placement function returned {type(where).__name__} for '{name}', expected a Placement")
+        if where.group not in group_sizes:
+            raise ValueError(f"parameter '{name}': placement names group '{where.group}'; "
+                             f"the groups given are {', '.join(sorted(group_sizes))}")
+        _check_companions(name, p.shape, where)
+        names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
+        names.append(name)
+        params.append(p)
+    out = []
+    for (where, dtype, requires_grad), (names, params) in grouped.items():
+        spec = BufferSpec(
+            names=tuple(names), shapes=tuple(p.shape for p in params), dtype=dtype, requires_grad=requires_grad,
+            strategy=strategy, placement=where, group_size=group_sizes[where.group],
+            param_dtype=mixed_precision.param_dtype, main_dtype=mixed_precision.main_dtype,
+        )
+        spec.layout  # noqa: B018 - computed now, so a policy that cannot cut a parameter fails here
+        out.append((spec, params))
+    return out
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Every flat buffer of a sharded model (canonical names), with the sizes of the groups the
+    placements name. What the checkpoint manifest records and what offline resharding reads."""
+
+    group_sizes: Mapping[str, int]
+    buffers: tuple[BufferSpec, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_sizes": dict(self.group_sizes), "buffers": [b.to_dict() for b in self.buffers]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelPlan":
+        return cls(dict(d["group_sizes"]), tuple(BufferSpec.from_dict(b) for b in d["buffers"]))
+
+    def params(self) -> dict[str, tuple[BufferSpec, int]]:
+        """Every parameter's buffer and index there."""
+        return {name: (spec, i) for spec in self.buffers for i, name in enumerate(spec.fqns)}
+
+
+def plan_model(
+    root: nn.Module,
+    units: Sequence[nn.Module],
+    *,
+    placement: Union[Placement, PlacementFn, None] = None,
+    policy: str | Policy | None = None,
+    strategy: str | Strategy = DEFAULT_STRATEGY,
+    group_sizes: Mapping[str, int] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+) -> ModelPlan:
+    """The plan that calling ``fully_shard(u, ...)`` for each ``u`` of ``units`` (inner modules
+    first, as those calls must be made) with these arguments would give ``root``. Touches no
+    parameter and needs no process group, so it works on a meta-device model.
+    ``group_sizes`` defaults to ``{"dp": 1}``."""
+    fn = placement_fn(placement, policy)
+    sizes = dict(group_sizes or {DEFAULT_GROUP: 1})
+    strat = parse_strategy(strategy)
+    mp = mixed_precision or MixedPrecision()
+    prefix_of = {m: name for name, m in root.named_modules()}
+    taken: set[int] = set()
+    per_unit: dict[nn.Module, list[BufferSpec]] = {}
+    for unit in units:
+        if unit not in prefix_of:
+            raise ValueError(f"plan_model: {type(unit).__name__} is not a submodule of {type(root).__name__}")
+        prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
+        planned = plan_unit(unit, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
+                            taken=lambda p: id(p) in taken)
+        per_unit[unit] = [spec.with_prefix(prefix) for spec, _ in planned]
+        taken.update(id(p) for _, params in planned for p in params)
+    return ModelPlan(sizes, tuple(spec for m in root.modules() if m in per_unit for spec in per_unit[m]))
