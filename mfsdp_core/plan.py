@@ -314,21 +314,23 @@ def plan_unit(
     strategy: Strategy,
     mixed_precision: MixedPrecision,
     taken: Callable[[nn.Parameter], bool] = lambda p: False,
+    prefix: str = "",
 ) -> list[tuple[BufferSpec, list[nn.Parameter]]]:
     """The flat buffers ``fully_shard(module)`` makes of the parameters no inner unit took
     (``taken``): one per (placement, dtype, requires_grad), in registration order, each with its
-    parameters. Raises ValueError naming the parameter that cannot be placed."""
+    parameters. ``placement`` gets names relative to ``module``; ``prefix`` (the module's path)
+    only names parameters in errors. Raises ValueError naming the parameter that cannot be placed."""
     grouped: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
     for name, p in module.named_parameters():
         if taken(p):
             continue
         where = placement(name, p)
         if not isinstance(where, Placement):
-            raise ValueError(f"placement function returned {type(where).__name__} for '{name}', expected a Placement")
+            raise ValueError(f"placement function returned {type(where).__name__} for '{prefix}{name}', expected a Placement")
         if where.group not in group_sizes:
-            raise ValueError(f"parameter '{name}': placement names group '{where.group}'; "
+            raise ValueError(f"parameter '{prefix}{name}': placement names group '{where.group}'; "
                              f"the groups given are {', '.join(sorted(group_sizes))}")
-        _check_companions(name, p.shape, where)
+        _check_companions(prefix + name, p.shape, where)
         names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
         names.append(name)
         params.append(p)
@@ -390,7 +392,7 @@ def plan_model(
             raise ValueError(f"plan_model: {type(unit).__name__} is not a submodule of {type(root).__name__}")
         prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
         planned = plan_unit(unit, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
-                            taken=lambda p: id(p) in taken)
+                            taken=lambda p: id(p) in taken, prefix=prefix)
         per_unit[unit] = [spec.with_prefix(prefix) for spec, _ in planned]
         taken.update(id(p) for _, params in planned for p in params)
     return ModelPlan(sizes, tuple(spec for m in root.modules() if m in per_unit for spec in per_unit[m]))
