@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.layout import Layout, compute_layout, parse_policy
 from mfsdp_core.strategy import parse_strategy
 
@@ -32,9 +33,8 @@ from .groups import planned_groups
 from .manifest import writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
-__all__ = ["reshard", "ReshardResult", "DTYPES"]
+__all__ = ["reshard", "ReshardResult"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _RNG_PREFIX = "extra.rng.rank"
 
 
@@ -261,9 +261,9 @@ def reshard(
             raise CheckpointError(f"--policy: {e}") from None
     cast = None
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        cast = DTYPES[dtype]
+        if dtype not in CAST_CHOICES:
+            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        cast = dtype_by_name(dtype)
     with CheckpointReader(src) as reader:
         if reader.manifest is None:
             raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json: reshard needs a committed mfsdp checkpoint")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_core.collectives import rank0_decides, rank_and_world
+from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
@@ -34,9 +35,8 @@ from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
 from .registry import get_architecture, infer_architecture
 
-__all__ = ["export", "ExportResult", "DTYPES"]
+__all__ = ["export", "ExportResult"]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 Progress = Callable[[int, int], None]
 
 
@@ -177,8 +177,7 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
 
 
 def _hf_config(plan: _Plan) -> dict[str, Any]:
-    name = {v: k for k, v in DTYPES.items()}.get(plan.dtype, str(plan.dtype).replace("torch.", ""))
-    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": name}
+    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype)}
 
 
 def _finish(plan: _Plan, tmp: str) -> None:
@@ -233,9 +232,9 @@ def export(
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
     final = os.path.abspath(os.fspath(out))
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+        if dtype not in CAST_CHOICES:
+            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        dtype = dtype_by_name(dtype)
     if os.path.exists(final) and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
     max_bytes = parse_size(max_shard_size)
