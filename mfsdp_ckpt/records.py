@@ -57,7 +57,7 @@ def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: 
 def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int) -> RawTensorData | None:
     """The raw data of the record ``[offset, offset + length)`` of ``f``, if it is a plain record
     of ``numel`` elements of ``dtype`` (see module docstring); else None."""
-    from .storage import FileSlice
+    from .chunks import FileSlice  # chunks imports this module
 
     storage = storage_name(dtype)  # None: torch pickles an UntypedStorage and the dtype (fp8, e8m0)
     if storage is None:
