@@ -146,7 +146,10 @@ class CheckpointReader:
         sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         for index, info in self._chunks_by_key.get(key, []):
             sizes = sizes_at.get(tuple(index.offset))
-            flat0 = _contiguous_flat_start(index.offset, sizes, shape) if sizes is not None else None
+            if sizes is None:  # not in the metadata: read() would send it straight back here
+                raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(index.offset)}: "
+                                             "stored, but not in the metadata's chunk list")
+            flat0 = _contiguous_flat_start(index.offset, sizes, shape)
             if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
                 return self.read(key).reshape(-1)[start:end].clone()
             placed.append((flat0, math.prod(sizes), index, info))

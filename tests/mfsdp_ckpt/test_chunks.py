@@ -12,7 +12,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from mfsdp_ckpt import CheckpointError, CorruptCheckpointError
 from mfsdp_ckpt.chunks import ChunkFiles, Fault, coverage_faults
@@ -160,6 +165,23 @@ def test_readers_refuse_chunks_that_do_not_cover_a_tensor_exactly_once(tmp_path)
             reader.read_flat("model.w", 200, 256)
         assert reader.read("extra.step") == 7
     assert any("chunk overlaps the chunk at [0, 0]" in str(f) for f in verify_checkpoint(path))
+
+
+def test_reader_refuses_a_stored_chunk_the_metadata_does_not_list(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    os.remove(os.path.join(path, "mfsdp.json"))
+    meta_path = os.path.join(path, ".metadata")
+    with open(meta_path, "rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i in metadata.storage_data if i.fqn == "model.w" and tuple(i.offset) == (5, 0))
+    metadata.storage_data[MetadataIndex("model.w", torch.Size((6, 0)))] = metadata.storage_data.pop(index)
+    with open(meta_path, "wb") as f:
+        pickle.dump(metadata, f)
+    with CheckpointReader(path) as reader:
+        with pytest.raises(CorruptCheckpointError) as e:
+            reader.read("model.w")
+    assert str(e.value) == f"{path}: key 'model.w' chunk at [6, 0]: stored, but not in the metadata's chunk list"
 
 
 def test_builder_refuses_a_tensor_not_covered_exactly_once(tmp_path):
