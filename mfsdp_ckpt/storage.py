@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
-import shutil
-import time
 from torch.futures import Future
 from typing import Any
 
@@ -24,13 +21,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
-from .errors import CheckpointExistsError, CorruptCheckpointError
+from .errors import CorruptCheckpointError
 from .manifest import completed, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
+from .staging import commit_directory, fsync_dir
 
-__all__ = ["CommittingWriter", "VerifyingReader", "fsync_dir"]
+__all__ = ["CommittingWriter", "VerifyingReader", "commit_directory", "fsync_dir"]
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -38,14 +36,6 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
         if offset != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, offset, length)
     return tensor
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CommittingWriter(FileSystemWriter):
@@ -91,22 +81,6 @@ class CommittingWriter(FileSystemWriter):
         if self.sync_files:
             fsync_dir(self.tmp_dir)
         commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)
-
-
-def commit_directory(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
-    """Make ``tmp_dir`` visible as ``final_dir`` with one rename. An existing ``final_dir`` is
-    replaced only with ``overwrite``; it is moved aside first, so one of the two always exists."""
-    parent = os.path.dirname(os.path.abspath(final_dir))
-    old = None
-    if os.path.exists(final_dir):
-        if not overwrite:
-            raise CheckpointExistsError(f"{final_dir}: already exists (pass overwrite=True to replace it)")
-        old = os.path.join(parent, f".{os.path.basename(final_dir)}.replaced-{os.getpid()}-{time.time_ns()}")
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class VerifyingReader(FileSystemReader):

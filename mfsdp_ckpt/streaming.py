@@ -36,7 +36,7 @@ from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointErr
 from .manifest import completed, write_manifest
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
-from .storage import commit_directory, fsync_dir
+from .staging import commit_directory, fsync_dir, make_partial_dir
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -302,10 +302,7 @@ class CheckpointBuilder:
                 fs.remove_tree(self.final)
             self.tmp = self.final
         else:
-            parent = os.path.dirname(self.final)
-            os.makedirs(parent, exist_ok=True)
-            self.tmp = os.path.join(parent, f".{os.path.basename(self.final)}.partial-{uuid.uuid4().hex[:12]}")
-            os.makedirs(self.tmp)
+            self.tmp = make_partial_dir(self.final)
         self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
 from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
-from ..storage import commit_directory, fsync_dir
+from ..staging import commit_directory, fsync_dir, make_partial_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
@@ -135,13 +134,10 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
 
 
 def _make_partial_dir(final: str) -> str:
-    parent = os.path.dirname(final)
-    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
     try:
-        os.makedirs(tmp)
+        return make_partial_dir(final)
     except OSError as e:
-        raise CheckpointError(f"{parent}: cannot create the export's directory there ({e.strerror})") from None
-    return tmp
+        raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
 
 
 def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
