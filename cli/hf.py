@@ -8,13 +8,14 @@ import json
 import click
 
 from cli.common import _human, _run_with_progress
+from mfsdp_core.dtypes import CAST_CHOICES
 
 
 @click.command(name="export-hf")
 @click.argument("ckpt")
 @click.argument("out")
 @click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+@click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None,
               help="dtype of the exported tensors; default: the checkpoint's")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")

@@ -9,6 +9,7 @@ import sys
 import click
 
 from cli.common import _human, _run, _run_with_progress
+from mfsdp_core.dtypes import CAST_CHOICES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -121,7 +122,7 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
 @click.option("--plan-from", default=None, metavar="CKPT",
               help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none")
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="cast the model weights")
+@click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None, help="cast the model weights")
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")

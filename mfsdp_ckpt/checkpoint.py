@@ -1,6 +1,6 @@
 """``save`` and ``load``: collective over the ranks of a ``fully_shard``-ed model.
 
-A checkpoint is a standard DCP directory plus ``mfsdp.json`` (DESIGN §4). Every tensor is stored
+A checkpoint is a standard DCP directory plus ``mfsdp.json`` (docs/checkpoint.md). Every tensor is stored
 under its canonical key in its full logical shape, as boxes of the writer's flat shards, so it
 loads into any other layout (world size, strategy, policy): each rank reads the chunks that
 overlap what it owns.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from typing import Any
 
 import torch
@@ -26,12 +25,14 @@ from mfsdp_core.optim import optimizer_buffers
 from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
+from .chunks import coverage_faults
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
-from .storage import CommittingWriter, VerifyingReader, fsync_dir
+from .staging import new_token, partial_path, write_file_atomic
+from .storage import CommittingWriter, VerifyingReader
 
 __all__ = ["save", "load", "resolve_checkpoint", "LATEST_NAME"]
 
@@ -87,7 +88,7 @@ def save(
     # waiting in dcp.save's first collective
     plan = _checked_plan(model)
     token = rank0_decides(_prepare_destination, final, overwrite)
-    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{token}")
+    tmp = partial_path(final, token)
     entries = save_entries(describe_shards(model, optimizer), optimizer, include_grads)
     if rank == 0:
         for name, value in (extra or {}).items():
@@ -134,17 +135,11 @@ def _prepare_destination(final: str, overwrite: bool) -> str:
         raise CheckpointError(f"{parent}: cannot create the checkpoint's parent directory ({e.strerror})") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CheckpointError(f"{parent}: not writable, cannot save {os.path.basename(final)} there")
-    return uuid.uuid4().hex[:12]
+    return new_token()
 
 
 def _write_latest(parent: str, name: str) -> None:
-    tmp = os.path.join(parent, f".{LATEST_NAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(parent, LATEST_NAME))
-    fsync_dir(parent)
+    write_file_atomic(os.path.join(parent, LATEST_NAME), (name + "\n").encode())
 
 
 def _prune(parent: str, keep: int, protect: str) -> None:
@@ -312,7 +307,7 @@ def _plan_targets(
         if tuple(md.size) != tuple(shape):
             shape_errors.append(f"{key} (checkpoint {tuple(md.size)}, model {tuple(shape)})")
             return
-        if sum(torch.Size(c.sizes).numel() for c in md.chunks) != torch.Size(shape).numel():
+        if coverage_faults(key, md):
             coverage_errors.append(key)
             return
         plan[key] = FlatEntry(torch.Size(shape), lo, hi, dst)

@@ -13,7 +13,6 @@ import base64
 import io
 import json
 import os
-import uuid
 from typing import Any, Callable
 
 import torch
@@ -98,22 +97,6 @@ def _read_single_file(src: str) -> dict[str, Any]:
     return state
 
 
-def _write_single_file(dst: str, data: bytes) -> None:
-    """``data`` at ``dst``, all or nothing: locally via a temporary name and a rename, on an
-    object store as one upload."""
-    if fs.is_url(dst):
-        fs.write_bytes(dst, data)
-        return
-    tmp = f"{dst}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
             progress: Callable[[int, int], None] | None = None) -> str:
     """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
@@ -138,5 +121,5 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
         objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects)})
     del state
-    _write_single_file(dst, data)
+    fs.write_bytes(dst, data)  # all or nothing
     return dst

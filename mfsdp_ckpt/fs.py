@@ -15,6 +15,8 @@ import posixpath
 import shutil
 from typing import IO, Any
 
+from .staging import write_file_atomic
+
 __all__ = ["is_url", "join", "dirname", "normalize", "exists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
            "write_bytes", "file_size", "tree_size", "remove_tree"]
 
@@ -95,19 +97,14 @@ def read_bytes(path: str) -> bytes:
 
 
 def write_bytes(path: str, data: bytes, sync: bool = True) -> None:
-    """Write a whole small file; locally via a temporary name and a rename, on an object store
-    as one upload (atomic there)."""
+    """Write a whole file, all or nothing: locally through a partial sibling and a rename
+    (:func:`mfsdp_ckpt.staging.write_file_atomic`), on an object store as one upload (atomic
+    there)."""
     if is_url(path):
         with open_file(path, "wb") as f:
             f.write(data)
         return
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, data, sync=sync)
 
 
 def file_size(f: Any) -> int:

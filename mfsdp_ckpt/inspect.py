@@ -15,11 +15,12 @@ from typing import Any, Callable
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import fs
+from .chunks import ChunkFiles, Fault, coverage_faults
 from .errors import NotACheckpointError
 from .keys import GROUPS, group_of
 from .manifest import MANIFEST_NAME, read_manifest
 from .planner import chunk_id
-from .storage import ChunkFault, VerifyingReader, read_chunk
+from .storage import VerifyingReader
 
 __all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
@@ -110,38 +111,6 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
-@dataclass(frozen=True)
-class Fault:
-    file: str | None
-    key: str
-    offset: tuple[int, ...] | None
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}: " if self.file else ""
-        at = f" at {list(self.offset)}" if self.offset is not None else ""
-        return f"{where}{self.key}{at}: {self.message}"
-
-
-def _coverage_faults(key: str, md: TensorStorageMetadata) -> list[Fault]:
-    """Every element covered exactly once: chunks in bounds, pairwise disjoint, volumes summing
-    to the tensor's."""
-    faults = []
-    size = tuple(md.size)
-    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-    for off, sz in boxes:
-        if any(o < 0 or o + s > d for o, s, d in zip(off, sz, size)):
-            faults.append(Fault(None, key, off, f"chunk of size {list(sz)} lies outside the tensor {list(size)}"))
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if all(a0 < b0 + bs and b0 < a0 + as_ for a0, as_, b0, bs in zip(oa, sa, ob, sb)):
-                faults.append(Fault(None, key, ob, f"chunk overlaps the chunk at {list(oa)}"))
-    covered = sum(math.prod(s) for _, s in boxes)
-    if covered != math.prod(size) and not faults:
-        faults.append(Fault(None, key, None, f"chunks cover {covered} of {math.prod(size)} elements"))
-    return faults
-
-
 def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> list[Fault]:
     """Every fault found: coverage gaps / overlaps, chunks missing from the manifest or the
     manifest naming chunks the metadata lacks, missing or short files, unreadable chunks and
@@ -155,14 +124,12 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
         faults.append(Fault(MANIFEST_NAME, "-", None, "save_id differs from .metadata: the manifest belongs to another save"))
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            faults += _coverage_faults(key, md)
+            faults += coverage_faults(key, md)
     storage = metadata.storage_data or {}
     listed = set((manifest or {}).get("chunks", {}))
     seen = set()
-    handles: dict[str, Any] = {}
-    shapes = reader.chunk_shapes
     total, done = sum(info.length for info in storage.values()), 0
-    try:
+    with ChunkFiles(directory, manifest["chunks"] if manifest else None, reader.chunk_shapes) as files:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
             done += info.length
             if progress is not None:
@@ -170,30 +137,9 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
             cid = chunk_id(index)
             seen.add(cid)
             offset = tuple(index.offset) if index.offset is not None else None
-            fault = _check_chunk(directory, info, index, manifest, handles, shapes)
+            fault = files.fault(index, info)
             if fault:
                 faults.append(Fault(info.relative_path, index.fqn, offset, fault))
-    finally:
-        for f in handles.values():
-            if f is not None:
-                f.close()
     for cid in sorted(listed - seen):
         faults.append(Fault(MANIFEST_NAME, cid, None, "listed in the manifest but not in .metadata"))
     return faults
-
-
-def _check_chunk(directory: str, info: Any, index: Any, manifest: dict | None, handles: dict, shapes: dict) -> str | None:
-    if info.relative_path not in handles:
-        try:
-            handles[info.relative_path] = fs.open_file(fs.join(directory, info.relative_path))
-        except OSError as e:
-            handles[info.relative_path] = None
-            return f"cannot open ({e.strerror})"
-    f = handles[info.relative_path]
-    if f is None:
-        return "cannot open"
-    try:
-        read_chunk(f, info, index, manifest["chunks"] if manifest else None, shapes.get(index))
-    except ChunkFault as e:
-        return str(e)
-    return None

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from . import fs
 from .errors import CheckpointError, NotACheckpointError
 from .manifest import MANIFEST_NAME, read_manifest
+from .staging import is_partial_name
 
 __all__ = ["CheckpointEntry", "list_checkpoints"]
 
@@ -48,7 +49,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
                 committed = True
             except CheckpointError:
                 pass
-        elif not (".partial-" in name or fs.isfile(fs.join(d, ".metadata"))):
+        elif not (is_partial_name(name) or fs.isfile(fs.join(d, ".metadata"))):
             continue  # not a checkpoint at all
         entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))

@@ -3,7 +3,9 @@
 Reading those bytes straight into their destination skips ``torch.load``'s allocation and copy;
 the chunk's crc32c is still checked on the bytes read. Only plain records qualify: stored
 (uncompressed), little-endian, one storage whose size is exactly the chunk's, of the expected
-dtype. Anything else returns None and the caller falls back to ``torch.load(weights_only=True)``.
+dtype. Anything else returns None and the caller falls back to ``torch.load(weights_only=True)``;
+so do fp8 and e8m0 records, which torch pickles without a legacy storage class
+(:mod:`mfsdp_core.dtypes`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from mfsdp_core.dtypes import storage_name
+
 __all__ = ["RawTensorData", "locate_raw_tensor", "without_zip_crc"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
@@ -26,15 +30,6 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 class RawTensorData:
     offset: int  # absolute offset of the first data byte in the file
     nbytes: int
-
-
-def _storage_name(dtype: torch.dtype) -> bytes:
-    return {
-        torch.float32: b"FloatStorage", torch.float64: b"DoubleStorage", torch.float16: b"HalfStorage",
-        torch.bfloat16: b"BFloat16Storage", torch.int64: b"LongStorage", torch.int32: b"IntStorage",
-        torch.int16: b"ShortStorage", torch.int8: b"CharStorage", torch.uint8: b"ByteStorage",
-        torch.bool: b"BoolStorage",
-    }.get(dtype, b"")
 
 
 def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipInfo) -> int | None:
@@ -62,11 +57,12 @@ def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: 
 def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int) -> RawTensorData | None:
     """The raw data of the record ``[offset, offset + length)`` of ``f``, if it is a plain record
     of ``numel`` elements of ``dtype`` (see module docstring); else None."""
-    from .storage import FileSlice
+    from .chunks import FileSlice  # chunks imports this module
 
-    name = _storage_name(dtype)
-    if not name:
+    storage = storage_name(dtype)  # None: torch pickles an UntypedStorage and the dtype (fp8, e8m0)
+    if storage is None:
         return None
+    name = storage.encode()
     try:
         infos = zipfile.ZipFile(FileSlice(f, offset, length)).infolist()
         data = [i for i in infos if "/data/" in i.filename and not i.filename.endswith(".pkl")]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.layout import Layout, parse_policy
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 from mfsdp_core.strategy import parse_strategy
@@ -35,9 +36,8 @@ from .keys import fqn_of_model_key, group_of, is_rng, param_of
 from .manifest import recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
-__all__ = ["reshard", "ReshardResult", "DTYPES"]
+__all__ = ["reshard", "ReshardResult"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -280,9 +280,9 @@ def reshard(
             raise CheckpointError(f"--policy: {e}") from None
     cast = None
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        cast = DTYPES[dtype]
+        if dtype not in CAST_CHOICES:
+            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        cast = dtype_by_name(dtype)
     with CheckpointReader(src) as reader:
         if reader.manifest is None:
             raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json: reshard needs a committed mfsdp checkpoint")

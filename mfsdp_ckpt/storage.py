@@ -10,27 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
-import os
-import shutil
-import time
 from torch.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
-from .errors import CheckpointExistsError, CorruptCheckpointError
+from .chunks import ChunkFiles, chunk_location, chunk_shapes
+from .errors import CorruptCheckpointError
 from .manifest import completed, write_manifest
-from .planner import MfsdpSavePlanner, chunk_id, payload_crc32c
-from .records import locate_raw_tensor, without_zip_crc
+from .planner import MfsdpSavePlanner, chunk_id
+from .records import without_zip_crc
 from .safety import safe_load_metadata
+from .staging import commit_directory, fsync_dir
 
-__all__ = ["CommittingWriter", "VerifyingReader", "read_chunk", "ChunkFault", "FileSlice", "fsync_dir"]
+__all__ = ["CommittingWriter", "VerifyingReader", "commit_directory", "fsync_dir"]
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -38,46 +36,6 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
         if offset != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, offset, length)
     return tensor
-
-
-class FileSlice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (torch.load reads
-    a chunk's record straight into its tensor, with no intermediate copy)."""
-
-    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
-        super().__init__()
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = min(max(base + pos, 0), self.length)
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])
-        self.pos += got
-        return got
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CommittingWriter(FileSystemWriter):
@@ -125,22 +83,6 @@ class CommittingWriter(FileSystemWriter):
         commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)
 
 
-def commit_directory(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
-    """Make ``tmp_dir`` visible as ``final_dir`` with one rename. An existing ``final_dir`` is
-    replaced only with ``overwrite``; it is moved aside first, so one of the two always exists."""
-    parent = os.path.dirname(os.path.abspath(final_dir))
-    old = None
-    if os.path.exists(final_dir):
-        if not overwrite:
-            raise CheckpointExistsError(f"{final_dir}: already exists (pass overwrite=True to replace it)")
-        old = os.path.join(parent, f".{os.path.basename(final_dir)}.replaced-{os.getpid()}-{time.time_ns()}")
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class VerifyingReader(FileSystemReader):
     """Reads ``.metadata`` through the restricted unpickler and checks every chunk it reads
     against the manifest's crc32c (when there is a manifest: a stock DCP checkpoint has none).
@@ -180,26 +122,19 @@ class VerifyingReader(FileSystemReader):
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             by_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
-        for relative_path, by_chunk in by_file.items():
-            path = fs.join(self.dir, relative_path)
-            try:
-                f = fs.open_file(path)
-            except OSError as e:
-                first = next(iter(by_chunk))
-                raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror}), needed for key '{first.fqn}'") from None
-            with f:
+        with ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes) as files:
+            for relative_path, by_chunk in by_file.items():
+                files.open(relative_path, next(iter(by_chunk)).fqn)
                 for index, reqs in sorted(by_chunk.items(), key=lambda kv: self.storage_data[kv[0]].offset):
-                    self._read_chunk(f, path, index, reqs, planner)
+                    self._read_chunk(files, index, reqs, planner)
+                files.release(relative_path)  # one file open at a time, however many a rank reads
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_chunk(self, f: io.BufferedReader, path: str, index: Any, reqs: list, planner: LoadPlanner) -> None:
-        where = f"{path}: key '{index.fqn}'" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
-        try:
-            payload = read_chunk(f, self.storage_data[index], index, self.manifest_chunks, self.chunk_shapes.get(index))
-        except ChunkFault as e:
-            raise CorruptCheckpointError(f"{where}: {e}") from None
+    def _read_chunk(self, files: ChunkFiles, index: Any, reqs: list, planner: LoadPlanner) -> None:
+        info = self.storage_data[index]
+        payload = files.read(index, info)
         if isinstance(payload, bytes):
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(payload))
@@ -207,70 +142,6 @@ class VerifyingReader(FileSystemReader):
         for req in reqs:
             piece = _narrow(payload, req.storage_offsets, req.lengths)
             if tuple(piece.size()) != tuple(req.lengths):
-                raise CorruptCheckpointError(f"{where}: chunk has shape {tuple(payload.shape)}, which does not fit the read")
+                raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                                             f"{tuple(payload.shape)}, which does not fit the read")
             self.pending.append((req, piece))
-
-
-def chunk_shapes(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:
-    """Each tensor chunk's dtype and sizes, by its storage index (what :func:`read_chunk` expects)."""
-    out = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            for chunk in md.chunks:
-                out[MetadataIndex(key, torch.Size(chunk.offsets))] = (md.properties.dtype, tuple(chunk.sizes))
-    return out
-
-
-class ChunkFault(Exception):
-    """What is wrong with one chunk (the caller adds the file and key)."""
-
-
-def read_chunk(f: io.BufferedReader, info: Any, index: Any, manifest_chunks: dict[str, Any] | None,
-               expect: tuple[torch.dtype, Sequence[int]] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor | bytes:
-    """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
-    None). Checks that it is complete, readable, listed in the manifest and matches its crc32c
-    (when there is a manifest); raises :class:`ChunkFault` otherwise.
-
-    With ``expect`` (the chunk's dtype and sizes from the metadata) a plain record's bytes are read
-    straight into a new tensor instead of going through ``torch.load``; with ``out`` (a contiguous
-    tensor of the chunk's dtype and element count) straight into ``out``, which is returned."""
-    if info.transform_descriptors:
-        raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
-    size = fs.file_size(f)
-    if size < info.offset + info.length:
-        raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})")
-    expected = None
-    if manifest_chunks is not None:
-        entry = manifest_chunks.get(chunk_id(index))
-        if entry is None:
-            raise ChunkFault("not listed in the manifest")
-        expected = entry["crc32c"]
-    if out is not None:
-        expect = (out.dtype, out.shape)
-    raw = None
-    if index.offset is not None and expect is not None:
-        raw = locate_raw_tensor(f, info.offset, info.length, expect[0], math.prod(expect[1]))
-    if index.offset is None:
-        f.seek(info.offset)
-        payload: torch.Tensor | bytes = f.read(info.length)
-    elif raw is not None:
-        payload = out if out is not None else torch.empty(tuple(expect[1]), dtype=expect[0])
-        f.seek(raw.offset)
-        if payload.numel() and f.readinto(payload.view(-1).view(torch.uint8).numpy()) != raw.nbytes:
-            raise ChunkFault("truncated tensor data")
-    else:
-        try:
-            payload = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        except Exception as e:
-            first_line = (str(e).splitlines() or [""])[0]
-            raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
-        if not isinstance(payload, torch.Tensor):
-            raise ChunkFault("chunk does not hold a tensor")
-        if out is not None:
-            if payload.dtype != out.dtype or payload.numel() != out.numel():
-                raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata")
-            payload = out.copy_(payload.reshape(out.shape))
-    if expected is not None and payload_crc32c(payload) != expected:
-        raise ChunkFault("checksum mismatch")
-    return payload

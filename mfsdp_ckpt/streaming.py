@@ -31,11 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import fs
+from .chunks import ChunkFiles, coverage_faults
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import completed, write_manifest
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
-from .storage import ChunkFault, commit_directory, fsync_dir, read_chunk
+from .staging import commit_directory, fsync_dir, make_partial_dir
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -53,8 +54,8 @@ class CheckpointReader:
         self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
         for index, info in (self.metadata.storage_data or {}).items():
             self._chunks_by_key.setdefault(index.fqn, []).append((index, info))
-        self._files: dict[str, io.BufferedReader] = {}
-        self._shapes = verifying.chunk_shapes
+        self._chunks = ChunkFiles(self.directory, self.manifest["chunks"] if self.manifest else None, verifying.chunk_shapes)
+        self._covered: set[str] = set()  # tensors whose metadata says they are covered exactly once
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -63,9 +64,7 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files = {}
+        self._chunks.close()
 
     def keys(self) -> list[str]:
         return sorted(self.metadata.state_dict_metadata)
@@ -79,25 +78,19 @@ class CheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.metadata.state_dict_metadata[key].properties.dtype
 
-    def _file(self, relative_path: str, key: str) -> io.BufferedReader:
-        f = self._files.get(relative_path)
-        if f is None:
-            path = fs.join(self.directory, relative_path)
-            try:
-                f = fs.open_file(path)
-            except OSError as e:
-                raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror}), needed for key '{key}'") from None
-            self._files[relative_path] = f
-        return f
-
     def _payload(self, index: MetadataIndex, info: _StorageInfo, out: torch.Tensor | None = None) -> torch.Tensor | bytes:
         """The chunk's verified payload (read into ``out`` when given)."""
-        f = self._file(info.relative_path, index.fqn)
-        try:
-            return read_chunk(f, info, index, self.manifest["chunks"] if self.manifest else None, self._shapes.get(index), out)
-        except ChunkFault as e:
-            at = f" chunk at {list(index.offset)}" if index.offset is not None else ""
-            raise CorruptCheckpointError(f"{fs.join(self.directory, info.relative_path)}: key '{index.fqn}'{at}: {e}") from None
+        return self._chunks.read(index, info, out)
+
+    def _check_coverage(self, key: str, md: TensorStorageMetadata) -> None:
+        """Refuse a tensor whose chunks do not cover it exactly once (before reading any)."""
+        if key in self._covered:
+            return
+        faults = coverage_faults(key, md)
+        if faults:
+            more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+            raise CorruptCheckpointError(f"{self.directory}: {faults[0]}{more}")
+        self._covered.add(key)
 
     def read(self, key: str) -> Any:
         """The entry ``key``: a full tensor, or the object (unpickled with ``weights_only``)."""
@@ -113,6 +106,7 @@ class CheckpointReader:
                 return torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})") from None
+        self._check_coverage(key, md)
         if all(_contiguous_flat_start(c.offsets, c.sizes, md.size) is not None for c in md.chunks):
             return self.read_flat(key, 0, md.size.numel()).view(md.size)  # every chunk straight into place
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -143,6 +137,7 @@ class CheckpointReader:
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{self.directory}: no tensor '{key}'")
+        self._check_coverage(key, md)
         shape, dtype = tuple(md.size), md.properties.dtype
         out = torch.empty(end - start, dtype=dtype)
         if start == end:
@@ -151,7 +146,10 @@ class CheckpointReader:
         sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         for index, info in self._chunks_by_key.get(key, []):
             sizes = sizes_at.get(tuple(index.offset))
-            flat0 = _contiguous_flat_start(index.offset, sizes, shape) if sizes is not None else None
+            if sizes is None:  # not in the metadata: read() would send it straight back here
+                raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(index.offset)}: "
+                                             "stored, but not in the metadata's chunk list")
+            flat0 = _contiguous_flat_start(index.offset, sizes, shape)
             if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
                 return self.read(key).reshape(-1)[start:end].clone()
             placed.append((flat0, math.prod(sizes), index, info))
@@ -304,10 +302,7 @@ class CheckpointBuilder:
                 fs.remove_tree(self.final)
             self.tmp = self.final
         else:
-            parent = os.path.dirname(self.final)
-            os.makedirs(parent, exist_ok=True)
-            self.tmp = os.path.join(parent, f".{os.path.basename(self.final)}.partial-{uuid.uuid4().hex[:12]}")
-            os.makedirs(self.tmp)
+            self.tmp = make_partial_dir(self.final)
         self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()
@@ -370,11 +365,9 @@ class CheckpointBuilder:
         self.add_records([self._writer.write_object(key, value, file)])
 
     def _check_coverage(self) -> None:
-        from .inspect import _coverage_faults
-
         bad = []
         for key, md in self._tensors.items():
-            if _coverage_faults(key, md):
+            if coverage_faults(key, md):
                 covered = sum(math.prod(c.sizes) for c in md.chunks)
                 bad.append(f"{key} ({covered} of {math.prod(md.size)} elements, or overlapping chunks)")
         if bad:

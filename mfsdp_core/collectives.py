@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from .dtypes import wire_view as _wire
+
 __all__ = [
     "CommRecord",
     "CommCounter",
@@ -36,12 +38,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-_BYTE_VIEW_DTYPES = {
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, name)
-}
 
 
 @dataclass(frozen=True)
@@ -94,10 +90,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype in _BYTE_VIEW_DTYPES else t
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -8,13 +8,13 @@ writing its own shard files); ``import_`` writes a committed checkpoint that ``m
 and ``python -m cli.train --init-from`` read at any world size. ``transformers`` is not
 needed for either."""
 
-from .export import DTYPES, ExportResult, export
+from .export import ExportResult, export
 from .import_ import ImportResult, import_
 from .mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
 from .registry import architectures, get_architecture, register
 
 __all__ = [
-    "export", "import_", "ExportResult", "ImportResult", "DTYPES",
+    "export", "import_", "ExportResult", "ImportResult",
     "architectures", "get_architecture", "register",
     "Architecture", "Rule", "Direct", "FusedQKV", "GatedMLP",
 ]

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,20 +23,20 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_core.collectives import rank0_decides, rank_and_world
+from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
 from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
 from ..keys import MAIN_PARAM, fqn_of_model_key, group_of, optim_key
-from ..storage import commit_directory, fsync_dir
+from ..staging import commit_directory, fsync_dir, make_partial_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
 from .registry import get_architecture, infer_architecture
 
-__all__ = ["export", "ExportResult", "DTYPES"]
+__all__ = ["export", "ExportResult"]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 Progress = Callable[[int, int], None]
 
 
@@ -135,13 +134,10 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
 
 
 def _make_partial_dir(final: str) -> str:
-    parent = os.path.dirname(final)
-    tmp = os.path.join(parent, f".{os.path.basename(final)}.partial-{uuid.uuid4().hex[:12]}")
     try:
-        os.makedirs(tmp)
+        return make_partial_dir(final)
     except OSError as e:
-        raise CheckpointError(f"{parent}: cannot create the export's directory there ({e.strerror})") from None
-    return tmp
+        raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
 
 
 def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
@@ -177,8 +173,7 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
 
 
 def _hf_config(plan: _Plan) -> dict[str, Any]:
-    name = {v: k for k, v in DTYPES.items()}.get(plan.dtype, str(plan.dtype).replace("torch.", ""))
-    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": name}
+    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype)}
 
 
 def _finish(plan: _Plan, tmp: str) -> None:
@@ -233,9 +228,9 @@ def export(
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
     final = os.path.abspath(os.fspath(out))
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+        if dtype not in CAST_CHOICES:
+            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        dtype = dtype_by_name(dtype)
     if os.path.exists(final) and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
     max_bytes = parse_size(max_shard_size)

@@ -20,20 +20,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
+
 from ..errors import ConversionError
 
-__all__ = [
-    "SAFETENSORS_DTYPES", "TORCH_DTYPES", "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter",
-    "HFTensor", "HFDirectory",
-]
+__all__ = ["parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter", "HFTensor", "HFDirectory"]
 
 INDEX_NAME = "model.safetensors.index.json"
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -69,10 +62,11 @@ class SafetensorsWriter:
         self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
         offset = 0
         for name, dtype, shape in entries:
-            if dtype not in SAFETENSORS_DTYPES:
+            st_name = safetensors_name(dtype)
+            if st_name is None:
                 raise ConversionError(f"{path}: tensor '{name}': dtype {dtype} has no safetensors name")
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": st_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._order.append((name, dtype, tuple(shape), nbytes))
             offset += nbytes
         if metadata:
@@ -158,7 +152,7 @@ class HFDirectory:
                 if key in self.tensors:
                     raise ConversionError(f"{self.path}: tensor '{key}' is stored twice ({self.tensors[key].file}, {name})")
                 sl = handle.get_slice(key)
-                dtype = TORCH_DTYPES.get(sl.get_dtype())
+                dtype = dtype_from_safetensors(sl.get_dtype())
                 if dtype is None:
                     raise ConversionError(f"{os.path.join(self.path, name)}: tensor '{key}' has unsupported dtype {sl.get_dtype()}")
                 self.tensors[key] = HFTensor(name, dtype, torch.Size(sl.get_shape()))

@@ -209,3 +209,35 @@ def test_latest_and_keep_last_k(ranks, tmp_path):
     os.remove(os.path.join(partial, "mfsdp.json"))
     assert ranks(_load_latest_step, 3, root, timeout=300) == [4, 4, 4]
     _check_failure(ranks, partial, UncommittedCheckpointError, partial)
+
+
+def _load_stock(path: str) -> str | None:
+    model = shard_model(make_model("transformer", seed=3), strategy="optim_grads_params", policy="row")
+    try:
+        mfsdp_ckpt.load(path, model, require_manifest=False)
+    except mfsdp_ckpt.StateMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_load_refuses_overlapping_chunks_whose_sizes_add_up(ranks, tmp_path):
+    """A stock checkpoint whose chunks of one tensor overlap and leave a row uncovered, their sizes
+    still summing to the tensor's: refused by the coverage check, naming the key, before any read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    state = {f"model.{n}": p.detach() for n, p in make_model("transformer", seed=11).named_parameters()}
+    key = next(k for k, v in state.items() if v.dim() == 2 and v.shape[0] >= 4)
+    path = str(tmp_path / "stock")
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # the test's own file, just written
+    md = metadata.state_dict_metadata[key]
+    rows, cols = md.size
+    md.chunks[:] = [ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((2, cols))),
+                    ChunkStorageMetadata(torch.Size((1, 0)), torch.Size((rows - 2, cols)))]
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)
+    out = ranks(_load_stock, 2, path, timeout=300)
+    assert all(r is not None and "chunks do not cover the tensor exactly" in r and key in r for r in out), out

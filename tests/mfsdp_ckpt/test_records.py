@@ -47,3 +47,23 @@ def test_anything_else_is_declined():
     garbage = io.BytesIO(b"\0" * 500)
     assert locate_raw_tensor(garbage, 0, 500, torch.float32, 10) is None
     assert locate_raw_tensor(buf, offset, length - 30, torch.float32, t.numel()) is None  # truncated record
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu], ids=str)
+def test_fp8_records_fall_back_to_torch_load_bit_exact(tmp_path, dtype):
+    from mfsdp_ckpt.inspect import verify_checkpoint
+    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+
+    t = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
+    buf, offset, length = _record(t, crc=False)
+    assert locate_raw_tensor(buf, offset, length, dtype, t.numel()) is None  # no legacy storage class to find
+    path = str(tmp_path / "fp8")
+    with CheckpointBuilder(path, {}) as builder:
+        builder.add_chunk("mx.w", t[:5], (0, 0), t.shape)
+        builder.add_chunk("mx.w", t[5:], (5, 0), t.shape, file=1)
+        builder.commit()
+    with CheckpointReader(path) as reader:
+        back = reader.read("mx.w")
+        assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(reader.read_flat("mx.w", 70, 90).view(torch.uint8), t.reshape(-1)[70:90].view(torch.uint8))
+    assert verify_checkpoint(path) == []
