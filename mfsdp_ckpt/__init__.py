@@ -1,4 +1,4 @@
-"""mfsdp_ckpt: canonical DCP checkpoints of ``fully_shard``-ed models (DESIGN §4).
+"""mfsdp_ckpt: canonical DCP checkpoints of ``fully_shard``-ed models (docs/checkpoint.md).
 
 ``save`` / ``load`` are collective over the model's ranks; a checkpoint written at any layout
 (world size, strategy, policy) loads into any other. It reads the runtime only through

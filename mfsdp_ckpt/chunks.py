@@ -10,7 +10,6 @@ cover it exactly once.
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from typing import IO, Any, Sequence
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from . import fs
 from .errors import CorruptCheckpointError
+from .fs import FileSlice
 from .planner import chunk_id, payload_crc32c
 from .records import locate_raw_tensor
 
@@ -27,38 +27,6 @@ __all__ = [
     "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "read_chunk",
     "coverage_faults",
 ]
-
-
-class FileSlice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (torch.load reads
-    a chunk's record straight into its tensor, with no intermediate copy)."""
-
-    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
-        super().__init__()
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = min(max(base + pos, 0), self.length)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])
-        self.pos += got
-        return got
 
 
 class ChunkFault(Exception):

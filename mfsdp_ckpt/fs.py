@@ -4,7 +4,7 @@
 Local paths go through ``os`` (so that ``fsync`` and ``rename`` keep their meaning); URLs through
 fsspec, configured the usual fsspec way (e.g. ``FSSPEC_S3_ENDPOINT_URL`` for an S3-compatible
 server). Object stores have no directories and no rename: there a checkpoint is committed by
-writing ``mfsdp.json`` last (DESIGN §4), and readers refuse a prefix without it.
+writing ``mfsdp.json`` last, and readers refuse a prefix without it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import IO, Any
 from .staging import write_file_atomic
 
 __all__ = ["is_url", "join", "dirname", "normalize", "exists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
-           "write_bytes", "file_size", "tree_size", "remove_tree"]
+           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice"]
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -136,3 +136,35 @@ def remove_tree(path: str) -> None:
     fs, p = _fs(path)
     if fs.exists(p):
         fs.rm(p, recursive=True)
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (torch.load reads
+    a chunk's record straight into its tensor, with no intermediate copy)."""
+
+    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + pos, 0), self.length)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got

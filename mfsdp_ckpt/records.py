@@ -21,6 +21,8 @@ import torch
 
 from mfsdp_core.dtypes import storage_name
 
+from .fs import FileSlice
+
 __all__ = ["RawTensorData", "locate_raw_tensor", "without_zip_crc"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
@@ -57,7 +59,6 @@ def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: 
 def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int) -> RawTensorData | None:
     """The raw data of the record ``[offset, offset + length)`` of ``f``, if it is a plain record
     of ``numel`` elements of ``dtype`` (see module docstring); else None."""
-    from .chunks import FileSlice  # chunks imports this module
 
     storage = storage_name(dtype)  # None: torch pickles an UntypedStorage and the dtype (fp8, e8m0)
     if storage is None:

@@ -1,4 +1,4 @@
-"""Sharded model + optimizer ⇄ the canonical state (DESIGN §4).
+"""Sharded model + optimizer ⇄ the canonical state.
 
 The canonical state is a flat dict: ``model.<fqn>`` weights in the model's dtype,
 ``optim.<fqn>.<state>`` for every per-parameter optimizer state the optimizer keeps (plus

@@ -101,7 +101,6 @@ class ShardedUnit:
 
     def __init__(
         self,
-        module: nn.Module,
         buffers: list[FlatParamBuffer],
         *,
         strategy: Strategy,
@@ -109,7 +108,6 @@ class ShardedUnit:
         mixed_precision: MixedPrecision,
         reshard_after_forward: bool,
     ) -> None:
-        self.module_ref = weakref.ref(module)
         self.buffers = buffers
         self.strategy = strategy
         self.groups = dict(groups)
@@ -209,7 +207,7 @@ def fully_shard(
 
     buffers = [FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
                for spec, params in planned]
-    unit = ShardedUnit(module, buffers, strategy=strat, groups=groups, mixed_precision=mp,
+    unit = ShardedUnit(buffers, strategy=strat, groups=groups, mixed_precision=mp,
                        reshard_after_forward=reshard_after_forward and strat.shards_params)
     for buf in buffers:
         for i, p in enumerate(buf.params):

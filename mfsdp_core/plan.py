@@ -130,7 +130,7 @@ def placement_fn(placement: Union[Placement, PlacementFn, None], policy: str | P
         return placement
     if isinstance(placement, Placement):
         fixed = placement
-        return lambda name, param: dataclasses.replace(fixed, expert=fixed.expert or default_is_expert(name))
+        return lambda name, param: fixed
     pol = parse_policy(policy if policy is not None else DEFAULT_POLICY)
     return lambda name, param: Placement(pol, expert=default_is_expert(name))
 

@@ -1,5 +1,5 @@
 """The mapping language of the Hugging Face bridge: declarative rules between canonical keys
-(DESIGN §4, Megatron-Core TE names, without the ``model.`` prefix) and HF hub keys.
+(Megatron-Core TE names, without the ``model.`` prefix) and HF hub keys.
 
 An architecture is a list of :class:`Rule` templates. ``{i}`` in a template is the layer index,
 ``{e}`` the *global* expert index; a rule applies only when its ``when`` predicate holds for the

@@ -4,7 +4,6 @@ runtime's buffers, ``describe_shards``, the manifest and offline ``reshard`` all
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import mfsdp_ckpt

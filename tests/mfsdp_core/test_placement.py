@@ -345,7 +345,7 @@ class RowNormSGD(torch.optim.Optimizer):
 
 
 def _matrix_optimizer() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ref = make_model("transformer")
     ref_optim = RowNormSGD(ref.parameters())
     for step in range(3):
