@@ -4,30 +4,14 @@ pieces of every canonical tensor (to assemble / compare logical tensors across l
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from mfsdp_core import describe_shards, fully_shard_optimizer
-from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
+from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps  # noqa: F401 (train_steps: re-exported)
 
 
 def build(strategy: str, policy: str, seed: int = 0, name: str = "transformer"):
     model = shard_model(make_model(name, seed=seed), strategy=strategy, policy=policy)
     return model, fully_shard_optimizer(make_adamw(model.parameters()))
-
-
-def train_steps(model, optim, start: int, stop: int, zero_grad_last: bool = True) -> list[float]:
-    """Steps ``start .. stop-1``; batch of step s is the same whatever the world size."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(start, stop):
-        x, y = batch(step, world)
-        loss = loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank])
-        loss.backward()
-        optim.step()
-        if zero_grad_last or step < stop - 1:
-            optim.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def owned_pieces(model, optim, grads: bool = False) -> dict[str, tuple[int, int, torch.Tensor]]:

@@ -132,3 +132,38 @@ def reference_run(
         optim.step()
         losses.append(step_losses)
     return model, optim, losses
+
+
+def set_data_parallel_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int,
+                            loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> None:
+    """Each parameter's ``.grad`` := the sum in rank order of the per-rank gradients (rank r
+    trains on chunk r of the global batch ``x, y``) divided by ``world``: the runtime's
+    deterministic reduction, in one process."""
+    grads = []
+    for r in range(world):
+        model.zero_grad()
+        loss(model, x.chunk(world)[r], y.chunk(world)[r]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for k, p in enumerate(model.parameters()):
+        total = grads[0][k].clone()
+        for r in range(1, world):
+            total.add_(grads[r][k])
+        p.grad = total.div_(world)
+
+
+def train_steps(model: nn.Module, optim: torch.optim.Optimizer, start: int, stop: int, zero_grad_last: bool = True) -> list[float]:
+    """Sharded training, steps ``start .. stop-1``; rank r trains on chunk r of each global batch
+    (the same whatever the world size)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(start, stop):
+        x, y = batch(step, world)
+        loss = loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank])
+        loss.backward()
+        optim.step()
+        if zero_grad_last or step < stop - 1:
+            optim.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -18,7 +18,8 @@ from torch import nn
 from mfsdp_core import (Companion, Placement, clip_grad_norm_, count_comm, describe_shards, fully_shard,
                         fully_shard_optimizer)
 from mfsdp_core.fully_shard import buffers_of
-from tests.mfsdp_core.models import IN_FEATURES, OUT_FEATURES, batch, loss_fn, make_adamw, make_model, shard_model
+from tests.mfsdp_core.models import (IN_FEATURES, OUT_FEATURES, batch, loss_fn, make_adamw, make_model,
+                                     set_data_parallel_grads, shard_model, train_steps)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 REL_TOL = 1e-6  # sharded optimizer steps on pieces: see test_parity.py
@@ -37,15 +38,6 @@ def _owned(ref: torch.Tensor, shard) -> torch.Tensor:
 
 # ---- two models in one process ------------------------------------------------------------
 
-def _train_steps(model, optim, steps: int) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for step in range(steps):
-        x, y = batch(step, world)
-        loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        optim.step()
-        optim.zero_grad()
-
-
 def _two_models_alternately() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -57,7 +49,7 @@ def _two_models_alternately() -> dict:
         alone = {}
         for name in ("mlp", "transformer"):
             model, optim = build(name)
-            _train_steps(model, optim, 3)
+            train_steps(model, optim, 0, 3)
             alone[name] = [ps.main.tensor.clone() for ps in describe_shards(model, optim)]
         (a, oa), (b, ob) = build("mlp"), build("transformer")
         b_reductions = sum(1 for buf in buffers_of(b) if buf.requires_grad)
@@ -249,17 +241,7 @@ def _any_output(steps: int = 3) -> dict:
     ref = OutputModel("tensor")
     ref_optim = make_adamw(ref.parameters())
     for step in range(steps):
-        x, y = batch(step, world)
-        grads = []
-        for r in range(world):
-            ref.zero_grad()
-            F.mse_loss(ref(x.chunk(world)[r]), y.chunk(world)[r]).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
-        for k, p in enumerate(ref.parameters()):
-            total = grads[0][k].clone()
-            for r in range(1, world):
-                total.add_(grads[r][k])
-            p.grad = total.div_(world)
+        set_data_parallel_grads(ref, *batch(step, world), world)
         ref_optim.step()
     ref_params = dict(ref.named_parameters())
     out = {}
@@ -306,13 +288,7 @@ def _clip_in_subgroups() -> dict:
     loss_fn(model, x.chunk(size)[local], y.chunk(size)[local]).backward()
     norm = clip_grad_norm_(optim, 0.05).item()
     ref = make_model(name, seed)
-    grads = []
-    for r in range(size):
-        ref.zero_grad()
-        loss_fn(ref, x.chunk(size)[r], y.chunk(size)[r]).backward()
-        grads.append([p.grad.clone() for p in ref.parameters()])
-    for k, p in enumerate(ref.parameters()):
-        p.grad = (grads[0][k] + grads[1][k]) / size
+    set_data_parallel_grads(ref, x, y, size)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
     return {"rel": abs(norm - ref_norm) / ref_norm}
 
@@ -349,24 +325,14 @@ def _matrix_optimizer() -> dict:
     ref = make_model("transformer")
     ref_optim = RowNormSGD(ref.parameters())
     for step in range(3):
-        x, y = batch(step, world)
-        grads = []
-        for r in range(world):
-            ref.zero_grad()
-            loss_fn(ref, x.chunk(world)[r], y.chunk(world)[r]).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
-        for k, p in enumerate(ref.parameters()):
-            total = grads[0][k].clone()
-            for r in range(1, world):
-                total.add_(grads[r][k])
-            p.grad = total.div_(world)
+        set_data_parallel_grads(ref, *batch(step, world), world)
         ref_optim.step()
     ref_params = dict(ref.named_parameters())
     out = {}
     for strategy in STRATEGIES:
         model = shard_model(make_model("transformer"), strategy=strategy, policy="tensor")
         optim = fully_shard_optimizer(RowNormSGD(model.parameters()))
-        _train_steps(model, optim, 3)
+        train_steps(model, optim, 0, 3)
         shapes_ok, bitwise = True, True
         for ps in describe_shards(model, optim):
             sp = ps.optim_param
@@ -408,7 +374,7 @@ def _companions() -> dict:
     for strategy in STRATEGIES:
         model = shard_model(make_model("mlp"), strategy=strategy, placement=place)
         optim = fully_shard_optimizer(make_adamw(model.parameters()))
-        _train_steps(model, optim, 2)
+        train_steps(model, optim, 0, 2)
         checked, equal = 0, True
         shards = {ps.fqn: ps for ps in describe_shards(model, optim)}
         for buf in buffers_of(model):
