@@ -1,0 +1,1 @@
+"""Reliability tests: kills, corruption, hostile inputs, full disks, concurrent writers."""
