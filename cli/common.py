@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -18,11 +19,32 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _debug() -> bool:
+    """``mfsdp-ckpt --debug ...`` (or ``MFSDP_DEBUG=1``): show tracebacks instead of one line."""
+    ctx = click.get_current_context(silent=True)
+    flag = bool(ctx and ctx.find_root().params.get("debug"))
+    return flag or os.environ.get("MFSDP_DEBUG", "") not in ("", "0")
+
+
 def _run(fn: Callable[[], Any]) -> Any:
+    """The error boundary of every command: whatever goes wrong is one line on stderr and exit
+    code 1 (130 when interrupted); ``--debug`` shows the traceback instead."""
     try:
         return fn()
-    except CheckpointError as e:
-        click.echo(f"error: {e}", err=True)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the boundary: nothing escapes as a traceback
+        if _debug():
+            raise
+        if isinstance(e, CheckpointError):
+            click.echo(f"error: {e}", err=True)
+        elif isinstance(e, OSError):
+            click.echo(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", err=True)
+        else:
+            first = (str(e).splitlines() or [""])[0][:300]
+            click.echo(f"error: {type(e).__name__}: {first} (an internal error: run with --debug for the traceback)",
+                       err=True)
         sys.exit(1)
 
 

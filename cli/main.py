@@ -13,7 +13,8 @@ from mfsdp_core.dtypes import CAST_CHOICES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
+def main(debug: bool) -> None:
     """Inspect, verify, compare and list mfsdp / PyTorch DCP checkpoints."""
 
 
@@ -146,11 +147,15 @@ def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: s
 
 @main.command(name="ls")
 @click.argument("root")
+@click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def ls(root: str, as_json: bool) -> None:
+def ls(root: str, clean: bool, as_json: bool) -> None:
     """The checkpoints under a run directory ROOT: step, size, committed or not, latest."""
-    from mfsdp_ckpt.listing import list_checkpoints
+    from mfsdp_ckpt.listing import clean_run_dir, list_checkpoints
 
+    if clean:
+        for path in _run(lambda: clean_run_dir(root)):
+            click.echo(f"removed {path}", err=True)
     entries = _run(lambda: list_checkpoints(root))
     if as_json:
         click.echo(json.dumps([e.to_json() for e in entries], indent=1))

@@ -20,6 +20,7 @@ imports it, and the runtime never imports the checkpoint layer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mfsdp_ckpt
+from mfsdp_ckpt.listing import list_checkpoints
 from mfsdp_ckpt.manifest import read_manifest
 from mfsdp_core import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
@@ -172,7 +174,31 @@ def memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
+    """Rank 0, for the whole run: hold the writer lock of ``--ckpt-dir`` (a second job writing
+    there is refused), and refuse a directory that already holds a run unless it is resumed
+    (starting again at step 0 would move ``latest`` back and replace equal step numbers)."""
+    if not args.ckpt_dir:
+        return
+    try:
+        run.enter_context(mfsdp_ckpt.run_lock(args.ckpt_dir))
+    except mfsdp_ckpt.CheckpointError as e:
+        raise UsageError(f"--ckpt-dir: {e}") from None
+    if args.resume:
+        return
+    held = [e.name for e in list_checkpoints(args.ckpt_dir) if e.committed]
+    if held:
+        raise UsageError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({', '.join(held[-3:])}); "
+                         "pass --resume to continue that run, or choose another directory")
+
+
 def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
+    with contextlib.ExitStack() as run:
+        rank0_decides(claim_run_dir, args, run)
+        _train(args, config, rank, world)
+
+
+def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
     # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
     # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
     resume_from = rank0_decides(resume_point, args, config) if args.resume else None

@@ -5,6 +5,7 @@
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
 from .checkpoint import LATEST_NAME, load, resolve_checkpoint, save
+from .lock import RunLockedError, run_lock
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -20,6 +21,8 @@ __all__ = [
     "load",
     "resolve_checkpoint",
     "LATEST_NAME",
+    "run_lock",
+    "RunLockedError",
     "CheckpointError",
     "CheckpointExistsError",
     "CorruptCheckpointError",

@@ -8,6 +8,7 @@ overlap what it owns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any
@@ -26,12 +27,13 @@ from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .chunks import coverage_faults
-from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError, StateMismatchError, raise_key_problems
+from .errors import CheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
-from .staging import new_token, partial_path, write_file_atomic
+from .lock import run_lock
+from .staging import check_destination, new_token, partial_path, remove_leftovers, write_file_atomic
 from .storage import CommittingWriter, VerifyingReader
 
 __all__ = ["save", "load", "resolve_checkpoint", "LATEST_NAME"]
@@ -81,53 +83,47 @@ def save(
     _local_only(path, "save")
     rank, world = rank_and_world()
     final = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(final)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    # rank 0 checks the destination for all: a failure on rank 0 alone would leave the others
-    # waiting in dcp.save's first collective
+    # rank 0 checks the destination for all (and holds the run directory's lock until the save
+    # is done): a failure on rank 0 alone would leave the others waiting in dcp.save's first
+    # collective
     plan = _checked_plan(model)
-    token = rank0_decides(_prepare_destination, final, overwrite)
-    tmp = partial_path(final, token)
-    entries = save_entries(describe_shards(model, optimizer), optimizer, include_grads)
-    if rank == 0:
-        for name, value in (extra or {}).items():
-            entries[extra_key(name)] = value
-    entries[rng_key(rank)] = torch.get_rng_state()
-    manifest = {
-        "writer": writer_layout(world, plan),
-        "model_config": model_config,
-        "step": step,
-        "include_grads": include_grads,
-        "has_optimizer": optimizer is not None,
-        "versions": versions(),
-    }
-    writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
-    try:
-        dcp.save(entries, storage_writer=writer, planner=MfsdpSavePlanner(), no_dist=not dist.is_initialized())
-    except CheckpointException as e:
+    with contextlib.ExitStack() as lock:
+        token = rank0_decides(_prepare_destination, final, overwrite, lock)
+        tmp = partial_path(final, token)
+        entries = save_entries(describe_shards(model, optimizer), optimizer, include_grads)
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise _unwrap(e) from None
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if rank == 0:
-        if update_latest:
-            _write_latest(parent, os.path.basename(final))
-        if keep is not None:
-            _prune(parent, keep, protect=final)
-    if dist.is_initialized():
-        dist.barrier()
+            for name, value in (extra or {}).items():
+                entries[extra_key(name)] = value
+        entries[rng_key(rank)] = torch.get_rng_state()
+        manifest = {
+            "writer": writer_layout(world, plan),
+            "model_config": model_config,
+            "step": step,
+            "include_grads": include_grads,
+            "has_optimizer": optimizer is not None,
+            "versions": versions(),
+        }
+        writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
+        try:
+            dcp.save(entries, storage_writer=writer, planner=MfsdpSavePlanner(), no_dist=not dist.is_initialized())
+        except CheckpointException as e:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _unwrap(e) from None
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # committed; every rank hears of a failure to move ``latest`` or to prune
+        rank0_decides(_after_commit, final, update_latest, keep)
     return final
 
 
-def _prepare_destination(final: str, overwrite: bool) -> str:
-    """Check ``final`` may be written and create its parent; a fresh token for the temporary
-    directory."""
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
+def _prepare_destination(final: str, overwrite: bool, lock: contextlib.ExitStack) -> str:
+    """Rank 0: create the parent, take its writer lock (held in ``lock``), check ``final`` may be
+    written, remove what killed saves left behind; a fresh token for the temporary directory."""
     parent = os.path.dirname(final)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -135,7 +131,18 @@ def _prepare_destination(final: str, overwrite: bool) -> str:
         raise CheckpointError(f"{parent}: cannot create the checkpoint's parent directory ({e.strerror})") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CheckpointError(f"{parent}: not writable, cannot save {os.path.basename(final)} there")
+    lock.enter_context(run_lock(parent))
+    check_destination(final, overwrite=overwrite, kind="checkpoint")
+    remove_leftovers(parent)  # we hold the lock: no live writer's partial is among them
     return new_token()
+
+
+def _after_commit(final: str, update_latest: bool, keep: int | None) -> None:
+    parent = os.path.dirname(final)
+    if update_latest:
+        _write_latest(parent, os.path.basename(final))
+    if keep is not None:
+        _prune(parent, keep, protect=final)
 
 
 def _write_latest(parent: str, name: str) -> None:

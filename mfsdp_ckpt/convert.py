@@ -24,6 +24,7 @@ from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from .manifest import versions, writer_layout
+from .staging import check_destination
 from .streaming import CheckpointBuilder, CheckpointReader
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "convert"]
@@ -52,7 +53,7 @@ def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | N
     may be an fsspec URL)."""
     manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": None, "step": None,
                 "converted_from": source, "versions": versions()}
-    with CheckpointBuilder(path, manifest) as builder:
+    with CheckpointBuilder(path, manifest, sources=(source,) if source else ()) as builder:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 builder.add_tensor(key, value)
@@ -107,6 +108,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
         raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
+    if not fs.is_url(dst) and not fs.is_url(src):
+        check_destination(dst, overwrite=False, kind="checkpoint" if to == "dcp" else "file", sources=(src,))
     if to == "dcp":
         if not fs.isfile(src):
             raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")

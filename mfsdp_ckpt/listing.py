@@ -54,3 +54,19 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return entries
+
+
+def clean_run_dir(root: str | os.PathLike) -> list[str]:
+    """Remove what killed writers left under the run directory ``root`` (``.partial-`` and
+    ``.replaced-`` siblings), holding its writer lock so that no live writer's work is taken
+    (refused while another job writes there). Returns the paths removed. Local paths only."""
+    from .lock import run_lock
+    from .staging import remove_leftovers
+
+    root = os.fspath(root)
+    if fs.is_url(root):
+        raise CheckpointError(f"{root}: --clean takes a local run directory (an object store has no partial writes to clean)")
+    if not os.path.isdir(root):
+        raise NotACheckpointError(f"{root}: no such directory")
+    with run_lock(root):
+        return remove_leftovers(os.path.abspath(root))

@@ -36,7 +36,9 @@ from .keys import fqn_of_model_key, group_of, is_rng, param_of
 from .manifest import recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
-__all__ = ["reshard", "ReshardResult"]
+__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
+
+MAX_WORLD_SIZE = 1 << 16  # planning is linear in it; a typo of a few zeros must not run for hours
 
 
 
@@ -160,7 +162,7 @@ def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], 
     writer = ChunkFileWriter(tmp)
     try:
         with CheckpointReader(src) as reader:
-            for job in jobs:
+            for job, after in zip(jobs, [*jobs[1:], None]):
                 if job.start is None:
                     value = reader.read(job.key)
                     if isinstance(value, torch.Tensor):
@@ -178,6 +180,8 @@ def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], 
                         records.append(writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file))
                     del flat
                 report(job.nbytes)
+                if after is None or after.file != job.file:
+                    writer.close_file(job.file)  # done with it: open files stay few, whatever the world size
     finally:
         writer.close()
     return records
@@ -199,6 +203,7 @@ def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     per_file: dict[int, list[_Job]] = {}
     for job in jobs:
         per_file.setdefault(job.file, []).append(job)
+    workers = max(min(workers, len(per_file)), 1)  # no more workers than files
     loads = [0] * workers
     out: list[list[_Job]] = [[] for _ in range(workers)]
     for file in sorted(per_file, key=lambda f: -sum(j.nbytes for j in per_file[f])):
@@ -266,6 +271,8 @@ def reshard(
     src, dst = os.fspath(src), os.fspath(dst)
     if world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise CheckpointError(f"--world-size must be <= {MAX_WORLD_SIZE}, got {world_size}")
     if workers < 1:
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
     if strategy is not None:
@@ -308,10 +315,10 @@ def reshard(
         if progress is not None:
             progress(done, total)
 
-    with CheckpointBuilder(dst, out_manifest, overwrite=overwrite) as builder:
+    with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
         assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
-            records = _run_jobs(src_dir, builder.tmp, jobs, report)
+            records = _run_jobs(src_dir, builder.tmp, assignments[0] if assignments else [], report)
         else:
             records = _run_parallel(src_dir, builder.tmp, assignments, report)
         builder.add_records(records)

@@ -12,17 +12,20 @@ Local paths only: an object store has no rename (there the manifest, written las
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import uuid
 
-from .errors import CheckpointExistsError
+from .errors import CheckpointError, CheckpointExistsError
+from .write_errors import write_failed
 
-__all__ = ["PARTIAL_MARK", "new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
-           "commit_directory", "write_file_atomic"]
+__all__ = ["PARTIAL_MARK", "REPLACED_MARK", "new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
+           "commit_directory", "write_file_atomic", "check_destination", "remove_leftovers"]
 
 PARTIAL_MARK = ".partial-"
+REPLACED_MARK = ".replaced-"
 
 
 def new_token() -> str:
@@ -39,6 +42,10 @@ def partial_path(final: str, token: str) -> str:
 def is_partial_name(name: str) -> bool:
     """Whether a directory entry's name is a partial sibling (written, never committed)."""
     return PARTIAL_MARK in name
+
+
+def _is_leftover(name: str) -> bool:
+    return name.startswith(".") and (PARTIAL_MARK in name or REPLACED_MARK in name)
 
 
 def make_partial_dir(final: str) -> str:
@@ -66,7 +73,7 @@ def commit_directory(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
     if os.path.exists(final_dir):
         if not overwrite:
             raise CheckpointExistsError(f"{final_dir}: already exists (pass overwrite=True to replace it)")
-        old = os.path.join(parent, f".{os.path.basename(final_dir)}.replaced-{os.getpid()}-{time.time_ns()}")
+        old = os.path.join(parent, f".{os.path.basename(final_dir)}{REPLACED_MARK}{os.getpid()}-{time.time_ns()}")
         os.rename(final_dir, old)
     os.rename(tmp_dir, final_dir)
     fsync_dir(parent)
@@ -86,9 +93,85 @@ def write_file_atomic(path: str, data: bytes | bytearray | memoryview, *, sync: 
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        if sync:
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            raise write_failed(e, path) from None
         raise
-    if sync:
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "mfsdp.json")) or os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _is_hf_dir(path: str) -> bool:
+    names = os.listdir(path)
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[str, ...] = ()) -> None:
+    """Refuse a destination whose writing would lose data, before anything is written.
+
+    ``final`` must not lie inside a source, and must not exist unless ``overwrite``; an existing
+    one is replaced only when it is empty or what the writer writes (``kind``: ``"checkpoint"``, a
+    DCP checkpoint directory; ``"hf"``, a Hugging Face model directory; ``"file"``, a regular
+    file), is not a symbolic link, contains no source, and holds no other checkpoint (a run
+    directory).
+    Local paths only."""
+    final = os.path.abspath(final)
+    if os.path.lexists(final) and not overwrite:
+        raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+    for src in sources:
+        if _inside(final, src) and os.path.realpath(final) != os.path.realpath(src):
+            raise CheckpointError(f"{final}: lies inside the source {src}; write it elsewhere")
+    if not os.path.lexists(final):
+        return
+    what = {"checkpoint": "a checkpoint directory", "hf": "a Hugging Face model directory", "file": "a regular file"}[kind]
+    if os.path.islink(final):
+        raise CheckpointError(f"{final}: is a symbolic link; refusing to replace it (give the path it points to)")
+    for src in sources:
+        if _inside(src, final):
+            raise CheckpointError(f"{final}: contains the source {src}; replacing it would delete the source")
+    if kind == "file":
+        if not os.path.isfile(final):
+            raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
+        return
+    if os.path.isdir(final) and not os.listdir(final):
+        return  # an empty directory: nothing to lose
+    if not os.path.isdir(final) or not (_is_checkpoint_dir(final) if kind == "checkpoint" else _is_hf_dir(final)):
+        raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
+    others = sorted(n for n in os.listdir(final) if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n)))
+    if others or os.path.isfile(os.path.join(final, "latest")):
+        held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
+        raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
+
+
+def remove_leftovers(parent: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """Remove what killed writers left in ``parent``: ``.partial-`` and ``.replaced-`` siblings
+    (except the paths in ``keep``). Call it only while holding ``parent``'s writer lock (see
+    :mod:`mfsdp_ckpt.lock`), so that no live writer's partial is taken. Returns what was removed."""
+    removed = []
+    keep_real = {os.path.realpath(k) for k in keep}
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        path = os.path.join(parent, name)
+        if not _is_leftover(name) or os.path.realpath(path) in keep_real:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        removed.append(path)
+    return removed

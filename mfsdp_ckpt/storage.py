@@ -8,25 +8,29 @@ its final name in one ``rename``. A directory without ``mfsdp.json`` is never a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import os
+from typing import Any, Iterator
+
 from torch.futures import Future
-from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import completed, write_manifest
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
 from .staging import commit_directory, fsync_dir
+from .write_errors import RecordingStream, reporting, write_failed
 
 __all__ = ["CommittingWriter", "VerifyingReader", "commit_directory", "fsync_dir"]
 
@@ -38,20 +42,49 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
+class _RecordingFileSystem(FileSystem):
+    """DCP's local file system whose write streams remember their first ``OSError`` (torch's zip
+    writer replaces it with ``unexpected pos``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[RecordingStream] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
+            stream = RecordingStream(f, path)
+            self.streams.append(stream)
+            yield stream
+
+
 class CommittingWriter(FileSystemWriter):
-    """Writes into ``tmp_dir`` and, on the coordinator, commits it as ``final_dir``."""
+    """Writes into ``tmp_dir`` and, on the coordinator, commits it as ``final_dir``. A write the
+    operating system refuses (a full disk) fails in one line naming the file."""
 
     def __init__(self, tmp_dir: str, final_dir: str, manifest: dict[str, Any], *, overwrite: bool, thread_count: int = 1, sync_files: bool = True) -> None:
         super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files, overwrite=False)
+        self.fs = _RecordingFileSystem()
         self.tmp_dir = tmp_dir
         self.final_dir = final_dir
         self.manifest = manifest
         self.allow_overwrite = overwrite
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with without_zip_crc():  # the manifest's crc32c covers every chunk (see records.py)
-            results = super().write_data(plan, planner).wait()
+        with reporting(self.tmp_dir, self.fs.streams), without_zip_crc():  # the manifest's crc32c covers every chunk (see records.py)
+            try:
+                results = super().write_data(plan, planner).wait()
+            finally:
+                streams = list(self.fs.streams)
+            if any(st.error for st in streams):  # a failure in a writer thread, which DCP only prints
+                failed = next(st for st in streams if st.error)
+                raise write_failed(failed.error, failed.path)
         assert isinstance(planner, MfsdpSavePlanner)
+        if len(results) != len(plan.items):
+            raise CheckpointError(f"{self.tmp_dir}: {len(plan.items) - len(results)} of {len(plan.items)} chunks were not written")
         # the checksum travels with each result to the coordinator; finish() strips it again
         stamped = [
             dataclasses.replace(wr, storage_data=(wr.storage_data, planner.checksums[chunk_id(wr.index)]))
@@ -76,7 +109,8 @@ class CommittingWriter(FileSystemWriter):
                 }
                 plain_rank.append(dataclasses.replace(wr, storage_data=info))
             plain.append(plain_rank)
-        super().finish(metadata, plain)
+        with reporting(os.path.join(self.tmp_dir, ".metadata"), self.fs.streams):
+            super().finish(metadata, plain)
         write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)
         if self.sync_files:
             fsync_dir(self.tmp_dir)

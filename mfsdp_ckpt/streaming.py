@@ -9,6 +9,7 @@ covered exactly once. The files are the stock DCP format, so PyTorch's own reade
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -36,7 +37,9 @@ from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointErr
 from .manifest import completed, write_manifest
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
-from .staging import commit_directory, fsync_dir, make_partial_dir
+from .lock import run_lock
+from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
+from .write_errors import RecordingStream, reporting
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -219,21 +222,24 @@ class ChunkFileWriter:
     def __init__(self, directory: str, *, sync: bool = True) -> None:
         self.directory = directory
         self.sync = sync
-        self._files: dict[int, io.BufferedWriter] = {}
+        self._files: dict[int, RecordingStream] = {}
         self.bytes_written = 0
 
     def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
         name = f"__{file}_0.distcp"
+        path = fs.join(self.directory, name)
         f = self._files.get(file)
         if f is None:
-            f = self._files[file] = fs.open_file(fs.join(self.directory, name), "wb")
-        offset = f.tell()
-        if isinstance(payload, bytes):
-            f.write(payload)
-        else:
-            with without_zip_crc():
-                torch.save(payload, f)
-        length = f.tell() - offset
+            with reporting(path):
+                f = self._files[file] = RecordingStream(fs.open_file(path, "wb"), path)
+        with reporting(path, [f]):
+            offset = f.tell()
+            if isinstance(payload, bytes):
+                f.write(payload)
+            else:
+                with without_zip_crc():
+                    torch.save(payload, f)
+            length = f.tell() - offset
         self.bytes_written += length
         return name, offset, length
 
@@ -255,21 +261,40 @@ class ChunkFileWriter:
         return ChunkRecord(key, None, (), (), (), name, offset, length, payload_crc32c(data))
 
     def close(self) -> None:
-        """Flush (and fsync, locally) every file; on an object store this completes the uploads."""
-        for f in self._files.values():
-            f.flush()
-            if self.sync and not fs.is_url(self.directory):
-                os.fsync(f.fileno())
-            f.close()
-        self._files = {}
+        """Flush (and fsync, locally) every file; on an object store this completes the uploads.
+        If one fails, the others are discarded (nothing is left to flush at interpreter exit)."""
+        try:
+            for file in list(self._files):
+                self.close_file(file)
+        except BaseException:
+            self.discard()
+            raise
+
+    def close_file(self, file: int) -> None:
+        """Finish data file ``file`` (a writer that is done with a file closes it, so that the
+        number of open files stays small whatever the number of target ranks)."""
+        f = self._files.pop(file, None)
+        if f is None:
+            return
+        with reporting(f.path, [f]):
+            try:
+                f.flush()
+                if self.sync and not fs.is_url(self.directory):
+                    os.fsync(f.fileno())
+                f.close()
+            except BaseException:
+                self._files[file] = f  # for discard()
+                raise
 
     def discard(self) -> None:
         """Close without completing: an object store drops the unfinished uploads."""
-        for f in self._files.values():
-            (getattr(f, "discard", None) or f.close)()
-            if not f.closed:
-                f.close()
-        self._files = {}
+        files, self._files = list(self._files.values()), {}
+        for f in files:
+            with contextlib.suppress(Exception):
+                (getattr(f, "discard", None) or f.close)()
+            with contextlib.suppress(Exception):
+                if not f.closed:
+                    f.close()
 
 
 class CheckpointBuilder:
@@ -285,15 +310,17 @@ class CheckpointBuilder:
     the checkpoint is committed by writing ``mfsdp.json`` last (readers refuse a prefix without
     it); ``overwrite`` there first removes the old checkpoint's manifest, then its files."""
 
-    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any], *, overwrite: bool = False, sync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any], *, overwrite: bool = False, sync: bool = True,
+                 sources: Sequence[str | os.PathLike] = ()) -> None:
         self.final = fs.normalize(path)
         self.remote = fs.is_url(self.final)
-        if fs.exists(self.final) and not overwrite:
-            raise CheckpointExistsError(f"{self.final}: already exists (use --overwrite / overwrite=True to replace it)")
         self.overwrite = overwrite
         self.sync = sync
         self.manifest = dict(manifest)
+        self._lock = contextlib.ExitStack()
+        sources = tuple(fs.normalize(src) for src in sources)
         if self.remote:
+            _check_remote_destination(self.final, overwrite=overwrite, sources=sources)
             if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
                 from .manifest import MANIFEST_NAME
 
@@ -301,8 +328,15 @@ class CheckpointBuilder:
                     fs.remove_tree(fs.join(self.final, MANIFEST_NAME))
                 fs.remove_tree(self.final)
             self.tmp = self.final
-        else:
-            self.tmp = make_partial_dir(self.final)
+        else:  # one writer at a time in the parent; refuse what would lose data before writing
+            self._lock.enter_context(run_lock(os.path.dirname(self.final)))
+            try:
+                check_destination(self.final, overwrite=overwrite, kind="checkpoint",
+                                  sources=tuple(s for s in sources if not fs.is_url(s)))
+                self.tmp = make_partial_dir(self.final)
+            except BaseException:
+                self._lock.close()
+                raise
         self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()
@@ -376,6 +410,10 @@ class CheckpointBuilder:
     def commit(self) -> str:
         """Check coverage, write ``.metadata`` and ``mfsdp.json``, and make the directory visible."""
         self._check_coverage()
+        with reporting(self.final):
+            return self._commit()
+
+    def _commit(self) -> str:
         self._writer.close()
         save_id = str(uuid.uuid4())
         state_md: dict[str, Any] = dict(self._tensors)
@@ -393,6 +431,7 @@ class CheckpointBuilder:
                 fsync_dir(self.tmp)
             commit_directory(self.tmp, self.final, overwrite=self.overwrite)
         self.committed = True
+        self._lock.close()
         return self.final
 
     def abort(self) -> None:
@@ -401,3 +440,27 @@ class CheckpointBuilder:
         self._writer.discard()
         if not self.committed:
             fs.remove_tree(self.tmp)
+        self._lock.close()
+
+
+def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
+    """An object-store destination: never inside or around a source; replaced only when it is a
+    committed checkpoint (the manifest is there) and ``overwrite`` asks for it."""
+    from .manifest import MANIFEST_NAME
+
+    scheme, _, rest = final.partition("://")
+    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+    if not fs.exists(bucket):
+        raise CheckpointError(f"{final}: {bucket} does not exist (create the bucket first)")
+    exists = fs.exists(final)
+    if exists and not overwrite:
+        raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+    for src in sources:
+        if src == final or src.startswith(final + "/"):
+            raise CheckpointError(f"{final}: contains the source {src}; replacing it would delete the source")
+        if final.startswith(src + "/"):
+            raise CheckpointError(f"{final}: lies inside the source {src}; write it elsewhere")
+    if not exists:
+        return
+    if not fs.isfile(fs.join(final, MANIFEST_NAME)):
+        raise CheckpointError(f"{final}: is not a committed checkpoint; refusing to replace it")

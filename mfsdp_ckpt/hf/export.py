@@ -11,6 +11,7 @@ every rank has finished, and renames the temporary directory into place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,9 +28,10 @@ from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig
 
 from .. import fs
-from ..errors import CheckpointError, CheckpointExistsError, ConversionError, raise_key_problems
+from ..errors import CheckpointError, ConversionError, raise_key_problems
 from ..keys import MAIN_PARAM, fqn_of_model_key, group_of, optim_key
-from ..staging import commit_directory, fsync_dir, make_partial_dir
+from ..lock import run_lock
+from ..staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
@@ -133,8 +135,13 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     return plan
 
 
-def _make_partial_dir(final: str) -> str:
+def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], lock: contextlib.ExitStack) -> str:
+    """Rank 0: take the parent's writer lock (held in ``lock``), check again that ``final`` may be
+    replaced, and create the partial directory."""
     try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        lock.enter_context(run_lock(os.path.dirname(final)))
+        check_destination(final, overwrite=overwrite, kind="hf", sources=sources)
         return make_partial_dir(final)
     except OSError as e:
         raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
@@ -222,7 +229,6 @@ def export(
     gets this rank's bytes written so far.
     """
     start = time.perf_counter()
-    rank, world = rank_and_world()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
     if fs.is_url(out):
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
@@ -231,19 +237,26 @@ def export(
         if dtype not in CAST_CHOICES:
             raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         dtype = dtype_by_name(dtype)
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+    sources = () if fs.is_url(source) else (source,)
+    check_destination(final, overwrite=overwrite, kind="hf", sources=sources)  # refuse early, on every rank
     max_bytes = parse_size(max_shard_size)
-    with CheckpointReader(source) as reader:
-        plan = _plan(reader, source, arch, dtype, max_bytes)
-        # rank 0 makes the directory for all; nobody writes before it exists, and if it cannot be
-        # made every rank raises the same error
-        tmp = rank0_decides(_make_partial_dir, final)
-        failure: BaseException | None = None
-        try:
-            _write_shards(reader, plan, tmp, rank, world, progress)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-            failure = e
+    with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
+        return _export(reader, plan=_plan(reader, source, arch, dtype, max_bytes), final=final, overwrite=overwrite,
+                       sources=sources, lock=lock, progress=progress, start=start)
+
+
+def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: bool, sources: tuple[str, ...],
+            lock: contextlib.ExitStack, progress: Progress | None, start: float) -> ExportResult:
+    rank, world = rank_and_world()
+    # rank 0 makes the directory for all (holding the parent's writer lock until the export is
+    # committed); nobody writes before it exists, and if it cannot be made every rank raises the
+    # same error
+    tmp = rank0_decides(_make_partial_dir, final, overwrite, sources, lock)
+    failure: BaseException | None = None
+    try:
+        _write_shards(reader, plan, tmp, rank, world, progress)
+    except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        failure = e
     if world > 1:
         flag = torch.tensor([rank + 1 if failure is not None else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

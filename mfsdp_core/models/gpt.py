@@ -496,6 +496,6 @@ class GPTModel(nn.Module):
 
 def shard_units(model: GPTModel) -> list[nn.Module]:
     """The modules to ``fully_shard``, inner first: each decoder layer, then the root (which takes
-    the embedding, the final norm and the output layer). ``cli.train`` shards this way, and
-    offline tools plan the same flat buffers from it (``plan_buffers``)."""
+    the embedding, the final norm and the output layer). ``cli.train`` shards this way, and the
+    Hugging Face import records the plan of these units (``mfsdp_core.plan_model``)."""
     return [*model.decoder.layers, model]

@@ -154,9 +154,9 @@ def set_data_parallel_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
 def train_steps(model: nn.Module, optim: torch.optim.Optimizer, start: int, stop: int, zero_grad_last: bool = True) -> list[float]:
     """Sharded training, steps ``start .. stop-1``; rank r trains on chunk r of each global batch
     (the same whatever the world size)."""
-    import torch.distributed as dist
+    from mfsdp_core.collectives import rank_and_world
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = rank_and_world()  # (0, 1) in a process without a process group
     losses = []
     for step in range(start, stop):
         x, y = batch(step, world)

@@ -1,0 +1,83 @@
+"""Failed writes as one clear line: "No space left on device while writing <file>".
+
+``torch.save`` into a Python stream swallows the stream's ``OSError`` and raises
+``RuntimeError: ... unexpected pos ...`` instead, so a full disk surfaces as an internal error of
+torch's zip writer. Every writer here writes through :class:`RecordingStream`, which remembers the
+first ``OSError`` of its file, and reports failures with :func:`write_failed`, which names the
+file and the operating system's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import IO, Any, Iterator, Sequence
+
+from .errors import CheckpointError
+
+__all__ = ["WriteFailedError", "RecordingStream", "write_failed", "reporting"]
+
+
+class WriteFailedError(CheckpointError):
+    """The operating system refused a write (a full disk, a quota, a read-only file system)."""
+
+
+def write_failed(error: OSError, path: str | os.PathLike) -> WriteFailedError:
+    """The one-line error for ``error`` raised while writing ``path``."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return WriteFailedError(f"{reason} while writing {os.fspath(path)}")
+
+
+class RecordingStream:
+    """A binary file object that remembers the first ``OSError`` its ``write`` / ``flush`` /
+    ``close`` raised (and raises it as usual); everything else is the wrapped file's."""
+
+    def __init__(self, f: IO[bytes], path: str | os.PathLike) -> None:
+        self._f = f
+        self.path = os.fspath(path)
+        self.error: OSError | None = None
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def write(self, data: Any) -> int:
+        return self._guard(self._f.write, data)
+
+    def flush(self) -> None:
+        self._guard(self._f.flush)
+
+    def close(self) -> None:
+        self._guard(self._f.close)
+
+    def __enter__(self) -> "RecordingStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextlib.contextmanager
+def reporting(path: str | os.PathLike, streams: Sequence[RecordingStream] = ()) -> Iterator[None]:
+    """Inside ``with``, an ``OSError`` (raised directly, or recorded by one of ``streams`` and
+    hidden behind another exception, e.g. torch's zip writer's) becomes one
+    :class:`WriteFailedError` naming the file. ``streams`` is read when the error happens, so a
+    list that grows inside ``with`` is seen whole."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except BaseException as e:
+        recorded = next((s for s in streams if s.error is not None), None)
+        if recorded is not None:
+            raise write_failed(recorded.error, recorded.path) from None
+        if isinstance(e, OSError):
+            raise write_failed(e, getattr(e, "filename", None) or path) from None
+        raise
