@@ -18,8 +18,9 @@ each source tensor once and writes each target once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -32,6 +33,7 @@ from ..keys import model_key
 __all__ = [
     "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
     "dense", "moe", "untied", "qk_norm", "qkv_bias", "shared_expert", "canonical_shapes", "check_against",
+    "count_their_keys", "indices_held",
 ]
 
 Predicate = Callable[[GPTConfig], bool]
@@ -225,6 +227,42 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
     if twice:
         raise ConversionError(f"architecture '{arch.name}': mapping produces these keys more than once: {', '.join(twice)}")
     return out
+
+
+def count_their_keys(arch: Architecture, c: GPTConfig) -> int:
+    """How many HF keys :func:`expand` would produce for ``c``, by arithmetic alone: an import
+    compares it with the tensors the files hold before expanding anything, so a config that
+    declares a million layers costs nothing."""
+    n = 0
+    for rule in arch.rules:
+        if rule.when(c):
+            n += len(rule.theirs) * (c.num_layers if "{i}" in rule.ours else 1) * (c.num_experts if "{e}" in rule.ours else 1)
+    return n
+
+
+def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple[set[int], set[int]]:
+    """The layer indices (``{i}``) and expert indices (``{e}``) that HF ``keys`` hold under the
+    HF templates of ``arch``'s rules that apply to ``c``: what a directory's files can back of
+    the layer and expert counts its config declares."""
+    alternatives = []
+    for n, template in enumerate(sorted({t for rule in arch.rules if rule.when(c) for t in rule.theirs
+                                         if "{i}" in t or "{e}" in t})):
+        pattern = re.escape(template)
+        pattern = pattern.replace(re.escape("{i}"), f"(?P<i{n}>[0-9]{{1,9}})").replace(re.escape("{e}"), f"(?P<e{n}>[0-9]{{1,9}})")
+        alternatives.append(f"(?:{pattern})")
+    layers: set[int] = set()
+    experts: set[int] = set()
+    if not alternatives:
+        return layers, experts
+    regex = re.compile("|".join(alternatives))
+    for key in keys:
+        m = regex.fullmatch(key)
+        if m is None:
+            continue
+        for name, value in m.groupdict().items():
+            if value is not None:
+                (layers if name[0] == "i" else experts).add(int(value))
+    return layers, experts
 
 
 def _meta_model(c: GPTConfig) -> GPTModel:
