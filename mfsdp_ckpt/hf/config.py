@@ -228,11 +228,22 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
     }
 
 
+#: the ``config.json`` fields each ``GPTConfig`` field is read from, to name them in its errors
+_HF_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim",
+    "ffn_hidden_size": "intermediate_size", "seq_length": "max_position_embeddings", "num_experts": "num_experts",
+    "moe_router_topk": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size",
+}
+
+
 def model_config(r: HFConfigReader, kwargs: dict[str, Any]) -> GPTConfig:
     """Raise for everything noted so far, then build the config (its own checks become a
-    :class:`ConversionError` too)."""
+    :class:`ConversionError` too, naming the ``config.json`` fields involved)."""
     r.finish()
     try:
         return GPTConfig(**kwargs)
     except ValueError as e:
-        raise ConversionError(f"{r.source}: {r.arch} config is not a valid model config: {e}") from None
+        named = [hf for ours, hf in _HF_FIELDS.items() if ours in str(e)]
+        fields = f" (config.json: {', '.join(named)})" if named else ""
+        raise ConversionError(f"{r.source}: {r.arch} config is not a valid model config: {e}{fields}") from None

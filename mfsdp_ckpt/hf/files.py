@@ -210,7 +210,7 @@ def read_json_file(path: str, what: str) -> Any:
     finally:
         os.close(fd)
     try:
-        return json.loads(blob.decode("utf-8-sig"))
+        return json.loads(blob.decode("utf-8-sig"), parse_int=json_int)
     except (ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: not valid JSON ({_reason(e)})") from None
 
@@ -257,6 +257,19 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+#: the most digits a JSON integer may have: far beyond any real field, and a bound on the
+#: (quadratic) cost of converting one, whatever the interpreter's own digit limit is set to
+MAX_INT_DIGITS = 1000
+
+
+def json_int(text: str) -> int:
+    """``int(text)`` for the JSON parsers, refusing integers of more than
+    :data:`MAX_INT_DIGITS` digits."""
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
 def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
     """Parse and check the header of the safetensors file open as ``fd`` (``size`` bytes):
     every tensor (dtype, shape, absolute data offset and length) and ``__metadata__``.
@@ -292,7 +305,7 @@ def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, t
         text = raw.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("the header does not start with '{'")
-        header = json.loads(text, object_pairs_hook=pairs, parse_constant=_no_constants)
+        header = json.loads(text, object_pairs_hook=pairs, parse_constant=_no_constants, parse_int=json_int)
     except (ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: header is not valid UTF-8 JSON ({_reason(e)})") from None
     if not isinstance(header, dict):
