@@ -132,7 +132,12 @@ def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, 
     ("qwen3_moe", _set(norm_topk_prob="yes"), ["'norm_topk_prob'"]),
     ("qwen3_moe", _set(mlp_only_layers={"a": 1}), ["'mlp_only_layers'"]),
     ("qwen3_moe", _set(decoder_sparse_step=None, num_experts_per_tok=-1), ["'num_experts_per_tok'"]),
-], ids=['hidden_size-str', 'layers-float', 'heads-bool', 'vocab-huge', 'vocab-negative', 'head_dim-huge', 'max_pos-400-digits', 'eps-nan', 'rope_theta-inf', 'rope_theta-str', 'rope_parameters-list', 'rope_theta-nested', 'rope_scaling-str', 'tie-str', 'attention_bias-str', 'intermediate-list', 'hidden_size-missing', 'config-list', 'config-null', 'config-truncated', 'config-deep-nesting', 'model_type-list', 'architectures-int', 'mixtral-experts-str', 'mixtral-aux-nan', 'mixtral-window-str', 'qwen3moe-norm_topk-str', 'qwen3moe-mlp_only-dict', 'qwen3moe-topk-negative'])
+    ("mixtral", _set(num_experts_per_tok=4), ["num_experts_per_tok"]),             # more than the 3 experts
+    ("llama", _set(num_key_value_heads=3), ["num_key_value_heads"]),               # 2 heads in 3 groups
+    ("llama", lambda d: json.dumps(d).replace('"vocab_size": 16', '"vocab_size": ' + "9" * 2000),
+     ["not valid JSON", "2000 digits"]),                                          # past the digit bound
+], ids=['hidden_size-str', 'layers-float', 'heads-bool', 'vocab-huge', 'vocab-negative', 'head_dim-huge', 'max_pos-400-digits', 'eps-nan', 'rope_theta-inf', 'rope_theta-str', 'rope_parameters-list', 'rope_theta-nested', 'rope_scaling-str', 'tie-str', 'attention_bias-str', 'intermediate-list', 'hidden_size-missing', 'config-list', 'config-null', 'config-truncated', 'config-deep-nesting', 'model_type-list', 'architectures-int', 'mixtral-experts-str', 'mixtral-aux-nan', 'mixtral-window-str', 'qwen3moe-norm_topk-str', 'qwen3moe-mlp_only-dict', 'qwen3moe-topk-negative',
+ 'mixtral-topk-over-experts', 'kv-heads-not-dividing', 'vocab-2000-digits'])
 def test_malformed_config_is_one_line_naming_the_field(arch, edit, fragments, tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_hf_dir(src, arch)
