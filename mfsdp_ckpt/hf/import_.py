@@ -30,7 +30,7 @@ from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .config import model_type_of
 from .files import HFDirectory, HFTensor
-from .mapping import Architecture, check_against, count_their_keys, default_plan, expand, indices_held
+from .mapping import Architecture, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
 from .registry import architecture_of_hf_config, architectures, get_architecture
 
 __all__ = ["import_", "ImportResult"]
@@ -116,7 +116,8 @@ def import_(
         present = hf.tensors
         check_counts_against_files(architecture, cfg, hf.config, present, os.path.join(source, "config.json"))
         conversions = expand(architecture, cfg)
-        shapes = check_against(conversions, cfg, architecture)
+        model = meta_model(cfg)  # built once: for the shapes now, for the plan once the files match
+        shapes = check_against(conversions, cfg, architecture, model)
 
         planned: dict[str, torch.Size] = {}
         for conv in conversions:
@@ -138,7 +139,8 @@ def import_(
             ("pieces of one tensor in different dtypes", mixed),
             ("integer / bool dtype where the model has floating-point weights", not_floating),
         ], ConversionError)
-        plan = default_plan(cfg)
+        plan = default_plan(cfg, model)
+        del model
 
         manifest = {
             "writer": writer_layout(1, plan),  # so that reshard can place ranges

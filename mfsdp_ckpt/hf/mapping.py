@@ -33,7 +33,7 @@ from ..keys import model_key
 __all__ = [
     "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
     "dense", "moe", "untied", "qk_norm", "qkv_bias", "shared_expert", "canonical_shapes", "check_against",
-    "count_their_keys", "indices_held",
+    "count_their_keys", "indices_held", "meta_model",
 ]
 
 Predicate = Callable[[GPTConfig], bool]
@@ -265,30 +265,35 @@ def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple
     return layers, experts
 
 
-def _meta_model(c: GPTConfig) -> GPTModel:
+def meta_model(c: GPTConfig) -> GPTModel:
+    """Our model with config ``c`` on the meta device (shapes, no memory). Building one costs
+    milliseconds per layer, so a caller that needs it twice (an import: shapes, then the plan)
+    builds it once and passes it to :func:`canonical_shapes` / :func:`default_plan`."""
     with torch.device("meta"):
         return GPTModel(c)
 
 
-def canonical_shapes(c: GPTConfig) -> dict[str, torch.Size]:
+def canonical_shapes(c: GPTConfig, model: GPTModel | None = None) -> dict[str, torch.Size]:
     """Every canonical model key (``model.<fqn>``) of our model with config ``c`` and its shape,
-    from a model built on the meta device (no memory)."""
-    return {model_key(name): p.shape for name, p in _meta_model(c).named_parameters()}
+    from a model built on the meta device (no memory); ``model``: that model, if already built."""
+    return {model_key(name): p.shape for name, p in (model or meta_model(c)).named_parameters()}
 
 
-def default_plan(c: GPTConfig) -> ModelPlan:
+def default_plan(c: GPTConfig, model: GPTModel | None = None) -> ModelPlan:
     """The placement plan of the model an import writes: the units the model module names
     (``shard_units``) with ``fully_shard``'s default placement, on one rank, computed by the
-    runtime's own planner on a meta-device model. Recorded in the manifest, it is what ``reshard``
-    lays the checkpoint out from."""
-    model = _meta_model(c)
+    runtime's own planner on a meta-device model (``model``, if already built). Recorded in the
+    manifest, it is what ``reshard`` lays the checkpoint out from."""
+    model = model or meta_model(c)
     return plan_model(model, shard_units(model))
 
 
-def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture) -> dict[str, torch.Size]:
+def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture,
+                  model: GPTModel | None = None) -> dict[str, torch.Size]:
     """Check that ``conversions`` cover every parameter of the model exactly (a mapping that
-    misses or invents a parameter is a bug in the architecture module); returns the shapes."""
-    shapes = canonical_shapes(c)
+    misses or invents a parameter is a bug in the architecture module); returns the shapes.
+    ``model``: the meta-device model of ``c``, if already built."""
+    shapes = canonical_shapes(c, model)
     ours = {conv.ours for conv in conversions}
     missing, extra = sorted(set(shapes) - ours), sorted(ours - set(shapes))
     if missing or extra:
