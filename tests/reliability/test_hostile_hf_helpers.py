@@ -174,10 +174,14 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 _WATCHDOG = r"""
-import os, stat, sys, time
+import os, signal, stat, sys, time
 root, after = sys.argv[1], float(sys.argv[2])
-time.sleep(after)
-while True:
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))   # stop between steps: a release is always reported
+deadline = time.monotonic() + after
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.02)
+while not stop:
     for dirpath, dirnames, filenames in os.walk(root):
         for n in filenames + dirnames:
             p = os.path.join(dirpath, n)
@@ -187,8 +191,8 @@ while True:
                 fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)   # ENXIO unless a reader is waiting
             except OSError:
                 continue
-            os.close(fd)
             print("fired", flush=True)
+            os.close(fd)
     time.sleep(0.05)
 """
 
@@ -222,7 +226,11 @@ class FifoWatchdog:
     def __exit__(self, *exc: Any) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            out, _ = self._proc.communicate()
+            try:
+                out, _ = self._proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                out, _ = self._proc.communicate()
             self.fired = "fired" in out
 
 
