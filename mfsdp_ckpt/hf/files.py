@@ -6,6 +6,14 @@ shape, ``[begin, end)`` byte offsets into the data section), then the raw row-ma
 an export knows every shape and dtype before it reads a byte, :class:`SafetensorsWriter` writes
 the header first and then each tensor as it is converted, so a shard never needs to be in memory
 as a whole.
+
+Reading goes the other way and trusts nothing: a directory to import may come from anywhere.
+:class:`HFDirectory` reads ``config.json`` and the index only as regular files of bounded size,
+keeps the index's file names inside the directory, checks every shard's header itself
+(:func:`parse_safetensors_header`: lengths, types, dtypes, offsets against the file) before
+believing any of it, and then reads each tensor's bytes at the offsets it checked, from the file
+it checked. Every refusal is one :class:`~mfsdp_ckpt.errors.ConversionError` line naming the
+file and the field or tensor.
 """
 
 from __future__ import annotations
@@ -13,18 +21,21 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 from ..errors import ConversionError
 
-__all__ = ["parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter", "HFTensor", "HFDirectory"]
+__all__ = [
+    "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter", "HFTensor", "HFDirectory", "read_json_file",
+    "check_shard_name", "parse_safetensors_header", "short_repr", "MAX_HEADER_BYTES", "MAX_JSON_BYTES",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -112,77 +123,343 @@ class HFTensor:
     shape: torch.Size
 
 
+# --------------------------------------------------------------------------------------------------
+# Reading a directory someone else wrote: nothing in it is trusted until checked.
+
+#: the largest safetensors header we parse (the ``safetensors`` library's own limit)
+MAX_HEADER_BYTES = 100_000_000
+#: the largest ``config.json`` / index we parse (real ones are kilobytes to a few megabytes)
+MAX_JSON_BYTES = 100_000_000
+#: more dimensions than any weight has; bounds the work a hostile shape can ask for
+MAX_NDIM = 64
+
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_BINARY = getattr(os, "O_BINARY", 0)
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a hostile value is named, not echoed whole
+    (and, being a repr, never spans lines)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _reason(e: BaseException) -> str:
+    """A parser's complaint, on one line and cut short."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
+def _open_regular(path: str, what: str) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading and return the descriptor and its ``fstat``; refuse anything
+    but a regular file. ``O_NONBLOCK``: opening a FIFO for reading would otherwise wait for a
+    writer forever; opened non-blocking, it is seen (and refused) at once. The check is on the
+    descriptor, so what is read is what was checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC | _BINARY)
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: missing ({what})") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot open {what} ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise ConversionError(f"{path}: cannot stat {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConversionError(f"{path}: not a regular file ({what} must be one)")
+    return fd, st
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """``os.preadv`` into ``view`` (no copy), or ``os.pread`` and a copy where there is none."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[:len(data)] = data
+    return len(data)
+
+
+def _read_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytearray:
+    """``n`` bytes at ``offset`` of ``fd``; a short read (the file shrank) is an error."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            chunk = _pread_into(fd, view[got:], offset + got)
+        except OSError as e:
+            raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+        if chunk == 0:
+            raise ConversionError(f"{path}: {what} ends early (file truncated while reading?)")
+        got += chunk
+    return buf
+
+
+def read_json_file(path: str, what: str) -> Any:
+    """The JSON value in the regular file ``path`` (at most :data:`MAX_JSON_BYTES`), or one
+    :class:`ConversionError` line: missing, not a regular file, too large, not UTF-8 JSON (also
+    nesting deeper than the parser recurses)."""
+    fd, st = _open_regular(path, what)
+    try:
+        if st.st_size > MAX_JSON_BYTES:
+            raise ConversionError(f"{path}: {st.st_size} bytes, more than the {MAX_JSON_BYTES} a {what} may have")
+        blob = _read_exact(fd, 0, st.st_size, path, what)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(blob.decode("utf-8-sig"), parse_int=json_int)
+    except (ValueError, RecursionError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({_reason(e)})") from None
+
+
+def check_shard_name(name: Any, index_path: str, key: str) -> str:
+    """``name``, if it is a plain file name (what an index may name: a file in the directory
+    itself); one error line naming the index and the tensor otherwise. No separators, no ``.`` /
+    ``..``, no absolute path, no control characters: the index cannot lead the reader out of the
+    directory, into a subdirectory, or into a message that spans lines."""
+    if not isinstance(name, str):
+        raise ConversionError(f"{index_path}: 'weight_map' entry {key!r}: the file name must be a string, got {short_repr(name)}")
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if (name in ("", ".", "..") or any(sep in name for sep in seps) or os.path.isabs(name)
+            or not name.isprintable() or os.path.basename(name) != name):
+        raise ConversionError(f"{index_path}: 'weight_map' entry {key!r} names {name!r}: a shard must be a plain file name "
+                              "inside the model directory")
+    return name
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a tensor's bytes are in its file: absolute offset and length."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _FileId:
+    """What identifies the file whose header was checked, so that a later read of another file
+    (replaced in between) is refused rather than trusted."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "_FileId":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+#: the most digits a JSON integer may have: far beyond any real field, and a bound on the
+#: (quadratic) cost of converting one, whatever the interpreter's own digit limit is set to
+MAX_INT_DIGITS = 1000
+
+
+def json_int(text: str) -> int:
+    """``int(text)`` for the JSON parsers, refusing integers of more than
+    :data:`MAX_INT_DIGITS` digits."""
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
+    """Parse and check the header of the safetensors file open as ``fd`` (``size`` bytes):
+    every tensor (dtype, shape, absolute data offset and length) and ``__metadata__``.
+
+    Checked, each failure one :class:`ConversionError` line naming the file and the tensor: the
+    8-byte length (at most :data:`MAX_HEADER_BYTES` and inside the file); the header is a UTF-8
+    JSON object without repeated names or NaN; ``__metadata__`` maps strings to strings; every
+    name is printable; every entry has a dtype of our table (:mod:`mfsdp_core.dtypes`), a shape
+    of non-negative integers, and ``data_offsets`` ``[begin, end]`` whose span is exactly the
+    shape's bytes; and the tensors tile the data section: no overlap, no gap, nothing after the
+    last (what the ``safetensors`` library requires too, so a file we accept it reads the same)."""
+    if size < 8:
+        raise ConversionError(f"{path}: {size} bytes, too short for a safetensors file (an 8-byte header length first)")
+    (n,) = struct.unpack("<Q", bytes(_read_exact(fd, 0, 8, path, "safetensors header length")))
+    if n > MAX_HEADER_BYTES:
+        raise ConversionError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if n > size - 8:
+        raise ConversionError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+    if n < 2:
+        raise ConversionError(f"{path}: header length {n} is too small for a JSON object")
+    raw = _read_exact(fd, 8, n, path, "safetensors header")
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                repeated.append(k)
+            out[k] = v
+        return out
+
+    try:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("the header does not start with '{'")
+        header = json.loads(text, object_pairs_hook=pairs, parse_constant=_no_constants, parse_int=json_int)
+    except (ValueError, RecursionError) as e:
+        raise ConversionError(f"{path}: header is not valid UTF-8 JSON ({_reason(e)})") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: header is not a JSON object")
+    if repeated:
+        raise ConversionError(f"{path}: header names {short_repr(repeated[0])} twice")
+    data_start, data_size = 8 + n, size - 8 - n
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ConversionError(f"{path}: '__metadata__' must map strings to strings, got {short_repr(metadata)}")
+    entries: dict[str, tuple[torch.dtype, torch.Size, int, int]] = {}
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not name.isprintable():
+            raise ConversionError(f"{path}: tensor name {short_repr(name)} has control characters")
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise ConversionError(f"{where}: expected an object with dtype, shape and data_offsets, got {short_repr(entry)}")
+        st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(st_dtype, str):
+            raise ConversionError(f"{where}: dtype must be a string, got {short_repr(st_dtype)}")
+        dtype = dtype_from_safetensors(st_dtype)
+        if dtype is None:
+            raise ConversionError(f"{where}: unsupported dtype {short_repr(st_dtype)}")
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(type(d) is int and d >= 0 for d in shape)):
+            raise ConversionError(f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {short_repr(shape)}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            raise ConversionError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {short_repr(offsets)}")
+        begin, end = offsets
+        itemsize = dtype.itemsize
+        numel = 0 if 0 in shape else 1
+        for d in shape:  # stop once past the data section: a hostile shape may multiply to a huge number
+            numel *= d
+            if numel * itemsize > data_size:
+                break
+        nbytes = numel * itemsize
+        if nbytes != end - begin:
+            size_text = f"{nbytes} bytes" if nbytes <= data_size else f"more than the {data_size} bytes of the data section"
+            raise ConversionError(f"{where}: shape {short_repr(shape)} of {st_dtype} is {size_text}, "
+                                  f"but data_offsets {short_repr(offsets)} span {end - begin} bytes")
+        if end > data_size:
+            raise ConversionError(f"{where}: data_offsets {short_repr(offsets)} run past the data section ({data_size} bytes)")
+        entries[name] = (dtype, torch.Size(shape), begin, end)
+    covered, last = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
+        if begin < covered:
+            raise ConversionError(f"{path}: tensor {name!r} (bytes {begin}..{end}) overlaps tensor {last!r}")
+        if begin > covered:
+            raise ConversionError(f"{path}: {begin - covered} bytes of the data section before tensor {name!r} belong to no tensor")
+        covered, last = end, name
+    if covered != data_size:
+        raise ConversionError(f"{path}: {data_size - covered} bytes at the end of the data section belong to no tensor")
+    tensors = {name: (dtype, shape, _Layout(data_start + begin, end - begin)) for name, (dtype, shape, begin, end) in entries.items()}
+    return tensors, metadata
+
+
 class HFDirectory:
     """The config and tensors of an HF model directory, one tensor at a time.
 
+    Nothing in the directory is trusted before it is checked: ``config.json`` and the index are
+    read only if they are regular files (a FIFO never blocks the reader) of bounded size and are
+    JSON objects; the index's ``weight_map`` must map tensor names to plain file names in the
+    directory itself (:func:`check_shard_name`); every shard is a regular file whose header is
+    checked by :func:`parse_safetensors_header` before anything is read from it; a tensor is read
+    later only from the same file (device, inode, size, mtime). Every refusal is one
+    :class:`ConversionError` line naming the file and the field or tensor.
+
     Files: those named by ``model.safetensors.index.json`` when present, else every
     ``*.safetensors``. A tensor stored twice, or an index entry naming a file that lacks it, is an
-    error (naming the key). Use as a context manager."""
+    error (naming the key). Symbolic links in the directory are followed (the Hugging Face cache
+    is made of them): the directory's owner placed them; the index only names entries. Use as a
+    context manager."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(self.path):
             raise ConversionError(f"{self.path}: not a directory")
         config_path = os.path.join(self.path, "config.json")
-        try:
-            with open(config_path) as f:
-                self.config = json.load(f)
-        except FileNotFoundError:
-            raise ConversionError(f"{config_path}: missing (an HF model directory has a config.json)") from None
-        except (OSError, ValueError) as e:
-            raise ConversionError(f"{config_path}: unreadable ({e})") from None
+        if not os.path.lexists(config_path):
+            raise ConversionError(f"{config_path}: missing (an HF model directory has a config.json)")
+        self.config = read_json_file(config_path, "config.json")
+        if not isinstance(self.config, dict):
+            raise ConversionError(f"{config_path}: not a JSON object ({type(self.config).__name__} at the top level)")
         index_path = os.path.join(self.path, INDEX_NAME)
         weight_map: dict[str, str] | None = None
-        if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ConversionError(f"{index_path}: unreadable index ({e})") from None
+        if os.path.lexists(index_path):
+            weight_map = self._weight_map(index_path)
             files = sorted(set(weight_map.values()))
         else:
-            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+            try:
+                files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+            except OSError as e:
+                raise ConversionError(f"{self.path}: cannot list the directory ({e.strerror or e})") from None
         if not files:
             raise ConversionError(f"{self.path}: no safetensors files")
-        self._handles: dict[str, Any] = {}
+        self._ids: dict[str, _FileId] = {}
+        self._layout: dict[str, _Layout] = {}
         self.tensors: dict[str, HFTensor] = {}
         for name in files:
-            handle = self._open(name)
-            for key in handle.keys():
+            path = os.path.join(self.path, name)
+            fd, st = _open_regular(path, "a safetensors shard")
+            try:
+                entries, _ = parse_safetensors_header(path, fd, st.st_size)
+            finally:
+                os.close(fd)
+            self._ids[name] = _FileId.of(st)
+            for key, (dtype, shape, layout) in entries.items():
                 if key in self.tensors:
                     raise ConversionError(f"{self.path}: tensor '{key}' is stored twice ({self.tensors[key].file}, {name})")
-                sl = handle.get_slice(key)
-                dtype = dtype_from_safetensors(sl.get_dtype())
-                if dtype is None:
-                    raise ConversionError(f"{os.path.join(self.path, name)}: tensor '{key}' has unsupported dtype {sl.get_dtype()}")
-                self.tensors[key] = HFTensor(name, dtype, torch.Size(sl.get_shape()))
+                self.tensors[key] = HFTensor(name, dtype, shape)
+                self._layout[key] = layout
         if weight_map is not None:
             wrong = sorted(k for k, f in weight_map.items() if k not in self.tensors or self.tensors[k].file != f)
             if wrong:
                 raise ConversionError(f"{index_path}: these keys are not in the file the index names: {', '.join(wrong)}")
 
-    def _open(self, name: str) -> Any:
-        handle = self._handles.get(name)
-        if handle is None:
-            path = os.path.join(self.path, name)
-            try:
-                handle = safe_open(path, framework="pt")
-            except Exception as e:
-                raise ConversionError(f"{path}: unreadable safetensors file ({e})") from None
-            self._handles[name] = handle
-        return handle
+    @staticmethod
+    def _weight_map(index_path: str) -> dict[str, str]:
+        """The index's ``weight_map`` (tensor name -> shard file name), checked."""
+        index = read_json_file(index_path, "index")
+        if not isinstance(index, dict):
+            raise ConversionError(f"{index_path}: not a JSON object ({type(index).__name__} at the top level)")
+        if "weight_map" not in index:
+            raise ConversionError(f"{index_path}: no 'weight_map'")
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{index_path}: 'weight_map' must be an object (tensor name -> file name), got {short_repr(weight_map)}")
+        for key, name in weight_map.items():
+            if not key.isprintable():
+                raise ConversionError(f"{index_path}: 'weight_map' has a tensor name with control characters: {short_repr(key)}")
+            check_shard_name(name, index_path, key)
+        return weight_map
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, read alone from its file. The file is opened for this one read:
-        ``safe_open`` maps the whole file, and the pages a read touches stay in this process's
-        resident set until the handle is dropped, which over a whole import would add up to the
-        model's size."""
-        path = os.path.join(self.path, self.tensors[key].file)
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(key)
+        """The tensor ``key``, read alone from its file (opened for this one read, so memory
+        holds this tensor and nothing else of the file), after checking that the file is still
+        the one whose header was checked."""
+        t = self.tensors[key]
+        path = os.path.join(self.path, t.file)
+        layout = self._layout[key]
+        fd, st = _open_regular(path, "a safetensors shard")
+        try:
+            if _FileId.of(st) != self._ids[t.file]:
+                raise ConversionError(f"{path}: changed since its header was read (reading tensor {key!r})")
+            buf = _read_exact(fd, layout.offset, layout.nbytes, path, f"tensor {key!r}")
+        finally:
+            os.close(fd)
+        if not layout.nbytes:
+            return torch.empty(t.shape, dtype=t.dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
     def close(self) -> None:
-        self._handles = {}
+        """Nothing is held open between reads; kept for the context-manager protocol."""
 
     def __enter__(self) -> "HFDirectory":
         return self

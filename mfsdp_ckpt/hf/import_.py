@@ -1,10 +1,15 @@
 """Import a Hugging Face model directory as a committed canonical checkpoint, streaming.
 
-``config.json`` becomes our model config (every field we cannot express is named in one error);
-the safetensors headers are checked against the mapping (missing, unexpected and misshapen
-tensors, all named) before a byte of data is read; then each conversion reads its HF tensors one
-at a time (``safetensors.safe_open``), merges them, and appends the result to the checkpoint
-being built. Nothing is visible at the destination until the checkpoint commits.
+The directory is input from anywhere and is checked before it is believed (see
+:class:`~mfsdp_ckpt.hf.files.HFDirectory` for the files themselves). ``config.json`` becomes our
+model config, every field type- and bound-checked (every field we cannot express is named in one
+error); the layer and expert counts it declares are checked against the tensors the safetensors
+headers list *before* anything is expanded per layer or expert, so a declared size never costs
+more than the files can back; then the headers are checked against the mapping (missing,
+unexpected and misshapen tensors, pieces in mixed dtypes, integer or bool dtypes where the model
+has floating-point weights, all named) before a byte of data is read; then each conversion reads
+its HF tensors one at a time, merges them, and appends the result to the checkpoint being built.
+Nothing is visible at the destination until the checkpoint commits.
 """
 
 from __future__ import annotations
@@ -17,14 +22,49 @@ from typing import Any, Callable
 
 import torch
 
+from mfsdp_core.dtypes import safetensors_name
+from mfsdp_core.models.gpt import GPTConfig
+
 from ..errors import ConversionError, raise_key_problems
 from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
-from .files import HFDirectory
-from .mapping import check_against, default_plan, expand
+from .config import model_type_of
+from .files import HFDirectory, HFTensor
+from .mapping import Architecture, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
 from .registry import architecture_of_hf_config, architectures, get_architecture
 
 __all__ = ["import_", "ImportResult"]
+
+
+#: the ``config.json`` fields that may declare our layer / expert counts, in the order named
+_COUNT_FIELDS = {"num_layers": ("num_hidden_layers",), "num_experts": ("num_local_experts", "num_experts")}
+
+
+def _field_of(config: dict[str, Any], ours: str, value: int) -> str:
+    """The ``config.json`` field that gave our ``ours`` its ``value`` (for messages)."""
+    names = _COUNT_FIELDS[ours]
+    return next((n for n in names if config.get(n) == value), f"{names[0]} (default)")
+
+
+def check_counts_against_files(architecture: Architecture, cfg: GPTConfig, config: dict[str, Any],
+                               present: dict[str, HFTensor], config_path: str) -> None:
+    """Refuse, before anything is expanded per layer or expert, a config that declares more
+    layers or experts than the files hold tensors for, or implies more HF tensors than they
+    hold: the expansion is then bounded by the size of the headers, never by a number in
+    ``config.json``. (Fewer declared than held shows up later as unexpected tensors.)"""
+    layers, experts = indices_held(architecture, cfg, present)
+    if cfg.num_layers > len(layers):
+        field = _field_of(config, "num_layers", cfg.num_layers)
+        raise ConversionError(f"{config_path}: {field}={cfg.num_layers} declares more layers than the safetensors files "
+                              f"hold: {len(layers)} layers")
+    if cfg.num_experts > len(experts):
+        field = _field_of(config, "num_experts", cfg.num_experts)
+        raise ConversionError(f"{config_path}: {field}={cfg.num_experts} declares more experts than the safetensors files "
+                              f"hold: {len(experts)} experts")
+    planned = count_their_keys(architecture, cfg)
+    if planned > len(present):
+        raise ConversionError(f"{config_path}: this {architecture.name} config implies {planned} tensors; the safetensors "
+                              f"files hold {len(present)}")
 
 
 @dataclass
@@ -65,7 +105,7 @@ def import_(
             architecture = architecture_of_hf_config(hf.config, source)
         else:
             architecture = get_architecture(arch)
-            model_type = hf.config.get("model_type")
+            model_type = model_type_of(hf.config, source)
             known = {a.model_type for a in architectures().values()}
             if model_type in known and model_type != architecture.model_type:
                 raise ConversionError(f"{source}: config.json says model_type {model_type!r}, --arch says {arch!r}")
@@ -73,26 +113,34 @@ def import_(
         problems = architecture.unsupported(cfg)
         if problems:  # a from_hf_config that accepted what its own rules cannot map: a bug there
             raise ConversionError(f"{source}: {architecture.name}: {'; '.join(problems)}")
+        present = hf.tensors
+        check_counts_against_files(architecture, cfg, hf.config, present, os.path.join(source, "config.json"))
         conversions = expand(architecture, cfg)
-        shapes = check_against(conversions, cfg, architecture)
-        plan = default_plan(cfg)
+        model = meta_model(cfg)  # built once: for the shapes now, for the plan once the files match
+        shapes = check_against(conversions, cfg, architecture, model)
 
         planned: dict[str, torch.Size] = {}
         for conv in conversions:
             planned.update(zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg)))
-        present = hf.tensors
         missing = sorted(set(planned) - set(present))
         unexpected = sorted(set(present) - set(planned))
         misshapen = sorted(f"{k} (file {tuple(present[k].shape)}, config {tuple(planned[k])})"
                            for k in set(planned) & set(present) if present[k].shape != planned[k])
         mixed = sorted(conv.ours for conv in conversions
                        if len({present[k].dtype for k in conv.theirs if k in present}) > 1)
+        # every parameter of our model is floating-point: an integer / bool dtype over one is a
+        # relabelled header (the same bytes would be read as numbers of another kind), not weights
+        not_floating = sorted(f"{k} ({safetensors_name(present[k].dtype)} in {present[k].file})"
+                              for k in set(planned) & set(present) if not present[k].dtype.is_floating_point)
         raise_key_problems(source, [
             ("missing tensors", missing),
             (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
             ("shape mismatch", misshapen),
             ("pieces of one tensor in different dtypes", mixed),
+            ("integer / bool dtype where the model has floating-point weights", not_floating),
         ], ConversionError)
+        plan = default_plan(cfg, model)
+        del model
 
         manifest = {
             "writer": writer_layout(1, plan),  # so that reshard can place ranges
@@ -102,9 +150,9 @@ def import_(
             "has_optimizer": False,
             "versions": versions(),
             "converted_from": source,
-            "hf": {"architecture": architecture.name, "model_type": hf.config.get("model_type")},
+            "hf": {"architecture": architecture.name, "model_type": model_type_of(hf.config, source)},
         }
-        total = sum(present[k].shape.numel() * torch.empty((), dtype=present[k].dtype).element_size() for k in planned)
+        total = sum(present[k].shape.numel() * present[k].dtype.itemsize for k in planned)
         done = 0
         consumed: Counter[str] = Counter()
         written: Counter[str] = Counter()

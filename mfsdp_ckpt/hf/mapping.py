@@ -18,8 +18,9 @@ each source tensor once and writes each target once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -32,6 +33,7 @@ from ..keys import model_key
 __all__ = [
     "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
     "dense", "moe", "untied", "qk_norm", "qkv_bias", "shared_expert", "canonical_shapes", "check_against",
+    "count_their_keys", "indices_held", "meta_model",
 ]
 
 Predicate = Callable[[GPTConfig], bool]
@@ -227,30 +229,71 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
     return out
 
 
-def _meta_model(c: GPTConfig) -> GPTModel:
+def count_their_keys(arch: Architecture, c: GPTConfig) -> int:
+    """How many HF keys :func:`expand` would produce for ``c``, by arithmetic alone: an import
+    compares it with the tensors the files hold before expanding anything, so a config that
+    declares a million layers costs nothing."""
+    n = 0
+    for rule in arch.rules:
+        if rule.when(c):
+            n += len(rule.theirs) * (c.num_layers if "{i}" in rule.ours else 1) * (c.num_experts if "{e}" in rule.ours else 1)
+    return n
+
+
+def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple[set[int], set[int]]:
+    """The layer indices (``{i}``) and expert indices (``{e}``) that HF ``keys`` hold under the
+    HF templates of ``arch``'s rules that apply to ``c``: what a directory's files can back of
+    the layer and expert counts its config declares."""
+    alternatives = []
+    for n, template in enumerate(sorted({t for rule in arch.rules if rule.when(c) for t in rule.theirs
+                                         if "{i}" in t or "{e}" in t})):
+        pattern = re.escape(template)
+        pattern = pattern.replace(re.escape("{i}"), f"(?P<i{n}>[0-9]{{1,9}})").replace(re.escape("{e}"), f"(?P<e{n}>[0-9]{{1,9}})")
+        alternatives.append(f"(?:{pattern})")
+    layers: set[int] = set()
+    experts: set[int] = set()
+    if not alternatives:
+        return layers, experts
+    regex = re.compile("|".join(alternatives))
+    for key in keys:
+        m = regex.fullmatch(key)
+        if m is None:
+            continue
+        for name, value in m.groupdict().items():
+            if value is not None:
+                (layers if name[0] == "i" else experts).add(int(value))
+    return layers, experts
+
+
+def meta_model(c: GPTConfig) -> GPTModel:
+    """Our model with config ``c`` on the meta device (shapes, no memory). Building one costs
+    milliseconds per layer, so a caller that needs it twice (an import: shapes, then the plan)
+    builds it once and passes it to :func:`canonical_shapes` / :func:`default_plan`."""
     with torch.device("meta"):
         return GPTModel(c)
 
 
-def canonical_shapes(c: GPTConfig) -> dict[str, torch.Size]:
+def canonical_shapes(c: GPTConfig, model: GPTModel | None = None) -> dict[str, torch.Size]:
     """Every canonical model key (``model.<fqn>``) of our model with config ``c`` and its shape,
-    from a model built on the meta device (no memory)."""
-    return {model_key(name): p.shape for name, p in _meta_model(c).named_parameters()}
+    from a model built on the meta device (no memory); ``model``: that model, if already built."""
+    return {model_key(name): p.shape for name, p in (model or meta_model(c)).named_parameters()}
 
 
-def default_plan(c: GPTConfig) -> ModelPlan:
+def default_plan(c: GPTConfig, model: GPTModel | None = None) -> ModelPlan:
     """The placement plan of the model an import writes: the units the model module names
     (``shard_units``) with ``fully_shard``'s default placement, on one rank, computed by the
-    runtime's own planner on a meta-device model. Recorded in the manifest, it is what ``reshard``
-    lays the checkpoint out from."""
-    model = _meta_model(c)
+    runtime's own planner on a meta-device model (``model``, if already built). Recorded in the
+    manifest, it is what ``reshard`` lays the checkpoint out from."""
+    model = model or meta_model(c)
     return plan_model(model, shard_units(model))
 
 
-def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture) -> dict[str, torch.Size]:
+def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture,
+                  model: GPTModel | None = None) -> dict[str, torch.Size]:
     """Check that ``conversions`` cover every parameter of the model exactly (a mapping that
-    misses or invents a parameter is a bug in the architecture module); returns the shapes."""
-    shapes = canonical_shapes(c)
+    misses or invents a parameter is a bug in the architecture module); returns the shapes.
+    ``model``: the meta-device model of ``c``, if already built."""
+    shapes = canonical_shapes(c, model)
     ours = {conv.ours for conv in conversions}
     missing, extra = sorted(set(shapes) - ours), sorted(ours - set(shapes))
     if missing or extra:

@@ -12,6 +12,8 @@ from mfsdp_core.models.gpt import GPTConfig
 
 from ..errors import ConversionError
 from . import archs
+from .config import hf_classes_of, model_type_of
+from .files import short_repr
 from .mapping import Architecture
 
 __all__ = ["architectures", "get_architecture", "architecture_of_hf_config", "infer_architecture", "register"]
@@ -50,18 +52,20 @@ def get_architecture(name: str) -> Architecture:
 
 def architecture_of_hf_config(d: dict[str, Any], source: str) -> Architecture:
     """The architecture of an HF ``config.json`` dict, by its ``model_type`` (or, failing that,
-    its ``architectures`` class name)."""
+    its ``architectures`` class name). Both must have their JSON types (a string, a list of
+    strings), else one line names the field."""
     known = architectures()
-    model_type = d.get("model_type")
+    model_type = model_type_of(d, source)
+    classes = hf_classes_of(d, source)
     for arch in known.values():
         if arch.model_type == model_type:
             return arch
-    for cls in d.get("architectures") or []:
+    for cls in classes:
         for arch in known.values():
             if arch.hf_class == cls:
                 return arch
     raise ConversionError(
-        f"{source}: unknown architecture (model_type={model_type!r}, architectures={d.get('architectures')}); "
+        f"{source}: unknown architecture (model_type={model_type!r}, architectures={short_repr(d.get('architectures'))}); "
         f"known: {', '.join(sorted(known))}"
     )
 

@@ -24,9 +24,9 @@ def from_hf_config(d: dict, source: str) -> GPTConfig:
     r = HFConfigReader(d, source, "llama")
     kwargs = common_from_hf(r, tie_default=False)
     # Llama's attention_bias also puts a bias on o_proj, which our model does not have
-    r.refuse(not r.get("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
-    r.refuse(not r.get("mlp_bias", False), "mlp_bias=true")
-    return model_config(r, {**kwargs, "ffn_hidden_size": int(r.get("intermediate_size"))})
+    r.refuse(not r.flag("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
+    r.refuse(not r.flag("mlp_bias", False), "mlp_bias=true")
+    return model_config(r, {**kwargs, "ffn_hidden_size": r.integer("intermediate_size")})
 
 
 ARCH = Architecture("llama", "llama", "LlamaForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mfsdp_core.models.gpt import GPTConfig
 
-from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
+from ..config import MAX_COUNT, HFConfigReader, common_from_hf, common_to_hf, model_config
 from ..mapping import Architecture
 from ._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems
 
@@ -32,16 +32,16 @@ def to_hf_config(c: GPTConfig) -> dict:
 def from_hf_config(d: dict, source: str) -> GPTConfig:
     r = HFConfigReader(d, source, "mixtral")
     kwargs = common_from_hf(r, tie_default=False)
-    window = r.get("sliding_window", None)
+    window = r.integer("sliding_window", None, lo=0, hi=2**63 - 1)
     r.refuse(window is None or window >= kwargs["seq_length"], f"sliding_window={window} (only full causal attention)")
-    jitter = r.get("router_jitter_noise", 0.0)
+    jitter = r.number("router_jitter_noise", 0.0, lo=0.0)
     r.refuse(jitter == 0, f"router_jitter_noise={jitter} (our router has no jitter)")
-    ffn = int(r.get("intermediate_size"))
+    ffn = r.integer("intermediate_size")
     return model_config(r, {
         **kwargs, "ffn_hidden_size": ffn, "moe_ffn_hidden_size": ffn,
-        "num_experts": int(r.get("num_local_experts", r.get("num_experts", 8))),
-        "moe_router_topk": int(r.get("num_experts_per_tok", 2)), "moe_score_func": "softmax",
-        "moe_aux_loss_coeff": float(r.get("router_aux_loss_coef", 0.001)),
+        "num_experts": r.integer(("num_local_experts", "num_experts"), 8, hi=MAX_COUNT),
+        "moe_router_topk": r.integer("num_experts_per_tok", 2, hi=MAX_COUNT), "moe_score_func": "softmax",
+        "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
     })
 
 

@@ -23,8 +23,8 @@ def to_hf_config(c: GPTConfig) -> dict:
 def from_hf_config(d: dict, source: str) -> GPTConfig:
     r = HFConfigReader(d, source, "qwen2")
     kwargs = common_from_hf(r, tie_default=False)
-    r.refuse(not r.get("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
-    return model_config(r, {**kwargs, "ffn_hidden_size": int(r.get("intermediate_size")), "add_qkv_bias": True})
+    r.refuse(not r.flag("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
+    return model_config(r, {**kwargs, "ffn_hidden_size": r.integer("intermediate_size"), "add_qkv_bias": True})
 
 
 ARCH = Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

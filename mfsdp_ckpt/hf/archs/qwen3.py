@@ -24,9 +24,9 @@ def to_hf_config(c: GPTConfig) -> dict:
 def from_hf_config(d: dict, source: str) -> GPTConfig:
     r = HFConfigReader(d, source, "qwen3")
     kwargs = common_from_hf(r, tie_default=False)
-    r.refuse(not r.get("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
-    r.refuse(not r.get("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
-    return model_config(r, {**kwargs, "ffn_hidden_size": int(r.get("intermediate_size")), "qk_layernorm": True})
+    r.refuse(not r.flag("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
+    r.refuse(not r.flag("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
+    return model_config(r, {**kwargs, "ffn_hidden_size": r.integer("intermediate_size"), "qk_layernorm": True})
 
 
 ARCH = Architecture("qwen3", "qwen3", "Qwen3ForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from mfsdp_core.models.gpt import GPTConfig
 
-from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
+from ..config import MAX_COUNT, HFConfigReader, common_from_hf, common_to_hf, model_config
+from ..files import short_repr
 from ..mapping import Architecture
 from ._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems
 
@@ -34,19 +35,19 @@ def to_hf_config(c: GPTConfig) -> dict:
 def from_hf_config(d: dict, source: str) -> GPTConfig:
     r = HFConfigReader(d, source, "qwen3_moe")
     kwargs = common_from_hf(r, tie_default=False)
-    r.refuse(not r.get("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
-    r.refuse(not r.get("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
-    step = r.get("decoder_sparse_step", 1)
+    r.refuse(not r.flag("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")
+    r.refuse(not r.flag("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")
+    step = r.integer("decoder_sparse_step", 1, lo=0, hi=MAX_COUNT)
     r.refuse(step == 1, f"decoder_sparse_step={step} (our model has MoE in every layer)")
-    dense_layers = r.get("mlp_only_layers", [])
-    r.refuse(not dense_layers, f"mlp_only_layers={dense_layers} (our model has MoE in every layer)")
+    dense_layers = r.integers("mlp_only_layers", [])
+    r.refuse(not dense_layers, f"mlp_only_layers={short_repr(dense_layers)} (our model has MoE in every layer)")
     return model_config(r, {
-        **kwargs, "ffn_hidden_size": int(r.get("intermediate_size")),
-        "moe_ffn_hidden_size": int(r.get("moe_intermediate_size")),
-        "num_experts": int(r.get("num_experts", r.get("num_local_experts", 128))),
-        "moe_router_topk": int(r.get("num_experts_per_tok", 8)), "moe_score_func": "softmax",
-        "moe_router_pre_softmax": not r.get("norm_topk_prob", False), "qk_layernorm": True,
-        "moe_aux_loss_coeff": float(r.get("router_aux_loss_coef", 0.001)),
+        **kwargs, "ffn_hidden_size": r.integer("intermediate_size"),
+        "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
+        "num_experts": r.integer(("num_experts", "num_local_experts"), 128, hi=MAX_COUNT),
+        "moe_router_topk": r.integer("num_experts_per_tok", 8, hi=MAX_COUNT), "moe_score_func": "softmax",
+        "moe_router_pre_softmax": not r.flag("norm_topk_prob", False), "qk_layernorm": True,
+        "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
     })
 
 
