@@ -146,12 +146,13 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
         return
     if os.path.isdir(final) and not os.listdir(final):
         return  # an empty directory: nothing to lose
+    if os.path.isdir(final):
+        others = sorted(n for n in os.listdir(final) if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n)))
+        if others or os.path.isfile(os.path.join(final, "latest")):
+            held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
+            raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
     if not os.path.isdir(final) or not (_is_checkpoint_dir(final) if kind == "checkpoint" else _is_hf_dir(final)):
         raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
-    others = sorted(n for n in os.listdir(final) if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n)))
-    if others or os.path.isfile(os.path.join(final, "latest")):
-        held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
-        raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
 
 
 def remove_leftovers(parent: str, keep: tuple[str, ...] = ()) -> list[str]:

@@ -18,6 +18,7 @@ file and the field or tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import torch
 from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 from ..errors import ConversionError
+from ..write_errors import reporting
 
 __all__ = [
     "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter", "HFTensor", "HFDirectory", "read_json_file",
@@ -84,9 +86,14 @@ class SafetensorsWriter:
             header["__metadata__"] = metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-        self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(text)))
-        self._f.write(text)
+        with reporting(path):  # a full disk: one line naming the file
+            self._f = open(path, "wb")
+            try:
+                self._f.write(struct.pack("<Q", len(text)))
+                self._f.write(text)
+            except BaseException:
+                self.abort()
+                raise
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -98,20 +105,24 @@ class SafetensorsWriter:
                                   f"expected '{want}' {dtype} {shape} next")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         if data.numel():
-            self._f.write(memoryview(data.numpy()))
+            with reporting(self.path):
+                self._f.write(memoryview(data.numpy()))
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self._order):
             missing = [name for name, *_ in self._order[self._next:]]
-            self._f.close()
+            self.abort()
             raise ConversionError(f"{self.path}: tensors planned but never written: {', '.join(missing)}")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with reporting(self.path):
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
 
     def abort(self) -> None:
-        self._f.close()
+        """Close without caring whether buffered bytes reach the disk (the file is discarded)."""
+        with contextlib.suppress(OSError):
+            self._f.close()
 
 
 @dataclass(frozen=True)

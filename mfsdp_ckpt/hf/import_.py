@@ -156,7 +156,7 @@ def import_(
         done = 0
         consumed: Counter[str] = Counter()
         written: Counter[str] = Counter()
-        with CheckpointBuilder(checkpoint, manifest, overwrite=overwrite) as builder:
+        with CheckpointBuilder(checkpoint, manifest, overwrite=overwrite, sources=(source,)) as builder:
             for conv in conversions:
                 pieces = []
                 for key in conv.theirs:

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from mfsdp_ckpt.hf import get_architecture
 from mfsdp_ckpt.hf.files import INDEX_NAME, shard_name
 from mfsdp_ckpt.hf.mapping import canonical_shapes, expand
+from mfsdp_ckpt.lock import LOCK_NAME
 from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig
 
@@ -292,10 +293,10 @@ class Audit:
 
     @contextlib.contextmanager
     def watch(self, hf_dir: str, destination: str) -> Iterator["Audit"]:
-        """Audit the block: allowed are ``hf_dir``, ``destination`` and its temporary siblings
-        ``.<name>.*``."""
+        """Audit the block: allowed are ``hf_dir``, ``destination``, its temporary siblings
+        ``.<name>.*`` and the writer lock of its parent."""
         dest = os.path.abspath(destination)
-        self.allowed = (os.path.abspath(hf_dir), dest)
+        self.allowed = (os.path.abspath(hf_dir), os.path.join(os.path.dirname(dest), LOCK_NAME), dest)
         self.allowed_prefixes = (f".{os.path.basename(dest)}.",)
         _install(self)
         self.active = True
