@@ -472,8 +472,10 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, 0.02²) for 2-D weights, ones for norm weights, zeros for biases, in registration
-        order."""
+        order. Nothing to fill on the meta device (plans and shapes only)."""
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith(".bias"):
                 p.zero_()
             elif p.ndim == 1:

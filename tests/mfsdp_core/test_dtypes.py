@@ -94,7 +94,7 @@ def test_safetensors_names_round_trip_through_safetensors(info, tmp_path):
     assert _header_dtype(data, "x") == info.safetensors == safetensors_name(info.dtype)
     back = safetensors_load(data)["x"]
     assert back.dtype == info.dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
-    path = tmp_path / "x.safetensors"  # safe_open, as the HF import reads files
+    path = tmp_path / "x.safetensors"  # through safe_open too (the HF import now parses headers itself: tests/reliability/test_hostile_hf.py)
     path.write_bytes(data)
     with safe_open(str(path), framework="pt") as f:
         assert dtype_from_safetensors(f.get_slice("x").get_dtype()) == info.dtype
