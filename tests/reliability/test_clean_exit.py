@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -34,7 +35,7 @@ from mfsdp_core.fully_shard import buffers_of, units_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "reliability", "clean_exit_script.py")
-GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # the names of ProcessGroupGloo's threads
 # Runs of the reproduction script: 5-10 s each on 2 busy cores. Before the fix, 2 of 25 direct
 # runs aborted (20% of torchrun runs under heavier load): 5 runs catch that with 34-67%; the first
 # two tests, deterministic, catch the cause itself every time.
@@ -56,16 +57,17 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     optim.zero_grad()
 
 
-def _gloo_workers() -> int:
-    """How many gloo worker threads this process runs (two per live gloo process group)."""
-    count = 0
+def _gloo_threads() -> set[str]:
+    """The ids of this process's gloo threads (workers and transport loops, named as they start)."""
+    found = set()
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().strip() == GLOO_WORKER
+                if f.read().strip() in GLOO_THREADS:
+                    found.add(tid)
         except OSError:
             pass  # a thread that just ended
-    return count
+    return found
 
 
 def test_a_dropped_model_is_freed_at_once() -> None:
@@ -94,8 +96,10 @@ def test_a_dropped_model_is_freed_at_once() -> None:
 
 
 def _threads_after_destroy(ckpt_dir: str) -> tuple[int, int]:
-    dist.barrier()  # the default group's threads start at its first collective: count them in
-    before = _gloo_workers()
+    """(How many gloo threads a new group started, how many of them are left 10 s at most after
+    the models were dropped and the group destroyed.)"""
+    dist.barrier()  # the default group starts its threads at its first collective: not ours
+    existing = set(os.listdir("/proc/self/task"))
     group = dist.new_group(backend="gloo")
     model, optim = _build("optim_grads_params", "even", mesh=group)
     _step(model, optim)
@@ -103,19 +107,22 @@ def _threads_after_destroy(ckpt_dir: str) -> tuple[int, int]:
     other, other_optim = _build("optim", "tensor", mesh=group)
     mfsdp_ckpt.load(path, other, other_optim)
     _step(other, other_optim)
-    with_group = _gloo_workers()
+    ours = _gloo_threads() - existing
     del model, optim, other, other_optim
     dist.destroy_process_group(group)
     del group
-    return with_group - before, _gloo_workers() - before
+    deadline = time.monotonic() + 10.0  # a joined thread leaves /proc a moment after its join
+    while (left := {t for t in ours if os.path.exists(f"/proc/self/task/{t}")}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(ours), len(left)
 
 
 def test_destroying_the_group_stops_its_threads(ranks, tmp_path) -> None:
     """After the models are dropped, ``destroy_process_group(group)`` stops the gloo threads of
     the group they were sharded over (they used to run until the interpreter exited)."""
-    for rank, (with_group, after) in enumerate(ranks(_threads_after_destroy, 2, str(tmp_path), timeout=120)):
-        assert with_group > 0, f"rank {rank}: the group started no {GLOO_WORKER} threads (renamed in torch?)"
-        assert after == 0, f"rank {rank}: {after} of the group's {with_group} gloo worker threads outlived it"
+    for rank, (started, left) in enumerate(ranks(_threads_after_destroy, 2, str(tmp_path), timeout=120)):
+        assert started > 0, f"rank {rank}: the group started no threads named {GLOO_THREADS} (renamed in torch?)"
+        assert left == 0, f"rank {rank}: {left} of the {started} gloo threads of a destroyed group are still running"
 
 
 def _free_port() -> int:
