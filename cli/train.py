@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -310,8 +311,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_process_group()
     return 0
+
+
+def _destroy_process_group() -> None:
+    """Destroy the process group so that its backend goes now, while the interpreter is alive.
+
+    gloo's worker threads stop only when the last reference to the group goes; the model's
+    buffers hold references. Threads still running at interpreter exit can need the GIL there
+    (to release a tensor a finished collective held) and get the job killed with SIGABRT after
+    it did its work. ``train`` has returned, so nothing of ours refers to the model any more;
+    a reference cycle can still hold it until some later collection (torch keeps the frames that
+    first import ``torch._dynamo``, which building the first optimizer does, in one: with their
+    locals), so collect first.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -181,7 +181,13 @@ def rank0_decides(fn: Callable[..., T], *args: Any) -> T:
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             box[0] = (False, e)
     dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
-    if not ok:
+    ok, value = box.pop()
+    if ok:
+        return value
+    try:
         raise value
-    return value
+    finally:
+        # the exception's traceback holds this frame: without this, frame and exception form a
+        # cycle that keeps the callers' frames (and the models in their locals, with the process
+        # groups those hold) alive until a garbage collection, possibly past interpreter exit
+        del value

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,10 @@ from .strategy import Strategy, parse_strategy
 __all__ = ["fully_shard", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
 
 _UNIT_ATTR = "_mfsdp_unit"
-_OWNER_ATTR = "_mfsdp_owner"  # on a Parameter: (buffer, index)
+# On a sharded Parameter, both weak since the buffer and the unit hold the parameter (see
+# ``_on_grad_accumulated``): (a weak ref to its buffer, its index there); a weak ref to its unit.
+_OWNER_ATTR = "_mfsdp_owner"
+_GRAD_UNIT_ATTR = "_mfsdp_grad_unit"
 _creation = itertools.count()  # units finish in creation order: the same on every rank
 
 Groups = Mapping[str, Union[dist.ProcessGroup, None]]
@@ -77,12 +80,21 @@ def resolve_groups(mesh: Any) -> dict[str, dist.ProcessGroup | None]:
 
 class _RootContext:
     """The backward bookkeeping of one root: its units, and whether the end-of-backward callback
-    is queued for the backward pass now running."""
+    is queued for the backward pass now running.
+
+    Every unit refers to its context, so the context refers to the units only weakly: a model must
+    be freed as soon as its last user reference goes, by reference counting, not at some later
+    garbage collection (its buffers hold the process groups; see ``_on_grad_accumulated``)."""
 
     def __init__(self, root: "ShardedUnit", units: list["ShardedUnit"]) -> None:
         self.root_ref = weakref.ref(root)
-        self.units = sorted(units, key=lambda u: u.seq)
+        self.unit_refs = [weakref.ref(u) for u in sorted(units, key=lambda u: u.seq)]
         self.queued = False
+
+    @property
+    def units(self) -> list["ShardedUnit"]:
+        """The live units of this root, in creation order."""
+        return [u for ref in self.unit_refs if (u := ref()) is not None]
 
     def ensure_callback(self) -> None:
         if not self.queued:
@@ -155,13 +167,6 @@ class ShardedUnit:
         for buf in self.buffers:
             buf.unshard()
 
-    def _grad_hook(self, buffer: FlatParamBuffer, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(_param: torch.Tensor) -> None:
-            self.context.ensure_callback()  # also when no output hook fired (hidden outputs)
-            buffer.on_grad_ready(index)
-
-        return hook
-
     def finish_pass(self) -> None:
         for buf in self.buffers:
             buf.finish_backward()
@@ -211,9 +216,10 @@ def fully_shard(
                        reshard_after_forward=reshard_after_forward and strat.shards_params)
     for buf in buffers:
         for i, p in enumerate(buf.params):
-            setattr(p, _OWNER_ATTR, (buf, i))
+            setattr(p, _OWNER_ATTR, (weakref.ref(buf), i))
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(unit._grad_hook(buf, i))
+                setattr(p, _GRAD_UNIT_ATTR, weakref.ref(unit))
+                p.register_post_accumulate_grad_hook(_on_grad_accumulated)
     setattr(module, _UNIT_ATTR, unit)
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, with_kwargs=True)
@@ -227,6 +233,28 @@ def fully_shard(
             for buf in sub_unit.buffers:
                 buf.spec = buf.spec.with_prefix(f"{prefix}." if prefix else "")
     return module
+
+
+def _on_grad_accumulated(param: torch.Tensor) -> None:
+    """A sharded parameter's post-accumulate-grad hook: queue the end-of-backward callback (also
+    when no output hook fired, e.g. hidden outputs) and hand the gradient to its buffer.
+
+    A plain function reaching the unit and buffer through weak references on the parameter:
+    torch keeps tensor hooks in C++, out of the garbage collector's sight, so a hook holding them
+    makes a cycle through the parameter that nothing breaks: the whole model stays alive until
+    the interpreter exits, and with it the process groups its buffers hold (strong attributes
+    would still leave it to a collection, which may come only during shutdown). A gloo group's
+    worker threads stop only when its last reference goes; left running into interpreter
+    shutdown, one that needs the GIL there (to release the tensors of a collective that just
+    finished) is ended inside a C++ destructor, and the process dies with SIGABRT after its work
+    is done. A model freed by reference counting lets ``destroy_process_group()`` stop them while
+    the interpreter is alive.
+    """
+    owner, unit = owner_of(param), getattr(param, _GRAD_UNIT_ATTR)()
+    if owner is None or unit is None:
+        return  # its model is gone: nothing left to reduce into
+    unit.context.ensure_callback()
+    owner[0].on_grad_ready(owner[1])
 
 
 def units_of(module: nn.Module) -> list[ShardedUnit]:
@@ -248,5 +276,9 @@ def plan_of(module: nn.Module) -> ModelPlan:
 
 
 def owner_of(param: nn.Parameter) -> tuple[FlatParamBuffer, int] | None:
-    """The buffer holding ``param`` and its index there, or None if it is not sharded."""
-    return getattr(param, _OWNER_ATTR, None)
+    """The buffer holding ``param`` and its index there, or None if it is not sharded (or its
+    model is gone: the parameter refers to its buffer weakly, see ``_on_grad_accumulated``)."""
+    owner = getattr(param, _OWNER_ATTR, None)
+    if owner is None or (buf := owner[0]()) is None:
+        return None
+    return buf, owner[1]
