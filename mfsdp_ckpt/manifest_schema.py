@@ -204,9 +204,9 @@ def _too_deep(value: Any) -> str | None:
     while stack:
         v, at, depth = stack.pop()
         if depth > MAX_DEPTH:
-            return at or "(top level)"
+            return (at[:120] + "...") if len(at) > 120 else at or "(top level)"
         if type(v) is dict:
-            stack.extend((x, _join(at, shown(k, 40)), depth + 1) for k, x in v.items())
+            stack.extend((x, f"{at}[{shown(k, 40)}]" if at else shown(k, 40), depth + 1) for k, x in v.items())
         elif type(v) is list:
             stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
     return None
