@@ -150,8 +150,24 @@ def deadline(seconds: float) -> Iterator[None]:
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_CHANGES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate", "os.chmod",
-            "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+# audit events that change the file system: the (path, dir_fd) argument positions of what they change
+_CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
+    "os.symlink": ((1, 2),), "os.link": ((1, 3),), "os.truncate": ((0, None),), "os.chmod": ((0, 2),),
+    "shutil.rmtree": ((0, 1),), "shutil.move": ((0, None), (1, None)), "shutil.copyfile": ((1, None),),
+}
+
+
+def _resolved(path: Any, dir_fd: Any) -> str | None:
+    """The real path an audited call acts on (relative to ``dir_fd`` when one is given)."""
+    if isinstance(path, int):
+        path, dir_fd = "", path
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return None
+    path = os.fsdecode(path)
+    if isinstance(dir_fd, int) and not os.path.isabs(path):
+        path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+    return os.path.realpath(path)
 
 
 class FileAudit:
@@ -199,8 +215,8 @@ class FileAudit:
                 elif not self._inside(real, self.roots + self.system + self.writable):
                     self.violations.append(f"read outside the checkpoint: {real}")
             elif event in _CHANGES:
-                paths = [os.path.realpath(os.fsdecode(a)) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
-                if not paths or not all(self._inside(p, self.writable) for p in paths):
+                paths = [_resolved(args[i], args[d] if d is not None and d < len(args) else None) for i, d in _CHANGES[event]]
+                if not all(p is not None and self._inside(p, self.writable) for p in paths):
                     self.violations.append(f"{event}: {paths}")
         finally:
             self._busy = False
