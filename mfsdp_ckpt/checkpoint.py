@@ -26,17 +26,18 @@ from mfsdp_core.optim import optimizer_buffers
 from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
-from .chunks import coverage_faults
-from .errors import CheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
+from .chunks import ChunkFiles, coverage_faults
+from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, grad_key, model_key, optim_key, rng_key
-from .manifest import MANIFEST_NAME, read_manifest, versions, writer_layout
+from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
+from .metadata_check import entry_faults
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, apply_param_groups, load_targets, save_entries
 from .lock import run_lock
 from .staging import check_destination, new_token, partial_path, remove_leftovers, write_file_atomic
 from .storage import CommittingWriter, VerifyingReader
 
-__all__ = ["save", "load", "resolve_checkpoint", "LATEST_NAME"]
+__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME"]
 
 LATEST_NAME = "latest"
 
@@ -173,15 +174,31 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     itself, a ``latest`` pointer file, or a run directory holding one."""
     path = fs.normalize(path)
     if fs.isfile(path):
-        name = fs.read_bytes(path).decode(errors="replace").strip()
-        if not name or "/" in name or name.startswith("."):
-            raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
-        return fs.join(fs.dirname(path), name)
+        return fs.join(fs.dirname(path), read_pointer(path))
     if not fs.isdir(path):
         raise NotACheckpointError(f"{path}: no such checkpoint")
     if not fs.exists(fs.join(path, ".metadata")) and fs.isfile(fs.join(path, LATEST_NAME)):
         return resolve_checkpoint(fs.join(path, LATEST_NAME))
     return path
+
+
+MAX_POINTER_BYTES = 4096
+
+
+def read_pointer(path: str) -> str:
+    """The checkpoint name a ``latest`` pointer file holds: one line naming a sibling directory
+    (no ``/``, not hidden, printable), read from a regular file only and at most
+    :data:`MAX_POINTER_BYTES` of it; :class:`NotACheckpointError` otherwise."""
+    try:
+        with fs.open_regular(path) as f:
+            data = f.read(MAX_POINTER_BYTES + 1)
+    except OSError as e:
+        raise NotACheckpointError(f"{path}: unreadable '{LATEST_NAME}' pointer ({e.strerror or e})") from None
+    name = data.decode(errors="replace").strip()
+    if (len(data) > MAX_POINTER_BYTES or not name or "/" in name or "\\" in name or name.startswith(".")
+            or not name.isprintable()):
+        raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
+    return name
 
 
 def _local_only(path: str | os.PathLike, what: str) -> None:
@@ -249,7 +266,7 @@ def load(
     # one answer for all ranks, even if ``latest`` moves while they start
     directory = rank0_decides(resolve_checkpoint, path)
     manifest = None
-    if require_manifest or os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
+    if require_manifest or is_committed(directory):
         manifest = read_manifest(directory)
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
@@ -258,36 +275,82 @@ def load(
         _ensure_optimizer_state(optimizer)
     shards = describe_shards(model, optimizer)
     targets_by_key, scalar_objects = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None, strict, directory)
-    for key, md in metadata.state_dict_metadata.items():
-        if extra_name(key) is not None:
-            if isinstance(md, BytesStorageMetadata):
-                targets_by_key[key] = None
-            else:
-                targets_by_key[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    saved = metadata.state_dict_metadata
+    extra_keys = [key for key in saved if extra_name(key) is not None]
     my_rng = rng_key(rank)
-    writer_world = (manifest or {}).get("writer", {}).get("world_size")
-    if restore_rng and writer_world == world and my_rng in metadata.state_dict_metadata:
-        targets_by_key[my_rng] = torch.empty_like(torch.get_rng_state())
-    if optimizer is not None and PARAM_GROUPS in metadata.state_dict_metadata:
+    writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
+    rng_state = torch.get_rng_state()
+    restore = restore_rng and writer_world == world and my_rng in saved
+    if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
+                        and saved[my_rng].properties.dtype == rng_state.dtype):
+        raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
+    groups = optimizer is not None and PARAM_GROUPS in saved
+    if groups and not isinstance(saved[PARAM_GROUPS], BytesStorageMetadata):
+        raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
+    # every entry to read is sound and its bytes are present: checked before allocating anything
+    _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []), *([PARAM_GROUPS] if groups else [])])
+    for key in extra_keys:
+        md = saved[key]
+        targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
+    if restore:
+        targets_by_key[my_rng] = torch.empty_like(rng_state)
+    if groups:
         targets_by_key[PARAM_GROUPS] = None
     planner = MfsdpLoadPlanner()
     try:
         dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise _unwrap(e) from None
-    # every rank read and verified everything: only now does anything change
-    if optimizer is not None and PARAM_GROUPS in planner.objects:
+    # every rank read and verified everything: what follows changes nothing until all is checked
+    if groups:
+        _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
+    if restore:
+        try:
+            torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
+    if groups:
         apply_param_groups(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
     with torch.no_grad():
         reader.apply(planner)
         for key, (state, name) in scalar_objects:
             state[name] = planner.objects[key]
     refresh_compute_params(model)
-    if my_rng in targets_by_key:
+    if restore:
         torch.set_rng_state(targets_by_key[my_rng])
     extras = {name: v for k, v in targets_by_key.items() if (name := extra_name(k)) is not None}
     extras.update((name, v) for k, v in planner.objects.items() if (name := extra_name(k)) is not None)
     return extras
+
+
+def _check_entries(reader: VerifyingReader, directory: str, keys: list[str]) -> None:
+    """Refuse, before anything is allocated or read, an entry to load whose metadata is not sound
+    (:func:`~mfsdp_ckpt.metadata_check.entry_faults`) or whose chunks' files do not hold their
+    byte ranges. Every rank checks the same keys of the same files, so all fail alike."""
+    saved = reader.read_metadata().state_dict_metadata
+    problems = []
+    for key in sorted(set(keys)):
+        faults = entry_faults(key, saved[key], reader.stored.get(key, []))
+        if faults:
+            problems.append(str(faults[0]))
+    if problems:
+        more = f" (and {len(problems) - 3} more entries)" if len(problems) > 3 else ""
+        raise CorruptCheckpointError(f"{directory}: " + "; ".join(problems[:3]) + more)
+    with ChunkFiles(directory, None) as files:
+        for key in sorted(set(keys)):
+            files.require_present(reader.stored.get(key, []))
+
+
+def _check_param_groups(groups: Any, directory: str) -> None:
+    """The saved optimizer groups have the shape ``apply_param_groups`` reads: a list of dicts
+    with string keys, each naming its parameters in a list of strings."""
+    ok = isinstance(groups, list) and all(
+        isinstance(g, dict) and all(isinstance(k, str) for k in g)
+        and isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"])
+        for g in groups
+    )
+    if not ok:
+        raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': not a list of parameter groups naming their parameters")
 
 
 def _plan_targets(
@@ -334,10 +397,18 @@ def _plan_targets(
         for name, value in t.optim_extra.items():
             key = optim_key(ps.fqn, name)
             ours.add(key)
-            if key not in saved:
+            md = saved.get(key)
+            if md is None:
                 missing.append(key)
             elif isinstance(value, torch.Tensor):
-                plan[key] = value
+                if not isinstance(md, TensorStorageMetadata):
+                    shape_errors.append(f"{key} (not a tensor in the checkpoint)")
+                elif tuple(md.size) != tuple(value.shape):
+                    shape_errors.append(f"{key} (checkpoint {tuple(md.size)}, optimizer {tuple(value.shape)})")
+                else:
+                    plan[key] = value
+            elif not isinstance(md, BytesStorageMetadata):
+                shape_errors.append(f"{key} (a tensor in the checkpoint, a {type(value).__name__} in the optimizer)")
             else:
                 plan[key] = None
                 scalar_objects.append((key, (t.optim_state, name)))

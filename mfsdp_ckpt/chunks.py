@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import IO, Any, Sequence
+from typing import IO, Any, Iterable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from . import fs
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .fs import FileSlice
 from .planner import chunk_id, payload_crc32c
 from .records import locate_raw_tensor
 
 __all__ = [
-    "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "read_chunk",
+    "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "missing_bytes", "read_chunk",
     "coverage_faults",
 ]
 
@@ -64,29 +64,44 @@ def chunk_location(path: str, index: MetadataIndex) -> str:
     return f"{path}: key '{index.fqn}'" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
 
 
+def missing_bytes(f: IO[bytes], info: Any) -> str | None:
+    """Why the open file ``f`` does not hold the chunk's byte range (None: it does)."""
+    size = fs.file_size(f)
+    if size < info.offset + info.length:
+        return f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})"
+    return None
+
+
 def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
                expect: tuple[torch.dtype, Sequence[int]] | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor | bytes:
     """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
-    None). Checks that it is complete, readable, listed in the manifest and matches its crc32c
-    (when there is a manifest); raises :class:`ChunkFault` otherwise.
+    None). Checks that it is complete, readable, listed in the manifest at the same place and
+    matches its crc32c (when there is a manifest), and, before allocating anything, that its
+    elements fit in its stored bytes; raises :class:`ChunkFault` otherwise.
 
     With ``expect`` (the chunk's dtype and sizes from the metadata) a plain record's bytes are read
     straight into a new tensor instead of going through ``torch.load``; with ``out`` (a contiguous
     tensor of the chunk's dtype and element count) straight into ``out``, which is returned."""
-    if info.transform_descriptors:
+    if getattr(info, "transform_descriptors", None):
         raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
-    size = fs.file_size(f)
-    if size < info.offset + info.length:
-        raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, the file has {size})")
+    truncated = missing_bytes(f, info)
+    if truncated:
+        raise ChunkFault(truncated)
     expected = None
     if manifest_chunks is not None:
         entry = manifest_chunks.get(chunk_id(index))
         if entry is None:
             raise ChunkFault("not listed in the manifest")
+        if (entry["file"], entry["offset"], entry["length"]) != (info.relative_path, info.offset, info.length):
+            raise ChunkFault(f"the manifest places it at {entry['file']} bytes {entry['offset']}+{entry['length']}, "
+                             f".metadata at {info.relative_path} bytes {info.offset}+{info.length}")
         expected = entry["crc32c"]
     if out is not None:
         expect = (out.dtype, out.shape)
+    if index.offset is not None and expect is not None and math.prod(expect[1]) * expect[0].itemsize > info.length:
+        raise ChunkFault(f"{math.prod(expect[1])} {str(expect[0]).replace('torch.', '')} elements do not fit in "
+                         f"its {info.length} stored bytes")
     raw = None
     if index.offset is not None and expect is not None:
         raw = locate_raw_tensor(f, info.offset, info.length, expect[0], math.prod(expect[1]))
@@ -111,6 +126,9 @@ def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: d
             if payload.dtype != out.dtype or payload.numel() != out.numel():
                 raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata")
             payload = out.copy_(payload.reshape(out.shape))
+        elif expect is not None and (payload.dtype != expect[0] or tuple(payload.shape) != tuple(expect[1])):
+            raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata "
+                             f"({expect[0]} {tuple(expect[1])})")
     if expected is not None and payload_crc32c(payload) != expected:
         raise ChunkFault("checksum mismatch")
     return payload
@@ -129,7 +147,7 @@ class ChunkFiles:
         self.directory = directory
         self.manifest_chunks = manifest_chunks
         self.shapes = shapes or {}
-        self._open: dict[str, IO[bytes] | OSError] = {}
+        self._open: dict[str, IO[bytes] | OSError | fs.OutsideCheckpointError] = {}
 
     def __enter__(self) -> "ChunkFiles":
         return self
@@ -137,29 +155,52 @@ class ChunkFiles:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def path(self, relative_path: str) -> str:
-        return fs.join(self.directory, relative_path)
-
     def handle(self, relative_path: str) -> IO[bytes]:
-        """The open file; raises the ``OSError`` of opening it (remembered: no second attempt)."""
+        """The open file (only a regular file inside the directory: :func:`fs.open_member`);
+        raises the ``OSError`` or :class:`fs.OutsideCheckpointError` of opening it (remembered: no
+        second attempt)."""
         f = self._open.get(relative_path)
         if f is None:
             try:
-                f = fs.open_file(self.path(relative_path))
-            except OSError as e:
+                f = fs.open_member(self.directory, relative_path)
+            except (OSError, fs.OutsideCheckpointError) as e:
                 f = e
             self._open[relative_path] = f
-        if isinstance(f, OSError):
+        if isinstance(f, BaseException):
             raise f
         return f
 
-    def open(self, relative_path: str, key: str) -> IO[bytes]:
-        """The open file; a :class:`CorruptCheckpointError` naming the file and ``key`` (a key it
-        is needed for) when it cannot be opened."""
+    def _unopenable(self, relative_path: str) -> str | None:
+        """Why the file cannot be opened, as a fault (None: it is open)."""
         try:
-            return self.handle(relative_path)
+            self.handle(relative_path)
         except OSError as e:
-            raise CorruptCheckpointError(f"{self.path(relative_path)}: cannot open ({e.strerror}), needed for key '{key}'") from None
+            return f"cannot open ({e.strerror or e})"
+        except fs.OutsideCheckpointError as e:
+            return f"cannot open ({e.reason})"
+        return None
+
+    def open(self, relative_path: str, key: str) -> IO[bytes]:
+        """The open file; a :class:`CorruptCheckpointError` (:class:`UnsafeCheckpointError` for a
+        file outside the checkpoint) naming the file and ``key`` (a key it is needed for) when it
+        cannot be opened."""
+        problem = self._unopenable(relative_path)
+        if problem is not None:
+            error = UnsafeCheckpointError if isinstance(self._open[relative_path], fs.OutsideCheckpointError) else CorruptCheckpointError
+            raise error(f"{self.path(relative_path)}: {problem}, needed for key '{key}'")
+        return self.handle(relative_path)
+
+    def path(self, relative_path: str) -> str:
+        return fs.join(self.directory, relative_path) if isinstance(relative_path, str) else f"{self.directory}/?"
+
+    def require_present(self, chunks: Iterable[tuple[MetadataIndex, Any]]) -> None:
+        """Raise :class:`CorruptCheckpointError` naming the first chunk whose file cannot be opened
+        or does not hold its byte range: checked before a reader allocates room for the chunks."""
+        for index, info in chunks:
+            f = self.open(info.relative_path, index.fqn)
+            truncated = missing_bytes(f, info)
+            if truncated:
+                raise CorruptCheckpointError(f"{chunk_location(self.path(info.relative_path), index)}: {truncated}")
 
     def read(self, index: MetadataIndex, info: Any, out: torch.Tensor | None = None) -> torch.Tensor | bytes:
         """The chunk's verified payload (see :func:`read_chunk`; into ``out`` when given); a
@@ -172,12 +213,11 @@ class ChunkFiles:
 
     def fault(self, index: MetadataIndex, info: Any) -> str | None:
         """What is wrong with the chunk (it is read and checked, then dropped); None if nothing."""
+        problem = self._unopenable(info.relative_path)
+        if problem is not None:
+            return problem
         try:
-            f = self.handle(info.relative_path)
-        except OSError as e:
-            return f"cannot open ({e.strerror})"
-        try:
-            read_chunk(f, info, index, self.manifest_chunks, self.shapes.get(index))
+            read_chunk(self.handle(info.relative_path), info, index, self.manifest_chunks, self.shapes.get(index))
         except ChunkFault as e:
             return str(e)
         return None
@@ -185,12 +225,12 @@ class ChunkFiles:
     def release(self, relative_path: str) -> None:
         """Close one file (once its chunks are read; it is opened again if needed)."""
         f = self._open.pop(relative_path, None)
-        if f is not None and not isinstance(f, OSError):
+        if f is not None and not isinstance(f, BaseException):
             f.close()
 
     def close(self) -> None:
         for f in self._open.values():
-            if not isinstance(f, OSError):
+            if not isinstance(f, BaseException):
                 f.close()
         self._open = {}
 
@@ -200,8 +240,9 @@ def coverage_faults(key: str, md: TensorStorageMetadata) -> list[Fault]:
     chunk in bounds, no two overlapping, and their volumes summing to the tensor's. Returns the
     faults (empty: covered exactly once), in chunk order.
 
-    Chunks are compared pairwise only where their first-dimension ranges meet (a sweep over the
-    chunks sorted by first offset), so the usual row-wise boxes cost about n log n, not n²."""
+    Chunks are compared pairwise only where their ranges along one dimension meet (a sweep along
+    the dimension whose offsets differ most), so row-wise or column-wise boxes cost about n log n,
+    not n²; at most :data:`MAX_OVERLAPS` overlaps are reported."""
     faults = []
     size = tuple(md.size)
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
@@ -221,15 +262,33 @@ def _overlaps(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ..
     return all(a0 < b0 + bs and b0 < a0 + as_ for a0, as_, b0, bs in zip(oa, sa, ob, sb))
 
 
+MAX_OVERLAPS = 1000  # past this many overlapping pairs a tensor's chunks are reported as they are
+
+
 def _overlapping_pairs(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[tuple[int, int]]:
-    """Every pair ``(i, j)``, ``i < j``, of overlapping boxes, sorted."""
-    if any(not off or not sz for off, sz in boxes):  # 0-d (or malformed): no first dimension to sweep
-        return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if _overlaps(boxes[i], boxes[j])]
+    """Pairs ``(i, j)``, ``i < j``, of overlapping boxes, sorted: all of them, or the first
+    :data:`MAX_OVERLAPS` found when there are more.
+
+    A sweep along the dimension whose offsets differ most (for row boxes the first, for column
+    boxes the second): only boxes whose ranges along it meet are compared."""
+    if not boxes:
+        return []
+    ndim = min(len(off) for off, _ in boxes)
+    if ndim == 0 or any(len(off) != len(sz) for off, sz in boxes):  # 0-d (or malformed): nothing to sweep along
+        pairs = []
+        for i in range(len(boxes)):
+            pairs += [(i, j) for j in range(i + 1, len(boxes)) if _overlaps(boxes[i], boxes[j])][: MAX_OVERLAPS - len(pairs)]
+            if len(pairs) >= MAX_OVERLAPS:
+                break
+        return pairs
+    dim = max(range(ndim), key=lambda d: len({off[d] for off, _ in boxes}))
     pairs = []
-    active: list[int] = []  # earlier boxes whose first-dimension range reaches past the current start
-    for j in sorted(range(len(boxes)), key=lambda k: boxes[k][0][0]):
-        start = boxes[j][0][0]
-        active = [i for i in active if boxes[i][0][0] + boxes[i][1][0] > start]
+    active: list[int] = []  # earlier boxes whose range along ``dim`` reaches past the current start
+    for j in sorted(range(len(boxes)), key=lambda k: boxes[k][0][dim]):
+        start = boxes[j][0][dim]
+        active = [i for i in active if boxes[i][0][dim] + boxes[i][1][dim] > start]
         pairs += [(min(i, j), max(i, j)) for i in active if _overlaps(boxes[i], boxes[j])]
+        if len(pairs) >= MAX_OVERLAPS:
+            break
         active.append(j)
-    return sorted(pairs)
+    return sorted(pairs)[:MAX_OVERLAPS]

@@ -80,7 +80,7 @@ def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, 
         return TensorDiff(key, "dtype", f"{ra.dtype(key)} vs {rb.dtype(key)}")
     va, vb = ra.read(key), rb.read(key)
     if not tensor_a:
-        return None if va == vb else TensorDiff(key, "object", f"{va!r} vs {vb!r}"[:200])
+        return None if _same_object(va, vb) else TensorDiff(key, "object", f"{_short_repr(va)} vs {_short_repr(vb)}"[:200])
     if va.numel() == 0 or torch.equal(va, vb):
         return None
     fa, fb = va.double(), vb.double()
@@ -90,3 +90,27 @@ def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, 
     finite = delta[~torch.isnan(delta)]
     max_abs = float(finite.max()) if finite.numel() else math.nan
     return TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g}", max_abs)
+
+
+def _same_object(a: Any, b: Any) -> bool:
+    """Whether two loaded objects are equal: containers element by element, tensors with
+    ``torch.equal`` (plain ``==`` on a container of tensors raises), anything else with ``==``;
+    objects that cannot be compared (too deep, comparison raising) count as different."""
+    try:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                    and a.shape == b.shape and torch.equal(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(_same_object(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(_same_object(x, y) for x, y in zip(a, b))
+        return bool(a == b)
+    except (RecursionError, RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        return repr(value)[:100].replace("\n", " ")
+    except (RecursionError, RuntimeError, TypeError, ValueError):
+        return f"<{type(value).__name__}>"

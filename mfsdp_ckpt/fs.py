@@ -9,16 +9,21 @@ writing ``mfsdp.json`` last, and readers refuse a prefix without it.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import os
 import posixpath
 import shutil
+import stat
 from typing import IO, Any
 
+from .errors import UnsafeCheckpointError
 from .staging import write_file_atomic
 
-__all__ = ["is_url", "join", "dirname", "normalize", "exists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
-           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice"]
+__all__ = ["is_url", "join", "dirname", "normalize", "exists", "lexists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
+           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice", "OutsideCheckpointError", "shown",
+           "member_name_problem", "member_path", "open_member", "read_member", "open_regular"]
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -59,6 +64,13 @@ def exists(path: str) -> bool:
         return os.path.exists(path)
     fs, p = _fs(path)
     return fs.exists(p)
+
+
+def lexists(path: str) -> bool:
+    """Whether anything is at ``path`` (locally: even a dangling symlink, a FIFO)."""
+    if not is_url(path):
+        return os.path.lexists(path)
+    return exists(path)
 
 
 def isfile(path: str) -> bool:
@@ -123,10 +135,17 @@ def file_size(f: Any) -> int:
 
 def tree_size(path: str) -> int:
     """Bytes of every file under ``path``."""
-    if not is_url(path):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    if not is_url(path):  # lstat: a dangling or looping symlink counts as itself, never raises
+        return sum(_lsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     fs, p = _fs(path)
     return int(fs.du(p, total=True))
+
+
+def _lsize(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def remove_tree(path: str) -> None:
@@ -165,6 +184,106 @@ class FileSlice(io.RawIOBase):
         if n <= 0:
             return 0
         self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])
+        with memoryview(buffer) as view, view[:n] as part:  # released even if the read raises
+            got = self.f.readinto(part)
         self.pos += got
         return got
+
+
+# ---- files a checkpoint names ------------------------------------------------------------------
+# A checkpoint names its own files: ``.metadata`` (each chunk's ``relative_path``), the manifest
+# (each chunk's ``file``), a ``latest`` pointer. Whatever it names, readers open only regular files
+# inside the checkpoint directory: no ``..``, no absolute names, no symlink leading out, and never a
+# FIFO or a device (opened non-blocking and checked with ``fstat`` first, so nothing blocks).
+
+
+class OutsideCheckpointError(UnsafeCheckpointError):
+    """A checkpoint names a file outside its directory. ``reason`` is the short account."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` for a one-line message: a plain short string as is, anything else (control
+    characters, other types, long strings) as a truncated ``repr``."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= limit:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        text = f"<an integer of {value.bit_length()} bits>"  # repr of a huge int may itself fail
+    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
+        text = repr(value if not isinstance(value, (str, bytes)) else value[: limit + 1])
+    else:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def member_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a file inside a checkpoint (None if it can): it must be a
+    non-empty relative path without ``..`` components, NUL or control characters."""
+    if not isinstance(name, str):
+        return f"a file name must be a string, not {type(name).__name__}"
+    if not name or not name.isprintable():
+        return f"file name {shown(name)} is empty or holds control characters"
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
+        return f"file name {shown(name)} is absolute"
+    if ".." in name.replace("\\", "/").split("/"):
+        return f"file name {shown(name)} leads out of the checkpoint directory"
+    return None
+
+
+def member_path(directory: str, name: object) -> str:
+    """The path of the file ``name`` that a checkpoint in ``directory`` names (local path or fsspec
+    URL), for display and opening; an :class:`OutsideCheckpointError` when ``name`` would leave the
+    directory (see :func:`member_name_problem`). Symlinks are checked when opening."""
+    problem = member_name_problem(name)
+    if problem is not None:
+        raise OutsideCheckpointError(directory, problem)
+    assert isinstance(name, str)
+    return join(directory, name)
+
+
+def open_regular(path: str) -> IO[bytes]:
+    """``path`` opened for reading if it is a regular file; ``OSError`` otherwise. Local files are
+    opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a FIFO or a device
+    fails at once instead of blocking."""
+    if is_url(path):
+        fs, p = _fs(path)
+        if not fs.isfile(p):
+            raise FileNotFoundError(errno.ENOENT, "No such file", path)
+        return fs.open(p, "rb")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+            raise OSError(errno.EINVAL, f"not a regular file: {kind}", path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_member(directory: str, name: object) -> IO[bytes]:
+    """The regular file ``name`` inside checkpoint ``directory``, opened for reading.
+    :class:`OutsideCheckpointError` when the name, or a symlink on the way, leads outside the
+    directory; ``OSError`` when it is missing, unreadable or not a regular file."""
+    path = member_path(directory, name)
+    if is_url(path):
+        return open_regular(path)
+    real, root = os.path.realpath(path), os.path.realpath(directory)
+    if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+        raise OutsideCheckpointError(path, "a symlink leads outside the checkpoint directory")
+    return open_regular(real)
+
+
+def read_member(directory: str, name: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``name`` inside ``directory`` (see :func:`open_member`);
+    with ``limit``, at most that many (a longer file raises ``OSError``)."""
+    with open_member(directory, name) as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"longer than {limit} bytes", join(directory, name))
+    return data

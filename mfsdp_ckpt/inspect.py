@@ -12,17 +12,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from . import fs
-from .chunks import ChunkFiles, Fault, coverage_faults
+from .chunks import ChunkFiles, Fault
 from .errors import NotACheckpointError
 from .keys import GROUPS, group_of
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
+from .metadata_check import entry_faults, orphan_faults
 from .planner import chunk_id
 from .storage import VerifyingReader
 
-__all__ = ["TensorInfo", "CheckpointInfo", "Fault", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
+__all__ = ["TensorInfo", "CheckpointInfo", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,17 @@ class CheckpointInfo:
 
 
 def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingReader]:
-    """(directory, manifest or None, DCP metadata read safely, a verifying reader) for ``path``."""
+    """(directory, manifest or None, DCP metadata read safely and checked, a verifying reader)
+    for ``path``; the manifest is checked against its checksum and schema, ``.metadata`` against
+    the manifest's checksum of it and :func:`~mfsdp_ckpt.metadata_check.checked_metadata`."""
     from .checkpoint import resolve_checkpoint
 
     directory = resolve_checkpoint(path)
-    if not fs.isfile(fs.join(directory, ".metadata")):
+    if not fs.lexists(fs.join(directory, METADATA_NAME)):  # anything else there is refused when read
         if fs.isdir(directory) and any(n.endswith(".distcp") for n in fs.listdir(directory)):
             raise NotACheckpointError(f"{directory}: no .metadata: the save did not finish")
         raise NotACheckpointError(f"{directory}: not a checkpoint (no .metadata)")
-    manifest = read_manifest(directory) if fs.isfile(fs.join(directory, MANIFEST_NAME)) else None
+    manifest = read_manifest(directory) if is_committed(directory) else None
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
     return directory, manifest, metadata, reader
@@ -85,7 +89,7 @@ def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, Ve
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Format, step, writer layout, model config and every tensor of the checkpoint at ``path``."""
-    directory, manifest, metadata, _ = open_checkpoint(os.fspath(path))
+    directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     info = CheckpointInfo(
         path=directory,
         format="mfsdp" if manifest else "stock DCP",
@@ -96,7 +100,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     )
     if manifest is None:
         info.unknown = ["writer layout", "model config", "step", "checksums (no mfsdp.json)"]
-    storage = metadata.storage_data or {}
+    elif not is_protected(manifest):
+        info.unknown = [UNPROTECTED]
     for key in sorted(metadata.state_dict_metadata):
         md = metadata.state_dict_metadata[key]
         if isinstance(md, TensorStorageMetadata):
@@ -106,40 +111,90 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
                            numel * md.properties.dtype.itemsize, len(md.chunks))
             )
         else:
-            length = sum(v.length for k, v in storage.items() if k.fqn == key)
+            length = sum(v.length for _, v in reader.stored.get(key, []))
             info.tensors.append(TensorInfo(key, group_of(key), None, None, length, 1))
     return info
 
 
-def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> list[Fault]:
-    """Every fault found: coverage gaps / overlaps, chunks missing from the manifest or the
-    manifest naming chunks the metadata lacks, missing or short files, unreadable chunks and
-    checksum mismatches. An empty list means the checkpoint is sound. ``progress(done, total)``
-    counts stored bytes checked."""
+UNPROTECTED = "manifest checksum (format version 1: written before manifests carried manifest_crc32c)"
+
+
+class Faults(list):
+    """The faults :func:`verify_checkpoint` found (a list of :class:`Fault`), and ``notes``: what
+    it could not check, which is no fault (e.g. a manifest written before manifests carried a
+    checksum)."""
+
+    def __init__(self, faults: list[Fault] = (), notes: list[str] = ()) -> None:  # type: ignore[assignment]
+        super().__init__(faults)
+        self.notes = list(notes)
+
+
+def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> Faults:
+    """Every fault found; an empty list means the checkpoint is sound. An integrity gate: what it
+    passes, ``load`` reads.
+
+    It checks that the manifest is sound and matches its own checksum, and ``.metadata`` the
+    manifest's checksum of it (both refused outright, as every reader does); that ``.metadata``
+    and the manifest belong to the same save (``save_id``) and name the same chunks, both ways,
+    at the same places; that every tensor's chunks cover it exactly once, each listed chunk has
+    stored data and each stored chunk is listed; and that every chunk's bytes are present,
+    readable, inside the checkpoint and match their crc32c. ``progress(done, total)`` counts
+    stored bytes checked. The result's ``notes`` say what could not be checked."""
     directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     faults: list[Fault] = []
+    notes: list[str] = []
     if manifest is None:
         faults.append(Fault(MANIFEST_NAME, "-", None, "missing: not a committed mfsdp checkpoint (no checksums to verify)"))
-    elif metadata.storage_meta is not None and manifest.get("save_id") not in (None, metadata.storage_meta.save_id):
-        faults.append(Fault(MANIFEST_NAME, "-", None, "save_id differs from .metadata: the manifest belongs to another save"))
+    else:
+        if not is_protected(manifest):
+            notes.append(f"{MANIFEST_NAME}: unprotected: {UNPROTECTED}")
+        faults += _save_id_faults(manifest, metadata)
     for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            faults += coverage_faults(key, md)
-    storage = metadata.storage_data or {}
-    listed = set((manifest or {}).get("chunks", {}))
-    seen = set()
+        faults += entry_faults(key, md, reader.stored.get(key, []), METADATA_NAME)
+    faults += orphan_faults(metadata, METADATA_NAME)
+    if manifest is not None:
+        faults += _manifest_chunk_faults(manifest, metadata)
+    storage = metadata.storage_data
     total, done = sum(info.length for info in storage.values()), 0
     with ChunkFiles(directory, manifest["chunks"] if manifest else None, reader.chunk_shapes) as files:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
             done += info.length
             if progress is not None:
                 progress(done, total)
-            cid = chunk_id(index)
-            seen.add(cid)
             offset = tuple(index.offset) if index.offset is not None else None
             fault = files.fault(index, info)
             if fault:
                 faults.append(Fault(info.relative_path, index.fqn, offset, fault))
-    for cid in sorted(listed - seen):
-        faults.append(Fault(MANIFEST_NAME, cid, None, "listed in the manifest but not in .metadata"))
+    return Faults(faults, notes)
+
+
+def _save_id_faults(manifest: dict[str, Any], metadata: Metadata) -> list[Fault]:
+    """The manifest and ``.metadata`` name the same save."""
+    ours = manifest.get("save_id")
+    theirs = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
+    if ours is None:
+        return [Fault(MANIFEST_NAME, "-", None, "records no save_id: cannot tell whether .metadata belongs to it")]
+    if theirs is None:
+        return [Fault(METADATA_NAME, "-", None, "records no save_id: cannot tell whether the manifest belongs to it")]
+    if ours != theirs:
+        return [Fault(MANIFEST_NAME, "-", None, "save_id differs from .metadata: the manifest belongs to another save")]
+    return []
+
+
+def _manifest_chunk_faults(manifest: dict[str, Any], metadata: Metadata) -> list[Fault]:
+    """The chunks ``.metadata`` lists (each tensor's chunk list, each object) against the
+    manifest's chunk table, both ways. (A stored chunk the manifest lacks, or places elsewhere,
+    is reported when its data is checked.)"""
+    listed: set[str] = set()
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            listed.update(chunk_id(MetadataIndex(key, torch.Size(c.offsets))) for c in md.chunks)
+        else:
+            listed.add(key)
+    stored = {chunk_id(index) for index in metadata.storage_data}
+    table = manifest["chunks"]
+    faults = [Fault(METADATA_NAME, cid, None, "in the metadata's chunk list, but not in the manifest")
+              for cid in sorted(listed - set(table)) if cid not in stored]
+    faults += [Fault(MANIFEST_NAME, cid, None, "listed in the manifest but not in .metadata")
+               for cid in sorted(set(table) - (listed & stored))]
     return faults

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from . import fs
 from .errors import CheckpointError, NotACheckpointError
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import is_committed, read_manifest
 from .staging import is_partial_name
 
 __all__ = ["CheckpointEntry", "list_checkpoints"]
@@ -28,7 +28,7 @@ class CheckpointEntry:
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
     """Every checkpoint directory under ``root`` (committed, and half-written ``.partial`` ones),
     oldest step first."""
-    from .checkpoint import LATEST_NAME
+    from .checkpoint import LATEST_NAME, read_pointer
 
     root = fs.normalize(root)
     if not fs.isdir(root):
@@ -36,15 +36,22 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
     latest = None
     pointer = fs.join(root, LATEST_NAME)
     if fs.isfile(pointer):
-        latest = fs.read_bytes(pointer).decode(errors="replace").strip()
+        try:
+            latest = read_pointer(pointer)
+        except CheckpointError:
+            pass  # a damaged pointer names nothing; the checkpoints are still listed
     entries = []
-    for name in sorted(fs.listdir(root)):
+    try:
+        names = sorted(fs.listdir(root))
+    except OSError as e:
+        raise NotACheckpointError(f"{root}: cannot list ({e.strerror or e})") from None
+    for name in names:
         d = fs.join(root, name)
         if not fs.isdir(d):
             continue
         committed, step = False, None
-        if fs.isfile(fs.join(d, MANIFEST_NAME)):
-            try:
+        if is_committed(d):
+            try:  # the manifest reader checks every field: a damaged one marks only its own checkpoint
                 step = read_manifest(d).get("step")
                 committed = True
             except CheckpointError:

@@ -1,6 +1,14 @@
 """The sidecar manifest ``mfsdp.json``: human-readable, never pickled. Its presence marks a
 committed checkpoint; it records the writer's layout (its placement plan), the model config, the
-step, versions, time, and a crc32c for every chunk's payload."""
+step, versions, time, and a crc32c for every chunk's payload.
+
+The manifest protects itself and ``.metadata``: ``manifest_crc32c`` is the crc32c of the canonical
+JSON of every other field (:func:`manifest_checksum`), ``metadata_crc32c`` the crc32c of the bytes
+of ``.metadata``. Both are written by :func:`write_manifest`; :func:`read_manifest` refuses a
+manifest whose checksum does not match, and the metadata readers refuse a ``.metadata`` whose
+bytes do not. Manifests of format version 1 were written before these fields existed: they still
+load, and :func:`is_protected` says they are unprotected (``verify`` and ``inspect`` report it).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import json
 import time
 from typing import Any, Callable
 
+import google_crc32c
 import torch
 
 from mfsdp_core.dtypes import dtype_name
@@ -15,12 +24,17 @@ from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 from . import fs
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
+from .manifest_schema import check_manifest
 
-__all__ = ["MANIFEST_NAME", "FORMAT", "FORMAT_VERSION", "completed", "versions", "writer_layout", "recorded_plan", "read_manifest", "write_manifest", "is_committed"]
+__all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "completed", "versions",
+           "writer_layout", "recorded_plan", "read_manifest", "write_manifest", "is_committed", "is_protected",
+           "manifest_checksum", "metadata_checksum_problem"]
 
 MANIFEST_NAME = "mfsdp.json"
+METADATA_NAME = ".metadata"
 FORMAT = "mfsdp-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries manifest_crc32c (and metadata_crc32c); 1: it does not
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest lists every chunk once (about 150 bytes each)
 
 
 def writer_layout(world_size: int, plan: ModelPlan) -> dict[str, Any]:
@@ -37,12 +51,23 @@ def writer_layout(world_size: int, plan: ModelPlan) -> dict[str, Any]:
 
 
 def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
-                  dtype_of: Callable[[str], torch.dtype | None]) -> ModelPlan | None:
+                  dtype_of: Callable[[str], torch.dtype | None], source: str = MANIFEST_NAME) -> ModelPlan | None:
     """The placement plan the writer recorded, or None when it recorded none. Manifests written
     before the plan existed list ``writer.groups`` (parameters, strategy, policy, group size);
     their shapes and dtypes come from the checkpoint's tensors (``shape_of`` / ``dtype_of`` of a
-    parameter name)."""
+    parameter name). A plan that the manifest schema admits but that does not make a
+    :class:`ModelPlan` is a :class:`CorruptCheckpointError` naming ``source``."""
     writer = manifest.get("writer") or {}
+    try:
+        return _recorded_plan(writer, shape_of, dtype_of)
+    except (KeyError, TypeError, ValueError) as e:
+        field = "writer.plan" if "plan" in writer else "writer.groups"
+        raise CorruptCheckpointError(f"{source}: field '{field}': not a placement plan "
+                                     f"({type(e).__name__}: {fs.shown(str(e), 160)})") from None
+
+
+def _recorded_plan(writer: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
+                   dtype_of: Callable[[str], torch.dtype | None]) -> ModelPlan | None:
     if "plan" in writer:
         return ModelPlan.from_dict(writer["plan"])
     groups = writer.get("groups")
@@ -81,33 +106,79 @@ def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str
             "created_unix": time.time(), "chunks": chunks, "total_bytes": sum(c["length"] for c in chunks.values())}
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> int:
+    """crc32c of the canonical JSON (sorted keys, no spaces, ASCII) of every field of ``manifest``
+    except ``manifest_crc32c`` itself."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
+    return google_crc32c.value(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+
+
 def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:
     """Write ``mfsdp.json`` in ``directory`` (local: via a temporary file and a rename; object
-    store: one upload)."""
-    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    store: one upload), with the checksum of ``.metadata`` (when it is already in ``directory``,
+    as every writer leaves it) and then of the manifest itself."""
+    out = json.loads(json.dumps(manifest))  # the values as a reader will see them (tuples: lists, keys: strings)
+    out.pop("metadata_crc32c", None)
+    metadata = fs.join(directory, METADATA_NAME)
+    if fs.isfile(metadata):
+        out["metadata_crc32c"] = google_crc32c.value(fs.read_bytes(metadata))
+    out["format_version"] = FORMAT_VERSION  # the version that carries the checksums
+    out["manifest_crc32c"] = manifest_checksum(out)
+    text = json.dumps(out, indent=1, sort_keys=True) + "\n"
     fs.write_bytes(fs.join(directory, MANIFEST_NAME), text.encode(), sync=sync)
 
 
 def is_committed(directory: str) -> bool:
-    return fs.isfile(fs.join(directory, MANIFEST_NAME))
+    """Whether ``directory`` holds a manifest (anything under its name, even a FIFO or a dangling
+    symlink: :func:`read_manifest` then says what is wrong with it)."""
+    return fs.lexists(fs.join(directory, MANIFEST_NAME))
+
+
+def is_protected(manifest: dict[str, Any]) -> bool:
+    """Whether the manifest carries its own checksum (format version 2 on): one written before
+    that existed still loads, but nothing protects its fields or ``.metadata``."""
+    return "manifest_crc32c" in manifest
+
+
+def metadata_checksum_problem(manifest: dict[str, Any] | None, data: bytes) -> str | None:
+    """Why the bytes ``data`` of ``.metadata`` are not the ones the manifest recorded (None: they
+    are, or the manifest recorded none)."""
+    expected = (manifest or {}).get("metadata_crc32c")
+    if expected is None or google_crc32c.value(data) == expected:
+        return None
+    return "checksum mismatch with the manifest's metadata_crc32c (.metadata was changed after the save)"
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
-    """The manifest of a committed checkpoint (local path or fsspec URL); raises if it is missing
-    or not ours."""
+    """The manifest of a committed checkpoint (local path or fsspec URL), checked against its own
+    checksum and :func:`~mfsdp_ckpt.manifest_schema.check_manifest`'s schema; raises
+    :class:`UncommittedCheckpointError` if it is missing, :class:`CorruptCheckpointError` (one
+    line naming the file and the field) if it is not a sound manifest of ours."""
     path = fs.join(directory, MANIFEST_NAME)
-    if not fs.isfile(path):
+    if not is_committed(directory):
         raise UncommittedCheckpointError(
             f"{directory}: no committed manifest ({MANIFEST_NAME}); the save did not finish or this is not an mfsdp checkpoint"
         )
     try:
-        manifest = json.loads(fs.read_bytes(path))
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable manifest ({e})") from None
+        manifest = json.loads(fs.read_member(directory, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES))
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: unreadable manifest ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {fs.shown(str(e), 120)})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path}: not an {FORMAT} manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"{path}: format version {manifest.get('format_version')} is newer than this reader ({FORMAT_VERSION})"
-        )
+    version = manifest.get("format_version", 0)
+    if type(version) is not int or version < 0:
+        raise CorruptCheckpointError(f"{path}: field 'format_version': expected a non-negative integer")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: format version {version} is newer than this reader ({FORMAT_VERSION})")
+    if "manifest_crc32c" in manifest or version >= 2:
+        try:
+            actual = manifest_checksum(manifest)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__})") from None
+        if manifest.get("manifest_crc32c") != actual:
+            what = "missing" if "manifest_crc32c" not in manifest else "does not match its contents"
+            raise CorruptCheckpointError(f"{path}: field 'manifest_crc32c': {what} (the manifest was changed after the save)")
+    check_manifest(manifest, path)
     return manifest

@@ -33,7 +33,7 @@ from mfsdp_core.strategy import parse_strategy
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
 from .keys import fqn_of_model_key, group_of, is_rng, param_of
-from .manifest import recorded_plan, writer_layout
+from .manifest import MANIFEST_NAME, recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
 __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
@@ -87,7 +87,7 @@ def _source_plan(reader: CheckpointReader, plan_from: str | None) -> ModelPlan:
 
     where = plan_source.directory
     try:
-        plan = recorded_plan(plan_source.manifest, shape_of, dtype_of)
+        plan = recorded_plan(plan_source.manifest, shape_of, dtype_of, f"{where}/{MANIFEST_NAME}")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: the manifest's placement plan is malformed ({type(e).__name__}: {e})") from None
     if plan is None:

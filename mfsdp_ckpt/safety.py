@@ -55,4 +55,5 @@ def safe_load_metadata(data: bytes, source: str) -> Any:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or garbled pickle
-        raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {e})") from None
+        what = " ".join(str(e).split())[:200]  # one line, whatever the unpickler said
+        raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {what})") from None

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import fs
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import completed, write_manifest
+from .manifest import METADATA_NAME, completed, metadata_checksum_problem, write_manifest
+from .metadata_check import checked_metadata, stored_by_key
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
@@ -118,8 +119,9 @@ class CommittingWriter(FileSystemWriter):
 
 
 class VerifyingReader(FileSystemReader):
-    """Reads ``.metadata`` through the restricted unpickler and checks every chunk it reads
-    against the manifest's crc32c (when there is a manifest: a stock DCP checkpoint has none).
+    """Reads ``.metadata`` through the restricted unpickler and the value checks of
+    :mod:`mfsdp_ckpt.metadata_check`, and checks every chunk it reads against the manifest's crc32c
+    (when there is a manifest: a stock DCP checkpoint has none).
 
     Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
     rank has read everything, so a failed load changes nothing."""
@@ -127,9 +129,12 @@ class VerifyingReader(FileSystemReader):
     def __init__(self, path: str, manifest: dict[str, Any] | None) -> None:
         super().__init__(path)
         self.dir = str(path)
+        self.manifest = manifest
         self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.chunk_shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.stored: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+        self._metadata: Metadata | None = None
 
     def apply(self, planner: LoadPlanner) -> None:
         """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
@@ -139,22 +144,40 @@ class VerifyingReader(FileSystemReader):
             planner.commit_tensor(req, target)
         self.pending = []
 
+    def preview(self, fqn: str, target: torch.Tensor) -> torch.Tensor:
+        """A copy of ``target`` (a whole-tensor target of key ``fqn``) holding what :meth:`apply`
+        would copy into it, to check a value before anything changes."""
+        out = target.detach().clone()
+        for req, piece in self.pending:
+            if req.dest_index.fqn == fqn:
+                _narrow(out, req.dest_offsets, req.lengths).copy_(piece)
+        return out
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = fs.join(self.dir, ".metadata")
+        """The checked metadata (read once: ``dcp.load`` asks again and gets the same object)."""
+        if self._metadata is not None:
+            return self._metadata
+        path = fs.join(self.dir, METADATA_NAME)
         try:
-            data = fs.read_bytes(path)
+            data = fs.read_member(self.dir, METADATA_NAME)
         except OSError as e:
-            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror})") from None
+            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror or e})") from None
         metadata = safe_load_metadata(data, path)
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{path}: does not hold DCP metadata")
+        problem = metadata_checksum_problem(self.manifest, data)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{path}: {problem}")
+        metadata = checked_metadata(metadata, path)
         self.chunk_shapes = chunk_shapes(metadata)
+        self.stored = stored_by_key(metadata)
+        self._metadata = metadata
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, dict[Any, list]] = {}
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(f"{self.dir}: key '{req.storage_index.fqn}': a chunk the load needs has no stored data")
             by_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
         with ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes) as files:
             for relative_path, by_chunk in by_file.items():
@@ -171,9 +194,18 @@ class VerifyingReader(FileSystemReader):
         payload = files.read(index, info)
         if isinstance(payload, bytes):
             for req in reqs:
-                planner.load_bytes(req, io.BytesIO(payload))
+                try:
+                    planner.load_bytes(req, io.BytesIO(payload))
+                except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
+                    raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: object not "
+                                                 f"loadable with weights_only ({type(e).__name__})") from None
             return
         for req in reqs:
+            if len(req.storage_offsets) != payload.dim() or any(
+                o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, payload.shape)
+            ):
+                raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                                             f"{tuple(payload.shape)}, which does not fit the read")
             piece = _narrow(payload, req.storage_offsets, req.lengths)
             if tuple(piece.size()) != tuple(req.lengths):
                 raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "

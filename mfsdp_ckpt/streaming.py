@@ -35,6 +35,7 @@ from . import fs
 from .chunks import ChunkFiles, coverage_faults
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import completed, write_manifest
+from .metadata_check import entry_faults
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
 from .lock import run_lock
@@ -54,11 +55,9 @@ class CheckpointReader:
         from .inspect import open_checkpoint
 
         self.directory, self.manifest, self.metadata, verifying = open_checkpoint(os.fspath(path))
-        self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
-        for index, info in (self.metadata.storage_data or {}).items():
-            self._chunks_by_key.setdefault(index.fqn, []).append((index, info))
+        self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = verifying.stored
         self._chunks = ChunkFiles(self.directory, self.manifest["chunks"] if self.manifest else None, verifying.chunk_shapes)
-        self._covered: set[str] = set()  # tensors whose metadata says they are covered exactly once
+        self._sound: set[str] = set()  # entries whose metadata and files were checked (see _check_entry)
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -85,31 +84,38 @@ class CheckpointReader:
         """The chunk's verified payload (read into ``out`` when given)."""
         return self._chunks.read(index, info, out)
 
-    def _check_coverage(self, key: str, md: TensorStorageMetadata) -> None:
-        """Refuse a tensor whose chunks do not cover it exactly once (before reading any)."""
-        if key in self._covered:
+    def _check_entry(self, key: str, md: Any) -> None:
+        """Refuse an entry whose metadata is not sound (:func:`~mfsdp_ckpt.metadata_check.entry_faults`:
+        chunks not covering a tensor exactly once, chunks listed but not stored or stored but not
+        listed, chunks whose elements do not fit in their bytes) or whose chunks' files do not hold
+        their byte ranges: all before reading or allocating anything."""
+        if key in self._sound:
             return
-        faults = coverage_faults(key, md)
+        faults = entry_faults(key, md, self._chunks_by_key.get(key, []))
         if faults:
-            more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
-            raise CorruptCheckpointError(f"{self.directory}: {faults[0]}{more}")
-        self._covered.add(key)
+            first = faults[0]
+            if first.file is None:  # coverage, from the chunk list alone
+                coverage = [f for f in faults if f.file is None]
+                more = f" (and {len(coverage) - 1} more)" if len(coverage) > 1 else ""
+                raise CorruptCheckpointError(f"{self.directory}: {first}{more}")
+            at = f" chunk at {list(first.offset)}" if first.offset is not None else ""
+            raise CorruptCheckpointError(f"{self.directory}: key '{key}'{at}: {first.message}")
+        self._chunks.require_present(self._chunks_by_key.get(key, []))
+        self._sound.add(key)
 
     def read(self, key: str) -> Any:
         """The entry ``key``: a full tensor, or the object (unpickled with ``weights_only``)."""
         md = self.metadata.state_dict_metadata.get(key)
         if md is None:
-            raise CheckpointError(f"{self.directory}: no key '{key}'")
+            raise CheckpointError(f"{self.directory}: no key '{fs.shown(key)}'")
+        self._check_entry(key, md)
         chunks = self._chunks_by_key.get(key, [])
         if not isinstance(md, TensorStorageMetadata):
-            if len(chunks) != 1:
-                raise CorruptCheckpointError(f"{self.directory}: key '{key}' has {len(chunks)} stored objects, expected 1")
             data = self._payload(*chunks[0])
             try:
                 return torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})") from None
-        self._check_coverage(key, md)
         if all(_contiguous_flat_start(c.offsets, c.sizes, md.size) is not None for c in md.chunks):
             return self.read_flat(key, 0, md.size.numel()).view(md.size)  # every chunk straight into place
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -119,7 +125,7 @@ class CheckpointReader:
             assert isinstance(piece, torch.Tensor)
             region = out
             for dim, (o, s) in enumerate(zip(index.offset, piece.shape)):
-                region = region.narrow(dim, o, s)
+                region = region.narrow(dim, o, s) if o + s <= region.shape[dim] else region.narrow(dim, 0, 0)
             if piece.dtype != out.dtype or region.shape != piece.shape:
                 raise CorruptCheckpointError(
                     f"{self.directory}: key '{key}' chunk at {list(index.offset)}: holds {piece.dtype} {tuple(piece.shape)}, "
@@ -139,8 +145,10 @@ class CheckpointReader:
         range plus one chunk."""
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"{self.directory}: no tensor '{key}'")
-        self._check_coverage(key, md)
+            raise CheckpointError(f"{self.directory}: no tensor '{fs.shown(key)}'")
+        if not 0 <= start <= end <= math.prod(md.size):
+            raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) lie outside its {math.prod(md.size)}")
+        self._check_entry(key, md)
         shape, dtype = tuple(md.size), md.properties.dtype
         out = torch.empty(end - start, dtype=dtype)
         if start == end:
@@ -148,10 +156,7 @@ class CheckpointReader:
         placed = []
         sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         for index, info in self._chunks_by_key.get(key, []):
-            sizes = sizes_at.get(tuple(index.offset))
-            if sizes is None:  # not in the metadata: read() would send it straight back here
-                raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(index.offset)}: "
-                                             "stored, but not in the metadata's chunk list")
+            sizes = sizes_at[tuple(index.offset)]  # every stored chunk is listed (_check_entry)
             flat0 = _contiguous_flat_start(index.offset, sizes, shape)
             if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
                 return self.read(key).reshape(-1)[start:end].clone()

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import mfsdp_ckpt  # noqa: E402
 from mfsdp_ckpt import hf  # noqa: E402
 from mfsdp_ckpt.errors import CheckpointExistsError, ConversionError  # noqa: E402
+from mfsdp_ckpt.manifest import write_manifest  # noqa: E402
 from mfsdp_ckpt.streaming import CheckpointBuilder  # noqa: E402
 from mfsdp_core.models.gpt import PRESETS, GPTModel  # noqa: E402
 
@@ -164,7 +165,7 @@ def test_export_without_model_config_and_existing_destination(tmp_path):
     hf.export(ckpt, tmp_path / "out", overwrite=True)
     assert os.path.isfile(tmp_path / "out" / "config.json")
     manifest["model_config"] = None
-    open(manifest_path, "w").write(json.dumps(manifest))
+    write_manifest(ckpt, manifest)  # checksummed again, as a writer would: the manifest itself is sound
     with pytest.raises(ConversionError, match="the manifest has no model_config"):
         hf.export(ckpt, tmp_path / "out2")
 
