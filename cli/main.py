@@ -64,8 +64,12 @@ def verify(path: str, as_json: bool) -> None:
 
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
-        click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults]}, indent=1))
-    elif faults:
+        click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults],
+                               "notes": list(getattr(faults, "notes", []))}, indent=1))
+        sys.exit(1 if faults else 0)
+    for note in getattr(faults, "notes", []):
+        click.echo(f"NOTE {note}")
+    if faults:
         for fault in faults:
             click.echo(f"FAULT {fault}")
         click.echo(f"{len(faults)} fault(s)")

@@ -213,6 +213,9 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
             extra = mfsdp_ckpt.load(resume_from, model, optim)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
+        if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
+            raise UsageError(f"--resume: {resume_from} holds no trainer state (extra.step, extra.data_position); "
+                             "it was not written by this trainer: start from its weights with --init-from instead")
         step, position = extra["step"], extra["data_position"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {step} (world size {world})", flush=True)

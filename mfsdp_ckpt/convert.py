@@ -79,7 +79,11 @@ def _unpack_objects(text: str | None, source: str) -> dict[str, Any]:
 
 def _read_single_file(src: str) -> dict[str, Any]:
     """The state in a ``.safetensors`` or ``torch.save`` file (local or fsspec URL)."""
-    data = fs.read_bytes(src)
+    try:
+        with fs.open_regular(src) as f:  # a FIFO or a device is refused, never read from
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{src}: cannot read ({e.strerror or e})") from None
     if src.endswith(".safetensors"):
         try:
             state: dict[str, Any] = dict(safetensors_load(data))

@@ -358,3 +358,21 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
     res = CliRunner().invoke(main, ["inspect", run])
     assert res.exit_code == 1 and res.output.strip() == f"error: {run}: Permission denied"
 
+
+
+def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
+    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+
+    args = ("--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16")
+    first = run_train(None, *args, "--stop-at", "1", "--ckpt-dir", str(tmp_path / "a"))
+    assert first.returncode == 0, failure(first)
+    with CheckpointReader(str(tmp_path / "a" / "latest")) as src:
+        manifest = {k: v for k, v in src.manifest.items() if k in ("writer", "model_config", "step", "versions")}
+        with CheckpointBuilder(str(tmp_path / "b"), manifest) as b:
+            for key in src.keys():
+                if not key.startswith("extra."):
+                    value = src.read(key)
+                    (b.add_tensor if hasattr(value, "dtype") else b.add_object)(key, value)
+            b.commit()
+    res = run_train(None, *args, "--ckpt-dir", str(tmp_path / "c"), "--resume", str(tmp_path / "b"))
+    assert res.returncode == 1 and "holds no trainer state (extra.step, extra.data_position)" in res.stderr, failure(res)
