@@ -376,3 +376,20 @@ def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
             b.commit()
     res = run_train(None, *args, "--ckpt-dir", str(tmp_path / "c"), "--resume", str(tmp_path / "b"))
     assert res.returncode == 1 and "holds no trainer state (extra.step, extra.data_position)" in res.stderr, failure(res)
+
+
+def test_reshard_never_plans_from_a_declared_model_config(run, tmp_path):
+    """A manifest saying num_layers = 10**7 and recording no plan: refused at once (offline
+    layouts come only from recorded plans, never from a model built from a config)."""
+    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+    from mfsdp_core.models.gpt import PRESETS
+
+    config = dict(PRESETS["tiny"].to_dict(), num_layers=10**7)
+    with CheckpointReader(os.path.join(run, "step_2")) as src:
+        with CheckpointBuilder(str(tmp_path / "huge"), {"writer": {"world_size": 1}, "model_config": config}) as b:
+            b.add_tensor("model.inp.weight", src.read("model.inp.weight"))
+            b.commit()
+    start = time.time()
+    res = _cli("reshard", str(tmp_path / "huge"), str(tmp_path / "out"), "--world-size", "4")
+    _one_line_error(res, "records no placement plan")
+    assert time.time() - start < 60 and not os.path.exists(tmp_path / "out")
