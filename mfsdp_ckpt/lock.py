@@ -6,8 +6,8 @@ Two jobs writing checkpoints into one directory interleave their step directorie
 The lock is ``<run>/.mfsdp.lock``, held with ``flock`` for as long as the writer runs: the kernel
 releases it when the holder exits however it exits, so a lock left by a killed job is never in the
 way (no stale-lock guessing from pids, which hosts and pid reuse make unreliable). The file holds
-JSON naming the holder (host, pid, process start time, since when) so that the error a second job
-gets says who is writing. Within one process the lock is re-entrant: the trainer holds it for the
+JSON naming the holder (host, pid, and when it took the lock) so that the error a second job gets
+says who is writing. Within one process the lock is re-entrant: the trainer holds it for the
 whole run, and each save inside takes it again.
 """
 
@@ -32,17 +32,6 @@ _held: dict[str, tuple[int, int]] = {}  # run directory -> (lock file descriptor
 
 class RunLockedError(CheckpointError):
     """Another process holds the run directory's lock."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), or None when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[19] if len(fields) > 19 else None  # field 22, counted after the command name
 
 
 def lock_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -88,7 +77,7 @@ def _acquire(run_dir: str) -> int:
         if same:
             break
         os.close(fd)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()), "since": time.time()}
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     return fd

@@ -343,6 +343,13 @@ def test_bad_input(source, tmp_path):
     assert os.listdir(dst) == ["keep.txt"]
     out = _cli_subprocess("reshard", source, dst, "--world-size", "2")
     assert out.returncode == 1 and out.stderr.startswith("error: ") and "already exists" in out.stderr
+    # --overwrite replaces a checkpoint, never a directory of other files (they would be lost)
+    _assert_refused([source, dst, "--world-size", "2", "--overwrite"], dst, "is not a checkpoint directory")
+    assert os.listdir(dst) == ["keep.txt"]
+    os.remove(os.path.join(dst, "keep.txt"))
+    assert CliRunner().invoke(main, ["reshard", source, dst, "--world-size", "3"]).exit_code == 1  # exists (empty)
+    res = CliRunner().invoke(main, ["reshard", source, dst, "--world-size", "3", "--overwrite"])
+    assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["reshard", source, dst, "--world-size", "2", "--overwrite"])
     assert res.exit_code == 0, res.output
-    assert verify_checkpoint(dst) == [] and not os.path.exists(os.path.join(dst, "keep.txt"))
+    assert verify_checkpoint(dst) == [] and len([n for n in os.listdir(dst) if n.endswith(".distcp")]) == 2

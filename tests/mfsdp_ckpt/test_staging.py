@@ -20,6 +20,7 @@ from mfsdp_ckpt.staging import (
     partial_path,
     write_file_atomic,
 )
+from mfsdp_ckpt.write_errors import WriteFailedError
 
 
 def test_partial_path_is_a_hidden_sibling_named_by_the_token(tmp_path):
@@ -64,8 +65,8 @@ def test_write_file_atomic_replaces_whole_or_not_at_all(tmp_path):
     with pytest.raises(TypeError):
         write_file_atomic(path, object())  # type: ignore[arg-type]  # fails while writing
     os.mkdir(tmp_path / "d")
-    with pytest.raises(OSError):
-        write_file_atomic(str(tmp_path / "d"), b"x")  # fails at the rename (a directory is there)
+    with pytest.raises(WriteFailedError, match=f"^Is a directory while writing {tmp_path / 'd'}$"):
+        write_file_atomic(str(tmp_path / "d"), b"x")  # fails at the rename (a directory is there): one line naming it
     with open(path, "rb") as f:
         assert f.read() == b"two, longer"
     assert sorted(os.listdir(tmp_path)) == ["d", "f.bin"]  # no partial sibling left behind
