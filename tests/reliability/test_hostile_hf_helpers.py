@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import stat
 import struct
 import subprocess
@@ -35,6 +34,7 @@ from mfsdp_ckpt.hf.mapping import canonical_shapes, expand
 from mfsdp_ckpt.lock import LOCK_NAME
 from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig
+from tests.reliability.test_hostile_support import Hang, deadline
 
 #: a tiny model per architecture (2 layers; MoE ones with 3 experts)
 CONFIGS: dict[str, GPTConfig] = {
@@ -152,26 +152,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # guards
-
-
-class Hang(BaseException):
-    """A case ran past its time limit (a BaseException, so no ``except Exception`` in the code
-    under test can swallow it)."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`Hang` in the main thread after ``seconds`` (SIGALRM)."""
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise Hang(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 _WATCHDOG = r"""
@@ -336,7 +316,7 @@ def run_guarded(fn: Any, hf_dir: str, destination: str, *, limit: float = 20.0) 
     hung = False
     with FifoWatchdog(hf_dir, after=min(5.0, limit / 2)) as dog:
         try:
-            with audit.watch(hf_dir, destination), time_limit(limit):
+            with audit.watch(hf_dir, destination), deadline(limit):
                 fn()
         except Hang as e:
             error, hung = e, True
