@@ -152,12 +152,20 @@ _STRATEGY = parsed(parse_strategy, "sharding strategy")
 _POLICY = parsed(parse_policy, "sharding policy")
 _COUNT = integer(1)
 
+
+def _divisor(v: Any, at: str) -> None:
+    """A gradient divisor: null, a count, or the name of a group (whose size it is)."""
+    if v is None or isinstance(v, str):
+        return None if v is None else line(v, at)
+    return _COUNT(v, at)
+
+
 _COMPANION = record(required={"name": line, "dtype": _DTYPE, "row_divisor": _COUNT, "col_divisor": _COUNT})
 _BUFFER = record(
     required={"params": list_of(line), "shapes": list_of(list_of(integer())), "dtype": _DTYPE, "strategy": _STRATEGY,
               "policy": _POLICY, "group_size": _COUNT},
     optional={"unit": nullable(line), "param_dtype": _DTYPE, "main_dtype": _DTYPE, "requires_grad": boolean,
-              "group": line, "grad_divisor": nullable(_COUNT), "is_expert": boolean, "companions": list_of(_COMPANION)},
+              "group": line, "grad_divisor": _divisor, "divisor_size": _COUNT, "is_expert": boolean, "companions": list_of(_COMPANION)},
     then=_same_length("params", "shapes"),
 )
 
@@ -167,6 +175,9 @@ def _groups_named(v: dict, at: str) -> None:
         group = b.get("group", "dp")
         if group not in v["group_sizes"]:
             raise _Invalid(f"{_join(at, 'buffers')}[{i}].group", f"names group {shown(group)}, which group_sizes lacks")
+        divisor = b.get("grad_divisor")
+        if isinstance(divisor, str) and "divisor_size" not in b:
+            raise _Invalid(f"{_join(at, 'buffers')}[{i}].divisor_size", f"missing: grad_divisor names group {shown(divisor)}")
 
 
 _PLAN = record(required={"group_sizes": dict_of(_COUNT), "buffers": list_of(_BUFFER)}, then=_groups_named)

@@ -9,7 +9,9 @@ by an all-gather (the same volume as a ring all-reduce).
 gloo has no fp8 collectives, so fp8 / e8m0 payloads travel as ``uint8`` views.
 
 The counter records *logical* operations (``all_gather``, ``reduce_scatter``, ``all_reduce``) with
-the bytes of the full (unsharded) tensor each one covers on this rank.
+the bytes of the full (unsharded) tensor each one covers on this rank, and ``all_to_all`` (token
+dispatch) with the bytes this rank sends, its own rows included; ``all_to_all_counts`` is the
+small exchange of row counts before it. Each record names the global ranks of its group.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "reduce_scatter_avg",
     "all_reduce_avg",
     "all_reduce_sum",
+    "all_to_all_rows",
+    "exchange_counts",
     "rank0_decides",
     "rank_and_world",
 ]
@@ -45,6 +49,7 @@ class CommRecord:
     op: str
     dtype: torch.dtype
     bytes: int
+    ranks: tuple[int, ...] = ()  # global ranks of the group (empty: a single rank, no group)
 
 
 @dataclass
@@ -74,9 +79,14 @@ def count_comm() -> Iterator[CommCounter]:
         _active_counters.remove(counter)
 
 
-def _record(op: str, tensor: torch.Tensor) -> None:
+def _record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    if not _active_counters:
+        return
+    ranks: tuple[int, ...] = ()
+    if group is not None and dist.is_initialized():
+        ranks = tuple(dist.get_process_group_ranks(group))
     for counter in _active_counters:
-        counter.records.append(CommRecord(op, tensor.dtype, tensor.numel() * tensor.element_size()))
+        counter.records.append(CommRecord(op, tensor.dtype, tensor.numel() * tensor.element_size(), ranks))
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -94,7 +104,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Concatenate every rank's ``shard`` (equal sizes) into the 1-D ``output``."""
-    _record("all_gather", output)
+    _record("all_gather", output, group)
     n = group_size(group)
     if n == 1:
         output.copy_(shard)
@@ -118,7 +128,7 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
                        divisor: int | None = None) -> None:
     """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
     ``divisor`` (default n: the average). Deterministic."""
-    _record("reduce_scatter", full)
+    _record("reduce_scatter", full, group)
     n = group_size(group)
     divisor = divisor or n
     if n == 1:
@@ -132,7 +142,7 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
 def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None, divisor: int | None = None) -> None:
     """In place: the sum over ranks of a 1-D ``tensor`` divided by ``divisor`` (default n: the
     average). Deterministic, see module doc."""
-    _record("all_reduce", tensor)
+    _record("all_reduce", tensor, group)
     n = group_size(group)
     divisor = divisor or n
     if n == 1:
@@ -151,9 +161,32 @@ def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None, diviso
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """In place sum over ``group`` of a small tensor (norms, counters); backend order.
     As everywhere here, ``group=None`` means a single rank: nothing to communicate."""
-    _record("all_reduce", tensor)
+    _record("all_reduce", tensor, group)
     if dist.is_initialized() and group_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def exchange_counts(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``send`` is ``[n, m]`` (n = group size): row ``j`` is what this rank will send to group
+    rank ``j``. Returns ``[n, m]`` whose row ``j`` is what group rank ``j`` will send here."""
+    _record("all_to_all_counts", send, group)
+    if group_size(group) == 1:
+        return send.clone()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send.contiguous(), group=group)
+    return received
+
+
+def all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send ``rows[offset_j : offset_j + send_splits[j]]`` to group rank ``j``; return the rows
+    received, ``recv_splits[j]`` from each rank ``j`` in rank order. Any split may be 0."""
+    _record("all_to_all", rows, group)
+    if group_size(group) == 1:
+        return rows.clone()
+    out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+    dist.all_to_all_single(_wire(out), _wire(rows.contiguous()), recv_splits, send_splits, group=group)
+    return out
 
 
 def rank_and_world() -> tuple[int, int]:

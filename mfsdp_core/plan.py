@@ -101,18 +101,22 @@ def _as_matrix(shape: Sequence[int]) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Placement:
     """How one parameter is placed. ``group`` names a process group given to ``fully_shard``;
-    ``grad_divisor`` (None: that group's size) divides the gradients summed over the group."""
+    ``grad_divisor`` divides the gradients summed over the group: a number, the name of a group
+    (its size: an expert sharded over the expert-data-parallel group divides by ``"dp"``, since its
+    summed gradient covers the tokens of every data-parallel rank), or None (``group``'s size).
+    A group name keeps its meaning when the layout changes size."""
 
     policy: Policy = DEFAULT_POLICY
     group: str = DEFAULT_GROUP
     expert: bool = False
-    grad_divisor: int | None = None
+    grad_divisor: int | str | None = None
     companions: tuple[Companion, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_policy(self.policy))
-        if self.grad_divisor is not None and self.grad_divisor < 1:
-            raise ValueError(f"grad_divisor must be >= 1, got {self.grad_divisor}")
+        d = self.grad_divisor
+        if isinstance(d, bool) or not (d is None or isinstance(d, str) or (isinstance(d, int) and d >= 1)):
+            raise ValueError(f"grad_divisor must be >= 1 or a group name, got {d!r}")
         names = [c.name for c in self.companions]
         if len(set(names)) != len(names):
             raise ValueError(f"companion names must differ, got {names}")
@@ -150,12 +154,15 @@ class BufferSpec:
     placement: Placement
     group_size: int  # ranks of placement.group (the buffer is sharded over them unless no_shard)
     prefix: str = ""
+    divisor_size: int | None = None  # ranks of the group placement.grad_divisor names, if it names one
     param_dtype: torch.dtype | None = None  # compute dtype (mixed precision); None: ``dtype``
     main_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:
             object.__setattr__(self, "param_dtype", self.dtype)
+        if isinstance(self.placement.grad_divisor, str) and self.divisor_size is None:
+            raise ValueError(f"grad_divisor names group '{self.placement.grad_divisor}': its size is needed")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -178,7 +185,11 @@ class BufferSpec:
 
     @property
     def grad_divisor(self) -> int:
-        return self.placement.grad_divisor or self.group_size
+        """What the gradients summed over the buffer's group are divided by."""
+        d = self.placement.grad_divisor
+        if d is None:
+            return self.group_size
+        return self.divisor_size if isinstance(d, str) else d
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -225,10 +236,16 @@ class BufferSpec:
                 out.__dict__[key] = self.__dict__[key]
         return out
 
-    def resized(self, group_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None) -> "BufferSpec":
-        """The same buffer in another layout: group size, and optionally strategy and policy."""
+    def resized(self, group_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None,
+                group_sizes: Mapping[str, int] | None = None) -> "BufferSpec":
+        """The same buffer in another layout: group size, and optionally strategy and policy;
+        ``group_sizes`` gives the new size of the group a named divisor refers to."""
         placement = self.placement if policy is None else dataclasses.replace(self.placement, policy=policy)
-        return dataclasses.replace(self, group_size=group_size, strategy=strategy or self.strategy, placement=placement)
+        divisor_size = self.divisor_size
+        if isinstance(placement.grad_divisor, str) and group_sizes is not None:
+            divisor_size = group_sizes[placement.grad_divisor]
+        return dataclasses.replace(self, group_size=group_size, strategy=strategy or self.strategy, placement=placement,
+                                   divisor_size=divisor_size)
 
     # ---- manifest ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -244,7 +261,8 @@ class BufferSpec:
             "policy": str(self.policy),
             "group": self.placement.group,
             "group_size": self.group_size,
-            "grad_divisor": self.placement.grad_divisor,  # null: the group's size, whatever it becomes
+            "grad_divisor": self.placement.grad_divisor,  # null: the group's size; a name: that group's size
+            **({"divisor_size": self.divisor_size} if self.divisor_size is not None else {}),
             "is_expert": self.is_expert,
             "companions": [c.to_dict() for c in self.placement.companions],
         }
@@ -267,6 +285,7 @@ class BufferSpec:
             names=names, shapes=tuple(torch.Size(s) for s in d["shapes"]), dtype=dtype, prefix=prefix,
             requires_grad=bool(d.get("requires_grad", True)), strategy=parse_strategy(d["strategy"]),
             placement=placement, group_size=int(d["group_size"]),
+            divisor_size=int(d["divisor_size"]) if d.get("divisor_size") is not None else None,
             param_dtype=dtype_by_name(d.get("param_dtype", d["dtype"])),
             main_dtype=dtype_by_name(d.get("main_dtype", "float32")),
         )
@@ -327,9 +346,10 @@ def plan_unit(
         where = placement(name, p)
         if not isinstance(where, Placement):
             raise ValueError(f"placement function returned {type(where).__name__} for '{prefix}{name}', expected a Placement")
-        if where.group not in group_sizes:
-            raise ValueError(f"parameter '{prefix}{name}': placement names group '{where.group}'; "
-                             f"the groups given are {', '.join(sorted(group_sizes))}")
+        for role, group in (("placement", where.group), ("placement's grad_divisor", where.grad_divisor)):
+            if isinstance(group, str) and group not in group_sizes:
+                raise ValueError(f"parameter '{prefix}{name}': {role} names group '{group}'; "
+                                 f"the groups given are {', '.join(sorted(group_sizes))}")
         _check_companions(prefix + name, p.shape, where)
         names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
         names.append(name)
@@ -339,6 +359,7 @@ def plan_unit(
         spec = BufferSpec(
             names=tuple(names), shapes=tuple(p.shape for p in params), dtype=dtype, requires_grad=requires_grad,
             strategy=strategy, placement=where, group_size=group_sizes[where.group],
+            divisor_size=group_sizes[where.grad_divisor] if isinstance(where.grad_divisor, str) else None,
             param_dtype=mixed_precision.param_dtype, main_dtype=mixed_precision.main_dtype,
         )
         spec.layout  # noqa: B018 - computed now, so a policy that cannot cut a parameter fails here

@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer", "shard_units"]
+from ..expert_parallel import ExpertMesh
+from ..token_dispatch import dispatch_and_run
+
+__all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer", "shard_units",
+           "shard_experts"]
 
 INIT_STD = 0.02
 
@@ -288,16 +292,25 @@ class SharedExpertMLP(nn.Module):
 
 class ExpertWeights(nn.Module):
     """Holds one weight per expert as parameters ``weight0``, ``weight1``, … (MCore
-    ``TEGroupedLinear`` naming, global expert index)."""
+    ``TEGroupedLinear`` naming, global expert index). Under expert parallelism only the experts
+    ``local`` of this rank remain, still under their global index."""
 
     def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.local = range(num_experts)
         for e in range(num_experts):
             self.register_parameter(f"weight{e}", _param(out_features, in_features))
 
     def __getitem__(self, e: int) -> torch.Tensor:
         return getattr(self, f"weight{e}")
+
+    def keep_only(self, local: range) -> None:
+        """Drop every expert's weight but those of ``local`` (global indices)."""
+        for e in range(self.num_experts):
+            if e not in local:
+                delattr(self, f"weight{e}")
+        self.local = local
 
 
 class Experts(nn.Module):
@@ -346,6 +359,12 @@ class MoELayer(nn.Module):
     Every expert runs on every forward, on its possibly empty token subset: an empty matmul still
     connects the expert's weights to the graph, so they receive a (zero) gradient, which a sharded
     runtime needs on every rank.
+
+    Under expert parallelism (:meth:`use_expert_parallel`) this rank holds only its experts; routing,
+    aux loss and ``tokens_per_expert`` stay computed on this rank's tokens, exactly as above, and
+    the routed tokens travel to their experts' ranks and back (:mod:`mfsdp_core.token_dispatch`).
+    ``tokens_received`` then counts, per local expert, the rows it processed from the whole EP
+    group.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -362,6 +381,19 @@ class MoELayer(nn.Module):
             self.shared_experts = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.tokens_received: torch.Tensor | None = None
+        self.ep_group = None
+        self.ep_rank = 0
+        self.ep_size = 1
+
+    def use_expert_parallel(self, mesh: ExpertMesh) -> None:
+        """Keep only this rank's experts (``mesh.local_experts``) and dispatch tokens over its EP
+        group. Call before ``fully_shard``."""
+        if self.num_experts % mesh.ep_size:
+            raise ValueError(f"EP size {mesh.ep_size} does not divide the number of experts {self.num_experts}")
+        for weights in (self.experts.linear_fc1, self.experts.linear_fc2):
+            weights.keep_only(mesh.local_experts(self.num_experts))
+        self.ep_group, self.ep_rank, self.ep_size = mesh.ep_group, mesh.ep_rank, mesh.ep_size
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [n, hidden]`` -> (top-k weights ``[n, k]`` fp32, top-k expert indices ``[n, k]``,
@@ -386,11 +418,18 @@ class MoELayer(nn.Module):
         n = x.shape[0]
         top_w, top_idx, dist = self.route(x)
 
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            token, slot = torch.where(top_idx == e)  # tokens in order; possibly empty
-            y = self.experts.expert(e, x[token])
-            out = out.index_add(0, token, y * top_w[token, slot].unsqueeze(-1).to(y.dtype))
+        if self.ep_size > 1:
+            sent = dispatch_and_run(x, top_idx, self.num_experts, self.ep_group, self.ep_rank, self.experts.expert)
+            weights = top_w[sent.token, sent.slot].unsqueeze(-1).to(sent.outputs.dtype)
+            out = torch.zeros_like(x).index_add(0, sent.token, sent.outputs * weights)
+            self.tokens_received = sent.received.sum(0)
+        else:
+            out = torch.zeros_like(x)
+            for e in range(self.num_experts):
+                token, slot = torch.where(top_idx == e)  # tokens in order; possibly empty
+                y = self.experts.expert(e, x[token])
+                out = out.index_add(0, token, y * top_w[token, slot].unsqueeze(-1).to(y.dtype))
+            self.tokens_received = torch.bincount(top_idx.flatten(), minlength=self.num_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
@@ -494,6 +533,17 @@ class GPTModel(nn.Module):
         moe = [layer.mlp.aux_loss for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
         self.aux_loss = torch.stack(moe).sum() if moe else torch.zeros((), device=logits.device)
         return logits
+
+
+def shard_experts(model: GPTModel, mesh: ExpertMesh) -> GPTModel:
+    """Expert parallelism for ``model``: each MoE layer keeps this rank's experts (global names)
+    and dispatches tokens over ``mesh``'s EP group. Build the whole model on every rank from the
+    same seed first, so that every expert starts as in the single-process model; then call this,
+    then ``fully_shard`` with ``mesh.groups`` and ``expert_placement()``."""
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, MoELayer):
+            layer.mlp.use_expert_parallel(mesh)
+    return model
 
 
 def shard_units(model: GPTModel) -> list[nn.Module]:
