@@ -37,11 +37,12 @@ import torch.nn.functional as F
 import mfsdp_ckpt
 from mfsdp_ckpt.listing import list_checkpoints
 from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_core import clip_grad_norm_, describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_core import clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import SyntheticText
+from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
 from mfsdp_core.layout import parse_policy
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_units
+from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_experts, shard_units
 from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
+    p.add_argument("--ep", type=int, default=1, metavar="E",
+                   help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
+                        "the expert count); experts are sharded over the world size / E ranks holding the same ones")
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
     p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
     p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
@@ -91,6 +95,10 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         parse_policy(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        check_expert_parallel(world, args.ep, config.num_experts)
+    except ValueError as e:
+        raise UsageError(f"--ep {args.ep}: {e}") from None
     if args.batch_size % (world * args.micro_batches):
         raise UsageError(
             f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
@@ -127,12 +135,18 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.optim.Optimizer]:
+    mesh = init_expert_mesh(args.ep, config.num_experts) if args.ep > 1 else None
     torch.manual_seed(args.seed)
-    model = GPTModel(config)
+    model = GPTModel(config)  # whole on every rank, so that each expert starts as in one process
+    if mesh is not None:
+        shard_experts(model, mesh)
     if torch.cuda.is_available():
         model = model.cuda()
     for unit in shard_units(model):
-        fully_shard(unit, strategy=args.strategy, policy=args.policy)
+        if mesh is None:
+            fully_shard(unit, strategy=args.strategy, policy=args.policy)
+        else:
+            fully_shard(unit, mesh=mesh.groups, strategy=args.strategy, placement=expert_placement(args.policy))
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optim = torch.optim.AdamW(
@@ -227,9 +241,11 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
         if rank == 0:
             print(f"initialised from the weights of {init_from} (world size {world})", flush=True)
     if rank == 0:
-        n_params = sum(ps.shape.numel() for ps in describe_shards(model))
+        with torch.device("meta"):  # the whole model's count, whichever experts this rank holds
+            n_params = sum(p.numel() for p in GPTModel(config).parameters())
+        ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
         print(f"model {args.model}, {n_params:,} parameters, "
-              f"world size {world}, strategy {args.strategy}, policy {args.policy}", flush=True)
+              f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}", flush=True)
     last = min(args.steps, args.stop_at or args.steps)
     bar = _progress(rank, step, last)
     per_rank = args.batch_size // world

@@ -130,3 +130,19 @@ def test_batch_not_divisible_by_world_size():
     run = _run(None, "--model", "tiny", "--batch-size", "5", "--micro-batches", "2")
     assert run.returncode == 1
     assert "--batch-size 5 must be a multiple of world size x --micro-batches (1 x 2)" in run.stderr
+
+
+def test_bad_expert_parallel_sizes_are_one_line_naming_the_numbers():
+    """--ep is checked against the world size and the expert count before anything is built
+    (WORLD_SIZE alone, without RANK, is what the trainer reads the world size from)."""
+    cases = [
+        (1, ["--model", "tiny-moe", "--ep", "2"], "--ep 2: EP size 2 does not divide the world size 1"),
+        (8, ["--model", "tiny-moe", "--ep", "8", "--batch-size", "8"], "--ep 8: EP size 8 exceeds the number of experts 4"),
+        (6, ["--model", "tiny-moe", "--ep", "3", "--batch-size", "6"], "--ep 3: EP size 3 does not divide the number of experts 4"),
+        (2, ["--model", "tiny", "--ep", "2", "--batch-size", "2"], "--ep 2: EP size 2 needs a model with experts; this one has none"),
+    ]
+    for world, args, message in cases:
+        env = {**ENV, "WORLD_SIZE": str(world)}
+        env.pop("RANK", None)
+        run = subprocess.run(train_cmd(None, *args, "--steps", "1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and run.stderr.strip() == f"error: {message}", (args, run.stderr)
