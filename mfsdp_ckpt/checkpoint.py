@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,39 +23,57 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import rank0_decides, rank_and_world
+from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of
 from mfsdp_core.optim import optimizer_buffers
 from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .chunks import ChunkFiles, coverage_faults
+from .experts import expert_count_problem, expert_counts, experts_entry, gather_objects, merge_param_groups, merge_plans
 from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
-from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, grad_key, model_key, optim_key, rng_key
+from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
 from .metadata_check import entry_faults
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
-from .state import FlatEntry, apply_param_groups, load_targets, save_entries
+from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
 from .staging import check_destination, new_token, partial_path, remove_leftovers, write_file_atomic
 from .storage import CommittingWriter, VerifyingReader
 
 __all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME"]
 
+T = TypeVar("T")
+
 LATEST_NAME = "latest"
 
 
-def _checked_plan(model: nn.Module) -> ModelPlan:
-    """The model's placement plan, refused when a buffer is sharded over a group smaller than the
-    model's data-parallel group: its instances on the other groups hold different values under the
-    same names, and a checkpoint keyed by name would keep only one of them."""
+def _global_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 shards: list) -> tuple[ModelPlan, dict[str, Any] | None, list[dict[str, Any]] | None]:
+    """The plan of the whole model, the manifest's ``writer.experts`` entry (None without expert
+    parallelism) and, when the ranks hold different parameters, the optimizer's groups naming the
+    parameters of every rank (None: this rank's own are complete).
+
+    When every buffer is sharded over the model's data-parallel group, every rank holds every
+    parameter and its plan is the whole one. A buffer over a smaller group (experts over their
+    expert-data-parallel group) exists on each rank only for that rank's parameters: every rank's
+    plan and groups are gathered (one ``all_gather_object``) and merged, refused on every rank
+    alike when one name is held by more ranks than its group has (several instances of one name,
+    which a checkpoint keyed by name cannot keep; see :func:`~mfsdp_ckpt.experts.merge_plans`)."""
     plan = plan_of(model)
     dp = plan.group_sizes.get(DEFAULT_GROUP, 1)
-    for spec in plan.buffers:
-        if plan.group_sizes[spec.placement.group] < dp:
-            raise CheckpointError(
-                f"save: '{spec.fqns[0]}' is placed over group '{spec.placement.group}' "
-                f"({plan.group_sizes[spec.placement.group]} of {dp} ranks), whose instances are different parameters "
-                "under the same names; a canonical checkpoint cannot hold them (give them distinct names)")
-    return plan
+    ep_rank, ep_size = ep_rank_of(model)
+    with_ep = EP_GROUP in plan.group_sizes
+    if all(plan.group_sizes[spec.placement.group] >= dp for spec in plan.buffers):
+        names = [n for spec in plan.buffers for n in spec.fqns]
+        return plan, experts_entry(ep_size, [(ep_rank, names)]) if with_ep else None, None
+    groups = param_groups_state(shards, optimizer) if optimizer is not None else None
+    gathered = gather_objects((plan.to_dict(), ep_rank, groups))
+    merged = ModelPlan.from_dict(merge_plans([p for p, _, _ in gathered]))
+    experts = None
+    if with_ep:
+        experts = experts_entry(ep_size, [(r, [n for b in p["buffers"] for n in b["params"]]) for p, r, _ in gathered])
+    all_groups = merge_param_groups([g for _, _, g in gathered]) if optimizer is not None else None
+    return merged, experts, all_groups
 
 
 def save(
@@ -89,17 +108,20 @@ def save(
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
     # is done): a failure on rank 0 alone would leave the others waiting in dcp.save's first
     # collective
-    plan = _checked_plan(model)
+    shards = describe_shards(model, optimizer)
+    plan, experts, groups = _global_plan(model, optimizer, shards)  # refused before anything is written
     with contextlib.ExitStack() as lock:
         token = rank0_decides(_prepare_destination, final, overwrite, lock)
         tmp = partial_path(final, token)
-        entries = save_entries(describe_shards(model, optimizer), optimizer, include_grads)
+        entries = save_entries(shards, optimizer, include_grads)
+        if groups is not None:
+            entries[PARAM_GROUPS] = groups
         if rank == 0:
             for name, value in (extra or {}).items():
                 entries[extra_key(name)] = value
         entries[rng_key(rank)] = torch.get_rng_state()
         manifest = {
-            "writer": writer_layout(world, plan),
+            "writer": writer_layout(world, plan, experts),
             "model_config": model_config,
             "step": step,
             "include_grads": include_grads,
@@ -270,25 +292,31 @@ def load(
         manifest = read_manifest(directory)
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
+    _check_expert_count(model, saved, directory)
     if optimizer is not None:
         optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
         _ensure_optimizer_state(optimizer)
     shards = describe_shards(model, optimizer)
-    targets_by_key, scalar_objects = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None, strict, directory)
-    saved = metadata.state_dict_metadata
+    targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
+    _agree_on_keys(found, saved, optimizer is not None, strict, directory)
     extra_keys = [key for key in saved if extra_name(key) is not None]
     my_rng = rng_key(rank)
     writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
     rng_state = torch.get_rng_state()
     restore = restore_rng and writer_world == world and my_rng in saved
-    if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
-                        and saved[my_rng].properties.dtype == rng_state.dtype):
-        raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
     groups = optimizer is not None and PARAM_GROUPS in saved
-    if groups and not isinstance(saved[PARAM_GROUPS], BytesStorageMetadata):
-        raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
-    # every entry to read is sound and its bytes are present: checked before allocating anything
-    _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []), *([PARAM_GROUPS] if groups else [])])
+
+    def check_before_reading() -> None:
+        if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
+                            and saved[my_rng].properties.dtype == rng_state.dtype):
+            raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
+        if groups and not isinstance(saved[PARAM_GROUPS], BytesStorageMetadata):
+            raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
+        # every entry to read is sound and its bytes are present: checked before allocating anything
+        _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []), *([PARAM_GROUPS] if groups else [])])
+
+    _agreed(check_before_reading)
     for key in extra_keys:
         md = saved[key]
         targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
@@ -301,16 +329,23 @@ def load(
         dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise _unwrap(e) from None
-    # every rank read and verified everything: what follows changes nothing until all is checked
-    if groups:
+
+    # every rank read and verified everything: what follows changes nothing until all is checked, on every rank
+    def check_after_reading() -> list[dict[str, Any]] | None:
+        if restore:
+            try:
+                torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
+        if not groups:
+            return None
         _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
-    if restore:
-        try:
-            torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
-    if groups:
-        apply_param_groups(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
+        return param_group_updates(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
+
+    updates = _agreed(check_after_reading)
+    if updates is not None:
+        for group, update in zip(optimizer.param_groups, updates):
+            group.update(update)
     with torch.no_grad():
         reader.apply(planner)
         for key, (state, name) in scalar_objects:
@@ -354,10 +389,11 @@ def _check_param_groups(groups: Any, directory: str) -> None:
 
 
 def _plan_targets(
-    targets, metadata: Metadata, with_optimizer: bool, strict: bool, source: str
-) -> tuple[dict[str, Any], list[tuple[str, tuple[dict, str]]]]:
+    targets, metadata: Metadata, with_optimizer: bool
+) -> tuple[dict[str, Any], list[tuple[str, tuple[dict, str]]], "_KeyProblems"]:
     """The destination of every key to read (views of the live state), the non-tensor optimizer
-    scalars to set afterwards, and the strict / shape checks, all before any byte is read."""
+    scalars to set afterwards, and this rank's key and shape problems (which
+    :func:`_agree_on_keys` combines over the ranks), all before any byte is read."""
     saved = metadata.state_dict_metadata
     plan: dict[str, Any] = {}
     scalar_objects: list[tuple[str, tuple[dict, str]]] = []
@@ -414,18 +450,75 @@ def _plan_targets(
                 scalar_objects.append((key, (t.optim_state, name)))
         if t.grad is not None and grad_key(ps.fqn) in saved:
             want(grad_key(ps.fqn), ps.shape, lo, hi, t.grad, required=False)
-    unexpected = []
+    return plan, scalar_objects, _KeyProblems(missing, shape_errors, coverage_errors, ours)
+
+
+@dataclass
+class _KeyProblems:
+    """One rank's view of the keys: what it wants that the checkpoint lacks, shape and coverage
+    problems, and every key it claims (wanted, or stood in for by another)."""
+
+    missing: list[str]
+    shape_errors: list[str]
+    coverage_errors: list[str]
+    claimed: set[str]
+
+
+def _agree_on_keys(found: _KeyProblems, saved: dict[str, Any], with_optimizer: bool, strict: bool, source: str) -> None:
+    """Raise the same :class:`StateMismatchError` on every rank, or none: the ranks' problems are
+    combined (one ``all_gather_object``). A checkpoint key is unexpected only when no rank claims
+    it: under expert parallelism each rank wants only its own experts."""
+    keys = sorted(saved)
+    claimed = bytes(key in found.claimed for key in keys)
+    views = gather_objects((found.missing, found.shape_errors, found.coverage_errors, claimed))
+    anyone = [any(v[3][i] for v in views) for i in range(len(keys))]
+    missing, unexpected = set(), []
     if strict:
+        missing = {k for v in views for k in v[0]}
         prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
-        for key in saved:
-            if key.startswith(prefixes) and key not in ours and key != PARAM_GROUPS:
-                unexpected.append(key)
-    else:
-        missing = []
+        unexpected = [k for k, c in zip(keys, anyone) if k.startswith(prefixes) and not c and k != PARAM_GROUPS]
     raise_key_problems(source, [
         ("missing from the checkpoint", sorted(missing)),
-        ("not in the model/optimizer", sorted(unexpected)),
-        ("shape mismatch", sorted(shape_errors)),
-        ("chunks do not cover the tensor exactly", coverage_errors),
+        ("not in the model/optimizer", unexpected),
+        ("shape mismatch", sorted({e for v in views for e in v[1]})),
+        ("chunks do not cover the tensor exactly", sorted({k for v in views for k in v[2]})),
     ], StateMismatchError)
-    return plan, scalar_objects
+
+
+def _check_expert_count(model: nn.Module, saved: dict[str, Any], source: str) -> None:
+    """Refuse, on every rank and before anything changes, a checkpoint whose number of experts
+    differs from the model's for an expert template both have. The model's experts are counted
+    over the ranks (under expert parallelism each holds some); gathered only when the checkpoint
+    has experts (the same answer on every rank: they read the same metadata)."""
+    stored = expert_counts(name for key in saved if (name := fqn_of_model_key(key)) is not None)
+    if not stored:
+        return
+    mine = expert_counts(plan_of(model).params())
+    model_counts: dict[str, set[int]] = {}
+    for counts in gather_objects(mine):
+        for template, indices in counts.items():
+            model_counts.setdefault(template, set()).update(indices)
+    problem = expert_count_problem(stored, model_counts)
+    if problem is not None:
+        raise StateMismatchError(f"{source}: {problem}")
+
+
+def _agreed(check: Callable[[], T]) -> T:
+    """``check()`` on every rank; when it raises a :class:`CheckpointError` on any rank, every rank
+    raises the first one (in rank order), so that none goes on alone into a collective or changes
+    its state while another gives up."""
+    failure: CheckpointError | None = None
+    failures: list[CheckpointError] = []
+    result = None
+    try:
+        result = check()
+    except CheckpointError as e:
+        failure = e
+    try:
+        failures = [f for f in gather_objects(failure) if f is not None]
+        if failures:
+            raise failures[0]
+    finally:
+        # an exception's traceback holds this frame: break the cycle (see rank0_decides)
+        failure, failures = None, []
+    return result

@@ -37,17 +37,21 @@ FORMAT_VERSION = 2  # 2: the manifest carries manifest_crc32c (and metadata_crc3
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest lists every chunk once (about 150 bytes each)
 
 
-def writer_layout(world_size: int, plan: ModelPlan) -> dict[str, Any]:
+def writer_layout(world_size: int, plan: ModelPlan, experts: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest's ``writer`` entry: the world size, the placement plan (every flat buffer's
     parameters in buffer order with its shapes, strategy, policy, group and divisor: what
-    ``reshard`` computes another layout from), and a one-line-per-kind summary (what ``inspect``
-    shows)."""
+    ``reshard`` computes another layout from; under expert parallelism the merged plan of every
+    rank), a one-line-per-kind summary (what ``inspect`` shows), and with expert parallelism
+    ``experts``: the EP size and the global expert indices each EP rank held."""
     kinds = sorted({(b.strategy.value, str(b.policy), b.placement.group, b.shard_size_ranks) for b in plan.buffers})
-    return {
+    out = {
         "world_size": world_size,
         "buffers": [{"strategy": s, "policy": p, "group": g, "group_size": n} for s, p, g, n in kinds],
         "plan": plan.to_dict(),
     }
+    if experts is not None:
+        out["experts"] = experts
+    return out
 
 
 def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size | None],

@@ -20,7 +20,7 @@ from mfsdp_core.strategy import parse_strategy
 from .errors import CorruptCheckpointError
 from .fs import member_name_problem, shown
 
-__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT"]
+__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT"]
 
 MAX_DEPTH = 32  # nesting of JSON values: a manifest needs 6; deeper ones only exhaust the stack
 MAX_INT = 2**63 - 1  # offsets, lengths, sizes: what a file or a tensor can hold
@@ -183,8 +183,27 @@ def _groups_named(v: dict, at: str) -> None:
 _PLAN = record(required={"group_sizes": dict_of(_COUNT), "buffers": list_of(_BUFFER)}, then=_groups_named)
 _LEGACY_GROUP = record(required={"params": list_of(line), "strategy": _STRATEGY, "policy": _POLICY, "group_size": _COUNT},
                        optional={"is_expert": boolean})
+MAX_EP_SIZE = 1 << 16  # as many EP ranks as a job has ranks (reshard's --world-size bound)
+MAX_EXPERT = 1 << 24  # a global expert index
+
+
+def _experts_placed_once(v: dict, at: str) -> None:
+    """One list of experts per EP rank, and no expert held by two EP ranks."""
+    if len(v["owners"]) != v["ep_size"]:
+        raise _Invalid(_join(at, "owners"), f"{len(v['owners'])} entries for EP size {v['ep_size']}")
+    seen: set[int] = set()
+    for p, experts in enumerate(v["owners"]):
+        for e in experts:
+            if e in seen:
+                raise _Invalid(f"{_join(at, 'owners')}[{p}]", f"expert {e} is listed twice")
+            seen.add(e)
+
+
+_EXPERTS = record(required={"ep_size": integer(1, MAX_EP_SIZE), "owners": list_of(list_of(integer(0, MAX_EXPERT)))},
+                  then=_experts_placed_once)
 _SUMMARY = record(required={"strategy": line, "policy": line, "group_size": _COUNT}, optional={"group": line})
-_WRITER = record(optional={"world_size": _COUNT, "buffers": list_of(_SUMMARY), "plan": _PLAN, "groups": list_of(_LEGACY_GROUP)})
+_WRITER = record(optional={"world_size": _COUNT, "buffers": list_of(_SUMMARY), "plan": _PLAN, "groups": list_of(_LEGACY_GROUP),
+                           "experts": _EXPERTS})
 _CHUNK = record(required={"file": file_name, "offset": integer(), "length": integer(), "crc32c": integer(0, 2**32 - 1)})
 _CRC = integer(0, 2**32 - 1)
 

@@ -22,7 +22,8 @@ from mfsdp_core import ParamShard
 from .boxes import Box, box_view, flat_range_to_boxes
 from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, optim_key
 
-__all__ = ["FlatEntry", "ParamTargets", "save_entries", "load_targets", "param_groups_state", "apply_param_groups"]
+__all__ = ["FlatEntry", "ParamTargets", "save_entries", "load_targets", "param_groups_state", "param_group_updates",
+           "apply_param_groups"]
 
 
 @dataclass
@@ -117,8 +118,11 @@ def param_groups_state(shards: Sequence[ParamShard], optimizer: torch.optim.Opti
     return groups
 
 
-def apply_param_groups(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str) -> None:
-    """Set each group's hyper-parameters from the saved group holding its parameters."""
+def param_group_updates(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]],
+                        source: str) -> list[dict[str, Any]]:
+    """For each of the optimizer's groups, the hyper-parameters of the saved group holding its
+    parameters (by name); :class:`StateMismatchError` when a group's parameters are in no saved
+    group or in several. Changes nothing."""
     from .errors import StateMismatchError
 
     names = _fqn_by_optim_param(shards)
@@ -134,5 +138,14 @@ def apply_param_groups(shards: Sequence[ParamShard], optimizer: torch.optim.Opti
                 + (f" (not in any saved group: {', '.join(missing)})" if missing else " (its parameters are split across saved groups)")
             )
         updates.append({k: v for k, v in saved[found.pop()].items() if k != "params"})
+    return updates
+
+
+def apply_param_groups(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str,
+                       updates: list[dict[str, Any]] | None = None) -> None:
+    """Set each group's hyper-parameters from the saved group holding its parameters
+    (``updates``: what :func:`param_group_updates` already computed from ``saved``)."""
+    if updates is None:
+        updates = param_group_updates(shards, optimizer, saved, source)
     for group, update in zip(optimizer.param_groups, updates):
         group.update(update)
