@@ -169,7 +169,7 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
     sa = _full_state(str(a / "step_000008"), str(tmp_path / "a.pt"))
     sb = _full_state(str(b / "step_000008"), str(tmp_path / "b.pt"))
     assert sorted(sa) == sorted(sb)
-    assert sum("experts.linear_fc1.weight" in k for k in sa if k.startswith("model.")) == 2 * 4  # 2 layers x 4 experts
+    assert sum(".mlp.experts.linear_fc1.weight" in k for k in sa if k.startswith("model.")) == 2 * 4  # 2 layers x 4 experts
     for key in sa:
         if isinstance(sa[key], torch.Tensor):
             assert torch.equal(sa[key], sb[key]), key
