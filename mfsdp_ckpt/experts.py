@@ -209,6 +209,7 @@ def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int, *, strategy:
         by_unit.setdefault(spec.prefix, []).append(spec)
     out: list[tuple[BufferSpec, tuple[int, ...]]] = []
     for specs in by_unit.values():
+        specs = _without_ep(specs)
         experts = [s for s in specs if s.is_expert and s.placement.group in (DEFAULT_GROUP, EDP_GROUP)]
         expert_ids = {id(s) for s in experts}
         placed = False
@@ -219,6 +220,38 @@ def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int, *, strategy:
                 out.extend((spec.resized(edp, strategy=strategy, policy=policy, group_sizes=sizes), ranks)
                            for spec, ranks in _expert_buffers(experts, num, ep_size, edp, sizes))
                 placed = True
+    return out
+
+
+def _subset(spec: BufferSpec, keep: Sequence[int], **changes: Any) -> BufferSpec:
+    """``spec`` with only the parameters at ``keep`` (and ``changes``)."""
+    return dataclasses.replace(spec, names=tuple(spec.names[i] for i in keep), shapes=tuple(spec.shapes[i] for i in keep),
+                               **changes)
+
+
+def _without_ep(specs: list[BufferSpec]) -> list[BufferSpec]:
+    """One unit's buffers as expert parallelism places them, for a plan written without it:
+    an expert buffer over ``dp`` keeps the parameters named by a global expert index (the
+    routed experts); the others (a shared expert, whose name also holds ``experts.``) are dense
+    under expert parallelism and join the unit's dense buffer of the same kind, after its own
+    parameters (registration order: the experts come after the router and before the shared
+    expert), or form one of their own. Buffers over ``edp`` are already placed so."""
+    out = list(specs)
+    for spec in specs:
+        if not (spec.is_expert and spec.placement.group == DEFAULT_GROUP):
+            continue
+        routed = [i for i, n in enumerate(spec.names) if expert_index(n) is not None]
+        rest = [i for i, n in enumerate(spec.names) if expert_index(n) is None]
+        if not rest:
+            continue
+        at = out.index(spec)
+        out[at:at + 1] = [_subset(spec, routed)] if routed else []
+        dense = _subset(spec, rest, placement=dataclasses.replace(spec.placement, expert=False))
+        same = next((i for i, s in enumerate(out) if not s.is_expert and _kind(s) == _kind(dense)), None)
+        if same is None:
+            out.insert(at, dense)
+        else:
+            out[same] = dataclasses.replace(out[same], names=out[same].names + dense.names, shapes=out[same].shapes + dense.shapes)
     return out
 
 

@@ -440,3 +440,70 @@ def test_inspect_shows_the_expert_placement(source, tmp_path):
     assert "  EP rank 1: ranks 1, 3; experts 6-11" in CliRunner().invoke(main, ["inspect", str(tmp_path / "w4_ep2")]).output
     assert inspect_checkpoint(_dense_checkpoint(str(tmp_path / "dense"))).experts is None
     assert "experts " not in CliRunner().invoke(main, ["inspect", str(tmp_path / "dense")]).output
+
+
+def test_reshard_ep_of_an_moe_checkpoint_trained_without_ep(source, tmp_path):
+    """Experts over ``dp`` (no expert mesh) take the expert placement: the same target as from
+    the expert-parallel checkpoint of the same model."""
+    torch.manual_seed(0)
+    model = GPTModel(CFG)
+    for unit in shard_units(model):
+        fully_shard(unit, strategy="optim_grads_params", policy="even")
+    optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    train(model, optim, 0, 1)
+    plain = mfsdp_ckpt.save(str(tmp_path / "plain"), model, optim, update_latest=False)
+    with CheckpointReader(plain) as reader:
+        assert "experts" not in reader.manifest["writer"]
+    code, output = _reshard_cli(plain, str(tmp_path / "plain_w4_ep2"), "--world-size", "4", "--ep", "2")
+    assert code == 0, output
+    code, output = _reshard_cli(source["path"], str(tmp_path / "ep_w4_ep2"), "--world-size", "4", "--ep", "2")
+    assert code == 0, output
+    with CheckpointReader(tmp_path / "plain_w4_ep2") as a, CheckpointReader(tmp_path / "ep_w4_ep2") as b:
+        assert a.manifest["writer"]["plan"] == b.manifest["writer"]["plan"]
+        assert a.manifest["writer"]["experts"] == b.manifest["writer"]["experts"]
+    assert diff_checkpoints(plain, tmp_path / "plain_w4_ep2").equal
+    misplaced = [(k, f, r) for k, pairs in _owner_of_chunks(str(tmp_path / "plain_w4_ep2")).items() for f, r in pairs
+                 if f != f"__{r}_0.distcp"]
+    assert not misplaced, misplaced[:5]
+    # without --ep it stays as it was: experts over dp, no writer.experts
+    code, output = _reshard_cli(plain, str(tmp_path / "plain_w3"), "--world-size", "3")
+    assert code == 0 and "EP size" not in output, output
+    with CheckpointReader(tmp_path / "plain_w3") as reader:
+        assert {b["group"] for b in reader.manifest["writer"]["plan"]["buffers"]} == {"dp"}
+        assert "experts" not in reader.manifest["writer"]
+
+
+# ---- pure parts: the manifest's writer.experts, merged optimizer groups -----------------------
+
+@pytest.mark.parametrize("experts, field, problem", [
+    ({"ep_size": 0, "owners": []}, "writer.experts.ep_size", "outside [1, 65536]"),
+    ({"ep_size": 2, "owners": [[0, 1]]}, "writer.experts.owners", "1 entries for EP size 2"),
+    ({"ep_size": 2, "owners": [[0, 1], [1, 2]]}, "writer.experts.owners[1]", "expert 1 is listed twice"),
+    ({"ep_size": 1, "owners": [[-1]]}, "writer.experts.owners[0][0]", "outside [0, 16777216]"),
+    ({"ep_size": 1, "owners": "all"}, "writer.experts.owners", "expected a list"),
+    ({"ep_size": 1}, "writer.experts.owners", "missing"),
+])
+def test_manifest_schema_bounds_writer_experts(experts, field, problem):
+    from mfsdp_ckpt.manifest_schema import check_manifest
+
+    check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": {"ep_size": 2, "owners": [[0], [1]]}}}, "m")
+    with pytest.raises(mfsdp_ckpt.CorruptCheckpointError) as e:
+        check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": experts}}, "m")
+    assert str(e.value).startswith(f"m: field '{field}': ") and problem in str(e.value), str(e.value)
+
+
+def test_merged_param_groups_name_every_parameter_in_model_order():
+    from mfsdp_ckpt.experts import merge_param_groups
+
+    rank0 = [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},
+             {"lr": 0.2, "params": ["c"]}]
+    rank1 = [{"lr": 0.1, "params": ["a", "x.experts.w2", "x.experts.w3", "x.experts.v2", "x.experts.v3", "b"]},
+             {"lr": 0.2, "params": ["c"]}]
+    merged = merge_param_groups([rank0, rank1])
+    assert merged == [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.w2", "x.experts.w3",
+                                             "x.experts.v0", "x.experts.v1", "x.experts.v2", "x.experts.v3", "b"]},
+                      {"lr": 0.2, "params": ["c"]}]
+    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: the optimizer has 2 parameter group\(s\) on rank 0 but 1 on rank 1"):
+        merge_param_groups([rank0, rank1[:1]])
+    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: optimizer param_groups\[1\] differs between rank 0 and rank 1 in lr"):
+        merge_param_groups([rank0, [rank1[0], {"lr": 0.3, "params": ["c"]}]])
