@@ -248,10 +248,10 @@ def _owner_of_chunks(ckpt: str) -> dict[str, set[tuple[str, int]]]:
             for i, name in enumerate(spec.fqns):
                 if spec.placement.group == "edp":
                     p = owner[int(name[len(name.rstrip("0123456789")):])]
-                    global_rank = lambda k, p=p: k * ep + p  # noqa: E731
+                    global_rank = lambda k, p=p: k * ep + p
                 else:
                     assert spec.placement.group == "dp"
-                    global_rank = lambda k: k  # noqa: E731
+                    global_rank = lambda k: k
                 for key in [k for k in reader.keys() if k == f"model.{name}" or k.startswith(f"optim.{name}.")]:
                     md = reader.metadata.state_dict_metadata[key]
                     if tuple(md.size) != tuple(spec.shapes[i]):
