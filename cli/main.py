@@ -23,7 +23,7 @@ def main(debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def inspect(path: str, as_json: bool) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH."""
-    from mfsdp_ckpt.inspect import GROUPS, inspect_checkpoint
+    from mfsdp_ckpt.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
@@ -37,6 +37,12 @@ def inspect(path: str, as_json: bool) -> None:
                             + (f" ({b['group']})" if b.get("group", "dp") != "dp" else "")
                             for b in info.writer.get("buffers", []))
         click.echo(f"writer      world size {info.writer.get('world_size')}; {layouts}")
+    if info.experts:
+        x = info.experts
+        click.echo(f"experts     EP size {x.ep_size}, {x.num_experts} experts")
+        for p, (ranks, experts) in enumerate(zip(x.ranks, x.experts)):
+            shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+            click.echo(f"  EP rank {p}: ranks {shown}; experts {compact_ranges(experts)}")
     click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
     if info.unknown:
         click.echo(f"unknown     {', '.join(info.unknown)}")
@@ -122,6 +128,8 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--world-size", type=int, required=True, help="ranks of the target job")
+@click.option("--ep", type=int, default=None,
+              help="expert-parallel size of the target job (default: the writer's; 1 without expert parallelism)")
 @click.option("--strategy", default=None, help="no_shard, optim, optim_grads or optim_grads_params (default: the writer's)")
 @click.option("--policy", default=None, help="even, row, block(N) or tensor (default: the writer's)")
 @click.option("--plan-from", default=None, metavar="CKPT",
@@ -131,20 +139,20 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def reshard(src: str, dst: str, world_size: int, strategy: str | None, policy: str | None, plan_from: str | None, model_only: bool,
-            dtype: str | None, workers: int, overwrite: bool, as_json: bool) -> None:
+def reshard(src: str, dst: str, world_size: int, ep: int | None, strategy: str | None, policy: str | None, plan_from: str | None,
+            model_only: bool, dtype: str | None, workers: int, overwrite: bool, as_json: bool) -> None:
     """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
     exactly what that rank reads. Streams one tensor range at a time (bounded memory)."""
     from mfsdp_ckpt.reshard import reshard as run_reshard
 
     result = _run_with_progress("reshard", lambda bar: run_reshard(
-        src, dst, world_size=world_size, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
+        src, dst, world_size=world_size, ep=ep, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
         workers=workers, overwrite=overwrite, progress=bar))
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=1))
         return
     click.echo(f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
-               f"file(s) for world size {result.world_size}")
+               f"file(s) for world size {result.world_size}" + (f", EP size {result.ep_size}" if result.ep_size else ""))
     if result.dropped:
         click.echo(f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})")
 

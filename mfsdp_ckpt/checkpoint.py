@@ -29,8 +29,8 @@ from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .chunks import ChunkFiles, coverage_faults
-from .experts import expert_count_problem, expert_counts, experts_entry, gather_objects, merge_param_groups, merge_plans
 from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
+from .experts import expert_count_problem, expert_counts, experts_entry, gather_objects, merge_param_groups, merge_plans
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
 from .metadata_check import entry_faults
@@ -98,7 +98,10 @@ def save(
     too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_config``
     and ``step`` go into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
     (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
-    remain. Returns the checkpoint directory.
+    remain. Under expert parallelism each rank's experts are stored under their global names,
+    the manifest records the plan merged over all ranks and ``writer.experts`` (which EP rank held
+    which experts), and ``optim.param_groups`` names every rank's parameters. Returns the
+    checkpoint directory.
     """
     _local_only(path, "save")
     rank, world = rank_and_world()
@@ -281,7 +284,9 @@ def load(
     first gets its state created by a learning-rate-0 step, which leaves the parameters as they
     are.) ``require_manifest=False`` admits a stock DCP checkpoint (no ``mfsdp.json``, so no
     checksums). ``restore_rng`` restores each rank's torch RNG state when the checkpoint was
-    written at the same world size.
+    written at the same world size. The ranks agree on every refusal (a key is unexpected only
+    when no rank wants it: under expert parallelism each wants its own experts), so all raise the
+    same error; a checkpoint with another number of experts than the model is refused first.
     """
     _local_only(path, "load")
     rank, world = rank_and_world()
@@ -390,7 +395,7 @@ def _check_param_groups(groups: Any, directory: str) -> None:
 
 def _plan_targets(
     targets, metadata: Metadata, with_optimizer: bool
-) -> tuple[dict[str, Any], list[tuple[str, tuple[dict, str]]], "_KeyProblems"]:
+) -> tuple[dict[str, Any], list[tuple[str, tuple[dict, str]]], _KeyProblems]:
     """The destination of every key to read (views of the live state), the non-tensor optimizer
     scalars to set afterwards, and this rank's key and shape problems (which
     :func:`_agree_on_keys` combines over the ranks), all before any byte is read."""

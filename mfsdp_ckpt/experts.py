@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index, local_experts
+from mfsdp_core.layout import Policy
 from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan
+from mfsdp_core.strategy import Strategy
 
 from .errors import CheckpointError
 
@@ -189,7 +191,8 @@ def num_experts_of(specs: Iterable[BufferSpec]) -> int:
     return sizes.pop() if sizes else 0
 
 
-def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int) -> list[tuple[BufferSpec, tuple[int, ...]]]:
+def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int, *, strategy: Strategy | None = None,
+                    policy: Policy | None = None) -> list[tuple[BufferSpec, tuple[int, ...]]]:
     """Every buffer of ``plan`` as the runtime at (``world_size``, ``ep_size``) builds it, each with
     the global rank of each of its shard ranks: dense buffers over all ranks (shard rank r is
     rank r); per unit, the expert buffers (one per source EP rank) become ``ep_size`` buffers, EP
@@ -197,7 +200,7 @@ def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int) -> list[tupl
     ``p'·N/E' … (p'+1)·N/E' - 1``, over its ``world_size / ep_size`` expert-data-parallel ranks
     (shard rank k is rank ``k·E' + p'``). Expert buffers of a plan without expert parallelism
     (experts over ``dp``) take the expert placement: group ``edp``, gradients divided by ``dp``.
-    The numbers are checked by the caller."""
+    ``strategy`` / ``policy`` replace the writer's. The numbers are checked by the caller."""
     edp = world_size // ep_size
     sizes = {DEFAULT_GROUP: world_size, EP_GROUP: ep_size, EDP_GROUP: edp}
     num = num_experts_of(s for s in plan.buffers if s.is_expert)
@@ -206,15 +209,49 @@ def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int) -> list[tupl
         by_unit.setdefault(spec.prefix, []).append(spec)
     out: list[tuple[BufferSpec, tuple[int, ...]]] = []
     for specs in by_unit.values():
+        specs = _without_ep(specs)
         experts = [s for s in specs if s.is_expert and s.placement.group in (DEFAULT_GROUP, EDP_GROUP)]
         expert_ids = {id(s) for s in experts}
         placed = False
         for spec in specs:
             if id(spec) not in expert_ids:
-                out.append((spec.resized(world_size, group_sizes=sizes), tuple(range(world_size))))
+                out.append((spec.resized(world_size, strategy=strategy, policy=policy, group_sizes=sizes), tuple(range(world_size))))
             elif not placed:  # where the unit's expert buffers begin
-                out.extend(_expert_buffers(experts, num, ep_size, edp, sizes))
+                out.extend((spec.resized(edp, strategy=strategy, policy=policy, group_sizes=sizes), ranks)
+                           for spec, ranks in _expert_buffers(experts, num, ep_size, edp, sizes))
                 placed = True
+    return out
+
+
+def _subset(spec: BufferSpec, keep: Sequence[int], **changes: Any) -> BufferSpec:
+    """``spec`` with only the parameters at ``keep`` (and ``changes``)."""
+    return dataclasses.replace(spec, names=tuple(spec.names[i] for i in keep), shapes=tuple(spec.shapes[i] for i in keep),
+                               **changes)
+
+
+def _without_ep(specs: list[BufferSpec]) -> list[BufferSpec]:
+    """One unit's buffers as expert parallelism places them, for a plan written without it:
+    an expert buffer over ``dp`` keeps the parameters named by a global expert index (the
+    routed experts); the others (a shared expert, whose name also holds ``experts.``) are dense
+    under expert parallelism and join the unit's dense buffer of the same kind, after its own
+    parameters (registration order: the experts come after the router and before the shared
+    expert), or form one of their own. Buffers over ``edp`` are already placed so."""
+    out = list(specs)
+    for spec in specs:
+        if not (spec.is_expert and spec.placement.group == DEFAULT_GROUP):
+            continue
+        routed = [i for i, n in enumerate(spec.names) if expert_index(n) is not None]
+        rest = [i for i, n in enumerate(spec.names) if expert_index(n) is None]
+        if not rest:
+            continue
+        at = out.index(spec)
+        out[at:at + 1] = [_subset(spec, routed)] if routed else []
+        dense = _subset(spec, rest, placement=dataclasses.replace(spec.placement, expert=False))
+        same = next((i for i, s in enumerate(out) if not s.is_expert and _kind(s) == _kind(dense)), None)
+        if same is None:
+            out.insert(at, dense)
+        else:
+            out[same] = dataclasses.replace(out[same], names=out[same].names + dense.names, shapes=out[same].shapes + dense.shapes)
     return out
 
 

@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from . import fs
 from .chunks import ChunkFiles, Fault
 from .errors import NotACheckpointError
+from .experts import ep_owner_ranks
 from .keys import GROUPS, group_of
 from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
 from .metadata_check import entry_faults, orphan_faults
 from .planner import chunk_id
 from .storage import VerifyingReader
 
-__all__ = ["TensorInfo", "CheckpointInfo", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
+__all__ = ["TensorInfo", "CheckpointInfo", "ExpertPlacement", "compact_ranges", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,41 @@ class TensorInfo:
     chunks: int
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts each EP rank of the writer held, and on which global ranks."""
+
+    ep_size: int
+    num_experts: int
+    ranks: list[list[int]]  # per EP rank: the global ranks holding its experts (p, p + E, …)
+    experts: list[list[int]]  # per EP rank: the global indices of its experts
+
+    @classmethod
+    def of_writer(cls, writer: dict[str, Any] | None) -> "ExpertPlacement | None":
+        """From the manifest's ``writer`` entry (None when it records no ``experts``)."""
+        entry = (writer or {}).get("experts")
+        if not entry:
+            return None
+        size, world = entry["ep_size"], (writer or {}).get("world_size") or entry["ep_size"]
+        return cls(size, sum(len(o) for o in entry["owners"]), [ep_owner_ranks(p, size, world) for p in range(size)],
+                   [list(o) for o in entry["owners"]])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ep_size": self.ep_size, "num_experts": self.num_experts,
+                "placement": [{"ep_rank": p, "ranks": r, "experts": e} for p, (r, e) in enumerate(zip(self.ranks, self.experts))]}
+
+
+def compact_ranges(values: list[int]) -> str:
+    """``0-2, 5, 7-8`` for [0, 1, 2, 5, 7, 8] (sorted integers)."""
+    parts: list[str] = []
+    for v in sorted(values):
+        if parts and v == parts[-1][1] + 1:
+            parts[-1][1] = v
+        else:
+            parts.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
+
+
 @dataclass
 class CheckpointInfo:
     path: str
@@ -47,6 +83,7 @@ class CheckpointInfo:
     model_config: dict[str, Any] | None
     tensors: list[TensorInfo] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # what a stock checkpoint cannot tell
+    experts: ExpertPlacement | None = None  # the writer's expert parallelism, if it had any
 
     def totals(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -65,6 +102,7 @@ class CheckpointInfo:
             "writer": self.writer,
             "model_config": self.model_config,
             "unknown": self.unknown,
+            "experts": self.experts.to_json() if self.experts else None,
             "totals": self.totals(),
             "tensors": [t.__dict__ for t in self.tensors],
         }
@@ -97,6 +135,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         step=(manifest or {}).get("step"),
         writer=(manifest or {}).get("writer"),
         model_config=(manifest or {}).get("model_config"),
+        experts=ExpertPlacement.of_writer((manifest or {}).get("writer")),
     )
     if manifest is None:
         info.unknown = ["writer layout", "model config", "step", "checksums (no mfsdp.json)"]

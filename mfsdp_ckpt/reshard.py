@@ -26,12 +26,14 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
+from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
+from .experts import is_expert_buffer, num_experts_of, regroup_experts
 from .keys import fqn_of_model_key, group_of, is_rng, param_of
 from .manifest import MANIFEST_NAME, recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
@@ -50,6 +52,7 @@ class ReshardResult:
     keys: int
     bytes_written: int
     dropped: list[str]  # keys left out (--model-only, RNG states of another world size)
+    ep_size: int | None = None  # the target's EP size (None: no expert parallelism)
 
 
 @dataclass(frozen=True)
@@ -105,32 +108,70 @@ def _source_plan(reader: CheckpointReader, plan_from: str | None) -> ModelPlan:
 
 
 def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy: str | None,
-                 cast: torch.dtype | None) -> tuple[ModelPlan, dict[str, tuple[Layout, int]]]:
-    """The source plan laid out for ``world_size`` ranks (and the strategy / policy asked), and
-    every parameter's target layout and index there."""
-    others = sorted(g for g in {spec.placement.group for spec in plan.buffers} if g != DEFAULT_GROUP)
+                 cast: torch.dtype | None, ep: int | None = None, source_ep: int | None = None,
+                 ) -> tuple[ModelPlan, dict[str, tuple[Layout, int, tuple[int, ...]]], dict[str, Any] | None]:
+    """The source plan laid out for ``world_size`` ranks (and the strategy / policy asked), every
+    parameter's target layout, index there and the global rank of each of its shard ranks, and
+    the target's ``writer.experts`` (None without expert parallelism).
+
+    A plan with expert parallelism (expert buffers over ``edp``), or any plan with experts when
+    ``ep`` > 1, is laid out as the runtime at (``world_size``, ``ep``) builds it
+    (:func:`~mfsdp_ckpt.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
+    EP size. Any other group than ``dp`` and the experts' ``edp`` is refused."""
+    others = sorted(g for g in {spec.placement.group for spec in plan.buffers}
+                    if g != DEFAULT_GROUP and not all(is_expert_buffer(s) for s in plan.buffers if s.placement.group == g))
     if others:
         raise CheckpointError(f"reshard: the plan places buffers over group(s) {', '.join(others)} besides "
                               f"'{DEFAULT_GROUP}'; resharding such plans needs their target sizes, which reshard does not take yet")
     strat = parse_strategy(strategy) if strategy else None
     pol = parse_policy(policy) if policy else None
+    expert_parallel = any(is_expert_buffer(s) for s in plan.buffers)
+    target_ep = ep if ep is not None else (source_ep or 1) if expert_parallel else 1
+    if expert_parallel or target_ep != 1:
+        num = _check_ep(plan, world_size, target_ep, given=ep is not None)
+    if expert_parallel or target_ep > 1:
+        placed = regroup_experts(plan, world_size, target_ep, strategy=strat, policy=pol)
+        sizes = {DEFAULT_GROUP: world_size, EP_GROUP: target_ep, EDP_GROUP: world_size // target_ep}
+        experts = {"ep_size": target_ep, "owners": [list(local_experts(num, target_ep, p)) for p in range(target_ep)]}
+    else:
+        placed = [(spec.resized(world_size, strategy=strat, policy=pol), tuple(range(world_size))) for spec in plan.buffers]
+        sizes, experts = {DEFAULT_GROUP: world_size}, None
     buffers, where = [], {}
-    for spec in plan.buffers:
-        target = spec.resized(world_size, strategy=strat, policy=pol)
-        if cast is not None and spec.dtype.is_floating_point:
+    for target, ranks in placed:
+        if cast is not None and target.dtype.is_floating_point:
             target = dataclasses.replace(target, dtype=cast, param_dtype=cast)
         try:
             layout = target.layout
         except ValueError as e:
             raise CheckpointError(f"--policy: {e}") from None
         for i, name in enumerate(target.fqns):
-            where[name] = (layout, i)
+            where[name] = (layout, i, ranks)
         buffers.append(target)
-    return ModelPlan({DEFAULT_GROUP: world_size}, tuple(buffers)), where
+    return ModelPlan(sizes, tuple(buffers)), where, experts
 
 
-def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int]], *, model_only: bool,
+def _check_ep(plan: ModelPlan, world_size: int, ep: int, given: bool) -> int:
+    """The number of experts, after refusing an EP size that cannot place them over
+    ``world_size`` ranks (one line naming the numbers)."""
+    flag = f"--ep {ep}" if given else f"the source's EP size {ep} (pass --ep)"
+    if ep < 1:
+        raise CheckpointError(f"--ep must be >= 1, got {ep}")
+    if world_size % ep:
+        raise CheckpointError(f"{flag} does not divide --world-size {world_size}")
+    num = num_experts_of(s for s in plan.buffers if s.is_expert)
+    if num == 0:
+        raise CheckpointError(f"{flag}: the checkpoint has no experts (expert parallelism needs them)")
+    if ep > num:
+        raise CheckpointError(f"{flag} exceeds the number of experts in the checkpoint, {num}")
+    if num % ep:
+        raise CheckpointError(f"{flag} does not divide the number of experts in the checkpoint, {num}")
+    return num
+
+
+def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int, tuple[int, ...]]], *, model_only: bool,
                cast: torch.dtype | None, keep_rng: bool) -> tuple[list[_Job], list[str]]:
+    """Every write: each parameter-shaped tensor cut by its target layout, shard rank r's piece
+    into the file of the global rank holding it; everything else whole into file 0."""
     jobs, dropped = [], []
     for key in reader.keys():
         if model_only and group_of(key) in ("optim", "grad"):
@@ -145,14 +186,14 @@ def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int]], 
         key_cast = cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
         itemsize = (key_cast or reader.dtype(key)).itemsize
         name = param_of(key, params)
-        layout, index = params[name] if name is not None else (None, 0)
+        layout, index, ranks = params[name] if name is not None else (None, 0, ())
         if layout is None or reader.shape(key) != torch.Size(layout.shapes[index]):  # e.g. Adam's scalar step
             jobs.append(_Job(key, 0, cast=key_cast, nbytes=reader.shape(key).numel() * itemsize))
             continue
         for r in range(layout.group_size):
             piece = layout.piece(index, r)
             if piece.numel:
-                jobs.append(_Job(key, r, piece.start, piece.end, key_cast, piece.numel * itemsize))
+                jobs.append(_Job(key, ranks[r], piece.start, piece.end, key_cast, piece.numel * itemsize))
     return jobs, dropped
 
 
@@ -250,6 +291,7 @@ def reshard(
     dst: str | os.PathLike,
     *,
     world_size: int,
+    ep: int | None = None,
     strategy: str | None = None,
     policy: str | None = None,
     plan_from: str | os.PathLike | None = None,
@@ -260,7 +302,10 @@ def reshard(
     progress: Callable[[int, int], None] | None = None,
 ) -> ReshardResult:
     """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
-    ``strategy`` / ``policy`` (default: the writer's, per parameter group).
+    ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
+    (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
+    holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
+    the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
 
     ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
     Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
@@ -294,17 +339,20 @@ def reshard(
         if reader.manifest is None:
             raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json: reshard needs a committed mfsdp checkpoint")
         manifest = reader.manifest
-        plan, params = _target_plan(_source_plan(reader, None if plan_from is None else os.fspath(plan_from)),
-                                    world_size, strategy, policy, cast)
+        source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
+        source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
+        plan, params, experts = _target_plan(source_plan, world_size, strategy, policy, cast, ep,
+                                             source_ep or source_plan.group_sizes.get(EP_GROUP))
         source_world = manifest.get("writer", {}).get("world_size")
         jobs, dropped = _plan_jobs(reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size)
         src_dir = reader.directory
     files = max([j.file for j in jobs], default=0) + 1
     out_manifest = {k: v for k, v in manifest.items() if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")}
-    out_manifest["writer"] = writer_layout(world_size, plan)
+    out_manifest["writer"] = writer_layout(world_size, plan, experts)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
     out_manifest["resharded_from"] = {"path": src_dir, "save_id": manifest.get("save_id"), "world_size": source_world,
+                                      "ep_size": source_ep,
                                       "model_only": model_only, "dtype": dtype}
     total = sum(j.nbytes for j in jobs)
     done = 0
@@ -324,4 +372,5 @@ def reshard(
         builder.add_records(records)
         path = builder.commit()
         written = builder.bytes_written
-    return ReshardResult(path, world_size, files, len({j.key for j in jobs}), written, dropped)
+    return ReshardResult(path, world_size, files, len({j.key for j in jobs}), written, dropped,
+                         experts["ep_size"] if experts else None)

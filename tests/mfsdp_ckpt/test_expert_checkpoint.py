@@ -203,7 +203,6 @@ def _at_4_1_then_back_to_4_4(root: str, others: list[str]) -> dict:
     return out
 
 
-@pytest.mark.heavy
 def test_load_at_other_ep_sizes_and_back(ranks, source):
     root, expected = source["root"], source["saved"]
     at = {"w2_ep2": assemble(ranks(_load_and_save, 2, root, 2, timeout=300)),
@@ -219,3 +218,292 @@ def test_load_at_other_ep_sizes_and_back(ranks, source):
             n = 12 // ep
             assert reader.manifest["writer"]["experts"] == {"ep_size": ep, "owners": [list(range(p * n, (p + 1) * n)) for p in range(ep)]}
         assert diff_checkpoints(source["path"], os.path.join(root, name)).equal, name
+
+
+# ---- offline: reshard --ep, then load online -------------------------------------------------
+
+def _reshard_cli(*args: str, subprocess_run: bool = False) -> tuple[int, str]:
+    """``mfsdp-ckpt reshard ARGS``: exit code and output (stdout and stderr)."""
+    if subprocess_run:
+        from tests.torchrun import ENV
+
+        out = subprocess.run([sys.executable, "-m", "cli.main", "reshard", *args], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+        return out.returncode, out.stdout + out.stderr
+    res = CliRunner().invoke(main, ["reshard", *args])
+    return res.exit_code, res.output
+
+
+def _owner_of_chunks(ckpt: str) -> dict[str, set[tuple[str, int]]]:
+    """For every parameter-shaped key: the (file, global rank owning the chunk's first element)
+    pairs of its chunks, from the recorded plan and ``writer.experts``: shard rank k of EP rank
+    p's expert buffer is global rank ``k·E + p``; of a dense buffer, rank k."""
+    with CheckpointReader(ckpt) as reader:
+        writer = reader.manifest["writer"]
+        plan = ModelPlan.from_dict(writer["plan"])
+        ep = writer["experts"]["ep_size"]
+        owner = {e: p for p, experts in enumerate(writer["experts"]["owners"]) for e in experts}
+        out: dict[str, set] = {}
+        for spec in plan.buffers:
+            for i, name in enumerate(spec.fqns):
+                if spec.placement.group == "edp":
+                    p = owner[int(name[len(name.rstrip("0123456789")):])]
+                    global_rank = lambda k, p=p: k * ep + p
+                else:
+                    assert spec.placement.group == "dp"
+                    global_rank = lambda k: k
+                for key in [k for k in reader.keys() if k == f"model.{name}" or k.startswith(f"optim.{name}.")]:
+                    md = reader.metadata.state_dict_metadata[key]
+                    if tuple(md.size) != tuple(spec.shapes[i]):
+                        continue  # AdamW's step
+                    for index, info in reader.metadata.storage_data.items():
+                        if index.fqn == key:
+                            start = sum(o * md.size[d + 1:].numel() for d, o in enumerate(index.offset))
+                            k = next(k for k in range(spec.layout.group_size)
+                                     if spec.layout.piece(i, k).start <= start < spec.layout.piece(i, k).end)
+                            out.setdefault(key, set()).add((info.relative_path, global_rank(k)))
+    return out
+
+
+def _load_resharded(path: str, ep: int, native: str) -> dict:
+    """At (this world, ``ep``): load ``path`` noting the files this rank reads, then save the
+    same state natively at ``native``."""
+    from mfsdp_ckpt import storage
+
+    model, optim = build(ep, seed=11)
+    opened: dict[str, set[str]] = {}
+    original = storage.VerifyingReader.read_data
+
+    def spy(self, plan, planner):
+        for req in plan.items:
+            opened.setdefault(self.storage_data[req.storage_index].relative_path, set()).add(req.storage_index.fqn)
+        return original(self, plan, planner)
+
+    storage.VerifyingReader.read_data = spy
+    try:
+        mfsdp_ckpt.load(path, model, optim)
+    finally:
+        storage.VerifyingReader.read_data = original
+    mfsdp_ckpt.save(native, model, optim, update_latest=False)
+    return {"pieces": pieces(model, optim), "opened": opened}
+
+
+def test_reshard_ep_offline_then_load_online(ranks, source, tmp_path):
+    src = source["path"]
+    for world, ep, via_subprocess in ((4, 2, False), (2, 1, False), (3, 3, True)):
+        dst, native = str(tmp_path / f"w{world}_ep{ep}"), str(tmp_path / f"native_w{world}_ep{ep}")
+        code, output = _reshard_cli(src, dst, "--world-size", str(world), "--ep", str(ep), subprocess_run=via_subprocess)
+        assert code == 0, output
+        assert f"in {world} file(s) for world size {world}, EP size {ep}" in output
+        assert verify_checkpoint(dst) == [] and diff_checkpoints(src, dst).equal
+        n = 12 // ep
+        with CheckpointReader(dst) as reader:
+            writer = reader.manifest["writer"]
+        assert writer["experts"] == {"ep_size": ep, "owners": [list(range(p * n, (p + 1) * n)) for p in range(ep)]}
+        assert writer["plan"]["group_sizes"] == {"dp": world, "ep": ep, "edp": world // ep}
+
+        # every chunk in the file of the target rank owning it; every rank's file used
+        owners = _owner_of_chunks(dst)
+        assert {r for pairs in owners.values() for _, r in pairs} == set(range(world))
+        misplaced = [(key, f, r) for key, pairs in owners.items() for f, r in pairs if f != f"__{r}_0.distcp"]
+        assert not misplaced, misplaced[:5]
+
+        out = ranks(_load_resharded, world, dst, ep, native, timeout=300)
+        assert_same(source["saved"], assemble([o["pieces"] for o in out]), f"resharded to ({world}, {ep})")
+        for r, o in enumerate(out):
+            own = o["opened"].pop(f"__{r}_0.distcp")
+            assert any(k.startswith("model.") and ".experts." in k for k in own), (r, sorted(own)[:5])
+            shared = o["opened"].pop("__0_0.distcp", set())
+            assert not o["opened"], (r, o["opened"].keys())  # no other rank's file
+            assert all(k.startswith("extra.") or k == "optim.param_groups" or k.endswith(".step") for k in shared), shared
+        # the runtime at (world, ep) records the plan reshard computed
+        with CheckpointReader(native) as reader:
+            assert reader.manifest["writer"]["plan"] == writer["plan"]
+            assert reader.manifest["writer"]["experts"] == writer["experts"]
+
+
+def test_reshard_to_the_same_layout_keeps_the_plan(source, tmp_path):
+    code, output = _reshard_cli(source["path"], str(tmp_path / "same"), "--world-size", "4")  # EP size: the writer's
+    assert code == 0, output
+    with CheckpointReader(source["path"]) as a, CheckpointReader(tmp_path / "same") as b:
+        assert a.manifest["writer"] == b.manifest["writer"]
+        assert b.manifest["resharded_from"]["ep_size"] == 4
+
+
+def _dense_checkpoint(path: str) -> str:
+    from tests.mfsdp_ckpt.util import build as build_dense
+
+    model, optim = build_dense("optim_grads_params", "row")
+    mfsdp_ckpt.save(path, model, optim, update_latest=False)
+    return path
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--world-size", "4", "--ep", "3"], "--ep 3 does not divide --world-size 4"),
+    (["--world-size", "10", "--ep", "5"], "--ep 5 does not divide the number of experts in the checkpoint, 12"),
+    (["--world-size", "24", "--ep", "24"], "--ep 24 exceeds the number of experts in the checkpoint, 12"),
+    (["--world-size", "4", "--ep", "0"], "--ep must be >= 1, got 0"),
+    (["--world-size", "2"], "the source's EP size 4 (pass --ep) does not divide --world-size 2"),
+    (["--world-size", "4", "--ep", "2", "--dense"], "--ep 2: the checkpoint has no experts"),
+])
+def test_reshard_refuses_ep_it_cannot_place(source, tmp_path, args, needle):
+    src = source["path"]
+    if "--dense" in args:
+        args = [a for a in args if a != "--dense"]
+        src = _dense_checkpoint(str(tmp_path / "dense"))
+    dst = tmp_path / "out"
+    code, output = _reshard_cli(src, str(dst), *args)
+    assert code == 1, output
+    assert needle in output and len(output.strip().splitlines()) == 1, output
+    assert not dst.exists() and not [n for n in os.listdir(tmp_path) if ".partial-" in n]
+
+
+def test_reshard_refuses_through_a_subprocess(source, tmp_path):
+    code, output = _reshard_cli(source["path"], str(tmp_path / "out"), "--world-size", "6", "--ep", "4", subprocess_run=True)
+    assert code == 1 and output.strip() == "error: --ep 4 does not divide --world-size 6", output
+    assert not (tmp_path / "out").exists()
+
+
+# ---- failed loads: refused alike on every rank, nothing changes ---------------------------------
+
+def _without(src: str, path: str, drop: set[str]) -> str:
+    """A copy of ``src`` without the keys ``drop`` (as a damaged or foreign checkpoint)."""
+    with CheckpointReader(src) as reader:
+        manifest = {k: reader.manifest[k] for k in ("writer", "step", "has_optimizer", "include_grads")}
+        with CheckpointBuilder(path, manifest) as b:
+            for key in reader.keys():
+                if key in drop:
+                    continue
+                value = reader.read(key)
+                if isinstance(value, torch.Tensor):
+                    b.add_tensor(key, value)
+                else:
+                    b.add_object(key, value)
+            b.commit()
+    return path
+
+
+def _failed_loads(src: str, lacking: str) -> dict:
+    out = {}
+    for name, path, config in (("experts", src, dataclasses.replace(CFG, num_experts=6)), ("lacking", lacking, CFG)):
+        model, optim = build(2, seed=3, config=config)
+        train(model, optim, 0, 1)
+        before = state_of(model, optim)
+        try:
+            mfsdp_ckpt.load(path, model, optim)
+            out[name] = "loaded"
+        except mfsdp_ckpt.CheckpointError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        after = state_of(model, optim)
+        out[f"{name}_unchanged"] = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    return out
+
+
+def test_failed_loads_are_refused_alike_and_change_nothing(ranks, source, tmp_path):
+    lacking_key = f"optim.{FC1}11.exp_avg"  # only EP rank 1 (experts 6-11) wants it at (2, 2)
+    lacking = _without(source["path"], str(tmp_path / "lacking"), {lacking_key})
+    out = ranks(_failed_loads, 2, source["path"], lacking, timeout=300)
+    assert out[0] == out[1], out  # every rank raises the same error
+    experts = out[0]["experts"]
+    assert experts.startswith("StateMismatchError: ") and len(experts.splitlines()) == 1
+    assert f"the checkpoint has 12 experts in '{FC1}{{e}}', the model 6" in experts, experts
+    assert out[0]["lacking"] == f"StateMismatchError: {lacking}: missing from the checkpoint: {lacking_key}"
+    assert out[0]["experts_unchanged"] and out[0]["lacking_unchanged"]
+
+
+def test_expert_count_mismatch_without_a_process_group(source):
+    for num in (4, 24):
+        model, optim = build(1, seed=3, config=dataclasses.replace(CFG, num_experts=num))
+        train(model, optim, 0, 1)
+        before = state_of(model, optim)
+        with pytest.raises(mfsdp_ckpt.StateMismatchError) as e:
+            mfsdp_ckpt.load(source["path"], model, optim)
+        assert f"the checkpoint has 12 experts in '{FC1}{{e}}', the model {num}" in str(e.value)
+        after = state_of(model, optim)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# ---- inspect -------------------------------------------------------------------------------
+
+def test_inspect_shows_the_expert_placement(source, tmp_path):
+    res = CliRunner().invoke(main, ["inspect", source["path"]])
+    assert res.exit_code == 0, res.output
+    assert "experts     EP size 4, 12 experts" in res.output
+    for p in range(4):
+        assert f"  EP rank {p}: ranks {p}; experts {3 * p}-{3 * p + 2}" in res.output
+    code, output = _reshard_cli(source["path"], str(tmp_path / "w4_ep2"), "--world-size", "4", "--ep", "2")
+    assert code == 0, output
+    data = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(tmp_path / "w4_ep2")]).output)
+    assert data["experts"] == {"ep_size": 2, "num_experts": 12, "placement": [
+        {"ep_rank": 0, "ranks": [0, 2], "experts": list(range(6))},
+        {"ep_rank": 1, "ranks": [1, 3], "experts": list(range(6, 12))}]}
+    assert "  EP rank 1: ranks 1, 3; experts 6-11" in CliRunner().invoke(main, ["inspect", str(tmp_path / "w4_ep2")]).output
+    assert inspect_checkpoint(_dense_checkpoint(str(tmp_path / "dense"))).experts is None
+    assert "experts " not in CliRunner().invoke(main, ["inspect", str(tmp_path / "dense")]).output
+
+
+def test_reshard_ep_of_an_moe_checkpoint_trained_without_ep(source, tmp_path):
+    """Experts over ``dp`` (no expert mesh) take the expert placement: the same target as from
+    the expert-parallel checkpoint of the same model."""
+    torch.manual_seed(0)
+    model = GPTModel(CFG)
+    for unit in shard_units(model):
+        fully_shard(unit, strategy="optim_grads_params", policy="even")
+    optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    train(model, optim, 0, 1)
+    plain = mfsdp_ckpt.save(str(tmp_path / "plain"), model, optim, update_latest=False)
+    with CheckpointReader(plain) as reader:
+        assert "experts" not in reader.manifest["writer"]
+    code, output = _reshard_cli(plain, str(tmp_path / "plain_w4_ep2"), "--world-size", "4", "--ep", "2")
+    assert code == 0, output
+    code, output = _reshard_cli(source["path"], str(tmp_path / "ep_w4_ep2"), "--world-size", "4", "--ep", "2")
+    assert code == 0, output
+    with CheckpointReader(tmp_path / "plain_w4_ep2") as a, CheckpointReader(tmp_path / "ep_w4_ep2") as b:
+        assert a.manifest["writer"]["plan"] == b.manifest["writer"]["plan"]
+        assert a.manifest["writer"]["experts"] == b.manifest["writer"]["experts"]
+    assert diff_checkpoints(plain, tmp_path / "plain_w4_ep2").equal
+    misplaced = [(k, f, r) for k, pairs in _owner_of_chunks(str(tmp_path / "plain_w4_ep2")).items() for f, r in pairs
+                 if f != f"__{r}_0.distcp"]
+    assert not misplaced, misplaced[:5]
+    # without --ep it stays as it was: experts over dp, no writer.experts
+    code, output = _reshard_cli(plain, str(tmp_path / "plain_w3"), "--world-size", "3")
+    assert code == 0 and "EP size" not in output, output
+    with CheckpointReader(tmp_path / "plain_w3") as reader:
+        assert {b["group"] for b in reader.manifest["writer"]["plan"]["buffers"]} == {"dp"}
+        assert "experts" not in reader.manifest["writer"]
+
+
+# ---- pure parts: the manifest's writer.experts, merged optimizer groups -----------------------
+
+@pytest.mark.parametrize("experts, field, problem", [
+    ({"ep_size": 0, "owners": []}, "writer.experts.ep_size", "outside [1, 65536]"),
+    ({"ep_size": 2, "owners": [[0, 1]]}, "writer.experts.owners", "1 entries for EP size 2"),
+    ({"ep_size": 2, "owners": [[0, 1], [1, 2]]}, "writer.experts.owners[1]", "expert 1 is listed twice"),
+    ({"ep_size": 1, "owners": [[-1]]}, "writer.experts.owners[0][0]", "outside [0, 16777216]"),
+    ({"ep_size": 1, "owners": "all"}, "writer.experts.owners", "expected a list"),
+    ({"ep_size": 1}, "writer.experts.owners", "missing"),
+])
+def test_manifest_schema_bounds_writer_experts(experts, field, problem):
+    from mfsdp_ckpt.manifest_schema import check_manifest
+
+    check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": {"ep_size": 2, "owners": [[0], [1]]}}}, "m")
+    with pytest.raises(mfsdp_ckpt.CorruptCheckpointError) as e:
+        check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": experts}}, "m")
+    assert str(e.value).startswith(f"m: field '{field}': ") and problem in str(e.value), str(e.value)
+
+
+def test_merged_param_groups_name_every_parameter_in_model_order():
+    from mfsdp_ckpt.experts import merge_param_groups
+
+    rank0 = [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},
+             {"lr": 0.2, "params": ["c"]}]
+    rank1 = [{"lr": 0.1, "params": ["a", "x.experts.w2", "x.experts.w3", "x.experts.v2", "x.experts.v3", "b"]},
+             {"lr": 0.2, "params": ["c"]}]
+    merged = merge_param_groups([rank0, rank1])
+    assert merged == [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.w2", "x.experts.w3",
+                                             "x.experts.v0", "x.experts.v1", "x.experts.v2", "x.experts.v3", "b"]},
+                      {"lr": 0.2, "params": ["c"]}]
+    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: the optimizer has 2 parameter group\(s\) on rank 0 but 1 on rank 1"):
+        merge_param_groups([rank0, rank1[:1]])
+    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: optimizer param_groups\[1\] differs between rank 0 and rank 1 in lr"):
+        merge_param_groups([rank0, [rank1[0], {"lr": 0.3, "params": ["c"]}]])

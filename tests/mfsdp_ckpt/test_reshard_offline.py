@@ -309,7 +309,8 @@ def test_bad_input(source, tmp_path):
     _assert_refused([source, dst, "--world-size", "-3"], dst, "--world-size must be >= 1")
     _assert_refused([source, dst, "--world-size", "2", "--policy", "block(32)"], dst, "not a multiple of 32")
     _assert_refused([source, dst, "--world-size", "2", "--strategy", "zero9"], dst, "unknown sharding strategy")
-    _assert_refused([source, dst, "--world-size", "2", "--ep", "2"], dst, "No such option '--ep'", code=2)
+    _assert_refused([source, dst, "--world-size", "2", "--ep", "3"], dst, "--ep 3 does not divide --world-size 2")
+    _assert_refused([source, dst, "--world-size", "2", "--ep", "two"], dst, "not a valid integer", code=2)
     _assert_refused([source, dst, "--world-size", "two"], dst, "not a valid integer", code=2)
     assert not os.path.exists(dst)
 
