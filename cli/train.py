@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -37,13 +38,14 @@ import torch.nn.functional as F
 import mfsdp_ckpt
 from mfsdp_ckpt.listing import list_checkpoints
 from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_core import clip_grad_norm_, fully_shard, fully_shard_optimizer
+from mfsdp_core import MixedPrecision, Placement, clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import SyntheticText
 from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
 from mfsdp_core.layout import parse_policy
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, shard_experts, shard_units
-from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY
+from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, linear_weights, shard_experts, shard_units
+from mfsdp_core.mx import MXFormat
+from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, PlacementFn, placement_fn
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
 
@@ -62,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, metavar="E",
                    help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
                         "the expert count); experts are sharded over the world size / E ranks holding the same ones")
+    p.add_argument("--mxfp8", nargs="?", const="e4m3", default=None, choices=["e4m3", "e5m2"], metavar="ELEMENT",
+                   help="store the transformer layers' linear weights as MXFP8 (elements e4m3, the default, or e5m2): "
+                        "sharded on whole 32-row blocks, quantized locally after each step, gathered as MX planes")
+    p.add_argument("--mx-rule", default="floor", choices=["floor", "rceil"],
+                   help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the model computes in (main params and gradient reduction stay fp32)")
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
     p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
     p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
@@ -142,17 +151,35 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
         shard_experts(model, mesh)
     if torch.cuda.is_available():
         model = model.cuda()
+    place = placement_fn(None, args.policy) if mesh is None else expert_placement(args.policy)
+    if args.mxfp8:
+        place = with_mxfp8(place, linear_weights(model), MXFormat(args.mxfp8, args.mx_rule))
+    mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
     for unit in shard_units(model):
-        if mesh is None:
-            fully_shard(unit, strategy=args.strategy, policy=args.policy)
-        else:
-            fully_shard(unit, mesh=mesh.groups, strategy=args.strategy, placement=expert_placement(args.policy))
+        try:
+            fully_shard(unit, mesh=None if mesh is None else mesh.groups, strategy=args.strategy, placement=place, mixed_precision=mp)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optim = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
     )
     return model, fully_shard_optimizer(optim)
+
+
+def with_mxfp8(place: PlacementFn, weights: list[torch.nn.Parameter], fmt: MXFormat) -> PlacementFn:
+    """``place``, except that ``weights`` become MXFP8 (``block(32)``, the MX planes as
+    companions) over the same group with the same gradient divisor."""
+    marked = {id(p) for p in weights}
+
+    def fn(name: str, param: torch.nn.Parameter) -> Placement:
+        where = place(name, param)
+        if id(param) not in marked:
+            return where
+        return dataclasses.replace(where, policy="block(32)", mx=fmt, companions=())
+
+    return fn
 
 
 def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:

@@ -18,6 +18,11 @@ it; one that straddles the padding between two shards (``row`` / ``block`` layou
 "spill" tensor, reassembled after each all-gather. Companion planes (see
 :class:`~mfsdp_core.plan.Companion`) are stored, derived and gathered the same way, next to the
 compute params.
+
+An MXFP8 buffer (``placement.mx``) gathers its MX planes instead of its weights: the rowwise
+planes to unshard for forward, the columnwise ones for backward, and fills the gathered compute
+params by dequantizing them (:mod:`mfsdp_core.mx_planes`). Its compute shard, which never
+travels, holds the main params cast to the compute dtype, and never aliases them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 
 from . import collectives as C
 from .layout import Layout, Piece
+from .mx_planes import dequantized, orientation_planes
 from .plan import BufferSpec
 
 __all__ = ["FlatParamBuffer"]
@@ -126,13 +132,16 @@ class FlatParamBuffer:
         self.device = params[0].device
 
         S, r = self.layout.shard_size, self.shard_rank
+        self.mx = spec.placement.mx
+        self.orientation = "row"  # of an MX buffer's gathered compute params: "row" (forward) or "col"
         originals = [p.detach().reshape(-1) for p in params]
-        self.plane = _Plane(self.layout, self.compute_dtype, self.device, r, own_shard=spec.strategy.shards_params)
+        own_shard = spec.strategy.shards_params or self.mx is not None
+        self.plane = _Plane(self.layout, self.compute_dtype, self.device, r, own_shard=own_shard)
         for i, flat in enumerate(originals):
             self.plane.fill(i, flat)
-        if spec.strategy.shards_params:
+        if own_shard:
             self.plane.shard.copy_(self.plane.gathered[r * S : (r + 1) * S])
-        if self.main_dtype == self.compute_dtype:
+        if self.main_dtype == self.compute_dtype and self.mx is None:
             self.main = self.shard
         else:  # filled from the original values, not from their low-precision copy
             self.main = torch.zeros(S, dtype=self.main_dtype, device=self.device)
@@ -158,6 +167,8 @@ class FlatParamBuffer:
         self._derive_companions()
         for _, plane in self.companions.values():
             plane.gather(self.shard_group)
+        if self.mx is not None:
+            self._fill_from_mx("row")
         self.reshard()
 
     # ---- views -------------------------------------------------------------------------
@@ -209,14 +220,39 @@ class FlatParamBuffer:
         return storage[pc.shard_offset : pc.shard_offset + pc.numel].view(self.spec.owned_shape(i, self.shard_rank))
 
     # ---- unshard / reshard ---------------------------------------------------------------
-    def unshard(self) -> None:
-        """Gather the full compute parameters (ZeRO-3 only; otherwise they are always there)."""
+    def unshard(self, *, backward: bool = False) -> None:
+        """Gather the full compute parameters (ZeRO-3 only; otherwise they are always there). An
+        MX buffer gathers the planes of the orientation the pass needs (``backward``: columnwise)
+        and dequantizes them into the compute params, also when those are always there."""
+        if self.mx is not None:
+            self._unshard_mx("col" if backward else "row")
+            return
         if self.is_unsharded:
             return
         for plane in self._planes():
             plane.alloc()
             plane.gather(self.shard_group)
         self.is_unsharded = True
+
+    def _unshard_mx(self, orientation: str) -> None:
+        if self.is_unsharded and self.orientation == orientation:
+            return
+        if self.strategy.shards_params:  # else every plane is gathered after each step
+            self.plane.alloc()
+            for name in orientation_planes(orientation):
+                plane = self.companions[name][1]
+                plane.alloc()
+                plane.gather(self.shard_group)
+        self._fill_from_mx(orientation)
+        self.is_unsharded = True
+
+    def _fill_from_mx(self, orientation: str) -> None:
+        """The gathered compute params := the weights the ``orientation`` planes stand for."""
+        data_name, scale_name = orientation_planes(orientation)
+        for i in range(len(self.params)):
+            weight = dequantized(self.companion(i, data_name), self.companion(i, scale_name), orientation)
+            self.plane.fill(i, weight.to(self.compute_dtype).reshape(-1))
+        self.orientation = orientation
 
     def reshard(self) -> None:
         """Free the full compute parameters (ZeRO-3 only)."""
@@ -249,6 +285,9 @@ class FlatParamBuffer:
         if self.main is not self.shard:
             self.shard.copy_(self.main)
         self._derive_companions()
+        if self.mx is not None:
+            self._refresh_mx()
+            return
         for plane in self._planes():
             if self.strategy.shards_params:
                 if self.is_unsharded:  # else the next unshard gathers them
@@ -257,6 +296,20 @@ class FlatParamBuffer:
                 plane.gather(self.shard_group)
             else:  # the shard is a view of the gathered buffer already
                 plane.fill_spills()
+
+    def _refresh_mx(self) -> None:
+        """After new main params: every gathered plane current, and the compute params with them."""
+        if self.strategy.shards_params:
+            if self.is_unsharded:  # else the next unshard gathers the planes it needs
+                self.is_unsharded = False
+                self._unshard_mx(self.orientation)
+            return
+        for _, plane in self.companions.values():
+            if self.layout.group_size > 1:
+                plane.gather(self.shard_group)
+            else:
+                plane.fill_spills()
+        self._fill_from_mx(self.orientation)
 
     # ---- gradients -----------------------------------------------------------------------
     def _reset_pass(self) -> None:

@@ -165,7 +165,7 @@ class ShardedUnit:
         self.context.ensure_callback()
         self.in_backward = True
         for buf in self.buffers:
-            buf.unshard()
+            buf.unshard(backward=True)
 
     def finish_pass(self) -> None:
         for buf in self.buffers:

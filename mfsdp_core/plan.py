@@ -31,6 +31,7 @@ from torch import nn
 from .dtypes import dtype_by_name, dtype_name
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
+from .mx import MXFormat
 from .strategy import Strategy, parse_strategy
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "BufferSpec",
     "ModelPlan",
     "default_is_expert",
+    "mx_placement",
     "placement_fn",
     "plan_unit",
     "plan_model",
@@ -111,9 +113,14 @@ class Placement:
     expert: bool = False
     grad_divisor: int | str | None = None
     companions: tuple[Companion, ...] = ()
+    mx: MXFormat | None = None  # MXFP8: the parameter travels and computes as the MX planes (companions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_policy(self.policy))
+        if self.mx is not None and not self.companions:
+            from .mx_planes import mx_companions
+
+            object.__setattr__(self, "companions", mx_companions(self.mx))
         d = self.grad_divisor
         if isinstance(d, bool) or not (d is None or isinstance(d, str) or (isinstance(d, int) and d >= 1)):
             raise ValueError(f"grad_divisor must be >= 1 or a group name, got {d!r}")
@@ -123,6 +130,12 @@ class Placement:
 
 
 PlacementFn = Callable[[str, nn.Parameter], Placement]
+
+
+def mx_placement(fmt: MXFormat | None = None, policy: str | Policy = "block(32)", **kwargs: Any) -> Placement:
+    """The placement of an MXFP8 weight: sharded on whole 32-row blocks (``policy`` must keep
+    them whole), with its four MX planes as companions (:mod:`mfsdp_core.mx_planes`)."""
+    return Placement(policy, mx=fmt or MXFormat(), **kwargs)
 
 
 def placement_fn(placement: Union[Placement, PlacementFn, None], policy: str | Policy | None) -> PlacementFn:
@@ -265,14 +278,17 @@ class BufferSpec:
             **({"divisor_size": self.divisor_size} if self.divisor_size is not None else {}),
             "is_expert": self.is_expert,
             "companions": [c.to_dict() for c in self.placement.companions],
+            **({"mx": self.placement.mx.to_dict()} if self.placement.mx is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BufferSpec":
         """Inverse of :meth:`to_dict`."""
+        mx = MXFormat.from_dict(d["mx"]) if d.get("mx") is not None else None
         placement = Placement(
             parse_policy(d["policy"]), d.get("group", DEFAULT_GROUP), bool(d.get("is_expert", False)),
-            d.get("grad_divisor"), tuple(Companion.from_dict(c) for c in d.get("companions", ())),
+            d.get("grad_divisor"), () if mx is not None else tuple(Companion.from_dict(c) for c in d.get("companions", ())),
+            mx,
         )
         dtype = dtype_by_name(d["dtype"])
         prefix = f"{d['unit']}." if d.get("unit") else ""
@@ -315,7 +331,11 @@ def _companion_layout(layout: Layout, comp: Companion) -> Layout:
 
 
 def _check_companions(name: str, shape: torch.Size, placement: Placement) -> None:
-    """A companion needs its parameter cut on whole blocks of ``row_divisor`` rows."""
+    """A companion needs its parameter cut on whole blocks of ``row_divisor`` rows; an MXFP8
+    parameter is a matrix whose both dims are multiples of 32."""
+    if placement.mx is not None and (len(shape) != 2 or shape[0] % 32 or shape[1] % 32):
+        raise ValueError(f"parameter '{name}' of shape {tuple(shape)}: MXFP8 needs a 2-D weight whose dims are "
+                         "both multiples of 32 (whole 32-element blocks in both orientations)")
     numel = math.prod(shape)
     _, cols = _as_matrix(shape)
     atom = placement.policy.atom(shape, name)

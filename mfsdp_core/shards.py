@@ -49,7 +49,7 @@ class ParamShard:
     spec: BufferSpec  # the plan of its flat buffer; this parameter is spec.shapes[index]
     index: int
     group_rank: int  # this rank's index in the group the state is sharded over
-    param: FlatShard  # compute weights: the owned range under ZeRO-3, else the whole parameter
+    param: FlatShard  # compute weights: the owned range under ZeRO-3 (and for MX params: main cast), else the whole parameter
     main: FlatShard  # main params, owned range (frozen parameters: their compute weights)
     grad: FlatShard | None  # reduced grads, owned range (ZeRO-1 also keeps replicas of the rest)
     optim: dict[str, FlatShard] = field(default_factory=dict)  # optimizer state shaped like the parameter
@@ -92,7 +92,7 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
         pc = buf.local_piece(i)
         local = slice(pc.shard_offset, pc.shard_offset + pc.numel)
         numel = buf.layout.numels[i]
-        if buf.strategy.shards_params:
+        if buf.strategy.shards_params or buf.mx is not None:  # an MX buffer's gathered params are dequantized planes
             param = FlatShard(pc.start, pc.end, buf.shard[local])
         else:
             param = FlatShard(0, numel, buf.unsharded(i))

@@ -27,7 +27,7 @@ from ..expert_parallel import ExpertMesh
 from ..token_dispatch import dispatch_and_run
 
 __all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer", "shard_units",
-           "shard_experts"]
+           "shard_experts", "linear_weights"]
 
 INIT_STD = 0.02
 
@@ -544,6 +544,20 @@ def shard_experts(model: GPTModel, mesh: ExpertMesh) -> GPTModel:
         if isinstance(layer.mlp, MoELayer):
             layer.mlp.use_expert_parallel(mesh)
     return model
+
+
+def linear_weights(model: GPTModel) -> list[nn.Parameter]:
+    """The weights of the transformer layers' linear projections (QKV, output projection, MLP and
+    expert ``fc1`` / ``fc2``, shared experts'): what ``--mxfp8`` stores as MXFP8. Not the routers
+    (one row per expert), norms, embedding or output layer."""
+    out = []
+    for layer in model.decoder.layers:
+        for module in layer.modules():
+            if isinstance(module, (Linear, LayerNormLinear)):
+                out.append(module.weight)
+            elif isinstance(module, ExpertWeights):
+                out.extend(module[e] for e in module.local)
+    return out
 
 
 def shard_units(model: GPTModel) -> list[nn.Module]:
