@@ -43,6 +43,11 @@ def inspect(path: str, as_json: bool) -> None:
         for p, (ranks, experts) in enumerate(zip(x.ranks, x.experts)):
             shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
             click.echo(f"  EP rank {p}: ranks {shown}; experts {compact_ranges(experts)}")
+    if info.mx:
+        formats = sorted({m.format for m in info.mx})
+        click.echo(f"mx          {len(info.mx)} MXFP8 tensor(s), {', '.join(formats)}, 32-element blocks")
+        for m in info.mx:
+            click.echo(f"  {m.fqn} {'x'.join(map(str, m.shape))} {m.format}: {', '.join(m.planes)}")
     click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
     if info.unknown:
         click.echo(f"unknown     {', '.join(info.unknown)}")

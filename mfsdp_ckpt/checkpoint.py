@@ -34,6 +34,7 @@ from .experts import expert_count_problem, expert_counts, experts_entry, gather_
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
 from .metadata_check import entry_faults
+from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
@@ -304,7 +305,12 @@ def load(
         _ensure_optimizer_state(optimizer)
     shards = describe_shards(model, optimizer)
     targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
+    mx, mx_problems = mx_targets(shards, saved)
+    found.shape_errors.extend(mx_problems)
     _agree_on_keys(found, saved, optimizer is not None, strict, directory)
+    main_entries = {t.main_key: targets_by_key[t.main_key] for t in mx if t.main_key in targets_by_key}
+    for t in mx:
+        targets_by_key.update(t.planes.values())
     extra_keys = [key for key in saved if extra_name(key) is not None]
     my_rng = rng_key(rank)
     writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
@@ -337,6 +343,7 @@ def load(
 
     # every rank read and verified everything: what follows changes nothing until all is checked, on every rank
     def check_after_reading() -> list[dict[str, Any]] | None:
+        check_planes(mx, reader, main_entries, directory)
         if restore:
             try:
                 torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
@@ -356,6 +363,9 @@ def load(
         for key, (state, name) in scalar_objects:
             state[name] = planner.objects[key]
     refresh_compute_params(model)
+    with torch.no_grad():
+        if write_planes(mx):  # planes that cannot be derived exactly: as saved
+            refresh_compute_params(model, derive_companions=False)
     if restore:
         torch.set_rng_state(targets_by_key[my_rng])
     extras = {name: v for k, v in targets_by_key.items() if (name := extra_name(k)) is not None}

@@ -19,7 +19,7 @@ from . import fs
 from .chunks import ChunkFiles, Fault
 from .errors import NotACheckpointError
 from .experts import ep_owner_ranks
-from .keys import GROUPS, group_of
+from .keys import GROUPS, group_of, mx_plane_of
 from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
 from .metadata_check import entry_faults, orphan_faults
 from .planner import chunk_id
@@ -73,6 +73,46 @@ def compact_ranges(values: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
+@dataclass(frozen=True)
+class MXInfo:
+    """One MXFP8 parameter: its name, shape, element format and scale rule (None: not recorded,
+    a checkpoint without a manifest), and the planes stored for it."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    element: str | None
+    rule: str | None
+    planes: tuple[str, ...]
+
+    @property
+    def format(self) -> str:
+        return f"mxfp8 {self.element or '?'} {self.rule or '?'}"
+
+
+def mx_tensors(writer: dict[str, Any] | None, keys: dict[str, Any]) -> list[MXInfo]:
+    """The MXFP8 parameters of a checkpoint: those whose ``mx.<fqn>.<plane>`` keys it holds, with
+    the format the writer's plan records for them."""
+    planes: dict[str, list[str]] = {}
+    for key in keys:
+        found = mx_plane_of(key)
+        if found is not None:
+            planes.setdefault(found[0], []).append(found[1])
+    formats = {}
+    for buf in ((writer or {}).get("plan") or {}).get("buffers", []):
+        mx = buf.get("mx")
+        if isinstance(mx, dict):
+            for name, shape in zip(buf.get("params", []), buf.get("shapes", [])):
+                formats[name] = (mx.get("element"), mx.get("rule"), tuple(shape))
+    out = []
+    for fqn in sorted(planes):
+        element, rule, shape = formats.get(fqn, (None, None, ()))
+        md = keys.get(f"model.{fqn}")
+        if not shape and isinstance(md, TensorStorageMetadata):
+            shape = tuple(md.size)
+        out.append(MXInfo(fqn, shape, element, rule, tuple(sorted(planes[fqn]))))
+    return out
+
+
 @dataclass
 class CheckpointInfo:
     path: str
@@ -84,6 +124,7 @@ class CheckpointInfo:
     tensors: list[TensorInfo] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # what a stock checkpoint cannot tell
     experts: ExpertPlacement | None = None  # the writer's expert parallelism, if it had any
+    mx: list[MXInfo] = field(default_factory=list)  # MXFP8 parameters (with their planes)
 
     def totals(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -103,6 +144,8 @@ class CheckpointInfo:
             "model_config": self.model_config,
             "unknown": self.unknown,
             "experts": self.experts.to_json() if self.experts else None,
+            "mx": [{"fqn": m.fqn, "shape": list(m.shape), "element": m.element, "rule": m.rule, "planes": list(m.planes)}
+                   for m in self.mx],
             "totals": self.totals(),
             "tensors": [t.__dict__ for t in self.tensors],
         }
@@ -136,6 +179,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         writer=(manifest or {}).get("writer"),
         model_config=(manifest or {}).get("model_config"),
         experts=ExpertPlacement.of_writer((manifest or {}).get("writer")),
+        mx=mx_tensors((manifest or {}).get("writer"), metadata.state_dict_metadata),
     )
     if manifest is None:
         info.unknown = ["writer layout", "model config", "step", "checksums (no mfsdp.json)"]

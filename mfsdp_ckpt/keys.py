@@ -17,7 +17,7 @@ from typing import Container
 
 __all__ = [
     "GROUPS", "PARAM_GROUPS", "MAIN_PARAM", "RNG_PREFIX", "model_key", "optim_key", "grad_key", "extra_key",
-    "rng_key", "group_of", "is_rng", "param_of", "extra_name", "fqn_of_model_key",
+    "rng_key", "group_of", "is_rng", "param_of", "extra_name", "fqn_of_model_key", "mx_key", "mx_plane_of",
 ]
 
 GROUPS = ("model", "optim", "grad", "mx", "extra")
@@ -36,6 +36,18 @@ def optim_key(fqn: str, state: str) -> str:
 
 def grad_key(fqn: str) -> str:
     return f"grad.{fqn}"
+
+
+def mx_key(fqn: str, plane: str) -> str:
+    return f"mx.{fqn}.{plane}"
+
+
+def mx_plane_of(key: str) -> tuple[str, str] | None:
+    """``(fqn, plane)`` of ``mx.<fqn>.<plane>``, else None."""
+    if not key.startswith("mx.") or key.count(".") < 2:
+        return None
+    fqn, plane = key[len("mx.") :].rsplit(".", 1)
+    return fqn, plane
 
 
 def extra_key(name: str) -> str:

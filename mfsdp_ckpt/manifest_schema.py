@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from mfsdp_core.dtypes import dtype_by_name
 from mfsdp_core.layout import parse_policy
+from mfsdp_core.mx import ELEMENTS as MX_ELEMENTS, RULES as MX_RULES
 from mfsdp_core.strategy import parse_strategy
 
 from .errors import CorruptCheckpointError
@@ -161,11 +162,22 @@ def _divisor(v: Any, at: str) -> None:
 
 
 _COMPANION = record(required={"name": line, "dtype": _DTYPE, "row_divisor": _COUNT, "col_divisor": _COUNT})
+
+
+def _choice(*allowed: str) -> Check:
+    def check(v: Any, at: str) -> None:
+        line(v, at)
+        if v not in allowed:
+            raise _Invalid(at, f"{shown(v)} is not one of {', '.join(allowed)}")
+    return check
+
+
+_MX = record(required={"element": _choice(*MX_ELEMENTS), "rule": _choice(*MX_RULES)})
 _BUFFER = record(
     required={"params": list_of(line), "shapes": list_of(list_of(integer())), "dtype": _DTYPE, "strategy": _STRATEGY,
               "policy": _POLICY, "group_size": _COUNT},
     optional={"unit": nullable(line), "param_dtype": _DTYPE, "main_dtype": _DTYPE, "requires_grad": boolean,
-              "group": line, "grad_divisor": _divisor, "divisor_size": _COUNT, "is_expert": boolean, "companions": list_of(_COMPANION)},
+              "group": line, "grad_divisor": _divisor, "divisor_size": _COUNT, "is_expert": boolean, "companions": list_of(_COMPANION), "mx": _MX},
     then=_same_length("params", "shapes"),
 )
 

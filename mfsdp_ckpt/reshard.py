@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
-from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
+from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan, check_companions
 from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
 from .experts import is_expert_buffer, num_experts_of, regroup_experts
-from .keys import fqn_of_model_key, group_of, is_rng, param_of
+from .keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from .manifest import MANIFEST_NAME, recorded_plan, writer_layout
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
@@ -146,6 +146,13 @@ def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy:
             raise CheckpointError(f"--policy: {e}") from None
         for i, name in enumerate(target.fqns):
             where[name] = (layout, i, ranks)
+            if target.placement.mx is not None:
+                try:
+                    check_companions(name, target.shapes[i], target.placement)
+                except ValueError as e:
+                    raise CheckpointError(f"--policy {policy}: {e}") from None
+                for plane, plane_layout in target.companion_layouts.items():  # MX planes: cut on the same blocks
+                    where[mx_key(name, plane)] = (plane_layout, i, ranks)
         buffers.append(target)
     return ModelPlan(sizes, tuple(buffers)), where, experts
 
@@ -186,7 +193,8 @@ def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int, tu
         key_cast = cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
         itemsize = (key_cast or reader.dtype(key)).itemsize
         name = param_of(key, params)
-        layout, index, ranks = params[name] if name is not None else (None, 0, ())
+        placed = params[name] if name is not None else params.get(key) if mx_plane_of(key) else None
+        layout, index, ranks = placed if placed is not None else (None, 0, ())
         if layout is None or reader.shape(key) != torch.Size(layout.shapes[index]):  # e.g. Adam's scalar step
             jobs.append(_Job(key, 0, cast=key_cast, nbytes=reader.shape(key).numel() * itemsize))
             continue

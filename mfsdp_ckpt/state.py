@@ -4,7 +4,7 @@ The canonical state is a flat dict: ``model.<fqn>`` weights in the model's dtype
 ``optim.<fqn>.<state>`` for every per-parameter optimizer state the optimizer keeps (plus
 ``optim.<fqn>.main_param`` when the main params are in another dtype than the weights),
 ``optim.param_groups`` (hyper-parameters, parameters named, never indexed), ``grad.<fqn>`` when
-asked, and ``extra.*`` (spellings: :mod:`mfsdp_ckpt.keys`). Sharded values are
+asked, ``mx.<fqn>.<plane>`` for the four planes of an MXFP8 parameter, and ``extra.*`` (spellings: :mod:`mfsdp_ckpt.keys`). Sharded values are
 :class:`FlatEntry`: one rank's contiguous flat range of the logical tensor, read from / written to
 the runtime's storage through the shard description (``mfsdp_core.describe_shards``), which the
 caller computes once per save or load.
@@ -20,9 +20,9 @@ import torch
 from mfsdp_core import ParamShard
 
 from .boxes import Box, box_view, flat_range_to_boxes
-from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, optim_key
+from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, mx_key, optim_key
 
-__all__ = ["FlatEntry", "ParamTargets", "save_entries", "load_targets", "param_groups_state", "param_group_updates",
+__all__ = ["FlatEntry", "ParamTargets", "mx_planes", "save_entries", "load_targets", "param_groups_state", "param_group_updates",
            "apply_param_groups"]
 
 
@@ -68,9 +68,19 @@ def save_entries(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer 
                 out[optim_key(ps.fqn, name)] = value
         if include_grads and ps.grad is not None:
             out[grad_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
+        for name, (shape, plane) in mx_planes(ps).items():
+            out[mx_key(ps.fqn, name)] = FlatEntry(shape, plane.start, plane.end, plane.tensor)
     if optimizer is not None:
         out[PARAM_GROUPS] = param_groups_state(shards, optimizer)
     return out
+
+
+def mx_planes(ps: ParamShard) -> dict[str, tuple[torch.Size, Any]]:
+    """An MXFP8 parameter's planes on this rank: name -> (the plane's full shape, its owned range
+    (a ``FlatShard``: whole 32-row blocks of the parameter)); empty for other parameters."""
+    if ps.spec.placement.mx is None:
+        return {}
+    return {c.name: (c.shape(ps.shape), ps.companions[c.name]) for c in ps.spec.placement.companions}
 
 
 @dataclass

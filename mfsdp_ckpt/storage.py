@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
+from .boxes import box_view
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import METADATA_NAME, completed, metadata_checksum_problem, write_manifest
@@ -151,6 +152,17 @@ class VerifyingReader(FileSystemReader):
         for req, piece in self.pending:
             if req.dest_index.fqn == fqn:
                 _narrow(out, req.dest_offsets, req.lengths).copy_(piece)
+        return out
+
+    def preview_flat(self, key: str, entry: Any) -> torch.Tensor:
+        """A copy of a :class:`~mfsdp_ckpt.state.FlatEntry` target's tensor holding what
+        :meth:`apply` would copy into it (its boxes, in the load planner's order)."""
+        out = entry.tensor.detach().clone()
+        boxes = entry.boxes()
+        for req, piece in self.pending:
+            if req.dest_index.fqn == key:
+                view = box_view(out, entry.start, boxes[req.dest_index.index])
+                _narrow(view, req.dest_offsets, req.lengths).copy_(piece)
         return out
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

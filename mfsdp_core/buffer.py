@@ -278,13 +278,14 @@ class FlatParamBuffer:
                 plane.shard[cpc.shard_offset : cpc.shard_offset + cpc.numel].copy_(comp.derive(rows.float()).reshape(-1))
 
     @torch.no_grad()
-    def refresh_compute_params(self) -> None:
-        """Copy the main params into the compute params (cast), derive the companion planes, and
-        make every rank's full compute params current: after an optimizer step, or after a
-        checkpoint load."""
+    def refresh_compute_params(self, *, derive_companions: bool = True) -> None:
+        """Copy the main params into the compute params (cast), derive the companion planes
+        (unless told they were written already), and make every rank's full compute params
+        current: after an optimizer step, or after a checkpoint load."""
         if self.main is not self.shard:
             self.shard.copy_(self.main)
-        self._derive_companions()
+        if derive_companions:
+            self._derive_companions()
         if self.mx is not None:
             self._refresh_mx()
             return

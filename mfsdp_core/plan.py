@@ -44,6 +44,7 @@ __all__ = [
     "BufferSpec",
     "ModelPlan",
     "default_is_expert",
+    "check_companions",
     "mx_placement",
     "placement_fn",
     "plan_unit",
@@ -330,7 +331,7 @@ def _companion_layout(layout: Layout, comp: Companion) -> Layout:
     return Layout(shapes, layout.group_size, layout.policy, layout.order, tuple(bounds), shard)
 
 
-def _check_companions(name: str, shape: torch.Size, placement: Placement) -> None:
+def check_companions(name: str, shape: torch.Size, placement: Placement) -> None:
     """A companion needs its parameter cut on whole blocks of ``row_divisor`` rows; an MXFP8
     parameter is a matrix whose both dims are multiples of 32."""
     if placement.mx is not None and (len(shape) != 2 or shape[0] % 32 or shape[1] % 32):
@@ -370,7 +371,7 @@ def plan_unit(
             if isinstance(group, str) and group not in group_sizes:
                 raise ValueError(f"parameter '{prefix}{name}': {role} names group '{group}'; "
                                  f"the groups given are {', '.join(sorted(group_sizes))}")
-        _check_companions(prefix + name, p.shape, where)
+        check_companions(prefix + name, p.shape, where)
         names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
         names.append(name)
         params.append(p)

@@ -137,7 +137,9 @@ def describe_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     return [ps for buf in buffers_of(module) for ps in _param_shards(buf, optimizer)]
 
 
-def refresh_compute_params(module: nn.Module) -> None:
-    """After writing main params in place (a checkpoint load), make the compute params follow."""
+def refresh_compute_params(module: nn.Module, *, derive_companions: bool = True) -> None:
+    """After writing main params in place (a checkpoint load), make the compute params follow.
+    ``derive_companions=False`` keeps the companion planes as written into their owned ranges
+    (e.g. MX planes loaded from a checkpoint) instead of deriving them from the main params."""
     for buf in buffers_of(module):
-        buf.refresh_compute_params()
+        buf.refresh_compute_params(derive_companions=derive_companions)
