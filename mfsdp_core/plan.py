@@ -340,6 +340,9 @@ def check_companions(name: str, shape: torch.Size, placement: Placement) -> None
     numel = math.prod(shape)
     _, cols = _as_matrix(shape)
     atom = placement.policy.atom(shape, name)
+    if placement.mx is not None and numel and atom != numel and atom % (32 * cols):
+        raise ValueError(f"parameter '{name}': policy {placement.policy} can split its 32-row blocks, which MXFP8 "
+                         "keeps whole on one rank (use block(32) or tensor)")
     for comp in placement.companions:
         if numel and atom != numel and atom % (comp.row_divisor * cols):
             raise ValueError(f"parameter '{name}': policy {placement.policy} cuts it inside blocks of "
