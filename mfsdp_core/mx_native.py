@@ -17,7 +17,7 @@ wait forever, so this loader first takes an ``fcntl.flock`` on ``<dir>.flock`` (
 kernel when a process dies), and while holding it removes a baton nobody can hold any more.
 
 rceil needs a table measured from ``torch.log2`` (see ``csrc/mx_cast.cpp`` and the docstring of
-``mfsdp_core.mx``); ``rceil_table()`` builds and checks it once per process.
+``mfsdp_core.mx``); ``rceil_table(device)`` measures and checks it once per process and device.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _LOCK_TIMEOUT_S = 1800.0  # a first build takes ~1 min; ranks wait for it rather
 
 _modules: dict[str, ModuleType | None] = {}
 _reasons: dict[str, str] = {}
-_table: torch.Tensor | None = None
+_tables: dict[str, torch.Tensor] = {}
 
 
 def source_dir() -> Path:
@@ -136,7 +136,7 @@ def load(device: str = "cpu") -> ModuleType | None:
     if reason is None:
         try:
             module = _build(device)
-            rceil_table()
+            rceil_table(device)
         except Exception as e:  # a build failure must never break the caller: it falls back
             module, reason = None, _first_line(e)
     _modules[device] = module
@@ -145,15 +145,15 @@ def load(device: str = "cpu") -> ModuleType | None:
     return module
 
 
-def rceil_table() -> torch.Tensor:
-    """int32[256]: for each float32 exponent field E of ``d = amax / max`` (1..254), the largest
+def rceil_table(device: str = "cpu") -> torch.Tensor:
+    """int32[256] on ``device``: for each float32 exponent field E of ``d = amax / max`` (1..254), the largest
     mantissa m for which float32 ``ceil(log2(d))`` still equals E - 127 (torch.log2 rounds
     log2(2^e · (1 + m·2^-23)) to e for small m); entry 0 is the same for subnormal d just above
-    2^-127, counted from mantissa 2^22. Measured from ``torch.log2`` once per process and checked
-    to be a threshold (every m up to it rounds down, every m above rounds up)."""
-    global _table
-    if _table is not None:
-        return _table
+    2^-127, counted from mantissa 2^22. Measured from ``torch.log2`` on that device (CPU and GPU
+    log2 may round differently) once per process, and checked to be a threshold (every m up to it
+    rounds down, every m above rounds up)."""
+    if device in _tables:
+        return _tables[device]
     span = 4096  # beyond ~100 ulps above 2^e, log2(d) - e exceeds any 1-ulp error of log2
     m = torch.arange(span, dtype=torch.int64)
     exps = torch.arange(256, dtype=torch.int64)
@@ -161,7 +161,7 @@ def rceil_table() -> torch.Tensor:
     bits[0] = (1 << 22) + m  # subnormals from 2^-127 up
     bits[255] = 0  # unused row (inf / NaN exponent field)
     d = bits.to(torch.int32).view(torch.float32)
-    up = torch.ceil(torch.log2(d)).to(torch.int64)
+    up = torch.ceil(torch.log2(d.to(device))).to(torch.int64).cpu()
     low = (exps - 127).clamp(min=-127)[:, None]
     down = up == low  # rounds to the power of two below (or is exactly it)
     table = torch.zeros(256, dtype=torch.int32)
@@ -171,14 +171,14 @@ def rceil_table() -> torch.Tensor:
         if n == 0 or bool(row[n:].any()) or bool((up[e, n:] != low[e] + 1).any()):
             raise RuntimeError(f"torch.log2 near 2^{e - 127} is not a clean threshold; rceil table unusable")
         table[e] = n - 1
-    _table = table
-    return table
+    _tables[device] = table.to(device)
+    return _tables[device]
 
 
 def quantize(kernel: ModuleType, x: torch.Tensor, fmt: MXFormat, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a loaded kernel; same contract as ``mfsdp_core.mx.quantize_reference`` (inputs checked there)."""
     elem = 0 if fmt.element == "e4m3" else 1
     rule = 0 if fmt.rule == "floor" else 1
-    thr = rceil_table().to(x.device)
+    thr = rceil_table(x.device.type)
     data, scale = kernel.quantize(x, elem, rule, axis == "col", thr)
     return data.view(fmt.dtype), scale.view(torch.float8_e8m0fnu)
