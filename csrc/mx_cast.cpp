@@ -57,18 +57,20 @@ struct Elem {
 template <bool E4M3>
 inline uint8_t clamp_cast(float v) {
   using T = Elem<E4M3>;
+  // |v|'s bits fit in 31 bits, so signed int32 arithmetic and compares are exact here; they keep
+  // the loop vectorizable on plain SSE2 (which has no unsigned 32-bit compare or min).
   uint32_t u = bits_of(v);
   uint32_t sign = u & 0x80000000u;
-  uint32_t a = u ^ sign;
-  uint32_t is_nan = a > 0x7F800000u;
-  a = a > T::max_bits ? T::max_bits : a;  // saturate (inf included); NaN is selected below
-  uint32_t den = bits_of(float_of(a) + float_of(T::denorm_mask)) - T::denorm_mask;
-  uint32_t odd = (a >> T::mant_shift) & 1u;
-  uint32_t nor = (a + T::exp_adjust + T::round_bias + odd) >> T::mant_shift;
-  uint32_t r = a < T::denorm_thresh ? den : nor;
-  if (E4M3) r = r == 0x7Fu ? 0x7Eu : r;  // never reached after the clamp; kept as in c10
-  r = is_nan ? 0x7Fu : r;
-  return (uint8_t)((r & 0xFFu) | (sign >> 24));
+  int32_t a = (int32_t)(u ^ sign);
+  int32_t is_nan = a > 0x7F800000;
+  a = a > (int32_t)T::max_bits ? (int32_t)T::max_bits : a;  // saturate (inf included); NaN is selected below
+  int32_t den = (int32_t)(bits_of(float_of((uint32_t)a) + float_of(T::denorm_mask)) - T::denorm_mask);
+  int32_t odd = (a >> T::mant_shift) & 1;
+  int32_t nor = (int32_t)(((uint32_t)a + T::exp_adjust + T::round_bias + (uint32_t)odd) >> T::mant_shift);
+  int32_t r = a < (int32_t)T::denorm_thresh ? den : nor;
+  if (E4M3) r = r == 0x7F ? 0x7E : r;  // never reached after the clamp; kept as in c10
+  r = is_nan ? 0x7F : r;
+  return (uint8_t)((uint32_t)(r & 0xFF) | (sign >> 24));
 }
 
 // Scale byte and factor of a block from the bits of its amax (already |x|, NaN above inf).
