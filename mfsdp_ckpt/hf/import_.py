@@ -175,6 +175,11 @@ def import_(
     HF dtype and the model config in the manifest (``model_config``), ready for
     ``python -m cli.train --init-from`` or :func:`mfsdp_ckpt.load` at any world size.
 
+    An MXFP8 directory (``quantization_config`` of ``quant_method "mxfp8"`` with our ``mfsdp_mx``
+    record, as ``export(..., mode="mx")`` writes it) becomes an MX checkpoint: each quantized
+    weight + ``weight_scale_inv`` pair dequantized into an fp32 ``model.<fqn>``, its four
+    ``mx.<fqn>.*`` planes derived again with the recorded format, and MX placements in the plan.
+
     ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. Every HF
     tensor must be consumed exactly once and every parameter of the model written exactly once;
     otherwise a :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and nothing is
