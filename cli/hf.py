@@ -18,15 +18,25 @@ from mfsdp_core.dtypes import CAST_CHOICES
 @click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None,
               help="dtype of the exported tensors; default: the checkpoint's")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)")
+@click.option("--from-mx", "from_mx", is_flag=True,
+              help="MXFP8 checkpoints: export the MX weights as their dequantized rowwise planes (what the model "
+                   "computed with) instead of the fp32 main params")
+@click.option("--mx", "mx", is_flag=True,
+              help="MXFP8 checkpoints: export the MX weights raw (weight F8_E4M3/F8_E5M2 + weight_scale_inv F8_E8M0, "
+                   "transformers' mxfp8 quantization_config); other tensors as usual")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, overwrite: bool, as_json: bool) -> None:
+def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, from_mx: bool, mx: bool,
+              overwrite: bool, as_json: bool) -> None:
     """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
     (safetensors shards, index, config.json), loadable by transformers."""
     from mfsdp_ckpt.hf import export
 
+    if from_mx and mx:
+        raise click.UsageError("--from-mx and --mx exclude each other")
+    mode = "mx" if mx else "from-mx" if from_mx else "weights"
     result = _run_with_progress("export-hf", lambda bar: export(
-        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar))
+        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar, mode=mode))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

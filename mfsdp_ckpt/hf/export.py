@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
 from .. import fs
 from ..errors import CheckpointError, ConversionError, raise_key_problems
@@ -35,9 +36,10 @@ from ..staging import check_destination, commit_directory, fsync_dir, make_parti
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
+from .mx import E8M0, SCALE_SUFFIX, MXParam, check_rows_only, module_of, mx_params, quantization_config, scale_name, single_format, split_rows
 from .registry import get_architecture, infer_architecture
 
-__all__ = ["export", "ExportResult"]
+__all__ = ["export", "ExportResult", "MODES"]
 
 Progress = Callable[[int, int], None]
 
@@ -57,14 +59,25 @@ class ExportResult:
         return dict(self.__dict__)
 
 
+#: what an item reads and how it makes its HF tensors
+PLAIN, DEQUANT, RAW = "plain", "dequant", "raw"
+#: export modes: the weights (fp32 main params when present), the dequantized rowwise MX planes,
+#: or the MX planes themselves
+MODES = ("weights", "from-mx", "mx")
+
+
 @dataclass
 class _Item:
-    """One conversion in the plan: the checkpoint key it reads and the HF tensors it writes."""
+    """One conversion in the plan: the checkpoint keys it reads (one weight, or an MX parameter's
+    rowwise data and scale), how (``PLAIN``: split and cast; ``DEQUANT``: dequantize the rowwise
+    planes, split and cast; ``RAW``: split data and scale alike, write them as they are) and the
+    HF tensors it writes, in file order."""
 
     conv: Conversion
-    source: str
+    sources: tuple[str, ...]
     outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]
     nbytes: int
+    kind: str = PLAIN
 
 
 @dataclass
@@ -73,6 +86,7 @@ class _Plan:
     config: GPTConfig
     shards: list[list[_Item]] = field(default_factory=list)
     dtype: torch.dtype = torch.float32
+    quantization: dict[str, Any] | None = None  # config.json's quantization_config (MX exports)
 
 
 def _model_config(reader: CheckpointReader, source: str) -> GPTConfig:
@@ -85,9 +99,68 @@ def _model_config(reader: CheckpointReader, source: str) -> GPTConfig:
         raise ConversionError(f"{source}: model_config in the manifest is not ours: {e}") from None
 
 
-def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: torch.dtype | None, max_bytes: int) -> _Plan:
+def _nbytes(outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in outputs)
+
+
+def _mx_for_mode(reader: CheckpointReader, source: str, mode: str) -> dict[str, MXParam]:
+    """The checkpoint's MX parameters (by model key) when ``mode`` reads MX planes; refuses a
+    checkpoint without any. The plain export needs none (it reads the weights)."""
+    if mode not in MODES:
+        raise ConversionError(f"export mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "weights":
+        return {}
+    mx = mx_params(reader, source)
+    if not mx:
+        raise ConversionError(f"{source}: --{mode} needs MX planes (mx.<fqn>.rowwise_data / rowwise_scale); "
+                              "this checkpoint has none")
+    return mx
+
+
+def _item(reader: CheckpointReader, keys: set[str], conv: Conversion, shape: torch.Size, cfg: GPTConfig,
+          dtype: torch.dtype | None, mx: MXParam | None, mode: str, checked: set) -> _Item:
+    """The plan of one conversion. The weights: the fp32 main params where the checkpoint holds
+    them (``optim.<fqn>.main_param``: a model computing in bf16, MX ones included), else the
+    weights themselves. ``from-mx``: an MX parameter's rowwise planes, dequantized (what the model
+    computed with). ``mx``: those planes as they are, data and scale split alike by the rule
+    (refused, naming the tensor, unless the rule only moves whole rows; ``checked`` remembers the
+    (rule, shape) pairs already proven)."""
+    their_shapes = [tuple(s) for s in conv.rule.their_shapes(shape, cfg)]
+    if mx is not None and mode == "mx":
+        if (conv.rule, tuple(shape)) not in checked:
+            check_rows_only(conv, shape, cfg)
+            checked.add((conv.rule, tuple(shape)))
+        outs = []
+        for name, (m, k) in zip(conv.theirs, their_shapes):
+            outs += [(name, MXFormat(mx.element).dtype, (m, k)), (scale_name(name), E8M0, (m, k // BLOCK))]
+        return _Item(conv, (mx.key("rowwise_data"), mx.key("rowwise_scale")), outs, _nbytes(outs), RAW)
+    out_dtype = dtype or reader.dtype(conv.ours)
+    outs = [(name, out_dtype, s) for name, s in zip(conv.theirs, their_shapes)]
+    if mx is not None and mode == "from-mx":
+        return _Item(conv, (mx.key("rowwise_data"), mx.key("rowwise_scale")), outs, _nbytes(outs), DEQUANT)
+    main = optim_key(fqn_of_model_key(conv.ours), MAIN_PARAM)  # bf16 training keeps the fp32 master weights here: read those
+    src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shape else conv.ours
+    return _Item(conv, (src,), outs, _nbytes(outs))
+
+
+def _quantization(items: list[_Item], fmt: MXFormat) -> dict[str, Any]:
+    """The ``quantization_config`` of an MX export: the HF modules whose weights are MX, and
+    those of every other matrix (embedding, output layer, routers), which stay unquantized."""
+    quantized, other = [], []
+    for item in items:
+        for name, _, shape in item.outputs:
+            if item.kind == RAW and not name.endswith(SCALE_SUFFIX):
+                quantized.append(module_of(name))
+            elif item.kind != RAW and len(shape) == 2 and name.endswith(".weight"):
+                other.append(module_of(name))
+    return quantization_config(fmt, quantized, other)
+
+
+def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: torch.dtype | None, max_bytes: int,
+          mode: str = "weights") -> _Plan:
     """Everything an export will do, from metadata; raises naming every missing, unexpected or
-    misshapen key before anything is written."""
+    misshapen key (and, for MX modes, every MX parameter that cannot be exported) before anything
+    is written."""
     cfg = _model_config(reader, source)
     arch = get_architecture(arch_name) if arch_name else infer_architecture(cfg, reader.manifest, source)
     problems = arch.unsupported(cfg)
@@ -106,17 +179,15 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
         ("shape mismatch", misshapen),
     ], ConversionError)
 
-    keys = set(reader.keys())
-    items = []
-    for conv in conversions:
-        main = optim_key(fqn_of_model_key(conv.ours), MAIN_PARAM)  # bf16 training keeps the fp32 master weights here: read those
-        src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shapes[conv.ours] else conv.ours
-        out_dtype = dtype or reader.dtype(conv.ours)
-        outs = [(name, out_dtype, tuple(shape)) for name, shape in zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg))]
-        nbytes = sum(torch.Size(s).numel() for _, _, s in outs) * torch.empty((), dtype=out_dtype).element_size()
-        items.append(_Item(conv, src, outs, nbytes))
-
-    plan = _Plan(arch, cfg, dtype=dtype or Counter(reader.dtype(c.ours) for c in conversions).most_common(1)[0][0])
+    mx = _mx_for_mode(reader, source, mode)
+    fmt = single_format(mx, source) if mode == "mx" else None
+    keys, checked = set(reader.keys()), set()
+    items = [_item(reader, keys, conv, shapes[conv.ours], cfg, dtype, mx.get(conv.ours), mode, checked) for conv in conversions]
+    # config.json's torch_dtype: that of the unquantized tensors
+    plain = [c.ours for c in conversions if not (mode == "mx" and c.ours in mx)] or [c.ours for c in conversions]
+    plan = _Plan(arch, cfg, dtype=dtype or Counter(reader.dtype(k) for k in plain).most_common(1)[0][0])
+    if fmt is not None:
+        plan.quantization = _quantization(items, fmt)
     current: list[_Item] = []
     size = 0
     for item in items:  # greedy, in HF key order; one conversion's tensors stay in one file
@@ -127,10 +198,10 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
         size += item.nbytes
     if current:
         plan.shards.append(current)
-    sources = Counter(item.source for shard in plan.shards for item in shard)
+    sources = Counter(src for shard in plan.shards for item in shard for src in item.sources)
     targets = Counter(name for shard in plan.shards for item in shard for name, _, _ in item.outputs)
     twice = sorted([k for k, n in sources.items() if n != 1] + [k for k, n in targets.items() if n != 1])
-    if twice or len(sources) != len(shapes):
+    if twice or sum(1 for shard in plan.shards for _ in shard) != len(shapes):
         raise ConversionError(f"{source}: the export plan reads or writes these keys more than once: {', '.join(twice)}")
     return plan
 
@@ -147,6 +218,17 @@ def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], loc
         raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
 
 
+def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig) -> list[torch.Tensor]:
+    """The HF tensors of one item, in the order of its outputs (each read is crc32c-checked)."""
+    if item.kind == PLAIN:
+        return item.conv.rule.split(reader.read(item.sources[0]), cfg)
+    data, scale = (reader.read(k) for k in item.sources)
+    if item.kind == DEQUANT:
+        return item.conv.rule.split(dequantize(data, scale, "row"), cfg)
+    pairs = zip(split_rows(item.conv, data, cfg), split_rows(item.conv, scale, cfg))
+    return [t.contiguous() for pair in pairs for t in pair]
+
+
 def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
     """Write this rank's shard files; check each source it was given was read exactly once."""
     n = len(plan.shards)
@@ -159,10 +241,8 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
         writer = SafetensorsWriter(os.path.join(tmp, shard_name(s + 1, n)), entries, {"format": "pt"})
         try:
             for item in plan.shards[s]:
-                tensor = reader.read(item.source)  # chunks straight into place, each crc32c-checked
-                consumed[item.source] += 1
-                pieces = item.conv.rule.split(tensor, plan.config)
-                del tensor
+                pieces = _pieces(reader, item, plan.config)
+                consumed.update(item.sources)
                 for (name, dtype, _), piece in zip(item.outputs, pieces):
                     writer.write(name, piece.to(dtype))
                 del pieces
@@ -173,14 +253,15 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
         except BaseException:
             writer.abort()
             raise
-    expected = Counter(item.source for s in mine for item in plan.shards[s])
+    expected = Counter(src for s in mine for item in plan.shards[s] for src in item.sources)
     if consumed != expected:
         wrong = sorted(k for k in set(consumed) | set(expected) if consumed[k] != 1)
         raise ConversionError(f"rank {rank}: these checkpoint keys were not read exactly once: {', '.join(wrong)}")
 
 
 def _hf_config(plan: _Plan) -> dict[str, Any]:
-    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype)}
+    quantization = {"quantization_config": plan.quantization} if plan.quantization is not None else {}
+    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype), **quantization}
 
 
 def _finish(plan: _Plan, tmp: str) -> None:
@@ -212,6 +293,7 @@ def export(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: Progress | None = None,
+    mode: str = "weights",
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
@@ -221,6 +303,12 @@ def export(
     checkpoint was imported from, else the only one that can express the model config. ``dtype``:
     ``bfloat16`` / ``float16`` / ``float32`` (default: the checkpoint's). Where the checkpoint
     holds fp32 master weights (``optim.<fqn>.main_param``, bf16 training) they are the source.
+
+    ``mode`` (MXFP8 checkpoints, see docs/hf.md): ``"weights"`` (default) exports the weights as
+    above, MX ones included; ``"from-mx"`` exports each MX parameter's rowwise planes dequantized
+    (what the model computed with), cast to ``dtype``; ``"mx"`` exports them raw: ``…weight`` in
+    F8_E4M3 / F8_E5M2 and ``…weight_scale_inv`` in F8_E8M0, with a ``quantization_config``
+    (transformers' ``mxfp8``) in ``config.json``; every other tensor as in ``"weights"``.
 
     Collective when ``torch.distributed`` is initialised: every rank calls it with the same
     arguments and writes the shard files ``i`` with ``i % world == rank``; rank 0 writes the index
@@ -241,7 +329,7 @@ def export(
     check_destination(final, overwrite=overwrite, kind="hf", sources=sources)  # refuse early, on every rank
     max_bytes = parse_size(max_shard_size)
     with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
-        return _export(reader, plan=_plan(reader, source, arch, dtype, max_bytes), final=final, overwrite=overwrite,
+        return _export(reader, plan=_plan(reader, source, arch, dtype, max_bytes, mode), final=final, overwrite=overwrite,
                        sources=sources, lock=lock, progress=progress, start=start)
 
 

@@ -35,11 +35,32 @@ from ..errors import ConversionError
 from ..write_errors import reporting
 
 __all__ = [
-    "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter", "HFTensor", "HFDirectory", "read_json_file",
+    "hf_safetensors_name", "hf_dtype_from_safetensors", "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter",
+    "HFTensor", "HFDirectory", "read_json_file",
     "check_shard_name", "parse_safetensors_header", "short_repr", "MAX_HEADER_BYTES", "MAX_JSON_BYTES",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+
+#: dtypes the bridge reads and writes beyond ``mfsdp_core.dtypes``' table, which lists only what
+#: ``safetensors.torch.load`` round-trips: F8_E8M0 (MX scales) is written by safetensors and read
+#: by ``safe_open`` (what transformers uses), and our own writer and header parser handle it.
+_EXTRA_SAFETENSORS = {"F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
+_EXTRA_SAFETENSORS = {k: v for k, v in _EXTRA_SAFETENSORS.items() if isinstance(v, torch.dtype)}
+
+
+def hf_safetensors_name(dtype: torch.dtype) -> str | None:
+    """The safetensors header name of ``dtype`` in an HF directory (``mfsdp_core.dtypes``' name,
+    or F8_E8M0 for ``torch.float8_e8m0fnu``); None if there is none."""
+    name = safetensors_name(dtype)
+    if name is None:
+        name = next((k for k, v in _EXTRA_SAFETENSORS.items() if v == dtype), None)
+    return name
+
+
+def hf_dtype_from_safetensors(name: str) -> torch.dtype | None:
+    """Inverse of :func:`hf_safetensors_name`; None for a name the bridge does not read."""
+    return dtype_from_safetensors(name) or _EXTRA_SAFETENSORS.get(name)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -75,7 +96,7 @@ class SafetensorsWriter:
         self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
         offset = 0
         for name, dtype, shape in entries:
-            st_name = safetensors_name(dtype)
+            st_name = hf_safetensors_name(dtype)
             if st_name is None:
                 raise ConversionError(f"{path}: tensor '{name}': dtype {dtype} has no safetensors name")
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -288,7 +309,7 @@ def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, t
     Checked, each failure one :class:`ConversionError` line naming the file and the tensor: the
     8-byte length (at most :data:`MAX_HEADER_BYTES` and inside the file); the header is a UTF-8
     JSON object without repeated names or NaN; ``__metadata__`` maps strings to strings; every
-    name is printable; every entry has a dtype of our table (:mod:`mfsdp_core.dtypes`), a shape
+    name is printable; every entry has a dtype of our table (:mod:`mfsdp_core.dtypes`, or F8_E8M0), a shape
     of non-negative integers, and ``data_offsets`` ``[begin, end]`` whose span is exactly the
     shape's bytes; and the tensors tile the data section: no overlap, no gap, nothing after the
     last (what the ``safetensors`` library requires too, so a file we accept it reads the same)."""
@@ -337,7 +358,7 @@ def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, t
         st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(st_dtype, str):
             raise ConversionError(f"{where}: dtype must be a string, got {short_repr(st_dtype)}")
-        dtype = dtype_from_safetensors(st_dtype)
+        dtype = hf_dtype_from_safetensors(st_dtype)
         if dtype is None:
             raise ConversionError(f"{where}: unsupported dtype {short_repr(st_dtype)}")
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM

@@ -16,21 +16,24 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from mfsdp_core.dtypes import safetensors_name
 from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_core.mx import BLOCK, MXFormat, MXNativeUnavailableWarning, dequantize, quantize
+from mfsdp_core.mx_planes import ORIENTATIONS
 
 from ..errors import ConversionError, raise_key_problems
 from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .config import model_type_of
-from .files import HFDirectory, HFTensor
-from .mapping import Architecture, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
+from .files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
+from .mapping import Architecture, Conversion, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
+from .mx import E8M0, EXTENSION, fqn_of, module_of, mx_key, mx_plan, parse_quantization_config, scale_name
 from .registry import architecture_of_hf_config, architectures, get_architecture
 
 __all__ = ["import_", "ImportResult"]
@@ -68,6 +71,85 @@ def check_counts_against_files(architecture: Architecture, cfg: GPTConfig, confi
 
 
 @dataclass
+class _MXLayout:
+    """What an MX directory's ``quantization_config`` makes of the mapping: the format, the
+    conversions (canonical keys) whose HF weights are all quantized, and the shape each of their
+    ``weight_scale_inv`` tensors must have."""
+
+    fmt: MXFormat | None = None
+    quantized: set[str] = field(default_factory=set)
+    scale_shapes: dict[str, torch.Size] = field(default_factory=dict)
+
+
+def _mx_layout(hf: HFDirectory, conversions: list[Conversion], shapes: dict[str, torch.Size],
+               planned: dict[str, torch.Size]) -> _MXLayout:
+    """Read ``quantization_config`` (none: nothing is MX) and check the quantized weights against
+    it and the files, before anything is read: every quantized module has an HF weight in the
+    mapping; a canonical tensor's HF pieces are all quantized or none; its shape is MX-able
+    ([M, K], both multiples of 32, as the runtime needs for both orientations); each quantized
+    weight is in the recorded element dtype, with a ``weight_scale_inv`` in F8_E8M0 of shape
+    [M, K/32]. Each refusal is one line naming the file and the tensor (or config field)."""
+    config_path = os.path.join(hf.path, "config.json")
+    if hf.config.get("quantization_config") is None:
+        return _MXLayout()
+    fmt, modules = parse_quantization_config(hf.config["quantization_config"], config_path)
+    out = _MXLayout(fmt)
+    field_name = f"{config_path}: quantization_config.{EXTENSION}.quantized_modules"
+    unknown = sorted(m for m in modules if f"{m}.weight" not in planned)
+    if unknown:
+        raise ConversionError(f"{field_name} names {short_repr(unknown[0])}, which has no weight in this mapping")
+    for conv in conversions:
+        flags = [t.endswith(".weight") and module_of(t) in modules for t in conv.theirs]
+        if not any(flags):
+            continue
+        if not all(flags):
+            raise ConversionError(f"{field_name}: {', '.join(t for t, f in zip(conv.theirs, flags) if not f)} not quantized "
+                                  f"but {', '.join(t for t, f in zip(conv.theirs, flags) if f)} are (one tensor, {conv.ours})")
+        shape = shapes[conv.ours]
+        if len(shape) != 2 or shape[0] % BLOCK or shape[1] % BLOCK:
+            raise ConversionError(f"{field_name}: {conv.theirs[0]} is quantized but {conv.ours} {tuple(shape)} cannot be MX "
+                                  f"(both dimensions must be multiples of {BLOCK})")
+        out.quantized.add(conv.ours)
+        for key in conv.theirs:
+            _check_mx_pair(hf, key, planned[key], fmt)
+            out.scale_shapes[scale_name(key)] = torch.Size((planned[key][0], planned[key][1] // BLOCK))
+    return out
+
+
+def _check_mx_pair(hf: HFDirectory, key: str, shape: torch.Size, fmt: MXFormat) -> None:
+    """One quantized HF weight and its scale tensor, against the recorded format (see
+    :func:`_mx_layout`); a missing weight is left to the general check, which names it."""
+    weight = hf.tensors.get(key)
+    if weight is None:
+        return
+    where = os.path.join(hf.path, weight.file)
+    if weight.dtype != fmt.dtype:
+        raise ConversionError(f"{where}: tensor {key!r} is {hf_safetensors_name(weight.dtype)}; quantization_config says "
+                              f"MX {fmt.element} ({hf_safetensors_name(fmt.dtype)})")
+    name = scale_name(key)
+    scale = hf.tensors.get(name)
+    if scale is None:
+        raise ConversionError(f"{where}: quantized tensor {key!r} has no {name!r} (its MX scales)")
+    where = os.path.join(hf.path, scale.file)
+    if scale.dtype != E8M0:
+        raise ConversionError(f"{where}: tensor {name!r} is {hf_safetensors_name(scale.dtype)}, expected F8_E8M0 (MX scales)")
+    want = torch.Size((shape[0], shape[1] // BLOCK))
+    if scale.shape != want:
+        raise ConversionError(f"{where}: tensor {name!r} has shape {tuple(scale.shape)}, expected {tuple(want)} "
+                              f"(one scale per 32 elements of each row of {key!r} {tuple(shape)})")
+
+
+def _add_planes(builder: CheckpointBuilder, fqn: str, weight: torch.Tensor, fmt: MXFormat) -> None:
+    """The four MX planes of ``weight`` (fp32 ``[M, K]``), as the runtime derives them."""
+    with warnings.catch_warnings():  # the native cast and the reference give the same bytes
+        warnings.simplefilter("ignore", MXNativeUnavailableWarning)
+        for axis, (data_plane, scale_plane) in ORIENTATIONS.items():
+            data, scale = quantize(weight, fmt, axis)
+            builder.add_tensor(mx_key(fqn, data_plane), data)
+            builder.add_tensor(mx_key(fqn, scale_plane), scale)
+
+
+@dataclass
 class ImportResult:
     path: str
     architecture: str
@@ -92,6 +174,11 @@ def import_(
     not) into a committed canonical checkpoint at ``checkpoint``: ``model.<fqn>`` weights in their
     HF dtype and the model config in the manifest (``model_config``), ready for
     ``python -m cli.train --init-from`` or :func:`mfsdp_ckpt.load` at any world size.
+
+    An MXFP8 directory (``quantization_config`` of ``quant_method "mxfp8"`` with our ``mfsdp_mx``
+    record, as ``export(..., mode="mx")`` writes it) becomes an MX checkpoint: each quantized
+    weight + ``weight_scale_inv`` pair dequantized into an fp32 ``model.<fqn>``, its four
+    ``mx.<fqn>.*`` planes derived again with the recorded format, and MX placements in the plan.
 
     ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. Every HF
     tensor must be consumed exactly once and every parameter of the model written exactly once;
@@ -122,24 +209,28 @@ def import_(
         planned: dict[str, torch.Size] = {}
         for conv in conversions:
             planned.update(zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg)))
-        missing = sorted(set(planned) - set(present))
-        unexpected = sorted(set(present) - set(planned))
-        misshapen = sorted(f"{k} (file {tuple(present[k].shape)}, config {tuple(planned[k])})"
-                           for k in set(planned) & set(present) if present[k].shape != planned[k])
+        mx = _mx_layout(hf, conversions, shapes, planned)  # MX exports: the quantized conversions and their scales
+        expected = {**planned, **mx.scale_shapes}
+        missing = sorted(set(expected) - set(present))
+        unexpected = sorted(set(present) - set(expected))
+        misshapen = sorted(f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
+                           for k in set(expected) & set(present) if present[k].shape != expected[k])
         mixed = sorted(conv.ours for conv in conversions
                        if len({present[k].dtype for k in conv.theirs if k in present}) > 1)
         # every parameter of our model is floating-point: an integer / bool dtype over one is a
-        # relabelled header (the same bytes would be read as numbers of another kind), not weights
-        not_floating = sorted(f"{k} ({safetensors_name(present[k].dtype)} in {present[k].file})"
-                              for k in set(planned) & set(present) if not present[k].dtype.is_floating_point)
+        # relabelled header (the same bytes would be read as numbers of another kind), not weights;
+        # nor is E8M0 (powers of two only: MX scales, which travel next to their weights)
+        not_floating = sorted(f"{k} ({hf_safetensors_name(present[k].dtype)} in {present[k].file})"
+                              for k in set(planned) & set(present)
+                              if not present[k].dtype.is_floating_point or present[k].dtype == E8M0)
         raise_key_problems(source, [
             ("missing tensors", missing),
             (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
             ("shape mismatch", misshapen),
             ("pieces of one tensor in different dtypes", mixed),
-            ("integer / bool dtype where the model has floating-point weights", not_floating),
+            ("integer / bool / E8M0 dtype where the model has floating-point weights", not_floating),
         ], ConversionError)
-        plan = default_plan(cfg, model)
+        plan = mx_plan(cfg, model, {fqn_of(k): mx.fmt for k in mx.quantized}) if mx.quantized else default_plan(cfg, model)
         del model
 
         manifest = {
@@ -152,7 +243,7 @@ def import_(
             "converted_from": source,
             "hf": {"architecture": architecture.name, "model_type": model_type_of(hf.config, source)},
         }
-        total = sum(present[k].shape.numel() * present[k].dtype.itemsize for k in planned)
+        total = sum(present[k].shape.numel() * present[k].dtype.itemsize for k in expected)
         done = 0
         consumed: Counter[str] = Counter()
         written: Counter[str] = Counter()
@@ -163,12 +254,19 @@ def import_(
                     pieces.append(hf.read(key))
                     consumed[key] += 1
                     done += pieces[-1].numel() * pieces[-1].element_size()
+                    if conv.ours in mx.quantized:  # MX: weight_scale_inv next to it; the piece in fp32
+                        scale = hf.read(scale_name(key))
+                        consumed[scale_name(key)] += 1
+                        done += scale.numel()
+                        pieces[-1] = dequantize(pieces[-1], scale, "row")
                 tensor = conv.rule.merge(pieces, cfg)
                 del pieces
                 if tensor.shape != shapes[conv.ours]:
                     raise ConversionError(f"{source}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}")
                 builder.add_tensor(conv.ours, tensor)
                 written[conv.ours] += 1
+                if conv.ours in mx.quantized:
+                    _add_planes(builder, fqn_of(conv.ours), tensor, mx.fmt)
                 del tensor
                 if progress is not None:
                     progress(done, total)
