@@ -7,7 +7,7 @@
     torchrun --standalone --nproc-per-node 2 -m cli.train --model tiny --steps 60 \\
         --init-from ckpts/from_hf    # weights only (e.g. from ``mfsdp-ckpt import-hf``), fresh optimizer
 
-Every decoder layer and then the root are ``fully_shard``-ed; AdamW steps on the local fp32
+Every decoder layer and then the root are ``fully_shard``-ed; AdamW (or Muon) steps on the local fp32
 shards. The data is a deterministic, seekable synthetic stream whose position is checkpointed, so a
 resumed run (at any world size) continues the same sample sequence; at the same world size it is
 bitwise identical to an uninterrupted run. gloo on CPU by default; NCCL when CUDA is available.
@@ -44,6 +44,7 @@ from mfsdp_core.data import SyntheticText
 from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
 from mfsdp_core.layout import parse_policy
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, linear_weights, shard_experts, shard_units
+from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
 from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, PlacementFn, placement_fn
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
@@ -71,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype the model computes in (main params and gradient reduction stay fp32)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="adamw, or muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
+                        "under flat policies) and AdamW for embeddings, output layer and vectors")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)")
+    p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Muon's Newton-Schulz dtype")
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
     p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
     p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
@@ -160,12 +166,28 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
             fully_shard(unit, mesh=None if mesh is None else mesh.groups, strategy=args.strategy, placement=place, mixed_precision=mp)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.optimizer == "muon":
+        return model, fully_shard_optimizer(build_muon(model, args))
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optim = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
     )
     return model, fully_shard_optimizer(optim)
+
+
+def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
+    """Muon for the hidden matrices (``uses_muon``: every 2-D weight but the embedding and the
+    output layer) at ``--muon-lr``, AdamW at ``--lr`` for the rest (no decay on 1-D weights).
+    Every group follows the same schedule: its ``lr_ratio`` scales ``--lr``'s."""
+    muon, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():
+        (muon if uses_muon(name, p) else decay if p.ndim >= 2 else no_decay).append(p)
+    return Muon([
+        {"params": muon, "use_muon": True, "lr": args.muon_lr, "lr_ratio": args.muon_lr / args.lr, "weight_decay": args.weight_decay},
+        {"params": decay, "use_muon": False, "lr": args.lr, "weight_decay": args.weight_decay},
+        {"params": no_decay, "use_muon": False, "lr": args.lr, "weight_decay": 0.0},
+    ], ns_dtype=args.ns_dtype)
 
 
 def with_mxfp8(place: PlacementFn, weights: list[torch.nn.Parameter], fmt: MXFormat) -> PlacementFn:
@@ -281,7 +303,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
         start = time.perf_counter()
         lr = lr_at(step, args)
         for group in optim.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
         tokens = data.batch(position, args.batch_size)[rank * per_rank : (rank + 1) * per_rank].to(device)
         position += args.batch_size
         loss_sum = torch.zeros((), device=device)

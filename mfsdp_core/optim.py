@@ -23,7 +23,7 @@ from . import collectives as C
 from .buffer import FlatParamBuffer
 from .fully_shard import owner_of
 
-__all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers", "optimizer_param"]
+__all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers", "optimizer_param", "shard_of"]
 
 _ADAPTED_ATTR = "_mfsdp_adapted"
 
@@ -34,6 +34,7 @@ class _Adapted:
 
     def __init__(self) -> None:
         self.params: dict[FlatParamBuffer, dict[int, nn.Parameter]] = {}
+        self.owners: dict[int, tuple[FlatParamBuffer, int]] = {}  # id(optimizer param) -> (buffer, index)
 
     @property
     def buffers(self) -> list[FlatParamBuffer]:
@@ -65,6 +66,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
                 mine[i] = buf.make_optimizer_param(i)
             except ValueError as e:
                 raise ValueError(f"fully_shard_optimizer: param_groups[{g}]: {e}") from None
+            adapted.owners[id(mine[i])] = (buf, i)
             shard_params.append(mine[i])
         group["params"] = shard_params
     setattr(optimizer, _ADAPTED_ATTR, adapted)
@@ -87,6 +89,14 @@ def _adapted(optimizer: torch.optim.Optimizer) -> _Adapted:
 def optimizer_buffers(optimizer: torch.optim.Optimizer) -> list[FlatParamBuffer]:
     """The flat buffers whose shards ``optimizer`` steps on."""
     return _adapted(optimizer).buffers
+
+
+def shard_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[FlatParamBuffer, int] | None:
+    """The (buffer, index) whose shard ``param`` (one of ``optimizer``'s parameters) steps on, or
+    None when the optimizer was not adapted: what a matrix optimizer needs to find the whole
+    matrix behind a piece (its shape, every rank's piece, the shard group)."""
+    adapted = getattr(optimizer, _ADAPTED_ATTR, None)
+    return None if adapted is None else adapted.owners.get(id(param))
 
 
 def optimizer_param(optimizer: torch.optim.Optimizer, buffer: FlatParamBuffer, index: int) -> nn.Parameter | None:
