@@ -94,7 +94,7 @@ def _equal(a: dict, b: dict) -> None:
 
 def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path):
     """tensor@3 -> even@2 -> tensor@4: params, Muon momentum and AdamW state bitwise equal at each
-    hop; the same through `mfsdp-ckpt reshard --policy even`."""
+    hop; the same through `mfsdp-ckpt reshard` (tensor@3 -> even@2, and even@2 -> tensor@4)."""
     a = _whole([r["state"] for r in ranks(_train_save, 3, str(tmp_path / "a"), "tensor", 3, timeout=300)])
     assert sum(k.endswith(".momentum_buffer") for k in a) == sum(uses_muon(n, p) for n, p in GPTModel(CONFIG).named_parameters())
     b = _whole([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "a"), str(tmp_path / "b"), "even", timeout=300)])
@@ -105,6 +105,10 @@ def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path)
     assert result.exit_code == 0, result.output
     d = _whole([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "offline"), None, "even", timeout=300)])
     _equal(a, d)
+    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "b"), str(tmp_path / "back"), "--world-size", "4", "--policy", "tensor"])
+    assert result.exit_code == 0, result.output
+    e = _whole([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "back"), None, "tensor", timeout=300)])
+    _equal(a, e)
 
 
 def test_resumed_muon_run_continues_bitwise(ranks, tmp_path):
