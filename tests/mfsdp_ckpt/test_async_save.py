@@ -293,7 +293,6 @@ def _metrics(path) -> dict[int, dict]:
 TRAIN = ("--model", "tiny", "--steps", "12", "--save-every", "4", "--batch-size", "4", "--seq-len", "32")
 
 
-@pytest.mark.heavy
 def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run = run_train(2, *TRAIN, "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"), "--async-save")
@@ -313,3 +312,8 @@ def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
         for name in os.listdir(d):
             if name.startswith("step_"):
                 assert verify_checkpoint(str(d / name)) == [], name
+
+
+def test_async_save_without_a_checkpoint_directory_is_one_line():
+    run = run_train(None, "--model", "tiny", "--steps", "1", "--async-save")
+    assert run.returncode == 1 and run.stderr.strip() == "error: --async-save needs --ckpt-dir", failure(run)
