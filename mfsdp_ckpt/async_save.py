@@ -28,8 +28,9 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from .errors import CheckpointError
 from .planner import MfsdpSavePlanner
 from .state import FlatEntry
 
-__all__ = ["async_save", "AsyncSaveHandle", "HostStaging", "staging_bytes", "wait_for_async_save"]
+__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes", "wait_for_async_save"]
 
 GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
 _ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
@@ -159,7 +160,7 @@ class HostStaging:
         for item, offset, n in zip(layout, offsets, sizes):
             key, kind, dtype, shape = item[:4]
 
-            def region(lo: int, hi: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+            def region(lo: int, hi: int, dtype: torch.dtype = dtype, offset: int = offset) -> torch.Tensor:
                 # from_numpy: a tensor whose storage is exactly these bytes (see the class docstring)
                 return torch.from_numpy(raw[offset + lo : offset + hi]).view(dtype)
 
@@ -205,7 +206,7 @@ def _layout_of(entries: dict[str, Any]) -> tuple[tuple, bool]:
 
 
 def _nbytes(item: tuple) -> int:
-    key, kind, dtype, shape = item[:4]
+    _, kind, dtype, shape = item[:4]
     numel = item[5] - item[4] if kind == "flat" else torch.Size(shape).numel()
     return numel * dtype.itemsize
 

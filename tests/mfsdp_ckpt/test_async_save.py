@@ -34,6 +34,11 @@ def _latest(run: str) -> str:
         return f.read().strip()
 
 
+def _manifest(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "mfsdp.json")) as f:
+        return json.load(f)
+
+
 def _partials(run: str) -> list[str]:
     return [n for n in os.listdir(run) if ".partial-" in n]
 
@@ -92,7 +97,7 @@ def test_an_async_checkpoint_is_indistinguishable_from_a_sync_one(ranks, tmp_pat
     ranks(_sync_and_async, 2, str(tmp_path), timeout=120)
     a, b = str(tmp_path / "sync" / "step_3"), str(tmp_path / "async" / "step_3")
     assert verify_checkpoint(b) == [] and diff_checkpoints(a, b).equal
-    ma, mb = (json.load(open(os.path.join(d, "mfsdp.json"))) for d in (a, b))
+    ma, mb = (_manifest(d) for d in (a, b))
     assert sorted(k for k in ma if ma[k] != mb[k]) == ["created_unix", "manifest_crc32c", "metadata_crc32c", "save_id"]
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -143,7 +148,10 @@ def _full_disk_on_rank(rank: int):
 
 def _failures(run: str) -> dict:
     model, optim = build("optim_grads_params", "row")
-    path = lambda step: os.path.join(run, f"step_{step}")  # noqa: E731
+
+    def path(step: int) -> str:
+        return os.path.join(run, f"step_{step}")
+
     out = {}
     train_steps(model, optim, 0, 1)
     mfsdp_ckpt.async_save(path(1), model, optim, step=1).result()
@@ -226,7 +234,7 @@ def _one_in_flight(run: str) -> dict:
         seen["third"] = third.result()
     finally:
         CommittingWriter.write_data = real
-    created = [json.load(open(os.path.join(run, f"step_{s}", "mfsdp.json")))["created_unix"] for s in (1, 2, 3, 4)]
+    created = [_manifest(os.path.join(run, f"step_{s}"))["created_unix"] for s in (1, 2, 3, 4)]
     return {**seen, "first_blocked": first_blocked, "second_waited": second.waited_s, "first_total": first.total_s,
             "ordered": created == sorted(created), "latest_end": _latest(run)}
 
