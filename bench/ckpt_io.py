@@ -5,6 +5,11 @@ DCP (``FileSystemWriter`` with default settings) on the same per-rank tensors, `
 ``torch.load`` of each rank's tensors, and ``mfsdp_ckpt.save`` / ``load``. "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
+Then ``mfsdp_ckpt.async_save``: the time it blocks the caller (the checks and the copy to host
+memory; the slowest rank) against ``mfsdp_ckpt.save``'s time (target: at most 5%), its total time
+to the commit, and the peak extra host memory of a rank during the async saves (peak RSS, reset
+before the first, minus the RSS before it) against that rank's state bytes (target: at most 1.1x).
+
     .venv/bin/torchrun --standalone --nproc-per-node 2 bench/ckpt_io.py --dir /tmp/ckpt_bench
 
 Prints the median of several rounds (the order rotates each round), GB/s (1e9 bytes per second,
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,6 +32,7 @@ from torch import nn
 
 import mfsdp_ckpt
 from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_ckpt.async_save import staging_bytes as mfsdp_ckpt_staging_bytes
 from pagecache import drop_cache  # bench/pagecache.py (the script's directory is on sys.path)
 
 
@@ -35,6 +42,42 @@ def timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def rss_kib(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process, KiB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
+
+
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` again from the current RSS (Linux: ``clear_refs`` value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_async_saves(path: str, model, optim, rounds: int, threads: int, clear) -> dict[str, float]:
+    """``rounds`` asynchronous saves into a fresh ``path``, each waited for: median blocking time
+    (slowest rank), median total time, the first call's blocking time (it allocates the staging
+    buffer) and this rank's peak extra RSS over them, bytes."""
+    base = rss_kib("VmRSS")
+    reset_peak_rss()
+    blocked, total = [], []
+    for _ in range(rounds):
+        clear(os.path.dirname(path))
+        handle = mfsdp_ckpt.async_save(path, model, optim, thread_count=threads)
+        handle.result()
+        blocked.append(slowest(handle.blocked_s))
+        total.append(slowest(handle.total_s))
+    peak = (rss_kib("VmHWM") - base) * 1024
+    return {"blocked": sorted(blocked)[len(blocked) // 2], "total": sorted(total)[len(total) // 2],
+            "first_blocked": blocked[0], "peak_extra": peak}
 
 
 def build_state(layers: int, dim: int):
@@ -129,6 +172,9 @@ def main() -> None:
             make_cold()
             times.setdefault(f"{name} read (cold)", []).append(timed(read))
     results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    asynchronous = time_async_saves(ours_dir, model, optim, args.rounds, args.threads, clear)
+    extra_ratio = torch.tensor([asynchronous["peak_extra"] / local_bytes], dtype=torch.float64)
+    dist.all_reduce(extra_ratio, op=dist.ReduceOp.MAX)
 
     if rank == 0:
         print(f"state: {total_bytes / 1e9:.2f} GB over {world} ranks ({args.layers} x Linear({args.dim},{args.dim}) + AdamW), "
@@ -138,6 +184,11 @@ def main() -> None:
             kind = "read (cold)" if "read" in name else "write"
             gbs = total_bytes / seconds / 1e9
             print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
+        sync = results["mfsdp_ckpt write"]
+        print(f"async_save: blocks {asynchronous['blocked']:.3f} s = {asynchronous['blocked'] / sync:.1%} of save's "
+              f"{sync:.2f} s (target <= 5%; the first call, which allocates the buffer: {asynchronous['first_blocked']:.3f} s); "
+              f"total to commit {asynchronous['total']:.2f} s; peak extra host memory {extra_ratio.item():.2f}x the rank's "
+              f"state bytes (target <= 1.1x; staging buffer {mfsdp_ckpt_staging_bytes() / 1e9:.2f} GB per rank)")
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

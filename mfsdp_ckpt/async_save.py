@@ -347,9 +347,10 @@ def async_save(
     started = time.perf_counter()
     check_save_arguments(path, keep)
     group = _checkpoint_group()
-    previous, _state.in_flight = _state.in_flight, None
+    previous = _state.in_flight
     if previous is not None:
         previous.wait()
+        _state.in_flight = None
         if previous._error is not None and not previous._reported:
             previous._reported = True
             raise CheckpointError(f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
@@ -370,15 +371,19 @@ def async_save(
     def write() -> None:
         error = None
         try:
-            write_and_commit(job, staged, planner, process_group=group, decide=_decide_on(group))
-        except BaseException as e:  # noqa: BLE001 - reported by the handle
-            error = _one_line(e, job.final)
-            if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
-                with contextlib.suppress(Exception):
-                    dist.barrier(group=group)
+            try:
+                write_and_commit(job, staged, planner, process_group=group, decide=_decide_on(group))
+            except BaseException as e:  # noqa: BLE001 - reported by the handle
+                error = _one_line(e, job.final)
+                if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
+                    with contextlib.suppress(Exception):
+                        dist.barrier(group=group)
+            finally:
+                lock.close()
+        except BaseException as e:  # noqa: BLE001 - releasing the lock failed
+            error = error or _one_line(e, job.final)
         finally:
-            lock.close()
-        handle._finish(error)
+            handle._finish(error)  # whatever happened: result() never waits forever
 
     thread = threading.Thread(target=write, name=f"mfsdp-ckpt async save {job.final}")
     handle.waited_s = waited
