@@ -86,17 +86,22 @@ def test_a_save_every_step_changes_no_loss_and_every_checkpoint_is_its_step(rank
 
 def _sync_and_async(root: str) -> None:
     model, optim = build("optim_grads", "even")
-    train_steps(model, optim, 0, 3)
+    train_steps(model, optim, 0, 3, zero_grad_last=False)  # with gradients, mid accumulation
     rng = torch.get_rng_state()
-    mfsdp_ckpt.save(os.path.join(root, "sync", "step_3"), model, optim, extra={"step": 3}, step=3)
+    extra = {"step": 3, "tensor": torch.arange(4.0), "nested": {"lr": [1e-3, 2e-3]}}
+    mfsdp_ckpt.save(os.path.join(root, "sync", "step_3"), model, optim, extra=extra, step=3, include_grads=True)
     torch.set_rng_state(rng)
-    mfsdp_ckpt.async_save(os.path.join(root, "async", "step_3"), model, optim, extra={"step": 3}, step=3).result()
+    handle = mfsdp_ckpt.async_save(os.path.join(root, "async", "step_3"), model, optim, extra=extra, step=3, include_grads=True)
+    extra["tensor"].add_(1)  # changed after the call: the checkpoint holds the values at the call
+    extra["nested"]["lr"][0] = 0.0
+    handle.result()
 
 
 def test_an_async_checkpoint_is_indistinguishable_from_a_sync_one(ranks, tmp_path):
     ranks(_sync_and_async, 2, str(tmp_path), timeout=120)
     a, b = str(tmp_path / "sync" / "step_3"), str(tmp_path / "async" / "step_3")
     assert verify_checkpoint(b) == [] and diff_checkpoints(a, b).equal
+    assert any(k.startswith("grad.") for k in _manifest(b)["chunks"])
     ma, mb = (_manifest(d) for d in (a, b))
     assert sorted(k for k in ma if ma[k] != mb[k]) == ["created_unix", "manifest_crc32c", "metadata_crc32c", "save_id"]
     from torch.distributed.checkpoint import FileSystemReader
@@ -325,3 +330,16 @@ def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
 def test_async_save_without_a_checkpoint_directory_is_one_line():
     run = run_train(None, "--model", "tiny", "--steps", "1", "--async-save")
     assert run.returncode == 1 and run.stderr.strip() == "error: --async-save needs --ckpt-dir", failure(run)
+
+
+def test_an_mxfp8_bf16_run_saves_the_same_checkpoint_asynchronously(tmp_path):
+    """fp8 / e8m0 planes and bf16 weights with fp32 main params, staged and written as ``save`` writes them."""
+    args = ("--model", "tiny", "--steps", "2", "--mxfp8", "--param-dtype", "bfloat16", "--batch-size", "4", "--seq-len", "32")
+    for name, flags in (("sync", ()), ("async", ("--async-save",))):
+        run = run_train(2, *args, "--ckpt-dir", str(tmp_path / name), *flags)
+        assert run.returncode == 0, failure(run)
+    a, b = str(tmp_path / "sync" / "step_000002"), str(tmp_path / "async" / "step_000002")
+    assert verify_checkpoint(b) == [] and diff_checkpoints(a, b).equal
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert FileSystemReader(a).read_metadata().state_dict_metadata == FileSystemReader(b).read_metadata().state_dict_metadata
