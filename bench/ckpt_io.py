@@ -5,6 +5,12 @@ DCP (``FileSystemWriter`` with default settings) on the same per-rank tensors, `
 ``torch.load`` of each rank's tensors, and ``mfsdp_ckpt.save`` / ``load``. "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
+Then ``mfsdp_ckpt.async_save``, in rounds alternating with ``mfsdp_ckpt.save`` (same disk, same
+time): the time it blocks the caller (the checks and the copy to host memory; the slowest rank)
+against ``save``'s time (target: at most 5%), its total time to the commit, and the peak extra
+host memory of a rank during the async saves (peak RSS, reset before each, minus the RSS before
+the first) against that rank's state bytes (target: at most 1.1x).
+
     .venv/bin/torchrun --standalone --nproc-per-node 2 bench/ckpt_io.py --dir /tmp/ckpt_bench
 
 Prints the median of several rounds (the order rotates each round), GB/s (1e9 bytes per second,
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,6 +33,7 @@ from torch import nn
 
 import mfsdp_ckpt
 from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_ckpt.async_save import staging_bytes as mfsdp_ckpt_staging_bytes
 from pagecache import drop_cache  # bench/pagecache.py (the script's directory is on sys.path)
 
 
@@ -35,6 +43,50 @@ def timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def rss_kib(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process, KiB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
+
+
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` again from the current RSS (Linux: ``clear_refs`` value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_async_saves(path: str, model, optim, rounds: int, threads: int, clear) -> dict[str, float]:
+    """``rounds`` rounds of a synchronous ``mfsdp_ckpt.save`` and an asynchronous one (waited for)
+    into a fresh ``path``, on the same disk at the same time: median save time, median blocking
+    and total time of ``async_save`` (the slowest rank's), the first call's blocking time (it
+    allocates the staging buffer), and this rank's peak extra RSS during the async saves over its
+    RSS before the first one (bytes): the staging buffer and anything the background write holds."""
+    base = rss_kib("VmRSS")
+    sync, blocked, total, peak = [], [], [], 0
+    for _ in range(rounds):
+        clear(os.path.dirname(path))
+        sync.append(timed(lambda: mfsdp_ckpt.save(path, model, optim, thread_count=threads)))
+        clear(os.path.dirname(path))
+        reset_peak_rss()
+        handle = mfsdp_ckpt.async_save(path, model, optim, thread_count=threads)
+        handle.result()
+        peak = max(peak, rss_kib("VmHWM") - base)
+        blocked.append(slowest(handle.blocked_s))
+        total.append(slowest(handle.total_s))
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    return {"sync": median(sync), "blocked": median(blocked), "total": median(total), "first_blocked": blocked[0],
+            "peak_extra": peak * 1024}
 
 
 def build_state(layers: int, dim: int):
@@ -129,6 +181,9 @@ def main() -> None:
             make_cold()
             times.setdefault(f"{name} read (cold)", []).append(timed(read))
     results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    asynchronous = time_async_saves(ours_dir, model, optim, args.rounds, args.threads, clear)
+    extra_ratio = torch.tensor([asynchronous["peak_extra"] / local_bytes], dtype=torch.float64)
+    dist.all_reduce(extra_ratio, op=dist.ReduceOp.MAX)
 
     if rank == 0:
         print(f"state: {total_bytes / 1e9:.2f} GB over {world} ranks ({args.layers} x Linear({args.dim},{args.dim}) + AdamW), "
@@ -138,6 +193,12 @@ def main() -> None:
             kind = "read (cold)" if "read" in name else "write"
             gbs = total_bytes / seconds / 1e9
             print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
+        a = asynchronous
+        print(f"async_save, {args.rounds} rounds alternating with save: blocks {a['blocked']:.3f} s = "
+              f"{a['blocked'] / a['sync']:.1%} of save's {a['sync']:.2f} s (target <= 5%; the first call, which "
+              f"allocates the buffer: {a['first_blocked']:.3f} s); total to commit {a['total']:.2f} s; peak extra host "
+              f"memory {extra_ratio.item():.2f}x the rank's state bytes (target <= 1.1x; staging buffer "
+              f"{mfsdp_ckpt_staging_bytes() / 1e9:.2f} GB per rank)")
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (local path)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
+    p.add_argument("--async-save", action="store_true",
+                   help="save asynchronously: copy the state to host memory, go on training while it is written "
+                        "(at most one save in flight; logs each save's blocking and total seconds)")
     p.add_argument("--resume", nargs="?", const=_LATEST, default=None, metavar="CKPT",
                    help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
                         "<ckpt-dir>/latest; at any world size")
@@ -122,6 +125,8 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
     if (args.resume == _LATEST or args.save_every) and not args.ckpt_dir:
         raise UsageError("--resume without a checkpoint path, and --save-every, need --ckpt-dir")
+    if args.async_save and not args.ckpt_dir:
+        raise UsageError("--async-save needs --ckpt-dir")
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
     if args.ckpt_dir:  # fail now, not at the first save after hours of training
@@ -297,6 +302,21 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
               f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}", flush=True)
     last = min(args.steps, args.stop_at or args.steps)
     bar = _progress(rank, step, last)
+    saving = _AsyncSaves(rank, bar) if args.async_save else None
+    try:
+        _loop(args, config, rank, world, model, optim, data, device, step, position, last, bar, saving)
+        if saving is not None:
+            saving.finish()  # the last save is committed before the run ends (--stop-at included)
+    finally:
+        if saving is not None:
+            saving.wait()  # on an error: let the save in flight end before the process group goes
+    if bar is not None:
+        bar.close()
+
+
+def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, model: GPTModel, optim: torch.optim.Optimizer,
+          data: SyntheticText, device: torch.device, step: int, position: int, last: int, bar: Any,
+          saving: _AsyncSaves | None) -> None:
     per_rank = args.batch_size // world
     while step < last:
         step += 1
@@ -321,9 +341,12 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
         seconds = time.perf_counter() - start
         if rank == 0:
             _report(args, bar, step, mean_loss, lr, grad_norm.item(), args.batch_size * args.seq_len / seconds)
+        if saving is not None:
+            saving.poll()
         if args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last):
+            save = mfsdp_ckpt.save if saving is None else saving.start
             try:
-                mfsdp_ckpt.save(
+                save(
                     os.path.join(args.ckpt_dir, f"step_{step:06d}"),
                     model,
                     optim,
@@ -335,8 +358,53 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
                 )
             except mfsdp_ckpt.CheckpointError as e:
                 raise UsageError(f"saving step {step}: {e}") from None
-    if bar is not None:
-        bar.close()
+
+
+class _AsyncSaves:
+    """``--async-save``: at most one save in flight; rank 0 logs each save's blocking and total
+    seconds once it has committed. Errors surface where every rank is alike: at the next save
+    and at the end of the run."""
+
+    def __init__(self, rank: int, bar: Any) -> None:
+        self.rank, self.bar = rank, bar
+        self.handle: mfsdp_ckpt.AsyncSaveHandle | None = None
+        self.logged = True
+
+    def start(self, path: str, *args: Any, **kwargs: Any) -> None:
+        self.finish()  # the previous save: committed (logged) or its error raised
+        self.handle, self.logged = mfsdp_ckpt.async_save(path, *args, **kwargs), False
+
+    def poll(self) -> None:
+        """Log the save in flight if it has committed (never blocks, never raises)."""
+        if self.handle is not None and self.handle.done() and self.handle.exception() is None:
+            self._log()
+
+    def finish(self) -> None:
+        """Wait for the save in flight; raise its error as a usage error, else log it."""
+        if self.handle is None:
+            return
+        try:
+            self.handle.result()
+        except mfsdp_ckpt.CheckpointError as e:
+            name, self.handle = os.path.basename(self.handle.path), None
+            raise UsageError(f"saving {name}: {e}") from None
+        self._log()
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+    def _log(self) -> None:
+        if self.logged or self.rank != 0:
+            self.logged = True
+            return
+        self.logged = True
+        h = self.handle
+        line = f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s, total {h.total_s:.2f} s"
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
 
 def _progress(rank: int, step: int, steps: int) -> Any:

@@ -1,10 +1,11 @@
 """mfsdp_ckpt: canonical DCP checkpoints of ``fully_shard``-ed models (docs/checkpoint.md).
 
-``save`` / ``load`` are collective over the model's ranks; a checkpoint written at any layout
+``save`` / ``async_save`` / ``load`` are collective over the model's ranks; a checkpoint written at any layout
 (world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
 from .checkpoint import LATEST_NAME, load, resolve_checkpoint, save
+from .async_save import AsyncSaveHandle, async_save
 from .lock import RunLockedError, run_lock
 from .errors import (
     CheckpointError,
@@ -18,6 +19,8 @@ from .errors import (
 
 __all__ = [
     "save",
+    "async_save",
+    "AsyncSaveHandle",
     "load",
     "resolve_checkpoint",
     "LATEST_NAME",

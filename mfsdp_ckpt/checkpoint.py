@@ -41,7 +41,8 @@ from .lock import run_lock
 from .staging import check_destination, new_token, partial_path, remove_leftovers, write_file_atomic
 from .storage import CommittingWriter, VerifyingReader
 
-__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME"]
+__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "PreparedSave", "check_save_arguments",
+           "prepare_save", "write_and_commit"]
 
 T = TypeVar("T")
 
@@ -102,50 +103,117 @@ def save(
     remain. Under expert parallelism each rank's experts are stored under their global names,
     the manifest records the plan merged over all ranks and ``writer.experts`` (which EP rank held
     which experts), and ``optim.param_groups`` names every rank's parameters. Returns the
-    checkpoint directory.
+    checkpoint directory. An asynchronous save of this process still in flight
+    (:func:`mfsdp_ckpt.async_save`) is waited for first (its handle reports its outcome).
     """
+    for wait in _before_save:
+        wait()
+    with contextlib.ExitStack() as lock:
+        job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
+                           step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
+                           thread_count=thread_count, lock=lock)
+        write_and_commit(job, job.entries, MfsdpSavePlanner())
+    return job.final
+
+
+_before_save: list[Callable[[], None]] = []  # run by ``save`` first (async_save registers: wait for its save in flight)
+
+
+@dataclass
+class PreparedSave:
+    """A save whose refusals have all passed, ready to write: the final and temporary
+    directories, the entries to write (views of the live state), the writer that commits them,
+    and what to do after the commit. Built by :func:`prepare_save` (shared by ``save`` and
+    ``async_save``, so that both refuse alike and write the same keys and manifest)."""
+
+    final: str
+    tmp: str
+    entries: dict[str, Any]
+    writer: CommittingWriter
+    update_latest: bool
+    keep: int | None
+
+
+def check_save_arguments(path: str | os.PathLike, keep: int | None) -> None:
+    """The refusals of ``save`` that depend on its arguments alone (the same on every rank)."""
     _local_only(path, "save")
-    rank, world = rank_and_world()
-    final = os.path.abspath(os.fspath(path))
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+
+
+def prepare_save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra: dict[str, Any] | None,
+    include_grads: bool,
+    model_config: dict[str, Any] | None,
+    step: int | None,
+    keep: int | None,
+    update_latest: bool,
+    overwrite: bool,
+    thread_count: int,
+    lock: contextlib.ExitStack,
+) -> PreparedSave:
+    """Everything ``save`` does before writing: every refusal (on every rank alike), the
+    destination's checks, the run directory's lock (entered into ``lock`` on rank 0; the caller
+    closes it once the save is done), the entries and the manifest. Collective (default group)."""
+    check_save_arguments(path, keep)
+    rank, world = rank_and_world()
+    final = os.path.abspath(os.fspath(path))
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
     # is done): a failure on rank 0 alone would leave the others waiting in dcp.save's first
     # collective
     shards = describe_shards(model, optimizer)
     plan, experts, groups = _global_plan(model, optimizer, shards)  # refused before anything is written
-    with contextlib.ExitStack() as lock:
-        token = rank0_decides(_prepare_destination, final, overwrite, lock)
-        tmp = partial_path(final, token)
-        entries = save_entries(shards, optimizer, include_grads)
-        if groups is not None:
-            entries[PARAM_GROUPS] = groups
+    token = rank0_decides(_prepare_destination, final, overwrite, lock)
+    tmp = partial_path(final, token)
+    entries = save_entries(shards, optimizer, include_grads)
+    if groups is not None:
+        entries[PARAM_GROUPS] = groups
+    if rank == 0:
+        for name, value in (extra or {}).items():
+            entries[extra_key(name)] = value
+    entries[rng_key(rank)] = torch.get_rng_state()
+    manifest = {
+        "writer": writer_layout(world, plan, experts),
+        "model_config": model_config,
+        "step": step,
+        "include_grads": include_grads,
+        "has_optimizer": optimizer is not None,
+        "versions": versions(),
+    }
+    writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
+    return PreparedSave(final, tmp, entries, writer, update_latest, keep)
+
+
+def write_and_commit(
+    job: PreparedSave,
+    entries: dict[str, Any],
+    planner: MfsdpSavePlanner,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    decide: Callable[..., Any] | None = None,
+) -> None:
+    """Write ``entries`` (``job.entries`` or a copy of them) with DCP over ``process_group``,
+    commit, then move ``latest`` and prune. On a failure rank 0 removes the temporary directory
+    and every rank raises the same one-line error. ``decide`` runs a function on rank 0 and
+    gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
+    rank, _ = rank_and_world()
+    try:
+        dcp.save(entries, storage_writer=job.writer, planner=planner, process_group=process_group,
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as e:
         if rank == 0:
-            for name, value in (extra or {}).items():
-                entries[extra_key(name)] = value
-        entries[rng_key(rank)] = torch.get_rng_state()
-        manifest = {
-            "writer": writer_layout(world, plan, experts),
-            "model_config": model_config,
-            "step": step,
-            "include_grads": include_grads,
-            "has_optimizer": optimizer is not None,
-            "versions": versions(),
-        }
-        writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
-        try:
-            dcp.save(entries, storage_writer=writer, planner=MfsdpSavePlanner(), no_dist=not dist.is_initialized())
-        except CheckpointException as e:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise _unwrap(e) from None
-        except BaseException:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        # committed; every rank hears of a failure to move ``latest`` or to prune
-        rank0_decides(_after_commit, final, update_latest, keep)
-    return final
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise _unwrap(e) from None
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise
+    # committed; every rank hears of a failure to move ``latest`` or to prune
+    (decide or rank0_decides)(_after_commit, job.final, job.update_latest, job.keep)
 
 
 def _prepare_destination(final: str, overwrite: bool, lock: contextlib.ExitStack) -> str:

@@ -1,0 +1,406 @@
+"""Asynchronous save: copy the state to host memory, return to training, write in the background.
+
+``async_save`` does everything ``save`` does before writing in the calling thread (every refusal,
+the destination's checks, the run directory's lock, the entries and the manifest: the same code,
+:func:`~mfsdp_ckpt.checkpoint.prepare_save`), then copies every tensor the save writes into a
+host staging buffer (:class:`HostStaging`; the only part that grows with the state) and returns a
+:class:`AsyncSaveHandle`. A background thread then runs DCP's save on the staged copy with our
+writer, planner, manifest and commit (:func:`~mfsdp_ckpt.checkpoint.write_and_commit`), moves
+``latest`` and prunes, exactly as ``save`` does; the result is indistinguishable from a
+synchronous checkpoint of the same state.
+
+Why a process group of its own: DCP's save runs collectives (the plan's gather and scatter, the
+final reduction). Run from a background thread on the training's process group they would
+interleave with the training loop's collectives in an order that differs between ranks, which
+breaks gloo and NCCL alike. The background work therefore uses a dedicated gloo group (created
+once, collectively, by the first ``async_save``, which every rank calls at the same point of its
+loop), as ``torch.distributed.checkpoint.async_save`` does with its ``process_group``.
+
+At most one save is in flight: the next ``async_save`` (and a synchronous ``save``) first waits
+for it, so that one host buffer serves every save and checkpoints commit in call order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan
+
+from . import checkpoint as _checkpoint
+from .checkpoint import check_save_arguments, prepare_save, write_and_commit
+from .errors import CheckpointError
+from .planner import MfsdpSavePlanner
+from .state import FlatEntry
+
+__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes", "wait_for_async_save"]
+
+GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
+_ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
+
+
+class AsyncSaveHandle:
+    """One asynchronous save. ``result()`` waits for its commit and returns the checkpoint
+    directory, or raises its one-line :class:`CheckpointError` (every rank the same one).
+
+    ``blocked_s``: seconds ``async_save`` kept the caller (waiting for the previous save, the
+    checks, the copy to host memory); ``waited_s``: of which waiting for the previous save;
+    ``total_s``: seconds from the call to the commit (``latest`` moved, pruned), None until done."""
+
+    def __init__(self, path: str, started: float) -> None:
+        self.path = path
+        self.blocked_s = 0.0
+        self.waited_s = 0.0
+        self.total_s: float | None = None
+        self._started = started
+        self._done = threading.Event()
+        self._error: CheckpointError | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        """Whether the background write has finished (committed or failed); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background write to finish (without raising); whether it has."""
+        return self._done.wait(timeout)
+
+    def exception(self) -> CheckpointError | None:
+        """Wait, then the save's error (None: committed). Does not count as reporting it."""
+        self._done.wait()
+        return self._error
+
+    def result(self) -> str:
+        """Wait; return the committed checkpoint's directory or raise the save's error."""
+        self._done.wait()
+        if self._error is not None:
+            self._reported = True
+            raise self._error.with_traceback(None)
+        return self.path
+
+    def _finish(self, error: CheckpointError | None) -> None:
+        self._error = error
+        self.total_s = time.perf_counter() - self._started
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"AsyncSaveHandle({self.path!r}, {state})"
+
+
+class HostStaging:
+    """Host copies of every tensor a save writes, in one buffer that is allocated for a layout
+    (the keys, dtypes, shapes and owned ranges of the entries) and reused by every save with the
+    same layout; a new layout replaces it. Pinned when the state is on a GPU (so the copy is a
+    DMA); ordinary memory otherwise.
+
+    Each staged tensor, and each box (chunk) of a staged flat range, is a tensor whose storage
+    is exactly its own bytes of the buffer: DCP's writer copies a tensor whose storage is larger
+    than the tensor before ``torch.save`` (which would write the whole storage), and this way it
+    writes straight from the buffer, so the extra host memory stays the state's bytes."""
+
+    def __init__(self) -> None:
+        self._layout: tuple | None = None
+        self._pinned = False
+        self._buffer: torch.Tensor | None = None
+        self._staged: dict[str, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the staging buffer (0 before the first save)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def stage(self, entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, TensorProperties]]:
+        """A copy of ``entries`` that no later change of the live state affects: tensors copied
+        into the buffer, other values deep-copied (``param_groups``, extras). Also the
+        properties of the live tensors by key (what the checkpoint's metadata records, so that a
+        pinned buffer leaves no trace in it). Blocks until the copy is complete."""
+        layout, pinned = _layout_of(entries)
+        if layout != self._layout or pinned != self._pinned:
+            self._allocate(layout, pinned)
+        staged: dict[str, Any] = {}
+        properties: dict[str, TensorProperties] = {}
+        for key, value in entries.items():
+            if isinstance(value, FlatEntry):
+                target = self._staged[key]
+                target.tensor.copy_(value.tensor[: value.end - value.start], non_blocking=pinned)
+                staged[key] = target
+                properties[key] = TensorProperties.create_from_tensor(value.tensor)
+            elif isinstance(value, torch.Tensor):
+                target = self._staged[key]
+                target.copy_(value.detach(), non_blocking=pinned)
+                staged[key] = target
+                properties[key] = TensorProperties.create_from_tensor(value)
+            else:
+                staged[key] = copy.deepcopy(value)
+        if pinned:
+            torch.cuda.synchronize()
+        return staged, properties
+
+    def _allocate(self, layout: tuple, pinned: bool) -> None:
+        self._buffer, self._staged, self._layout = None, {}, None  # the old buffer goes first
+        sizes = [_nbytes(item) for item in layout]
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        raw = buffer.numpy()
+        for item, offset, n in zip(layout, offsets, sizes):
+            key, kind, dtype, shape = item[:4]
+
+            def region(lo: int, hi: int, dtype: torch.dtype = dtype, offset: int = offset) -> torch.Tensor:
+                # from_numpy: a tensor whose storage is exactly these bytes (see the class docstring)
+                return torch.from_numpy(raw[offset + lo : offset + hi]).view(dtype)
+
+            if kind == "tensor":
+                self._staged[key] = region(0, n).view(shape)
+                continue
+            start, end = item[4], item[5]
+            entry = _StagedEntry(torch.Size(shape), start, end, region(0, n))
+            size = dtype.itemsize
+            for box in entry.boxes():
+                lo = (box.flat_start - start) * size
+                entry.pieces[box.offsets] = region(lo, lo + box.numel * size).view(box.sizes)
+            self._staged[key] = entry
+        self._buffer, self._layout, self._pinned = buffer, layout, pinned
+
+
+@dataclasses.dataclass
+class _StagedEntry(FlatEntry):
+    """A staged flat range: each box is its own tensor (see :class:`HostStaging`)."""
+
+    pieces: dict[tuple[int, ...], torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def view(self, box: Any) -> torch.Tensor:
+        return self.pieces[box.offsets]
+
+
+def _layout_of(entries: dict[str, Any]) -> tuple[tuple, bool]:
+    """The staging layout of ``entries`` (one item per tensor to copy) and whether any of them is
+    on a GPU (then the buffer is pinned)."""
+    items = []
+    on_gpu = False
+    for key, value in entries.items():
+        if isinstance(value, FlatEntry):
+            t = value.tensor
+            items.append((key, "flat", t.dtype, tuple(value.shape), value.start, value.end))
+        elif isinstance(value, torch.Tensor):
+            t = value
+            items.append((key, "tensor", t.dtype, tuple(t.shape)))
+        else:
+            continue
+        on_gpu = on_gpu or t.is_cuda
+    return tuple(items), on_gpu and torch.cuda.is_available()
+
+
+def _nbytes(item: tuple) -> int:
+    _, kind, dtype, shape = item[:4]
+    numel = item[5] - item[4] if kind == "flat" else torch.Size(shape).numel()
+    return numel * dtype.itemsize
+
+
+class _StagedSavePlanner(MfsdpSavePlanner):
+    """Our save planner on the staged copy, recording the live tensors' properties (dtype,
+    layout, ``pin_memory``, …) so that ``.metadata`` is what a synchronous save writes."""
+
+    def __init__(self, properties: dict[str, TensorProperties]) -> None:
+        super().__init__()
+        self._properties = properties
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            props = self._properties.get(item.index.fqn)
+            if item.tensor_data is not None and props is not None:
+                item = dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, properties=props))
+            items.append(item)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+
+class _AsyncState:
+    """This process's asynchronous saving: the staging buffer and the save in flight."""
+
+    def __init__(self) -> None:
+        self.staging = HostStaging()
+        self.in_flight: AsyncSaveHandle | None = None
+
+
+_state = _AsyncState()
+
+
+def staging_bytes() -> int:
+    """Bytes of this process's staging buffer (what asynchronous saving holds between saves)."""
+    return _state.staging.nbytes
+
+
+def wait_for_async_save() -> None:
+    """Wait for this process's asynchronous save in flight, if any, without raising (its
+    handle reports the outcome). ``save`` calls it first."""
+    if _state.in_flight is not None:
+        _state.in_flight.wait()
+
+
+_checkpoint._before_save.append(wait_for_async_save)
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """The dedicated gloo group of checkpoint traffic over every rank, created (collectively) at
+    the first call after each ``init_process_group``; None outside a process group.
+
+    It is looked up among the live groups rather than kept here: a reference held by this module
+    would keep gloo's threads alive past ``destroy_process_group`` (see docs/runtime.md)."""
+    if not dist.is_initialized():
+        return None
+    for group in list(dist.distributed_c10d._world.pg_names):
+        if getattr(group, "group_desc", None) == GROUP_DESC:
+            return group
+    return dist.new_group(backend="gloo", timeout=_default_timeout(), group_desc=GROUP_DESC)
+
+
+def _default_timeout() -> timedelta | None:
+    """The default group's timeout (the checkpoint group gives up when training would), or None
+    (the backend's default) when it cannot be read."""
+    default = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):
+            return default._get_backend(torch.device(device)).options._timeout
+    return None
+
+
+def _decide_on(group: dist.ProcessGroup | None) -> Callable[..., Any]:
+    """``rank0_decides`` over ``group``: ``fn(*args)`` on rank 0, its result or exception on
+    every rank."""
+
+    def decide(fn: Callable[..., Any], *args: Any) -> Any:
+        if group is None:
+            return fn(*args)
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = (True, fn(*args))
+            except Exception as e:  # noqa: BLE001 - every rank raises it below
+                box[0] = (False, e)
+        dist.broadcast_object_list(box, src=0, group=group)
+        ok, value = box.pop()
+        if ok:
+            return value
+        try:
+            raise value
+        finally:
+            del value  # no frame / exception cycle (see rank0_decides)
+
+    return decide
+
+
+def _one_line(error: BaseException, path: str) -> CheckpointError:
+    """``error`` as a one-line :class:`CheckpointError` (ours are kept as they are)."""
+    error.__traceback__, error.__context__, error.__cause__ = None, None, None  # no frames of the write kept alive
+    if isinstance(error, CheckpointError) and "\n" not in str(error):
+        return error
+    text = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, CheckpointError):
+        with contextlib.suppress(Exception):
+            return type(error)(text)
+    return CheckpointError(f"{path}: asynchronous save failed: {type(error).__name__}: {text}")
+
+
+def async_save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    include_grads: bool = False,
+    model_config: dict[str, Any] | None = None,
+    step: int | None = None,
+    keep: int | None = None,
+    update_latest: bool = True,
+    overwrite: bool = False,
+    thread_count: int = 1,
+) -> AsyncSaveHandle:
+    """Start saving ``model`` (and ``optimizer``) to ``path`` and return once the state is copied
+    to host memory; the write, the commit, ``latest`` and pruning follow in a background thread.
+    Collective: every rank calls it at the same point. Arguments and the checkpoint written are
+    those of :func:`mfsdp_ckpt.save`.
+
+    Before returning, on every rank alike: the previous asynchronous save is waited for; if it
+    failed and its error was not yet raised by its handle's ``result()``, that error is raised
+    here (one line naming both saves) and this save is not started: nothing of it is checked,
+    copied or written, and calling ``async_save`` again starts it. Then ``save``'s refusals (a
+    URL, ``keep`` < 1, a destination that exists or would lose data, another job's lock, …) raise
+    as ``save`` raises them. Call ``result()`` on the last handle before the process group goes.
+    """
+    started = time.perf_counter()
+    check_save_arguments(path, keep)
+    group = _checkpoint_group()
+    previous = _state.in_flight
+    if previous is not None:
+        previous.wait()
+        _state.in_flight = None
+        if previous._error is not None and not previous._reported:
+            previous._reported = True
+            raise CheckpointError(f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
+                                  f"{os.path.abspath(os.fspath(path))} was not started (call async_save again)")
+    waited = time.perf_counter() - started
+    lock = contextlib.ExitStack()  # rank 0: the run directory's lock, released after the commit
+    try:
+        job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
+                           step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
+                           thread_count=thread_count, lock=lock)
+        staged, properties = _checkpoint._agreed(lambda: _stage(job))
+    except BaseException:
+        lock.close()
+        raise
+    handle = AsyncSaveHandle(job.final, started)
+    planner = _StagedSavePlanner(properties)
+
+    def write() -> None:
+        error = None
+        try:
+            try:
+                write_and_commit(job, staged, planner, process_group=group, decide=_decide_on(group))
+            except BaseException as e:  # noqa: BLE001 - reported by the handle
+                error = _one_line(e, job.final)
+                if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
+                    with contextlib.suppress(Exception):
+                        dist.barrier(group=group)
+            finally:
+                lock.close()
+        except BaseException as e:  # noqa: BLE001 - releasing the lock failed
+            error = error or _one_line(e, job.final)
+        finally:
+            handle._finish(error)  # whatever happened: result() never waits forever
+
+    thread = threading.Thread(target=write, name=f"mfsdp-ckpt async save {job.final}")
+    handle.waited_s = waited
+    handle.blocked_s = time.perf_counter() - started
+    thread.start()
+    _state.in_flight = handle
+    return handle
+
+
+def _stage(job: Any) -> tuple[dict[str, Any], dict[str, TensorProperties]]:
+    """Stage ``job``'s entries; a failure (no memory for the buffer) as a :class:`CheckpointError`,
+    which ``_agreed`` raises on every rank (none goes on into the background collectives alone)."""
+    try:
+        return _state.staging.stage(job.entries)
+    except CheckpointError:
+        raise
+    except (RuntimeError, MemoryError) as e:
+        _state.staging = HostStaging()  # a half-built buffer is not reused
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{job.final}: cannot copy the state to host memory ({type(e).__name__}: {text})") from None
