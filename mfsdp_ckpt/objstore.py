@@ -233,7 +233,8 @@ def check_bucket(url: str) -> None:
     except Exception as e:  # noqa: BLE001 - unreachable endpoint, bad credentials
         raise CheckpointError(f"{url}: cannot reach {bucket} ({_reason(e)})") from None
     if not found:
-        raise CheckpointError(f"{url}: {bucket} does not exist (create the bucket first)")
+        raise CheckpointError(f"{url}: {bucket} does not exist or cannot be reached (create the bucket first; "
+                              "check the endpoint and credentials in the environment)")
 
 
 def check_writable_prefix(url: str) -> None:
