@@ -16,6 +16,7 @@ import torch
 import mfsdp_ckpt
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import verify_checkpoint
+from mfsdp_ckpt.listing import clean_run_dir
 from tests.harness import RankFailure, run_ranks
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.s3 import Faults, use_endpoint
@@ -86,6 +87,11 @@ def test_uncommitted_prefix_is_refused_and_cleaned_by_the_next_save(s3_endpoint,
     run_ranks(_save_one, 1, f"{url}/step_3", s3_endpoint, timeout=300)
     assert not s3.exists(f"{url}/step_1")  # removed by the next save
     assert s3.cat(f"{url}/latest") == b"step_3\n"
+    # and by ``mfsdp-ckpt ls --clean``, which leaves what a save does not write alone
+    s3.rm(f"{url}/step_2/mfsdp.json")
+    s3.pipe(f"{url}/notes/readme.txt", b"mine")
+    assert clean_run_dir(url) == [f"{url}/step_2"]
+    assert not s3.exists(f"{url}/step_2") and s3.exists(f"{url}/notes/readme.txt") and s3.exists(f"{url}/step_3/mfsdp.json")
 
 
 def _load_failure_is_harmless(url: str, endpoint: str) -> bool:
