@@ -15,6 +15,18 @@ the first) against that rank's state bytes (target: at most 1.1x).
 
 Prints the median of several rounds (the order rotates each round), GB/s (1e9 bytes per second,
 over the bytes of the whole state) and ratios to raw dd and to stock DCP (> 1: faster).
+
+``--s3 s3://BUCKET`` compares instead, on an object store, ``mfsdp_ckpt.save`` / ``load`` with a
+plain s3fs put / get of each rank's tensors serialized once (outside the timing) with
+``torch.save``: the same bytes, without checksums, commit or the DCP layout. Against a local
+S3 server (moto on loopback) this measures the client path (serialization, spooling, HTTP, the
+server's own speed), not S3's::
+
+    .venv/bin/python -m moto.server -H 127.0.0.1 -p 5056 >/dev/null 2>&1 &
+    export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_DEFAULT_REGION=us-east-1
+    export FSSPEC_S3_ENDPOINT_URL=http://127.0.0.1:5056
+    sleep 3; .venv/bin/python -c "import fsspec; fsspec.filesystem('s3').mkdir('bench')"
+    .venv/bin/torchrun --standalone --nproc-per-node 2 bench/ckpt_io.py --s3 s3://bench --layers 4 --dim 2048
 """
 
 from __future__ import annotations
@@ -119,7 +131,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="writer threads per rank for mfsdp_ckpt")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions; the median is reported")
+    parser.add_argument("--s3", default=None, metavar="URL",
+                        help="benchmark on this object-store prefix instead: mfsdp_ckpt vs plain s3fs put/get")
     args = parser.parse_args()
+    if args.s3:
+        return s3_main(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -200,6 +216,53 @@ def main() -> None:
               f"memory {extra_ratio.item():.2f}x the rank's state bytes (target <= 1.1x; staging buffer "
               f"{mfsdp_ckpt_staging_bytes() / 1e9:.2f} GB per rank)")
         shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def s3_main(args: argparse.Namespace) -> None:
+    """``--s3``: mfsdp_ckpt save / load vs a plain s3fs put / get of the same tensors' bytes."""
+    import io
+
+    from mfsdp_ckpt import fs
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    root = fs.normalize(args.s3) + "/mfsdp_ckpt_bench"
+    model, optim = build_state(args.layers, args.dim)
+    buf = io.BytesIO()
+    torch.save(local_tensors(model, optim), buf)
+    payload = buf.getvalue()
+    total = torch.tensor([len(payload)], dtype=torch.float64)
+    dist.all_reduce(total)
+    store, base = fs._fs(root)
+    plain = f"{base}/plain.{rank}"
+    ours = f"{root}/run/step_1"
+
+    def clear() -> None:
+        if rank == 0 and fs.exists(f"{root}/run"):
+            fs.remove_tree(f"{root}/run")
+        dist.barrier()
+
+    pairs = [
+        ("s3fs put/get", lambda: None, lambda: store.pipe_file(plain, payload), lambda: store.cat_file(plain)),
+        ("mfsdp_ckpt", clear, lambda: mfsdp_ckpt.save(ours, model, optim), lambda: mfsdp_ckpt.load(ours, model, optim)),
+    ]
+    times: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        for name, prepare, write, read in pairs[r % 2:] + pairs[: r % 2]:
+            prepare()
+            times.setdefault(f"{name} write", []).append(timed(write))
+            times.setdefault(f"{name} read", []).append(timed(read))
+    results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    if rank == 0:
+        print(f"state: {total.item() / 1e9:.3f} GB over {world} ranks on {args.s3} ({args.layers} x Linear({args.dim},{args.dim}) "
+              f"+ AdamW), median of {args.rounds} rounds; measures the client path, not the store")
+        print(f"{'what':22s} {'seconds':>8s} {'GB/s':>7s} {'vs s3fs':>8s}")
+        for name, seconds in results.items():
+            kind = "read" if name.endswith("read") else "write"
+            print(f"{name:22s} {seconds:8.2f} {total.item() / seconds / 1e9:7.3f} {results['s3fs put/get ' + kind] / seconds:8.2f}")
+        fs.remove_tree(root)
     dist.destroy_process_group()
 
 

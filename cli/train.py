@@ -36,7 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mfsdp_ckpt
+from mfsdp_ckpt import fs as mfsdp_fs
 from mfsdp_ckpt.listing import list_checkpoints
+from mfsdp_ckpt.objstore import check_writable_prefix
 from mfsdp_ckpt.manifest import read_manifest
 from mfsdp_core import MixedPrecision, Placement, clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
@@ -88,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (local path)")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint directory: a local path, or an object-store URL such as s3://bucket/run "
+                        "(endpoint and credentials from the environment: FSSPEC_S3_ENDPOINT_URL, AWS_*)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
     p.add_argument("--async-save", action="store_true",
@@ -135,7 +139,14 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
 
 
 def check_writable_dir(path: str, flag: str) -> None:
-    """Raise unless ``path`` is, or could be created as, a directory this process may write."""
+    """Raise unless ``path`` is, or could be created as, a directory this process may write. An
+    object-store URL: its bucket exists and a probe object can be written and deleted there."""
+    if mfsdp_fs.is_url(path):
+        try:
+            check_writable_prefix(path)
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"{flag} {e}") from None
+        return
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -213,8 +224,8 @@ def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
     """The checkpoint to resume from, after checking it was written for this model."""
     if args.resume != _LATEST:
         return checked_checkpoint(args.resume, config, "--resume")
-    latest = os.path.join(args.ckpt_dir, mfsdp_ckpt.LATEST_NAME)
-    if not os.path.exists(latest):
+    latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+    if not mfsdp_fs.exists(latest):
         raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
     return checked_checkpoint(latest, config, "--resume")
 
@@ -246,8 +257,13 @@ def memory_mib() -> float:
 def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
     """Rank 0, for the whole run: hold the writer lock of ``--ckpt-dir`` (a second job writing
     there is refused), and refuse a directory that already holds a run unless it is resumed
-    (starting again at step 0 would move ``latest`` back and replace equal step numbers)."""
+    (starting again at step 0 would move ``latest`` back and replace equal step numbers). An
+    object store has no lock: one job per prefix is the user's responsibility."""
     if not args.ckpt_dir:
+        return
+    if mfsdp_fs.is_url(args.ckpt_dir):
+        if not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
+            _refuse_held(args)
         return
     try:
         run.enter_context(mfsdp_ckpt.run_lock(args.ckpt_dir))
@@ -255,6 +271,10 @@ def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
         raise UsageError(f"--ckpt-dir: {e}") from None
     if args.resume:
         return
+    _refuse_held(args)
+
+
+def _refuse_held(args: argparse.Namespace) -> None:
     held = [e.name for e in list_checkpoints(args.ckpt_dir) if e.committed]
     if held:
         raise UsageError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({', '.join(held[-3:])}); "
@@ -347,7 +367,7 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
             save = mfsdp_ckpt.save if saving is None else saving.start
             try:
                 save(
-                    os.path.join(args.ckpt_dir, f"step_{step:06d}"),
+                    mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
                     model,
                     optim,
                     extra={"step": step, "data_position": position, "model": args.model},

@@ -29,7 +29,7 @@ from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .chunks import ChunkFiles, coverage_faults
-from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
 from .experts import expert_count_problem, expert_counts, experts_entry, gather_objects, merge_param_groups, merge_plans
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
@@ -38,7 +38,7 @@ from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
-from .staging import check_destination, new_token, partial_path, remove_leftovers, write_file_atomic
+from .staging import check_destination, new_token, partial_path, remove_leftovers
 from .storage import CommittingWriter, VerifyingReader
 
 __all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "PreparedSave", "check_save_arguments",
@@ -105,6 +105,11 @@ def save(
     which experts), and ``optim.param_groups`` names every rank's parameters. Returns the
     checkpoint directory. An asynchronous save of this process still in flight
     (:func:`mfsdp_ckpt.async_save`) is waited for first (its handle reports its outcome).
+
+    ``path`` may be an fsspec URL (``s3://bucket/run/step_10``): each rank uploads its data file
+    straight to that prefix and rank 0 commits by writing ``mfsdp.json`` last; ``overwrite`` first
+    un-commits the old checkpoint (see :func:`_prepare_remote`). No run-directory lock there: one
+    writer per prefix is the caller's responsibility (docs/checkpoint.md).
     """
     for wait in _before_save:
         wait()
@@ -136,7 +141,6 @@ class PreparedSave:
 
 def check_save_arguments(path: str | os.PathLike, keep: int | None) -> None:
     """The refusals of ``save`` that depend on its arguments alone (the same on every rank)."""
-    _local_only(path, "save")
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
 
@@ -161,14 +165,16 @@ def prepare_save(
     closes it once the save is done), the entries and the manifest. Collective (default group)."""
     check_save_arguments(path, keep)
     rank, world = rank_and_world()
-    final = os.path.abspath(os.fspath(path))
+    final = fs.normalize(path)
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
     # is done): a failure on rank 0 alone would leave the others waiting in dcp.save's first
     # collective
     shards = describe_shards(model, optimizer)
     plan, experts, groups = _global_plan(model, optimizer, shards)  # refused before anything is written
-    token = rank0_decides(_prepare_destination, final, overwrite, lock)
-    tmp = partial_path(final, token)
+    if fs.is_url(final):
+        tmp = rank0_decides(_prepare_remote, final, overwrite)
+    else:
+        tmp = partial_path(final, rank0_decides(_prepare_destination, final, overwrite, lock))
     entries = save_entries(shards, optimizer, include_grads)
     if groups is not None:
         entries[PARAM_GROUPS] = groups
@@ -206,11 +212,11 @@ def write_and_commit(
                  no_dist=not dist.is_initialized())
     except CheckpointException as e:
         if rank == 0:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            _discard(job.tmp)
         raise _unwrap(e) from None
     except BaseException:
         if rank == 0:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            _discard(job.tmp)
         raise
     # committed; every rank hears of a failure to move ``latest`` or to prune
     (decide or rank0_decides)(_after_commit, job.final, job.update_latest, job.keep)
@@ -232,24 +238,60 @@ def _prepare_destination(final: str, overwrite: bool, lock: contextlib.ExitStack
     return new_token()
 
 
+def _prepare_remote(final: str, overwrite: bool) -> str:
+    """Rank 0, for a save to an fsspec URL: the bucket exists; what killed saves left in the
+    parent (prefixes of checkpoint files without ``mfsdp.json``) is removed; an existing
+    checkpoint at ``final`` is refused, or with ``overwrite`` un-committed (its ``mfsdp.json``
+    deleted first, so that an interrupted overwrite leaves an uncommitted prefix, never a mix that
+    looks complete) and removed. Returns ``final``: the files go straight there."""
+    from .objstore import check_bucket, remove_uncommitted, retrying
+
+    check_bucket(final)
+    parent = fs.dirname(final)
+    remove_uncommitted(parent)
+    if fs.exists(final):
+        manifest = fs.join(final, MANIFEST_NAME)
+        if not overwrite:
+            raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
+        if not fs.isfile(manifest):
+            raise CheckpointError(f"{final}: exists and is not a checkpoint; refusing to replace it")
+        retrying(manifest, "delete", lambda: fs.remove_tree(manifest))
+        retrying(final, "delete", lambda: fs.remove_tree(final))
+    return final
+
+
+def _discard(tmp: str) -> None:
+    """Rank 0, after a failed save: remove what it wrote (a local partial directory, or the
+    uncommitted prefix on an object store; a failure there is left for the next save)."""
+    if not fs.is_url(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    with contextlib.suppress(Exception):
+        fs.remove_tree(fs.join(tmp, MANIFEST_NAME))  # first: should its upload have landed after all
+    with contextlib.suppress(Exception):
+        fs.remove_tree(tmp)
+
+
 def _after_commit(final: str, update_latest: bool, keep: int | None) -> None:
-    parent = os.path.dirname(final)
+    parent = fs.dirname(final)
     if update_latest:
-        _write_latest(parent, os.path.basename(final))
+        _write_latest(parent, final.rsplit("/", 1)[-1] if fs.is_url(final) else os.path.basename(final))
     if keep is not None:
         _prune(parent, keep, protect=final)
 
 
 def _write_latest(parent: str, name: str) -> None:
-    write_file_atomic(os.path.join(parent, LATEST_NAME), (name + "\n").encode())
+    """``<parent>/latest``: locally a rename into place; on an object store one PUT."""
+    fs.write_bytes(fs.join(parent, LATEST_NAME), (name + "\n").encode())
 
 
 def _prune(parent: str, keep: int, protect: str) -> None:
-    """Delete all but the newest ``keep`` committed mfsdp checkpoints in ``parent``."""
+    """Delete all but the newest ``keep`` committed mfsdp checkpoints in ``parent`` (on an object
+    store: their whole prefixes, manifest first)."""
     found = []
-    for name in os.listdir(parent):
-        d = os.path.join(parent, name)
-        if name.startswith(".") or not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
+    for name in fs.listdir(parent):
+        d = fs.join(parent, name)
+        if name.startswith(".") or not fs.isfile(fs.join(d, MANIFEST_NAME)):
             continue
         try:
             manifest = read_manifest(d)
@@ -257,10 +299,14 @@ def _prune(parent: str, keep: int, protect: str) -> None:
             continue
         found.append((manifest.get("created_unix", 0.0), d))
     found.sort()
-    latest = resolve_checkpoint(os.path.join(parent, LATEST_NAME)) if os.path.exists(os.path.join(parent, LATEST_NAME)) else None
+    pointer = fs.join(parent, LATEST_NAME)
+    latest = resolve_checkpoint(pointer) if fs.exists(pointer) else None
     for _, d in found[: max(len(found) - keep, 0)]:
         if d not in (protect, latest):
-            shutil.rmtree(d, ignore_errors=True)
+            if fs.is_url(d):
+                with contextlib.suppress(Exception):
+                    fs.remove_tree(fs.join(d, MANIFEST_NAME))  # no longer a checkpoint, even if the rest stays
+            fs.remove_tree(d)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
@@ -293,12 +339,6 @@ def read_pointer(path: str) -> str:
             or not name.isprintable()):
         raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
     return name
-
-
-def _local_only(path: str | os.PathLike, what: str) -> None:
-    if fs.is_url(path):
-        raise CheckpointError(f"{os.fspath(path)}: {what} takes a local path; fsspec URLs work with the offline tools "
-                              "(mfsdp-ckpt inspect / verify / diff / reshard / convert / ls)")
 
 
 def _unwrap(e: CheckpointException) -> BaseException:
@@ -356,8 +396,9 @@ def load(
     written at the same world size. The ranks agree on every refusal (a key is unexpected only
     when no rank wants it: under expert parallelism each wants its own experts), so all raise the
     same error; a checkpoint with another number of experts than the model is refused first.
+    ``path`` may be an fsspec URL (``s3://…``): each rank reads the byte ranges of the chunks it
+    needs, with the client's retries.
     """
-    _local_only(path, "load")
     rank, world = rank_and_world()
     # one answer for all ranks, even if ``latest`` moves while they start
     directory = rank0_decides(resolve_checkpoint, path)

@@ -38,7 +38,9 @@ def _fs(url: str) -> tuple[Any, str]:
     committed or removed), so the listing cache is dropped before every use."""
     from fsspec.core import url_to_fs
 
-    fs, path = url_to_fs(url)
+    from .objstore import client_options
+
+    fs, path = url_to_fs(url, **client_options(url.partition("://")[0]))
     fs.invalidate_cache()
     return fs, path
 
@@ -111,10 +113,11 @@ def read_bytes(path: str) -> bytes:
 def write_bytes(path: str, data: bytes, sync: bool = True) -> None:
     """Write a whole file, all or nothing: locally through a partial sibling and a rename
     (:func:`mfsdp_ckpt.staging.write_file_atomic`), on an object store as one upload (atomic
-    there)."""
+    there), retried with backoff (:func:`mfsdp_ckpt.objstore.upload`)."""
     if is_url(path):
-        with open_file(path, "wb") as f:
-            f.write(data)
+        from .objstore import upload
+
+        upload(path, bytes(data))
         return
     write_file_atomic(path, data, sync=sync)
 

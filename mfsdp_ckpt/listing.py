@@ -66,13 +66,20 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
 def clean_run_dir(root: str | os.PathLike) -> list[str]:
     """Remove what killed writers left under the run directory ``root`` (``.partial-`` and
     ``.replaced-`` siblings), holding its writer lock so that no live writer's work is taken
-    (refused while another job writes there). Returns the paths removed. Local paths only."""
+    (refused while another job writes there). Returns the paths removed. On an object store (no
+    lock there: one writer per prefix is the user's responsibility), the prefixes that hold only
+    files a save writes and no ``mfsdp.json`` (:func:`mfsdp_ckpt.objstore.remove_uncommitted`)."""
     from .lock import run_lock
     from .staging import remove_leftovers
 
     root = os.fspath(root)
     if fs.is_url(root):
-        raise CheckpointError(f"{root}: --clean takes a local run directory (an object store has no partial writes to clean)")
+        from .objstore import remove_uncommitted
+
+        root = fs.normalize(root)
+        if not fs.isdir(root):
+            raise NotACheckpointError(f"{root}: no such directory")
+        return remove_uncommitted(root)
     if not os.path.isdir(root):
         raise NotACheckpointError(f"{root}: no such directory")
     with run_lock(root):

@@ -3,7 +3,9 @@ tools read our checkpoints), plus checksums, atomic commit and safe metadata rea
 
 Commit protocol: every rank writes into a temporary sibling directory; the coordinator writes
 ``.metadata`` (DCP), then ``mfsdp.json`` with every chunk's crc32c, then renames the directory to
-its final name in one ``rename``. A directory without ``mfsdp.json`` is never a checkpoint.
+its final name in one ``rename``. A directory without ``mfsdp.json`` is never a checkpoint. On an
+object store (no rename) the files go straight to the final prefix and ``mfsdp.json``, written
+last, is the commit.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from . import fs
 from .boxes import box_view
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import METADATA_NAME, completed, metadata_checksum_problem, write_manifest
+from .manifest import MANIFEST_NAME, METADATA_NAME, completed, metadata_checksum_problem, write_manifest
 from .metadata_check import checked_metadata, stored_by_key
+from .objstore import RemoteFileSystem
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
@@ -63,13 +66,40 @@ class _RecordingFileSystem(FileSystem):
             yield stream
 
 
+class _RecordingRemoteFileSystem(RemoteFileSystem):
+    """:class:`~mfsdp_ckpt.objstore.RemoteFileSystem` whose write streams remember their first
+    ``OSError`` (a failed upload), as :class:`_RecordingFileSystem` does locally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[RecordingStream] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
+            stream = RecordingStream(f, path)
+            self.streams.append(stream)
+            yield stream
+
+
 class CommittingWriter(FileSystemWriter):
     """Writes into ``tmp_dir`` and, on the coordinator, commits it as ``final_dir``. A write the
-    operating system refuses (a full disk) fails in one line naming the file."""
+    operating system refuses (a full disk) fails in one line naming the file.
+
+    On an fsspec URL (``tmp_dir == final_dir``, an object store has no rename) each data file is
+    uploaded straight to the final prefix (:mod:`mfsdp_ckpt.objstore`: spooled, then one PUT or a
+    parallel multipart upload, retried whole with backoff) and the coordinator commits by writing
+    ``mfsdp.json`` after ``.metadata``: the last object of the checkpoint."""
 
     def __init__(self, tmp_dir: str, final_dir: str, manifest: dict[str, Any], *, overwrite: bool, thread_count: int = 1, sync_files: bool = True) -> None:
-        super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files, overwrite=False)
-        self.fs = _RecordingFileSystem()
+        self.remote = fs.is_url(final_dir)
+        super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files and not self.remote, overwrite=False)
+        self.fs = _RecordingRemoteFileSystem() if self.remote else _RecordingFileSystem()
+        if self.remote:
+            self.path = self.fs.init_path(tmp_dir)
         self.tmp_dir = tmp_dir
         self.final_dir = final_dir
         self.manifest = manifest
@@ -111,9 +141,12 @@ class CommittingWriter(FileSystemWriter):
                 }
                 plain_rank.append(dataclasses.replace(wr, storage_data=info))
             plain.append(plain_rank)
-        with reporting(os.path.join(self.tmp_dir, ".metadata"), self.fs.streams):
+        with reporting(fs.join(self.tmp_dir, ".metadata"), self.fs.streams):
             super().finish(metadata, plain)
-        write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)
+        with reporting(fs.join(self.tmp_dir, MANIFEST_NAME)) if self.remote else contextlib.nullcontext():
+            write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)
+        if self.remote:
+            return  # the manifest, written last, was the commit
         if self.sync_files:
             fsync_dir(self.tmp_dir)
         commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)

@@ -1,0 +1,276 @@
+"""Checkpoints on object stores during training (``s3://`` through fsspec / s3fs).
+
+What this module adds to :mod:`mfsdp_ckpt.fs` for ``save`` / ``load`` on a URL:
+
+* client settings: botocore's ``adaptive`` retry mode (backs off on throttling, ``503 SlowDown``,
+  and on dropped connections) and a multipart part size of :data:`PART_BYTES`, merged under
+  whatever the user configured the usual fsspec way (``FSSPEC_S3_*`` variables, fsspec config);
+* whole-object uploads with a bounded retry and exponential backoff (:func:`upload`): a data file
+  is spooled (in memory, or in a local temporary file past :data:`SPOOL_BYTES`) while DCP writes
+  it, then uploaded in one PUT, or as a parallel multipart upload when larger than a part, so that
+  a failed upload can be repeated whole. A final failure is one line naming the object;
+* :class:`RemoteFileSystem`, DCP's file-system interface on such uploads;
+* the start-up probe of a prefix (:func:`check_writable_prefix`) and the removal of what killed
+  saves left behind (:func:`remove_uncommitted`).
+
+There is no lock on an object store (no ``flock``, and conditional writes are not portable across
+S3-compatible servers): one writer per prefix is the user's responsibility. Credentials come from
+the usual environment (``AWS_*`` variables, profiles, instance roles) and are never logged: the
+errors here name objects and the store's reason, never the client's configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import posixpath
+import random
+import re
+import tempfile
+import time
+import uuid
+from typing import IO, Any, Callable, Iterator
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from . import fs
+from .errors import CheckpointError
+
+__all__ = ["PART_BYTES", "SPOOL_BYTES", "ATTEMPTS", "client_options", "upload", "RemoteFileSystem",
+           "check_writable_prefix", "bucket_of", "remove_uncommitted", "is_checkpoint_file"]
+
+PART_BYTES = 64 * 2**20  # multipart part size (and s3fs's read block size)
+SPOOL_BYTES = 256 * 2**20  # a data file larger than this is spooled to a local temporary file
+ATTEMPTS = 4  # whole-object upload attempts (each request inside also has botocore's own retries)
+BACKOFF_S = 0.5  # first wait between whole-object attempts; doubles each time, with jitter
+CLIENT_ATTEMPTS = 10  # botocore's attempts per request (adaptive mode)
+
+_BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")  # stores whose first path part is a bucket
+_DCP_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp)$")
+
+
+def client_options(protocol: str) -> dict[str, Any]:
+    """Extra fsspec options for ``protocol``: for S3, adaptive retries and the part size, under
+    the user's own settings (theirs win, key by key)."""
+    if protocol not in ("s3", "s3a"):
+        return {}
+    import fsspec.config
+
+    conf = fsspec.config.conf.get("s3", {}) or {}
+    config_kwargs = dict(conf.get("config_kwargs") or {})
+    config_kwargs.setdefault("retries", {"max_attempts": CLIENT_ATTEMPTS, "mode": "adaptive"})
+    options: dict[str, Any] = {"config_kwargs": config_kwargs}
+    if "default_block_size" not in conf:
+        options["default_block_size"] = PART_BYTES
+    return options
+
+
+def _reason(error: BaseException) -> str:
+    """The store's reason for ``error``, one short line (no request details)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return fs.shown(text, 160)
+
+
+def _permanent(error: BaseException) -> bool:
+    """Errors that another attempt cannot fix: a missing bucket, access denied."""
+    return isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+
+
+def retrying(url: str, what: str, action: Callable[[], Any], attempts: int | None = None) -> Any:
+    """``action()``, repeated up to ``attempts`` (default :data:`ATTEMPTS`) times with exponential
+    backoff and jitter when it fails; a final failure is an ``OSError`` naming ``url`` and the last
+    reason."""
+    attempts = attempts or ATTEMPTS
+    last: BaseException | None = None
+    for attempt in range(attempts):
+        try:
+            return action()
+        except Exception as e:  # noqa: BLE001 - botocore, aiohttp and s3fs raise many kinds
+            last = e
+            if _permanent(e):
+                break
+            if attempt + 1 < attempts:
+                time.sleep(BACKOFF_S * 2**attempt * (0.5 + random.random()))
+    assert last is not None
+    n = attempt + 1
+    raise OSError(errno.EIO, f"{what} failed after {n} attempt{'s' if n > 1 else ''} ({_reason(last)})", url) from None
+
+
+def upload(url: str, data: bytes | str) -> None:
+    """Store ``data`` (bytes, or the path of a local file) as the object ``url``: one PUT, or a
+    parallel multipart upload of :data:`PART_BYTES` parts; retried whole (:func:`retrying`)."""
+
+    def put() -> None:
+        store, path = fs._fs(url)
+        if isinstance(data, str):
+            store.put_file(data, path, chunksize=PART_BYTES)
+        else:
+            store.pipe_file(path, data, chunksize=PART_BYTES)
+
+    retrying(url, "upload", put)
+
+
+class _UploadStream:
+    """A write-only stream that becomes the object ``url`` when closed (not when discarded):
+    bytes are spooled in memory, then in a local temporary file past :data:`SPOOL_BYTES`. Not an
+    ``io`` class on purpose: their finalizer calls ``close``, which would upload a half-written
+    file that was dropped by an exception."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._buf: IO[bytes] = io.BytesIO()
+        self._spilled: IO[bytes] | None = None
+        self._done = False
+        self.closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = self._buf.write(data)
+        if self._spilled is None and self._buf.tell() > SPOOL_BYTES:
+            spill = tempfile.NamedTemporaryFile(prefix="mfsdp-upload-")
+            assert isinstance(self._buf, io.BytesIO)
+            spill.write(self._buf.getbuffer())
+            self._buf = self._spilled = spill
+        return n
+
+    def tell(self) -> int:
+        return self._buf.tell()
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        return self._buf.seek(pos, whence)
+
+    def flush(self) -> None:
+        self._buf.flush()
+
+    def close(self) -> None:
+        """Upload (once), then release the spool; an upload that fails raises ``OSError``."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self._spilled is not None:
+                self._spilled.flush()
+                upload(self.url, self._spilled.name)
+            else:
+                assert isinstance(self._buf, io.BytesIO)
+                upload(self.url, self._buf.getvalue())
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the spooled bytes without uploading."""
+        self._done = True
+        with contextlib.suppress(Exception):
+            self._buf.close()
+        self.closed = True
+
+
+class RemoteFileSystem(FileSystemBase):
+    """DCP's file-system interface on an fsspec URL: every file written becomes an object when its
+    stream closes (:class:`_UploadStream`); a stream left by an exception uploads nothing."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        url = os.fspath(path)
+        if "w" not in mode:
+            with fs.open_file(url, "rb") as f:
+                yield f
+            return
+        stream = _UploadStream(url)
+        try:
+            yield stream
+        except BaseException:
+            stream.discard()
+            raise
+        stream.close()
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        src, dst = os.fspath(path), os.fspath(new_path)
+        data = retrying(src, "read", lambda: fs.read_bytes(src))
+        upload(dst, data)
+        retrying(src, "delete", lambda: fs.remove_tree(src))
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return fs.normalize(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        """Object stores have no directories."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return fs.is_url(checkpoint_id)
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return fs.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        fs.remove_tree(os.fspath(path))
+
+
+def bucket_of(url: str) -> str | None:
+    """``s3://bucket`` for a URL of a bucket store (None for other schemes)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}" if scheme in _BUCKET_SCHEMES else None
+
+
+def check_bucket(url: str) -> None:
+    """Refuse, in one line, a URL whose bucket does not exist or cannot be reached."""
+    bucket = bucket_of(url)
+    if bucket is None:
+        return
+    try:
+        found = fs.exists(bucket)
+    except Exception as e:  # noqa: BLE001 - unreachable endpoint, bad credentials
+        raise CheckpointError(f"{url}: cannot reach {bucket} ({_reason(e)})") from None
+    if not found:
+        raise CheckpointError(f"{url}: {bucket} does not exist or cannot be reached (create the bucket first; "
+                              "check the endpoint and credentials in the environment)")
+
+
+def check_writable_prefix(url: str) -> None:
+    """Raise a one-line :class:`CheckpointError` unless objects can be written under ``url``: the
+    bucket exists, and a probe object is written and deleted (no retries: a start-up check)."""
+    url = fs.normalize(url)
+    check_bucket(url)
+    probe = fs.join(url, f".mfsdp-probe-{uuid.uuid4().hex}")
+    try:
+        store, path = fs._fs(probe)
+        store.pipe_file(path, b"probe")
+        store.rm_file(path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{url}: cannot write objects there ({_reason(e)})") from None
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A file name a DCP save writes (``.metadata``, ``__<rank>_<n>.distcp``)."""
+    return bool(_DCP_FILE.match(name))
+
+
+def remove_uncommitted(parent: str, only: str | None = None) -> list[str]:
+    """Remove the prefixes under ``parent`` (or just ``only``) that hold nothing but files a save
+    writes and no ``mfsdp.json``: what a killed or failed save left behind. Anything else is left
+    alone. Returns the prefixes removed."""
+    from .manifest import MANIFEST_NAME
+
+    removed = []
+    names = [posixpath.basename(only)] if only is not None else (fs.listdir(parent) if fs.isdir(parent) else [])
+    for name in names:
+        d = fs.join(parent, name)
+        if name.startswith(".") or not fs.isdir(d):
+            continue
+        files = fs.listdir(d)
+        if MANIFEST_NAME in files or not files or not all(is_checkpoint_file(f) for f in files):
+            continue
+        retrying(d, "delete", lambda d=d: fs.remove_tree(d))
+        removed.append(d)
+    return removed
