@@ -143,6 +143,7 @@ def test_usage_error_exits_2():
     assert _cli("frobnicate").exit_code == 2
 
 
+@pytest.mark.heavy
 def test_real_subprocess(run_dir):
     env = dict(os.environ, PYTHONPATH=ROOT)
     ok = subprocess.run([sys.executable, "-m", "cli.main", "verify", os.path.join(run_dir, "latest")],

@@ -63,6 +63,7 @@ def test_errors_are_one_line_and_leave_nothing(hf_dir, tmp_path):
     assert _cli("import-hf", hf_dir, str(tmp_path / "ckpt"), "--overwrite").exit_code == 0
 
 
+@pytest.mark.heavy
 def test_real_subprocess(hf_dir, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -34,6 +34,7 @@ def _full_state(ckpt: str, out: str) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.heavy
 def test_loss_falls_over_200_steps_of_tiny(tmp_path):
     metrics = tmp_path / "m.jsonl"
     run = _run(2, "--model", "tiny", "--steps", "200", "--seed", "0", "--metrics", str(metrics), "--log-every", "50")
@@ -48,6 +49,7 @@ def test_loss_falls_over_200_steps_of_tiny(tmp_path):
 COMMON = ("--model", "tiny-moe", "--steps", "40", "--save-every", "10", "--batch-size", "12")
 
 
+@pytest.mark.heavy
 def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     # A: uninterrupted
@@ -133,6 +135,7 @@ def test_batch_not_divisible_by_world_size():
     assert "--batch-size 5 must be a multiple of world size x --micro-batches (1 x 2)" in run.stderr
 
 
+@pytest.mark.heavy
 def test_bad_expert_parallel_sizes_are_one_line_naming_the_numbers():
     """--ep is checked against the world size and the expert count before anything is built
     (WORLD_SIZE alone, without RANK, is what the trainer reads the world size from)."""

@@ -51,6 +51,7 @@ def test_missing_bucket_fails_at_start_up_in_one_line(s3_endpoint, tmp_path):
     assert "testing" not in run.stderr + run.stdout  # no credentials in what the user sees
 
 
+@pytest.mark.heavy
 def test_ckpt_dir_on_s3_saves_resumes_and_refuses_a_second_start(s3_endpoint, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run"
     args = ("--model", "tiny", "--steps", "4", "--save-every", "2", "--keep", "1", "--batch-size", "2", "--seq-len", "16")

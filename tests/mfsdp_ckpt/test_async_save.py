@@ -244,6 +244,7 @@ def _one_in_flight(run: str) -> dict:
             "ordered": created == sorted(created), "latest_end": _latest(run)}
 
 
+@pytest.mark.heavy
 def test_at_most_one_save_in_flight_and_latest_in_call_order(ranks, tmp_path):
     run = str(tmp_path / "run")
     out = ranks(_one_in_flight, 2, run, timeout=180)
@@ -306,6 +307,7 @@ def _metrics(path) -> dict[int, dict]:
 TRAIN = ("--model", "tiny", "--steps", "12", "--save-every", "4", "--batch-size", "4", "--seq-len", "32")
 
 
+@pytest.mark.heavy
 def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run = run_train(2, *TRAIN, "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"), "--async-save")
@@ -332,6 +334,7 @@ def test_async_save_without_a_checkpoint_directory_is_one_line():
     assert run.returncode == 1 and run.stderr.strip() == "error: --async-save needs --ckpt-dir", failure(run)
 
 
+@pytest.mark.heavy
 def test_an_mxfp8_bf16_run_saves_the_same_checkpoint_asynchronously(tmp_path):
     """fp8 / e8m0 planes and bf16 weights with fp32 main params, staged and written as ``save`` writes them."""
     args = ("--model", "tiny", "--steps", "2", "--mxfp8", "--param-dtype", "bfloat16", "--batch-size", "4", "--seq-len", "32")

@@ -203,6 +203,7 @@ def _at_4_1_then_back_to_4_4(root: str, others: list[str]) -> dict:
     return out
 
 
+@pytest.mark.heavy
 def test_load_at_other_ep_sizes_and_back(ranks, source):
     root, expected = source["root"], source["saved"]
     at = {"w2_ep2": assemble(ranks(_load_and_save, 2, root, 2, timeout=300)),
@@ -288,6 +289,7 @@ def _load_resharded(path: str, ep: int, native: str) -> dict:
     return {"pieces": pieces(model, optim), "opened": opened}
 
 
+@pytest.mark.heavy
 def test_reshard_ep_offline_then_load_online(ranks, source, tmp_path):
     src = source["path"]
     for world, ep, via_subprocess in ((4, 2, False), (2, 1, False), (3, 3, True)):

@@ -4,6 +4,8 @@ back, online and offline, bitwise; a resumed run continues bitwise (real gloo pr
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -92,6 +94,7 @@ def _equal(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.heavy
 def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path):
     """tensor@3 -> even@2 -> tensor@4: params, Muon momentum and AdamW state bitwise equal at each
     hop; the same through `mfsdp-ckpt reshard` (tensor@3 -> even@2, and even@2 -> tensor@4)."""
@@ -111,6 +114,7 @@ def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path)
     _equal(a, e)
 
 
+@pytest.mark.heavy
 def test_resumed_muon_run_continues_bitwise(ranks, tmp_path):
     """Under `even` (owner-compute) at 3 ranks: 3 steps, save, load into a fresh model, 2 more
     steps equals 5 straight steps, losses and state."""

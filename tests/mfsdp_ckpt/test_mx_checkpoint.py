@@ -93,6 +93,7 @@ def _load(path: str, strategy: str = "optim_grads_params", bf16: bool = False, w
     return _state(model, optim)
 
 
+@pytest.mark.heavy
 def test_planes_load_at_other_world_sizes_bitwise(ranks, tmp_path):
     """Saved at 3 ranks (ZeRO-3), loaded at 2 (ZeRO-2) and 4 (ZeRO-3): main params, optimizer
     state and all four planes of every MX weight bitwise equal, and the planes equal quantizing the
@@ -167,6 +168,7 @@ def test_model_only_checkpoint_of_a_bf16_model_loads_its_planes_as_saved(ranks, 
     assert differs  # deriving from the rounded weights would not give the saved planes
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("world", [2, 5])
 def test_offline_reshard_cuts_planes_on_block_boundaries(ranks, tmp_path, world):
     """reshard 3 -> 2 and 5 ranks: each target rank's file holds its rows' planes, every plane

@@ -53,6 +53,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k][:2] == b[k][:2] and torch.equal(a[k][2], b[k][2]) for k in a)
 
 
+@pytest.mark.heavy
 def test_save_and_load_on_s3_equal_a_local_save(s3_endpoint, s3_bucket, tmp_path):
     local, url = str(tmp_path / "run"), f"{s3_bucket}/run"
     saved = run_ranks(_save_both, 2, local, url, s3_endpoint, timeout=300)
@@ -74,6 +75,7 @@ def test_save_and_load_on_s3_equal_a_local_save(s3_endpoint, s3_bucket, tmp_path
     assert all(_same(a, b) for (_, a), (_, b) in zip(from_s3, from_local))
 
 
+@pytest.mark.heavy
 def test_uncommitted_prefix_is_refused_and_cleaned_by_the_next_save(s3_endpoint, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run"
     run_ranks(_save_both, 1, str(tmp_path / "run"), url, s3_endpoint, timeout=300)
@@ -150,6 +152,7 @@ def _saves_with_bounded_retries(url: str, proxy: str) -> list[str | None]:
     return _saves_through_proxy(url, proxy, 2, 1)
 
 
+@pytest.mark.heavy
 def test_saves_and_loads_through_a_faulty_proxy(s3_endpoint, s3_bucket, s3_proxy, tmp_path):
     s3 = _s3()
     url = f"{s3_bucket}/faulty"
@@ -192,6 +195,7 @@ def _load_with_faults(path: str, proxy: str) -> tuple[dict, dict]:
     return {k: v for k, v in extra.items() if k != "step"}, pieces
 
 
+@pytest.mark.heavy
 def test_a_save_that_cannot_upload_fails_in_one_line_and_commits_nothing(s3_endpoint, s3_bucket, s3_proxy):
     s3 = _s3()
     url = f"{s3_bucket}/broken"
