@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
+
+from mfsdp_core.collectives import rank0_decides
 
 from . import checkpoint as _checkpoint
 from .checkpoint import check_save_arguments, prepare_save, write_and_commit
@@ -282,28 +285,10 @@ def _default_timeout() -> timedelta | None:
 
 
 def _decide_on(group: dist.ProcessGroup | None) -> Callable[..., Any]:
-    """``rank0_decides`` over ``group``: ``fn(*args)`` on rank 0, its result or exception on
-    every rank."""
-
-    def decide(fn: Callable[..., Any], *args: Any) -> Any:
-        if group is None:
-            return fn(*args)
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                box[0] = (True, fn(*args))
-            except Exception as e:  # noqa: BLE001 - every rank raises it below
-                box[0] = (False, e)
-        dist.broadcast_object_list(box, src=0, group=group)
-        ok, value = box.pop()
-        if ok:
-            return value
-        try:
-            raise value
-        finally:
-            del value  # no frame / exception cycle (see rank0_decides)
-
-    return decide
+    """``rank0_decides`` over ``group`` (None: no process group, a plain call)."""
+    if group is None:
+        return lambda fn, *args: fn(*args)
+    return functools.partial(rank0_decides, group=group)
 
 
 def _one_line(error: BaseException, path: str) -> CheckpointError:

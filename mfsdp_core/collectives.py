@@ -196,14 +196,15 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def rank0_decides(fn: Callable[..., T], *args: Any) -> T:
+def rank0_decides(fn: Callable[..., T], *args: Any, group: dist.ProcessGroup | None = None) -> T:
     """``fn(*args)`` run on rank 0 only; every rank returns its result, or raises the exception
     it raised.
 
     For decisions that read shared state which may change underneath (a ``latest`` pointer, whether
     a directory exists): ranks that each read it could see different answers and enter different
     collectives, and a rank that fails alone leaves the others waiting. Result and exception must
-    pickle. Outside a process group, a plain call.
+    pickle. Outside a process group, a plain call. ``group``: the group to decide over (default:
+    the default group; rank 0 is global rank 0, which must belong to it).
     """
     if not dist.is_initialized():
         return fn(*args)
@@ -213,7 +214,7 @@ def rank0_decides(fn: Callable[..., T], *args: Any) -> T:
             box[0] = (True, fn(*args))
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             box[0] = (False, e)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     ok, value = box.pop()
     if ok:
         return value
