@@ -47,9 +47,10 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-class _RecordingFileSystem(FileSystem):
-    """DCP's local file system whose write streams remember their first ``OSError`` (torch's zip
-    writer replaces it with ``unexpected pos``)."""
+class _RecordingStreams:
+    """Mixed into a DCP file system: its write streams remember their first ``OSError`` (torch's
+    zip writer replaces it with ``unexpected pos``; an upload's failure would be lost the same
+    way), so that the writer can report it in one line naming the file."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,7 +58,7 @@ class _RecordingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as f:
+        with super().create_stream(path, mode) as f:  # type: ignore[misc]
             if "w" not in mode:
                 yield f
                 return
@@ -66,23 +67,12 @@ class _RecordingFileSystem(FileSystem):
             yield stream
 
 
-class _RecordingRemoteFileSystem(RemoteFileSystem):
-    """:class:`~mfsdp_ckpt.objstore.RemoteFileSystem` whose write streams remember their first
-    ``OSError`` (a failed upload), as :class:`_RecordingFileSystem` does locally."""
+class _RecordingFileSystem(_RecordingStreams, FileSystem):
+    """DCP's local file system, recording write errors."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.streams: list[RecordingStream] = []
 
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as f:
-            if "w" not in mode:
-                yield f
-                return
-            stream = RecordingStream(f, path)
-            self.streams.append(stream)
-            yield stream
+class _RecordingRemoteFileSystem(_RecordingStreams, RemoteFileSystem):
+    """:class:`~mfsdp_ckpt.objstore.RemoteFileSystem` (object stores), recording write errors."""
 
 
 class CommittingWriter(FileSystemWriter):
