@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import math
@@ -40,7 +39,7 @@ from mfsdp_ckpt import fs as mfsdp_fs
 from mfsdp_ckpt.listing import list_checkpoints
 from mfsdp_ckpt.objstore import check_writable_prefix
 from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_core import MixedPrecision, Placement, clip_grad_norm_, fully_shard, fully_shard_optimizer
+from mfsdp_core import MixedPrecision, clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import SyntheticText
 from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
@@ -48,7 +47,7 @@ from mfsdp_core.layout import parse_policy
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, linear_weights, shard_experts, shard_units
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
-from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, PlacementFn, placement_fn
+from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked, placement_fn
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
 
@@ -175,7 +174,7 @@ def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.
         model = model.cuda()
     place = placement_fn(None, args.policy) if mesh is None else expert_placement(args.policy)
     if args.mxfp8:
-        place = with_mxfp8(place, linear_weights(model), MXFormat(args.mxfp8, args.mx_rule))
+        place = mx_marked(place, dict.fromkeys(map(id, linear_weights(model)), MXFormat(args.mxfp8, args.mx_rule)))
     mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
     for unit in shard_units(model):
         try:
@@ -204,20 +203,6 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
         {"params": decay, "use_muon": False, "lr": args.lr, "weight_decay": args.weight_decay},
         {"params": no_decay, "use_muon": False, "lr": args.lr, "weight_decay": 0.0},
     ], ns_dtype=args.ns_dtype)
-
-
-def with_mxfp8(place: PlacementFn, weights: list[torch.nn.Parameter], fmt: MXFormat) -> PlacementFn:
-    """``place``, except that ``weights`` become MXFP8 (``block(32)``, the MX planes as
-    companions) over the same group with the same gradient divisor."""
-    marked = {id(p) for p in weights}
-
-    def fn(name: str, param: torch.nn.Parameter) -> Placement:
-        where = place(name, param)
-        if id(param) not in marked:
-            return where
-        return dataclasses.replace(where, policy="block(32)", mx=fmt, companions=())
-
-    return fn
 
 
 def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:

@@ -102,7 +102,7 @@ def check_planes(targets: Sequence[MXTarget], reader: Any, main_entries: dict[st
 
 def _block(plane: str, index: int, shape: torch.Size) -> str:
     """The weight block a plane element belongs to, in words."""
-    rows, cols = int(shape[0]), int(shape[1])
+    cols = int(shape[1])
     if plane == "rowwise_scale":
         r, b = divmod(index, cols // 32)
         return f"the block of row {r}, columns {32 * b}-{32 * b + 31}"

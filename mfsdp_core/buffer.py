@@ -35,7 +35,8 @@ from torch import nn
 
 from . import collectives as C
 from .layout import Layout, Piece
-from .mx_planes import dequantized, orientation_planes
+from .mx import dequantize
+from .mx_planes import ORIENTATIONS
 from .plan import BufferSpec
 
 __all__ = ["FlatParamBuffer"]
@@ -135,11 +136,13 @@ class FlatParamBuffer:
         self.mx = spec.placement.mx
         self.orientation = "row"  # of an MX buffer's gathered compute params: "row" (forward) or "col"
         originals = [p.detach().reshape(-1) for p in params]
-        own_shard = spec.strategy.shards_params or self.mx is not None
-        self.plane = _Plane(self.layout, self.compute_dtype, self.device, r, own_shard=own_shard)
+        # the compute shard is storage of its own (not a view of the gathered params) under ZeRO-3,
+        # and for MX, whose gathered params are dequantized planes, not the weights
+        self.own_compute_shard = spec.strategy.shards_params or self.mx is not None
+        self.plane = _Plane(self.layout, self.compute_dtype, self.device, r, own_shard=self.own_compute_shard)
         for i, flat in enumerate(originals):
             self.plane.fill(i, flat)
-        if own_shard:
+        if self.own_compute_shard:
             self.plane.shard.copy_(self.plane.gathered[r * S : (r + 1) * S])
         if self.main_dtype == self.compute_dtype and self.mx is None:
             self.main = self.shard
@@ -239,7 +242,7 @@ class FlatParamBuffer:
             return
         if self.strategy.shards_params:  # else every plane is gathered after each step
             self.plane.alloc()
-            for name in orientation_planes(orientation):
+            for name in ORIENTATIONS[orientation]:
                 plane = self.companions[name][1]
                 plane.alloc()
                 plane.gather(self.shard_group)
@@ -248,9 +251,9 @@ class FlatParamBuffer:
 
     def _fill_from_mx(self, orientation: str) -> None:
         """The gathered compute params := the weights the ``orientation`` planes stand for."""
-        data_name, scale_name = orientation_planes(orientation)
+        data_name, scale_name = ORIENTATIONS[orientation]
         for i in range(len(self.params)):
-            weight = dequantized(self.companion(i, data_name), self.companion(i, scale_name), orientation)
+            weight = dequantize(self.companion(i, data_name), self.companion(i, scale_name), orientation)
             self.plane.fill(i, weight.to(self.compute_dtype).reshape(-1))
         self.orientation = orientation
 

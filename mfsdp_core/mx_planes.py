@@ -26,11 +26,12 @@ from typing import Callable
 
 import torch
 
-from .mx import MXFormat, dequantize, quantize
+from .mx import MXFormat, quantize
 from .plan import Companion
 
-__all__ = ["MX_PLANES", "ORIENTATIONS", "mx_companions", "orientation_planes", "dequantized"]
+__all__ = ["MX_PLANES", "ORIENTATIONS", "mx_companions"]
 
+# the (data, scale) planes of each orientation: "row" for forward, "col" for backward
 ORIENTATIONS = {"row": ("rowwise_data", "rowwise_scale"), "col": ("columnwise_data", "columnwise_scale")}
 MX_PLANES = (*ORIENTATIONS["row"], *ORIENTATIONS["col"])
 
@@ -61,13 +62,3 @@ def mx_companions(fmt: MXFormat) -> tuple[Companion, ...]:
         Companion("columnwise_data", fmt.dtype, 1, 1, derive=lambda rows: col(rows)[0]),
         Companion("columnwise_scale", e8m0, 32, 1, derive=lambda rows: col(rows)[1]),
     )
-
-
-def orientation_planes(orientation: str) -> tuple[str, str]:
-    """The (data, scale) plane names used in ``orientation``: ``"row"`` (forward) or ``"col"``."""
-    return ORIENTATIONS[orientation]
-
-
-def dequantized(data: torch.Tensor, scale: torch.Tensor, orientation: str) -> torch.Tensor:
-    """The fp32 weight an orientation's planes stand for."""
-    return dequantize(data, scale, orientation)

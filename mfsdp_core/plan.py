@@ -45,6 +45,7 @@ __all__ = [
     "ModelPlan",
     "default_is_expert",
     "check_companions",
+    "mx_marked",
     "mx_placement",
     "placement_fn",
     "plan_unit",
@@ -137,6 +138,19 @@ def mx_placement(fmt: MXFormat | None = None, policy: str | Policy = "block(32)"
     """The placement of an MXFP8 weight: sharded on whole 32-row blocks (``policy`` must keep
     them whole), with its four MX planes as companions (:mod:`mfsdp_core.mx_planes`)."""
     return Placement(policy, mx=fmt or MXFormat(), **kwargs)
+
+
+def mx_marked(place: PlacementFn, formats: Mapping[int, MXFormat]) -> PlacementFn:
+    """``place``, except that the parameters in ``formats`` (keyed by ``id(param)``) become MXFP8
+    in their format: ``block(32)`` with the MX planes, over the same group with the same divisor
+    (what the trainer's ``--mxfp8`` and an MX ``import-hf`` plan)."""
+
+    def fn(name: str, param: nn.Parameter) -> Placement:
+        where = place(name, param)
+        fmt = formats.get(id(param))
+        return where if fmt is None else dataclasses.replace(where, policy="block(32)", mx=fmt, companions=())
+
+    return fn
 
 
 def placement_fn(placement: Union[Placement, PlacementFn, None], policy: str | Policy | None) -> PlacementFn:

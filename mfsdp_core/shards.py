@@ -92,7 +92,7 @@ def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None)
         pc = buf.local_piece(i)
         local = slice(pc.shard_offset, pc.shard_offset + pc.numel)
         numel = buf.layout.numels[i]
-        if buf.strategy.shards_params or buf.mx is not None:  # an MX buffer's gathered params are dequantized planes
+        if buf.own_compute_shard:  # the weights themselves live only in the owned shard
             param = FlatShard(pc.start, pc.end, buf.shard[local])
         else:
             param = FlatShard(0, numel, buf.unsharded(i))

@@ -19,7 +19,6 @@ naming the tensor).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -28,10 +27,10 @@ import torch
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from mfsdp_core.mx import BLOCK, ELEMENTS, RULES, MXFormat
 from mfsdp_core.mx_planes import MX_PLANES
-from mfsdp_core.plan import ModelPlan, Placement, placement_fn, plan_model
+from mfsdp_core.plan import ModelPlan, mx_marked, placement_fn, plan_model
 
 from ..errors import ConversionError
-from ..keys import fqn_of_model_key
+from ..keys import fqn_of_model_key, mx_key
 from .files import short_repr
 from .mapping import Conversion
 
@@ -55,11 +54,6 @@ _ELEMENT_OF_DTYPE = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 def element_of_dtype(dtype: torch.dtype) -> str | None:
     """``"e4m3"`` / ``"e5m2"`` for the FP8 element dtypes, None for anything else."""
     return _ELEMENT_OF_DTYPE.get(dtype)
-
-
-def mx_key(fqn: str, plane: str) -> str:
-    """``mx.<fqn>.<plane>`` (plane: one of ``mfsdp_core.mx_planes.MX_PLANES``)."""
-    return f"mx.{fqn}.{plane}"
 
 
 @dataclass(frozen=True)
@@ -272,14 +266,7 @@ def mx_plan(cfg: GPTConfig, model: GPTModel, formats: Mapping[str, MXFormat]) ->
     except that the parameters in ``formats`` (by fqn) are MX: ``block(32)`` with their format,
     as ``cli.train --mxfp8`` places them, so that the manifest's ``writer.plan.buffers[i].mx``
     says which parameters are MX and how."""
-    base = placement_fn(None, None)
-    marked = {id(model.get_parameter(fqn)): fmt for fqn, fmt in formats.items()}
-
-    def place(name: str, param: torch.nn.Parameter) -> Placement:
-        where = base(name, param)
-        fmt = marked.get(id(param))
-        return where if fmt is None else dataclasses.replace(where, policy="block(32)", mx=fmt, companions=())
-
+    place = mx_marked(placement_fn(None, None), {id(model.get_parameter(fqn)): fmt for fqn, fmt in formats.items()})
     return plan_model(model, shard_units(model), placement=place)
 
 

@@ -16,7 +16,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from cli.main import main
-from cli.train import with_mxfp8
 from mfsdp_ckpt import hf
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import INDEX_NAME
@@ -27,7 +26,7 @@ from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 from mfsdp_core.mixed_precision import MixedPrecision
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, linear_weights, shard_units
 from mfsdp_core.mx import MXFormat, dequantize, quantize
-from mfsdp_core.plan import placement_fn, plan_model
+from mfsdp_core.plan import mx_marked, placement_fn, plan_model
 
 PLANES = {"row": ("rowwise_data", "rowwise_scale"), "col": ("columnwise_data", "columnwise_scale")}
 
@@ -47,7 +46,7 @@ def mx_checkpoint(path: str, preset: str = "tiny", fmt: MXFormat = MXFormat(), *
     cfg = PRESETS[preset]
     model = GPTModel(cfg)
     mx_weights = linear_weights(model)
-    plan = plan_model(model, shard_units(model), placement=with_mxfp8(placement_fn(None, None), mx_weights, fmt),
+    plan = plan_model(model, shard_units(model), placement=mx_marked(placement_fn(None, None), dict.fromkeys(map(id, mx_weights), fmt)),
                       mixed_precision=MixedPrecision(param_dtype=torch.bfloat16 if bf16 else None))
     writer = writer_layout(1, plan)
     if not record_rule:
