@@ -93,3 +93,28 @@ def kill_job(proc: subprocess.Popen, patience: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"processes {[p for p in tree[1:] if _alive(p)]} outlived SIGKILL")
         time.sleep(0.05)
+
+
+def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
+    """Step -> record of a trainer's ``--metrics`` file; a resumed run re-logs the steps after its
+    checkpoint: the last record wins."""
+    import json
+
+    out: dict[int, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    out[record["step"]] = record
+    return out
+
+
+def kill_past_step(proc: subprocess.Popen, metrics: str | os.PathLike, step: int, timeout: float = 300.0) -> int:
+    """Once the job ``proc`` (started with ``start_new_session``) has logged ``step``, SIGKILL it
+    and every worker (:func:`kill_job`), as a node crash would; the last step it logged."""
+    deadline = time.time() + timeout
+    while max(read_metrics(metrics), default=0) < step and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    kill_job(proc)
+    return max(read_metrics(metrics), default=0)

@@ -4,29 +4,15 @@ with one clear line."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.torchrun import ENV, ROOT, failure, kill_job, run_train as _run, train_cmd
-
-
-def _metrics(path) -> dict[int, dict]:
-    """Step -> record; a resumed run re-logs steps after its checkpoint: the last record wins."""
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    out[record["step"]] = record
-    return out
+from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, run_train as _run, train_cmd
 
 
 def _full_state(ckpt: str, out: str) -> dict:
@@ -39,7 +25,7 @@ def test_loss_falls_over_200_steps_of_tiny(tmp_path):
     metrics = tmp_path / "m.jsonl"
     run = _run(2, "--model", "tiny", "--steps", "200", "--seed", "0", "--metrics", str(metrics), "--log-every", "50")
     assert run.returncode == 0, failure(run)
-    losses = [r["loss"] for _, r in sorted(_metrics(metrics).items())]
+    losses = [r["loss"] for _, r in sorted(read_metrics(metrics).items())]
     assert len(losses) == 200
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 2.0, (first, last)  # ln(256) = 5.5 at the start; the stream has ~1.3 nats of entropy
@@ -58,16 +44,12 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     # B: killed (SIGKILL to torchrun and every worker, as a node crash would) once past the checkpoint at step 10
     proc = subprocess.Popen(train_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
                             cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while max(_metrics(tmp_path / "b.jsonl"), default=0) < 13 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    kill_job(proc)
-    killed_at = max(_metrics(tmp_path / "b.jsonl"))
+    killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     run = _run(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
     assert run.returncode == 0, failure(run)
     assert "resumed from" in run.stdout
-    ma, mb = _metrics(tmp_path / "a.jsonl"), _metrics(tmp_path / "b.jsonl")
+    ma, mb = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
     assert [ma[s] for s in range(1, 41)] == [mb[s] for s in range(1, 41)]  # exact floats: bitwise
     sa = _full_state(str(a / "step_000040"), str(tmp_path / "a.pt"))
     sb = _full_state(str(b / "step_000040"), str(tmp_path / "b.pt"))
@@ -82,7 +64,7 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     (c / "latest").write_text("step_000010\n")
     run = _run(3, *COMMON, "--ckpt-dir", str(c), "--metrics", str(tmp_path / "c.jsonl"), "--resume")
     assert run.returncode == 0, failure(run)
-    mc = _metrics(tmp_path / "c.jsonl")
+    mc = read_metrics(tmp_path / "c.jsonl")
     diffs = [abs(mc[s]["loss"] - ma[s]["loss"]) / ma[s]["loss"] for s in range(11, 41)]
     # gradients are averaged over 3 ranks instead of 2: another summation order, so rounding-level
     # differences (~1e-7) that 30 steps of Adam amplify; measured here: 1e-6 after the first
@@ -167,7 +149,7 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
     assert run.returncode == 0, failure(run)
     run = _run(4, *EP_COMMON, "--ep", "2", "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
     assert run.returncode == 0, failure(run)
-    ma, mb = _metrics(tmp_path / "a.jsonl"), _metrics(tmp_path / "b.jsonl")
+    ma, mb = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
     assert [ma[s] for s in range(1, 9)] == [mb[s] for s in range(1, 9)]  # exact floats: bitwise
     sa = _full_state(str(a / "step_000008"), str(tmp_path / "a.pt"))
     sb = _full_state(str(b / "step_000008"), str(tmp_path / "b.pt"))
@@ -183,7 +165,7 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
         run = _run(nproc, *EP_COMMON, "--ep", str(ep), "--ckpt-dir", str(c), "--metrics", str(tmp_path / f"c{nproc}{ep}.jsonl"), "--resume")
         assert run.returncode == 0, failure(run)
         assert f"resumed from {c / 'step_000004'} at step 4" in run.stdout
-        mc = _metrics(tmp_path / f"c{nproc}{ep}.jsonl")
+        mc = read_metrics(tmp_path / f"c{nproc}{ep}.jsonl")
         # another EP size or world size sums the same gradients in another order: rounding only
         assert abs(mc[5]["loss"] - ma[5]["loss"]) / ma[5]["loss"] < 1e-6, (nproc, ep, mc[5], ma[5])
 
@@ -203,7 +185,7 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
         metrics = tmp_path / f"{name}.jsonl"
         run = _run(3, *MX_COMMON, *extra, "--metrics", str(metrics), "--ckpt-dir", str(tmp_path / name))
         assert run.returncode == 0, failure(run)
-        runs[name] = _metrics(metrics)
+        runs[name] = read_metrics(metrics)
     diffs = [abs(runs["mx"][s]["loss"] - runs["bf16"][s]["loss"]) / runs["bf16"][s]["loss"] for s in range(1, 51)]
     assert max(diffs) < 5e-3, max(diffs)
     assert max(diffs) > 0
@@ -211,7 +193,7 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     for extra in (("--stop-at", "25"), ("--resume",)):
         run = _run(3, *MX_COMMON, "--mxfp8", "--save-every", "25", "--metrics", str(resumed), "--ckpt-dir", str(tmp_path / "b"), *extra)
         assert run.returncode == 0, failure(run)
-    mb = _metrics(resumed)
+    mb = read_metrics(resumed)
     assert [runs["mx"][s] for s in range(1, 51)] == [mb[s] for s in range(1, 51)]  # exact floats
     sa = _full_state(str(tmp_path / "mx" / "step_000050"), str(tmp_path / "a.pt"))
     sb = _full_state(str(tmp_path / "b" / "step_000050"), str(tmp_path / "b.pt"))
@@ -236,7 +218,7 @@ def test_muon_run_stops_and_resumes_bitwise(tmp_path):
     for extra in (("--stop-at", "6"), ("--resume",)):
         run = _run(3, *MUON_COMMON, "--policy", "even", "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(b), *extra)
         assert run.returncode == 0, failure(run)
-    ma, mb = _metrics(a), _metrics(b)
+    ma, mb = read_metrics(a), read_metrics(b)
     assert [ma[s] for s in range(1, 13)] == [mb[s] for s in range(1, 13)]
     state = _full_state(str(tmp_path / "b" / "step_000006"), str(tmp_path / "s.pt"))
     assert "optim.decoder.layers.0.mlp.linear_fc1.weight.momentum_buffer" in state

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import time
 
 import fsspec
 import pytest
@@ -16,7 +15,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from tests.s3 import S3_ENV
-from tests.torchrun import ENV, ROOT, failure, kill_job, train_cmd
+from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, train_cmd
 
 COMMON = ("--model", "tiny-moe", "--steps", "40", "--save-every", "10", "--batch-size", "12")
 
@@ -29,17 +28,6 @@ def _env(endpoint: str) -> dict[str, str]:
 def _run(endpoint: str, nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(nproc, *args), cwd=ROOT, env=_env(endpoint), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _metrics(path) -> dict[int, dict]:
-    if not os.path.exists(path):
-        return {}
-    out = {}
-    for line in open(path):
-        if line.strip():
-            m = json.loads(line)
-            out[m["step"]] = m
-    return out
 
 
 def test_missing_bucket_fails_at_start_up_in_one_line(s3_endpoint, tmp_path):
@@ -78,11 +66,7 @@ def test_kill_and_resume_from_s3_bitwise_and_at_another_world_size(s3_endpoint, 
     proc = subprocess.Popen(train_cmd(2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl")),
                             cwd=ROOT, env=_env(s3_endpoint), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.time() + 300
-    while max(_metrics(tmp_path / "b.jsonl"), default=0) < 13 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    kill_job(proc)
-    killed_at = max(_metrics(tmp_path / "b.jsonl"))
+    killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     # C: B's latest checkpoint on S3, resumed on 3 ranks into another prefix
     run = _run(s3_endpoint, 3, *COMMON, "--ckpt-dir", f"{s3_bucket}/c", "--resume", f"{url}/latest",
@@ -95,7 +79,7 @@ def test_kill_and_resume_from_s3_bitwise_and_at_another_world_size(s3_endpoint, 
                "--resume")
     assert run.returncode == 0, failure(run)
     assert f"resumed from {url}/step_" in run.stdout
-    ma, mb, mc = _metrics(tmp_path / "a.jsonl"), _metrics(tmp_path / "b.jsonl"), _metrics(tmp_path / "c.jsonl")
+    ma, mb, mc = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl"), read_metrics(tmp_path / "c.jsonl")
     assert [ma[s] for s in range(1, 41)] == [mb[s] for s in range(1, 41)]  # exact floats: bitwise
     # the S3 checkpoint and the local one of the same state: equal
     res = CliRunner().invoke(main, ["diff", str(local / "step_000040"), f"{url}/step_000040"])

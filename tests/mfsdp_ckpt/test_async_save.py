@@ -22,8 +22,9 @@ from mfsdp_ckpt import CheckpointError
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.storage import CommittingWriter
+from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
-from tests.torchrun import failure, run_train
+from tests.torchrun import failure, read_metrics, run_train
 
 ASYNC = sys.modules["mfsdp_ckpt.async_save"]  # the module (``mfsdp_ckpt.async_save`` is the function)
 STEPS = 20
@@ -112,29 +113,6 @@ def test_an_async_checkpoint_is_indistinguishable_from_a_sync_one(ranks, tmp_pat
 
 # ---- failures in the background -----------------------------------------------------------------
 
-class _FullDisk:
-    """A file that runs out of space after ``room`` bytes."""
-
-    def __init__(self, f, room: int) -> None:
-        self.f, self.room = f, room
-
-    def write(self, data) -> int:
-        n = len(memoryview(data).cast("B"))
-        if n > self.room:
-            raise OSError(28, "No space left on device")
-        self.room -= n
-        return self.f.write(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 @contextlib.contextmanager
 def _full_disk_on_rank(rank: int):
     """The data files this rank writes run out of space mid-write."""
@@ -142,7 +120,7 @@ def _full_disk_on_rank(rank: int):
 
     def full_open(self, mode="r", *args, **kwargs):
         f = real(self, mode, *args, **kwargs)
-        return _FullDisk(f, 1000) if "w" in mode and self.name.endswith(".distcp") and dist.get_rank() == rank else f
+        return FullDisk(f, 1000) if "w" in mode and self.name.endswith(".distcp") and dist.get_rank() == rank else f
 
     pathlib.Path.open = full_open
     try:
@@ -294,16 +272,6 @@ def test_refusals_are_those_of_save_before_returning_on_every_rank(ranks, tmp_pa
 
 # ---- the trainer ----------------------------------------------------------------------------------
 
-def _metrics(path) -> dict[int, dict]:
-    out = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                out[record["step"]] = record
-    return out
-
-
 TRAIN = ("--model", "tiny", "--steps", "12", "--save-every", "4", "--batch-size", "4", "--seq-len", "32")
 
 
@@ -320,7 +288,7 @@ def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
     assert "saved step_000006 (async)" in run.stdout and _latest(str(b)) == "step_000006"
     run = run_train(2, *TRAIN, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--async-save", "--resume")
     assert run.returncode == 0, failure(run)
-    ma, mb = _metrics(tmp_path / "a.jsonl"), _metrics(tmp_path / "b.jsonl")
+    ma, mb = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
     assert [ma[s] for s in range(1, 13)] == [mb[s] for s in range(1, 13)]  # exact floats: bitwise
     assert diff_checkpoints(str(a / "step_000012"), str(b / "step_000012")).equal
     for d in (a, b):

@@ -13,9 +13,10 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main as cli
-from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_core import fully_shard, fully_shard_optimizer
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_units
 from mfsdp_core.muon import Muon, muon_param_groups, uses_muon
+from tests.mfsdp_ckpt.util import joined, owned_state
 
 CONFIG = get_preset("tiny")
 
@@ -44,37 +45,17 @@ def _steps(model, optim, first: int, last: int) -> list[float]:
     return losses
 
 
-def _state(model, optim) -> dict:
-    out = {}
-    for ps in describe_shards(model, optim):
-        out[f"main.{ps.fqn}"] = (ps.main.start, ps.main.tensor.clone())
-        for k, v in ps.optim.items():
-            out[f"optim.{ps.fqn}.{k}"] = (v.start, v.tensor.clone())
-        for k, v in ps.optim_extra.items():
-            out[f"extra.{ps.fqn}.{k}"] = (0, v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
-    return out
-
-
-def _whole(per_rank: list[dict]) -> dict:
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    for state in per_rank:
-        for key, (start, t) in state.items():
-            if t.numel():
-                parts.setdefault(key, {})[start] = t.reshape(-1)
-    return {k: torch.cat([v[s] for s in sorted(v)]) if not k.startswith("extra.") else next(iter(v.values())) for k, v in parts.items()}
-
-
 def _train_save(path: str, policy: str, steps: int) -> dict:
     model, optim = _build(policy)
     losses = _steps(model, optim, 0, steps)
     mfsdp_ckpt.save(path, model, optim)
-    return {"state": _state(model, optim), "losses": losses}
+    return {"state": owned_state(model, optim), "losses": losses}
 
 
 def _load_save(src: str, dst: str | None, policy: str) -> dict:
     model, optim = _build(policy)
     mfsdp_ckpt.load(src, model, optim)
-    state = _state(model, optim)
+    state = owned_state(model, optim)
     if dst:
         mfsdp_ckpt.save(dst, model, optim)
     return {"state": state}
@@ -84,7 +65,7 @@ def _resume(src: str, policy: str, first: int, last: int) -> dict:
     model, optim = _build(policy)
     mfsdp_ckpt.load(src, model, optim)
     losses = _steps(model, optim, first, last)
-    return {"state": _state(model, optim), "losses": losses}
+    return {"state": owned_state(model, optim), "losses": losses}
 
 
 
@@ -98,19 +79,19 @@ def _equal(a: dict, b: dict) -> None:
 def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path):
     """tensor@3 -> even@2 -> tensor@4: params, Muon momentum and AdamW state bitwise equal at each
     hop; the same through `mfsdp-ckpt reshard` (tensor@3 -> even@2, and even@2 -> tensor@4)."""
-    a = _whole([r["state"] for r in ranks(_train_save, 3, str(tmp_path / "a"), "tensor", 3, timeout=300)])
+    a = joined([r["state"] for r in ranks(_train_save, 3, str(tmp_path / "a"), "tensor", 3, timeout=300)])
     assert sum(k.endswith(".momentum_buffer") for k in a) == sum(uses_muon(n, p) for n, p in GPTModel(CONFIG).named_parameters())
-    b = _whole([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "a"), str(tmp_path / "b"), "even", timeout=300)])
+    b = joined([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "a"), str(tmp_path / "b"), "even", timeout=300)])
     _equal(a, b)
-    c = _whole([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "b"), None, "tensor", timeout=300)])
+    c = joined([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "b"), None, "tensor", timeout=300)])
     _equal(a, c)
     result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "a"), str(tmp_path / "offline"), "--world-size", "2", "--policy", "even"])
     assert result.exit_code == 0, result.output
-    d = _whole([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "offline"), None, "even", timeout=300)])
+    d = joined([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "offline"), None, "even", timeout=300)])
     _equal(a, d)
     result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "b"), str(tmp_path / "back"), "--world-size", "4", "--policy", "tensor"])
     assert result.exit_code == 0, result.output
-    e = _whole([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "back"), None, "tensor", timeout=300)])
+    e = joined([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "back"), None, "tensor", timeout=300)])
     _equal(a, e)
 
 
@@ -123,10 +104,10 @@ def test_resumed_muon_run_continues_bitwise(ranks, tmp_path):
     straight = ranks(_resume_none, 3, "even", 5, timeout=300)
     for r in range(3):
         assert first[r]["losses"] + resumed[r]["losses"] == straight[r]["losses"]
-    _equal(_whole([r["state"] for r in resumed]), _whole([r["state"] for r in straight]))
+    _equal(joined([r["state"] for r in resumed]), joined([r["state"] for r in straight]))
 
 
 def _resume_none(policy: str, steps: int) -> dict:
     model, optim = _build(policy)
     losses = _steps(model, optim, 0, steps)
-    return {"state": _state(model, optim), "losses": losses}
+    return {"state": owned_state(model, optim), "losses": losses}

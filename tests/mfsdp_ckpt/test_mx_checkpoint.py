@@ -23,6 +23,7 @@ from mfsdp_core import MixedPrecision, Placement, describe_shards, fully_shard, 
 from mfsdp_core.models.gpt import GPTModel, get_preset, linear_weights, shard_units
 from mfsdp_core.mx import MXFormat, quantize
 from mfsdp_core.plan import mx_placement
+from tests.mfsdp_ckpt.util import joined, owned_state
 
 warnings.filterwarnings("ignore", message=".*native MXFP8 cast unavailable.*")
 CONFIG = get_preset("tiny")
@@ -38,28 +39,6 @@ def _build(strategy: str = "optim_grads_params", bf16: bool = False, fmt: MXForm
     for unit in shard_units(model):
         fully_shard(unit, strategy=strategy, placement=place, mixed_precision=mp)
     return model, fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
-
-
-def _state(model, optim) -> dict:
-    """This rank's owned ranges: main params, optimizer state and MX planes (as bytes)."""
-    out = {}
-    for ps in describe_shards(model, optim):
-        out[f"main.{ps.fqn}"] = (ps.main.start, ps.main.tensor.clone())
-        for k, v in ps.optim.items():
-            out[f"optim.{ps.fqn}.{k}"] = (v.start, v.tensor.clone())
-        for name, plane in ps.companions.items():
-            out[f"mx.{ps.fqn}.{name}"] = (plane.start, plane.tensor.view(torch.uint8).clone())  # fp8 does not pickle
-    return out
-
-
-def _whole(per_rank: list[dict]) -> dict:
-    """Every key's owned ranges from all ranks, joined in order."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    for state in per_rank:
-        for key, (start, t) in state.items():
-            if t.numel():
-                parts.setdefault(key, {})[start] = t.reshape(-1)
-    return {key: torch.cat([v[s] for s in sorted(v)]) for key, v in parts.items()}
 
 
 def _train_and_save(path: str, strategy: str = "optim_grads_params", bf16: bool = False, corrupt_plane: bool = False) -> dict:
@@ -78,19 +57,19 @@ def _train_and_save(path: str, strategy: str = "optim_grads_params", bf16: bool 
                 scale = ps.companions["rowwise_scale"].tensor.view(torch.uint8)
                 scale[3] += 1
     mfsdp_ckpt.save(path, model, optim)
-    return _state(model, optim)
+    return owned_state(model, optim)
 
 
 def _load(path: str, strategy: str = "optim_grads_params", bf16: bool = False, with_optim: bool = True) -> dict:
     model, optim = _build(strategy, bf16)
-    before = _state(model, optim)
+    before = owned_state(model, optim)
     try:
         mfsdp_ckpt.load(path, model, optim if with_optim else None)
     except mfsdp_ckpt.CheckpointError as e:
-        after = _state(model, optim)
+        after = owned_state(model, optim)
         unchanged = all(torch.equal(before[k][1], after[k][1]) for k in before if not k.startswith("optim."))
         return {"error": str(e), "unchanged": unchanged}
-    return _state(model, optim)
+    return owned_state(model, optim)
 
 
 @pytest.mark.heavy
@@ -98,11 +77,11 @@ def test_planes_load_at_other_world_sizes_bitwise(ranks, tmp_path):
     """Saved at 3 ranks (ZeRO-3), loaded at 2 (ZeRO-2) and 4 (ZeRO-3): main params, optimizer
     state and all four planes of every MX weight bitwise equal, and the planes equal quantizing the
     whole main params."""
-    saved = _whole(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), timeout=300))
+    saved = joined(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), timeout=300))
     mx_keys = [k for k in saved if k.startswith("mx.")]
     assert len(mx_keys) == 4 * len(linear_weights(GPTModel(CONFIG)))
     for world, strategy in ((2, "optim_grads"), (4, "optim_grads_params")):
-        loaded = _whole(ranks(_load, world, str(tmp_path / "ckpt"), strategy, timeout=300))
+        loaded = joined(ranks(_load, world, str(tmp_path / "ckpt"), strategy, timeout=300))
         assert sorted(loaded) == sorted(saved)
         for key in saved:
             assert torch.equal(loaded[key], saved[key]), (world, key)
@@ -133,7 +112,7 @@ def test_a_flipped_byte_in_a_saved_scale_plane_is_caught(ranks, tmp_path):
     from mfsdp_ckpt.inspect import open_checkpoint
 
     path = tmp_path / "ckpt"
-    saved = _whole(ranks(_train_and_save, 3, str(path), timeout=300))
+    saved = joined(ranks(_train_and_save, 3, str(path), timeout=300))
     key = "mx.decoder.layers.0.self_attention.linear_qkv.weight.columnwise_scale"
     _, _, _, verifying = open_checkpoint(str(path))
     index, info = max(verifying.stored[key], key=lambda chunk: chunk[1].length)
@@ -155,9 +134,9 @@ def test_a_flipped_byte_in_a_saved_scale_plane_is_caught(ranks, tmp_path):
 def test_model_only_checkpoint_of_a_bf16_model_loads_its_planes_as_saved(ranks, tmp_path):
     """bf16 compute: the model weights are the main params rounded, so planes re-derived from them
     would differ; a model-only checkpoint (no fp32 main params) loads its planes as saved."""
-    saved = _whole(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), "optim_grads_params", True, timeout=300))
+    saved = joined(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), "optim_grads_params", True, timeout=300))
     reshard(tmp_path / "ckpt", tmp_path / "model_only", world_size=3, model_only=True)
-    loaded = _whole(ranks(_load, 2, str(tmp_path / "model_only"), "optim_grads_params", True, False, timeout=300))
+    loaded = joined(ranks(_load, 2, str(tmp_path / "model_only"), "optim_grads_params", True, False, timeout=300))
     differs = False
     for key in (k for k in saved if k.startswith("mx.")):
         assert torch.equal(loaded[key], saved[key]), key
@@ -174,7 +153,7 @@ def test_offline_reshard_cuts_planes_on_block_boundaries(ranks, tmp_path, world)
     """reshard 3 -> 2 and 5 ranks: each target rank's file holds its rows' planes, every plane
     chunk starts and ends on a 32-row block of its weight, and the online load at that size gives
     the same state bitwise."""
-    saved = _whole(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), timeout=300))
+    saved = joined(ranks(_train_and_save, 3, str(tmp_path / "ckpt"), timeout=300))
     reshard(tmp_path / "ckpt", tmp_path / "out", world_size=world)
     with CheckpointReader(str(tmp_path / "out")) as reader:
         md = reader.metadata.state_dict_metadata
@@ -186,7 +165,7 @@ def test_offline_reshard_cuts_planes_on_block_boundaries(ranks, tmp_path, world)
                 assert chunk.offsets[0] % rows_per_block == 0 and (chunk.offsets[0] + chunk.sizes[0]) % rows_per_block in (0, size[0] % rows_per_block), (key, chunk)
     files = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".distcp"))
     assert len(files) == world
-    loaded = _whole(ranks(_load, world, str(tmp_path / "out"), timeout=300))
+    loaded = joined(ranks(_load, world, str(tmp_path / "out"), timeout=300))
     for key in saved:
         assert torch.equal(loaded[key], saved[key]), key
 

@@ -56,3 +56,45 @@ def assemble(per_rank: list[dict], shapes: dict[str, torch.Size]) -> dict[str, t
 
 def shapes_of(name: str = "transformer") -> dict[str, torch.Size]:
     return {n: p.shape for n, p in make_model(name).named_parameters()}
+
+
+def owned_state(model, optim) -> dict[str, tuple[int, torch.Tensor]]:
+    """Key -> (start, values) of everything this rank owns: main params (``main.``), optimizer
+    tensors (``optim.``) and scalars (``scalar.``, start 0), companion planes (``mx.``, as bytes:
+    fp8 tensors do not pickle between processes). Keys may differ between ranks (experts, whole
+    tensors on one rank), unlike :func:`owned_pieces`; join them with :func:`joined`."""
+    out = {}
+    for ps in describe_shards(model, optim):
+        out[f"main.{ps.fqn}"] = (ps.main.start, ps.main.tensor.clone())
+        for k, v in ps.optim.items():
+            out[f"optim.{ps.fqn}.{k}"] = (v.start, v.tensor.clone())
+        for k, v in ps.optim_extra.items():
+            out[f"scalar.{ps.fqn}.{k}"] = (0, v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
+        for name, plane in ps.companions.items():
+            out[f"mx.{ps.fqn}.{name}"] = (plane.start, plane.tensor.view(torch.uint8).clone())
+    return out
+
+
+def joined(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Each key's flat values from every rank's pieces (:func:`owned_state`), in order. Asserts the
+    pieces tile the range without gap or overlap, and that replicas (the same start: ``no_shard``,
+    scalars) agree bitwise."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for state in per_rank:
+        for key, (start, t) in state.items():
+            if not t.numel():
+                continue
+            t = t.reshape(-1)
+            seen = parts.setdefault(key, {})
+            if start in seen:
+                assert torch.equal(seen[start], t), f"{key}: replicas at {start} differ"
+                continue
+            seen[start] = t
+    out = {}
+    for key, pieces in parts.items():
+        at = 0
+        for start in sorted(pieces):
+            assert start == at, f"{key}: pieces leave a gap or overlap at {at}"
+            at += pieces[start].numel()
+        out[key] = torch.cat([pieces[s] for s in sorted(pieces)])
+    return out

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mfsdp_core import mx, mx_native
-from mfsdp_core.mx import BLOCK, MXFormat
+from mfsdp_core.mx import MXFormat
 from tests.mfsdp_core.test_mx import FAMILIES, FMT_IDS, FORMATS, assert_same_bytes
 
 REPO = Path(__file__).resolve().parents[2]

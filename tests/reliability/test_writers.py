@@ -5,7 +5,6 @@ in the CLI."""
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from cli.main import main
 from mfsdp_ckpt import CheckpointError, RunLockedError
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.lock import LOCK_NAME
+from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, train_steps
 from tests.torchrun import ENV, ROOT, failure, run_train
 
@@ -177,29 +177,6 @@ def test_leftovers_are_removed_by_the_next_save_and_by_ls_clean(run):
 
 # ---- a full disk ------------------------------------------------------------------------------
 
-class _FullDisk:
-    """A binary file whose writes fail with ENOSPC once ``room`` bytes went through."""
-
-    def __init__(self, f, room: int) -> None:
-        self.f, self.room = f, room
-
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        if n > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= n
-        return self.f.write(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
 def _fill_disk_after(monkeypatch, module, room: int, match: str) -> None:
     """``open`` in ``module`` gives files that run out of space, for paths containing ``match``."""
     import builtins
@@ -208,7 +185,7 @@ def _fill_disk_after(monkeypatch, module, room: int, match: str) -> None:
 
     def fake_open(path, mode="r", *args, **kwargs):
         f = real(path, mode, *args, **kwargs)
-        return _FullDisk(f, room) if "w" in mode and match in os.fspath(path) else f
+        return FullDisk(f, room) if "w" in mode and match in os.fspath(path) else f
 
     monkeypatch.setattr(module, "open", fake_open, raising=False)
 
@@ -222,7 +199,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_changes_nothing(run, monkeypa
 
     def full_open(self, mode="r", *args, **kwargs):
         f = real_open(self, mode, *args, **kwargs)
-        return _FullDisk(f, 1000) if "w" in mode and self.name.endswith(".distcp") else f
+        return FullDisk(f, 1000) if "w" in mode and self.name.endswith(".distcp") else f
 
     monkeypatch.setattr(pathlib.Path, "open", full_open)
     model, optim = build("optim_grads_params", "row")
@@ -254,7 +231,7 @@ def test_a_full_disk_in_offline_writers_is_one_line_and_leaves_nothing(run, tmp_
 
     def full(path, mode="rb"):
         f = real(path, mode)
-        return _FullDisk(f, 5000) if "w" in mode else f
+        return FullDisk(f, 5000) if "w" in mode else f
 
     monkeypatch.setattr(fsmod, "open_file", full)
     from mfsdp_ckpt.reshard import reshard
