@@ -39,6 +39,7 @@ from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
 from .staging import check_destination, new_token, partial_path, remove_leftovers
+from .staged_read import DEFAULT_READ_THREADS
 from .storage import CommittingWriter, VerifyingReader
 
 __all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "PreparedSave", "check_save_arguments",
@@ -382,6 +383,7 @@ def load(
     strict: bool = True,
     require_manifest: bool = True,
     restore_rng: bool = True,
+    thread_count: int = DEFAULT_READ_THREADS,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it; return the
     ``extra`` values. Collective.
@@ -397,7 +399,8 @@ def load(
     when no rank wants it: under expert parallelism each wants its own experts), so all raise the
     same error; a checkpoint with another number of experts than the model is refused first.
     ``path`` may be an fsspec URL (``s3://…``): each rank reads the byte ranges of the chunks it
-    needs, with the client's retries.
+    needs, with the client's retries. ``thread_count``: reader threads per rank (see
+    :mod:`mfsdp_ckpt.staged_read`).
     """
     rank, world = rank_and_world()
     # one answer for all ranks, even if ``latest`` moves while they start
@@ -405,7 +408,7 @@ def load(
     manifest = None
     if require_manifest or is_committed(directory):
         manifest = read_manifest(directory)
-    reader = VerifyingReader(directory, manifest)
+    reader = VerifyingReader(directory, manifest, thread_count=thread_count)
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
     _check_expert_count(model, saved, directory)

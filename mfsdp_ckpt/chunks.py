@@ -10,10 +10,12 @@ cover it exactly once.
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from typing import IO, Any, Iterable, Sequence
 
+import numpy
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -25,6 +27,7 @@ from .records import locate_raw_tensor
 
 __all__ = [
     "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "missing_bytes", "read_chunk",
+    "expected_crc", "decode_record", "tensor_view", "MemoryFile",
     "coverage_faults",
 ]
 
@@ -72,6 +75,49 @@ def missing_bytes(f: IO[bytes], info: Any) -> str | None:
     return None
 
 
+def expected_crc(info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None) -> int | None:
+    """The chunk's crc32c from the manifest (None without a manifest), after checking that the
+    manifest lists it at the same place as ``.metadata``; raises :class:`ChunkFault` otherwise."""
+    if getattr(info, "transform_descriptors", None):
+        raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
+    if manifest_chunks is None:
+        return None
+    entry = manifest_chunks.get(chunk_id(index))
+    if entry is None:
+        raise ChunkFault("not listed in the manifest")
+    if (entry["file"], entry["offset"], entry["length"]) != (info.relative_path, info.offset, info.length):
+        raise ChunkFault(f"the manifest places it at {entry['file']} bytes {entry['offset']}+{entry['length']}, "
+                         f".metadata at {info.relative_path} bytes {info.offset}+{info.length}")
+    return entry["crc32c"]
+
+
+def _check_fits(index: MetadataIndex, info: Any, expect: tuple[torch.dtype, Sequence[int]] | None) -> None:
+    """Before allocating anything: the expected elements fit in the chunk's stored bytes."""
+    if index.offset is not None and expect is not None and math.prod(expect[1]) * expect[0].itemsize > info.length:
+        raise ChunkFault(f"{math.prod(expect[1])} {str(expect[0]).replace('torch.', '')} elements do not fit in "
+                         f"its {info.length} stored bytes")
+
+
+def _loaded_tensor(stream: IO[bytes], expect: tuple[torch.dtype, Sequence[int]] | None) -> torch.Tensor:
+    """A record that is not plain, through ``torch.load(weights_only=True)``, checked against ``expect``."""
+    try:
+        payload = torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
+    if not isinstance(payload, torch.Tensor):
+        raise ChunkFault("chunk does not hold a tensor")
+    if expect is not None and (payload.dtype != expect[0] or tuple(payload.shape) != tuple(expect[1])):
+        raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata "
+                         f"({expect[0]} {tuple(expect[1])})")
+    return payload
+
+
+def _check_crc(payload: torch.Tensor | bytes | numpy.ndarray, expected: int | None) -> None:
+    if expected is not None and payload_crc32c(payload) != expected:
+        raise ChunkFault("checksum mismatch")
+
+
 def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
                expect: tuple[torch.dtype, Sequence[int]] | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor | bytes:
@@ -83,25 +129,13 @@ def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: d
     With ``expect`` (the chunk's dtype and sizes from the metadata) a plain record's bytes are read
     straight into a new tensor instead of going through ``torch.load``; with ``out`` (a contiguous
     tensor of the chunk's dtype and element count) straight into ``out``, which is returned."""
-    if getattr(info, "transform_descriptors", None):
-        raise ChunkFault(f"stream transforms {info.transform_descriptors} are not supported")
+    expected = expected_crc(info, index, manifest_chunks)
     truncated = missing_bytes(f, info)
     if truncated:
         raise ChunkFault(truncated)
-    expected = None
-    if manifest_chunks is not None:
-        entry = manifest_chunks.get(chunk_id(index))
-        if entry is None:
-            raise ChunkFault("not listed in the manifest")
-        if (entry["file"], entry["offset"], entry["length"]) != (info.relative_path, info.offset, info.length):
-            raise ChunkFault(f"the manifest places it at {entry['file']} bytes {entry['offset']}+{entry['length']}, "
-                             f".metadata at {info.relative_path} bytes {info.offset}+{info.length}")
-        expected = entry["crc32c"]
     if out is not None:
         expect = (out.dtype, out.shape)
-    if index.offset is not None and expect is not None and math.prod(expect[1]) * expect[0].itemsize > info.length:
-        raise ChunkFault(f"{math.prod(expect[1])} {str(expect[0]).replace('torch.', '')} elements do not fit in "
-                         f"its {info.length} stored bytes")
+    _check_fits(index, info, expect)
     raw = None
     if index.offset is not None and expect is not None:
         raw = locate_raw_tensor(f, info.offset, info.length, expect[0], math.prod(expect[1]))
@@ -115,23 +149,83 @@ def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: d
         if payload.numel() and f.readinto(payload.view(-1).view(torch.uint8).numpy()) != raw.nbytes:
             raise ChunkFault("truncated tensor data")
     else:
-        try:
-            payload = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        except Exception as e:
-            first_line = (str(e).splitlines() or [""])[0]
-            raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
-        if not isinstance(payload, torch.Tensor):
-            raise ChunkFault("chunk does not hold a tensor")
+        payload = _loaded_tensor(FileSlice(f, info.offset, info.length), None if out is not None else expect)
         if out is not None:
             if payload.dtype != out.dtype or payload.numel() != out.numel():
                 raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata")
             payload = out.copy_(payload.reshape(out.shape))
-        elif expect is not None and (payload.dtype != expect[0] or tuple(payload.shape) != tuple(expect[1])):
-            raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata "
-                             f"({expect[0]} {tuple(expect[1])})")
-    if expected is not None and payload_crc32c(payload) != expected:
-        raise ChunkFault("checksum mismatch")
+    _check_crc(payload, expected)
     return payload
+
+
+def decode_record(record: numpy.ndarray, info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
+                  expect: tuple[torch.dtype, Sequence[int]] | None) -> torch.Tensor | bytes:
+    """:func:`read_chunk` for a chunk whose ``info.length`` stored bytes are already in memory
+    (``record``, a uint8 array): the same checks, and a plain record's tensor is a view of
+    ``record`` (no copy; possibly not aligned to its element size, which torch's copies accept)."""
+    expected = expected_crc(info, index, manifest_chunks)
+    if len(record) < info.length:
+        raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, "
+                         f"the file has {info.offset + len(record)})")
+    _check_fits(index, info, expect)
+    if index.offset is None:
+        payload = bytes(record)
+        _check_crc(payload, expected)
+        return payload
+    raw = None
+    if expect is not None:
+        raw = locate_raw_tensor(MemoryFile(record), 0, info.length, expect[0], math.prod(expect[1]))
+    if raw is None:
+        tensor = _loaded_tensor(io.BytesIO(record.tobytes()), expect)
+        _check_crc(tensor, expected)
+        return tensor
+    assert expect is not None
+    data = record[raw.offset : raw.offset + raw.nbytes]
+    _check_crc(data, expected)
+    return tensor_view(data, expect[0], expect[1])
+
+
+def tensor_view(data: numpy.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The bytes ``data`` (uint8, row-major, little-endian) as a tensor of ``dtype`` and ``shape``,
+    sharing their memory. numpy accepts an address that is not a multiple of the element size
+    (torch's byte-to-dtype ``view`` does not), so the bytes are reinterpreted as unsigned integers
+    of the element's size first."""
+    size = dtype.itemsize
+    if size == 1 or data.ctypes.data % size == 0:
+        flat = torch.from_numpy(data).view(dtype)
+    else:
+        flat = torch.from_numpy(data.view(numpy.dtype(f"<u{size}"))).view(dtype)
+    return flat.view(tuple(shape))
+
+
+class MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes already in memory (for the zip parsing of
+    :func:`~mfsdp_ckpt.records.locate_raw_tensor`, which reads only a record's small headers)."""
+
+    def __init__(self, data: numpy.ndarray) -> None:
+        super().__init__()
+        self.data, self.pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
+        self.pos = min(max(base + pos, 0), len(self.data))
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        part = self.data[self.pos : self.pos + len(buffer)]
+        with memoryview(buffer) as view:
+            view[: len(part)] = part.tobytes()
+        self.pos += len(part)
+        return len(part)
 
 
 class ChunkFiles:

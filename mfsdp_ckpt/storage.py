@@ -34,6 +34,7 @@ from .objstore import RemoteFileSystem
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
+from .staged_read import DEFAULT_READ_THREADS, read_chunks
 from .staging import commit_directory, fsync_dir
 from .write_errors import RecordingStream, reporting, write_failed
 
@@ -150,9 +151,10 @@ class VerifyingReader(FileSystemReader):
     Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
     rank has read everything, so a failed load changes nothing."""
 
-    def __init__(self, path: str, manifest: dict[str, Any] | None) -> None:
+    def __init__(self, path: str, manifest: dict[str, Any] | None, *, thread_count: int = DEFAULT_READ_THREADS) -> None:
         super().__init__(path)
         self.dir = str(path)
+        self.thread_count = thread_count
         self.manifest = manifest
         self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
         self.pending: list[tuple[Any, torch.Tensor]] = []
@@ -208,25 +210,23 @@ class VerifyingReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_file: dict[str, dict[Any, list]] = {}
+        by_chunk: dict[MetadataIndex, list] = {}
         for req in plan.items:
-            info = self.storage_data.get(req.storage_index)
-            if info is None:
+            if req.storage_index not in self.storage_data:
                 raise CorruptCheckpointError(f"{self.dir}: key '{req.storage_index.fqn}': a chunk the load needs has no stored data")
-            by_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
+            by_chunk.setdefault(req.storage_index, []).append(req)
         with ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes) as files:
-            for relative_path, by_chunk in by_file.items():
-                files.open(relative_path, next(iter(by_chunk)).fqn)
-                for index, reqs in sorted(by_chunk.items(), key=lambda kv: self.storage_data[kv[0]].offset):
-                    self._read_chunk(files, index, reqs, planner)
-                files.release(relative_path)  # one file open at a time, however many a rank reads
+            payloads = read_chunks(files, [(index, self.storage_data[index]) for index in by_chunk], threads=self.thread_count)
+            for index, reqs in by_chunk.items():
+                self._place(files, index, payloads.pop(index), reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_chunk(self, files: ChunkFiles, index: Any, reqs: list, planner: LoadPlanner) -> None:
+    def _place(self, files: ChunkFiles, index: Any, payload: torch.Tensor | bytes, reqs: list, planner: LoadPlanner) -> None:
+        """Hand a verified chunk to its read requests: objects to the planner now, tensor pieces
+        to :meth:`apply` later."""
         info = self.storage_data[index]
-        payload = files.read(index, info)
         if isinstance(payload, bytes):
             for req in reqs:
                 try:

@@ -1,0 +1,138 @@
+"""``mfsdp_ckpt.staged_read``: a load's chunks read as a few large spans by several threads,
+each chunk verified as it arrives, tensors handed out as views of the staging memory."""
+
+from __future__ import annotations
+
+import io
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from mfsdp_ckpt import CorruptCheckpointError
+from mfsdp_ckpt import staged_read
+from mfsdp_ckpt.chunks import ChunkFiles
+from mfsdp_ckpt.inspect import open_checkpoint
+from mfsdp_ckpt.records import locate_raw_tensor
+from mfsdp_ckpt.staged_read import plan_spans, read_chunks
+from mfsdp_ckpt.streaming import CheckpointBuilder
+
+
+def _info(path: str, offset: int, length: int):
+    return SimpleNamespace(relative_path=path, offset=offset, length=length)
+
+
+def test_plan_spans_joins_neighbours_within_the_gap_per_file():
+    chunks = [
+        (MetadataIndex("a", (0,)), _info("f0", 0, 100)),
+        (MetadataIndex("a", (1,)), _info("f0", 100, 50)),  # adjacent
+        (MetadataIndex("b", (0,)), _info("f1", 0, 10)),  # another file
+        (MetadataIndex("c", (0,)), _info("f0", 150 + 64, 20)),  # a gap of 64 bytes
+        (MetadataIndex("d", (0,)), _info("f0", 1000, 5)),  # a gap of 766 bytes
+    ]
+    spans = plan_spans(reversed(chunks), max_gap=64)
+    assert [(s.relative_path, s.start, s.end, [i.fqn for i, _ in s.chunks]) for s in spans] == [
+        ("f0", 0, 234, ["a", "a", "c"]),
+        ("f0", 1000, 1005, ["d"]),
+        ("f1", 0, 10, ["b"]),
+    ]
+    assert [len(s.chunks) for s in plan_spans(chunks, max_gap=10_000)] == [4, 1]
+
+
+# odd sizes, several dtypes (so that views land at addresses that are not multiples of the element
+# size), a 0-element tensor, an object, two files
+TENSORS = {
+    "model.w": torch.randn(37, 13),
+    "model.h": torch.randn(5, 7).to(torch.bfloat16),
+    "model.d": torch.randn(11, dtype=torch.float64),
+    "model.i": torch.arange(9, dtype=torch.int64),
+    "model.e": torch.empty(0, 4),
+    "model.f8": torch.randn(6, 8).to(torch.float8_e4m3fn),
+}
+
+
+def _build(path: str) -> None:
+    with CheckpointBuilder(path, {}) as builder:
+        for n, (key, t) in enumerate(TENSORS.items()):
+            if t.shape[0] > 2:
+                cut = t.shape[0] // 3
+                builder.add_chunk(key, t[:cut], (0,) * t.dim(), t.shape, file=n % 2)
+                builder.add_chunk(key, t[cut:], (cut,) + (0,) * (t.dim() - 1), t.shape, file=(n + 1) % 2)
+            else:
+                builder.add_tensor(key, t, file=n % 2)
+        builder.add_object("extra.step", 7, file=1)
+        builder.commit()
+
+
+def _read_all(path: str, threads: int):
+    directory, manifest, metadata, reader = open_checkpoint(path)
+    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+        return metadata, read_chunks(files, list(metadata.storage_data.items()), threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("block", [7, 100, 16 << 20])
+def test_read_chunks_returns_every_chunk_bitwise(tmp_path, monkeypatch, threads, block):
+    monkeypatch.setattr(staged_read, "BLOCK_BYTES", block)  # chunks spanning many blocks, blocks many chunks
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    metadata, payloads = _read_all(path, threads)
+    assert set(payloads) == set(metadata.storage_data)
+    assert any(isinstance(p, torch.Tensor) and p.numel() and p.data_ptr() % p.element_size() for p in payloads.values())
+    for index, payload in payloads.items():
+        if index.offset is None:
+            assert torch.load(io.BytesIO(payload), weights_only=True) == 7
+            continue
+        whole = TENSORS[index.fqn]
+        piece = whole[index.offset[0] : index.offset[0] + payload.shape[0]] if whole.dim() else whole
+        assert payload.dtype == whole.dtype and payload.shape == piece.shape
+        assert torch.equal(payload.contiguous().view(torch.uint8), piece.contiguous().view(torch.uint8))
+
+
+def _flip_payload_byte(directory: str, info, dtype: torch.dtype, numel: int) -> None:
+    with open(os.path.join(directory, info.relative_path), "r+b") as f:
+        pos = locate_raw_tensor(f, info.offset, info.length, dtype, numel).offset + 3
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_corrupt_chunk_is_named_and_the_first_in_file_order_wins(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(staged_read, "BLOCK_BYTES", 64)
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    directory, manifest, metadata, reader = open_checkpoint(path)
+    tensors = sorted(((i, v) for i, v in metadata.storage_data.items() if i.offset is not None and i.fqn == "model.w"),
+                     key=lambda item: (item[1].relative_path, item[1].offset))
+    for index, info in tensors:  # both chunks of model.w, in two files
+        _flip_payload_byte(directory, info, torch.float32, int(torch.Size(reader.chunk_shapes[index][1]).numel()))
+    first_index, first_info = tensors[0]
+    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+        with pytest.raises(CorruptCheckpointError) as e:
+            read_chunks(files, list(metadata.storage_data.items()), threads=threads)
+    assert str(e.value) == (f"{os.path.join(directory, first_info.relative_path)}: key 'model.w' chunk at "
+                            f"{list(first_index.offset)}: checksum mismatch")
+
+
+def test_a_file_truncated_after_the_checks_is_a_clean_error(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    directory, manifest, metadata, reader = open_checkpoint(path)
+    name = "__0_0.distcp"
+    size = os.path.getsize(os.path.join(directory, name))
+    os.truncate(os.path.join(directory, name), size // 2)
+    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+        with pytest.raises(CorruptCheckpointError, match=rf"{name}: key '[^']+'( chunk at \[[0-9, ]*\])?: truncated"):
+            read_chunks(files, list(metadata.storage_data.items()))
+
+
+def test_read_chunks_reads_an_fsspec_url_by_ranges():
+    url = f"memory://staged-read-{os.getpid()}/ckpt"
+    _build(url)
+    metadata, payloads = _read_all(url, 2)
+    index = next(i for i in payloads if i.fqn == "model.w" and i.offset is not None and i.offset[0] == 0)
+    assert torch.equal(payloads[index], TENSORS["model.w"][: payloads[index].shape[0]])
