@@ -37,7 +37,7 @@ from . import collectives as C
 from .buffer import FlatParamBuffer
 from .layout import Policy
 from .mixed_precision import MixedPrecision
-from .plan import DEFAULT_GROUP, DEFAULT_STRATEGY, ModelPlan, Placement, PlacementFn, placement_fn, plan_unit
+from .plan import DEFAULT_GROUP, DEFAULT_STRATEGY, ModelPlan, Placement, PlacementFn, add_owner_loads, placement_fn, plan_unit
 from .strategy import Strategy, parse_strategy
 
 __all__ = ["fully_shard", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
@@ -175,6 +175,22 @@ class ShardedUnit:
         self.in_backward = False
 
 
+# the live whole-tensor (``tensor`` policy) buffers, so that each new unit's owners start at the
+# least-loaded rank of its group: units of one parameter each spread over the ranks instead of
+# all landing on rank 0 (a model's buffers are released with it)
+_WHOLE_TENSOR_BUFFERS: "weakref.WeakSet[FlatParamBuffer]" = weakref.WeakSet()
+
+
+def _whole_tensor_loads(groups: dict[str, Any]) -> dict[str, list[int]]:
+    """Elements each rank of each of ``groups`` owns in the live whole-tensor buffers over it."""
+    loads: dict[str, list[int]] = {}
+    for buf in list(_WHOLE_TENSOR_BUFFERS):
+        for name, group in groups.items():
+            if buf.group is group:
+                add_owner_loads(loads, buf.spec, name)
+    return loads
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -206,12 +222,14 @@ def fully_shard(
         sizes = {name: C.group_size(g) for name, g in groups.items()}
         mp = mixed_precision or MixedPrecision()
         planned = plan_unit(module, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
-                            taken=lambda p: hasattr(p, _OWNER_ATTR))  # validates everything before changing anything
+                            taken=lambda p: hasattr(p, _OWNER_ATTR),  # validates everything before changing anything
+                            owner_loads=_whole_tensor_loads(groups))
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
 
     buffers = [FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
                for spec, params in planned]
+    _WHOLE_TENSOR_BUFFERS.update(buf for buf in buffers if buf.spec.policy.keeps_tensors_whole)
     unit = ShardedUnit(buffers, strategy=strat, groups=groups, mixed_precision=mp,
                        reshard_after_forward=reshard_after_forward and strat.shards_params)
     for buf in buffers:

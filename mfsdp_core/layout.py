@@ -202,8 +202,12 @@ def compute_layout(
     group_size: int,
     policy: str | Policy = "even",
     names: Sequence[str] | None = None,
+    first_rank: int = 0,
 ) -> Layout:
     """Compute which rank owns which flat range of each parameter. Pure; no communication.
+
+    ``first_rank`` (``tensor`` only): where the greedy assignment starts when loads tie, so that
+    buffers holding one parameter each do not all land on rank 0 (see ``BufferSpec.first_rank``).
 
     Raises ValueError (naming the parameter) when a parameter cannot be cut by ``policy``.
     """
@@ -215,7 +219,7 @@ def compute_layout(
     numels = [math.prod(s) for s in shapes_t]
     atoms = [pol.atom(s, n) for s, n in zip(shapes_t, names)]
     if pol.keeps_tensors_whole:
-        order, bounds = _greedy_whole_tensors(numels, group_size)
+        order, bounds = _greedy_whole_tensors(numels, group_size, first_rank % group_size)
     else:
         order = tuple(range(len(shapes_t)))
         bounds = _partition(numels, atoms, group_size)
@@ -223,13 +227,14 @@ def compute_layout(
     return Layout(shapes_t, group_size, pol, order, bounds, shard_size)
 
 
-def _greedy_whole_tensors(numels: list[int], n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Largest parameter first onto the least-loaded rank (ties: lowest rank, lowest index);
-    each rank's parameters are then packed in their original order."""
+def _greedy_whole_tensors(numels: list[int], n: int, first_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Largest parameter first onto the least-loaded rank (ties: the first rank from
+    ``first_rank`` on, cyclically; then the lowest index); each rank's parameters are then packed
+    in their original order."""
     loads = [0] * n
     assigned: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(n), key=lambda r: (loads[r], r))
+        r = min(range(n), key=lambda r: (loads[r], (r - first_rank) % n))
         loads[r] += numels[i]
         assigned[r].append(i)
     order: list[int] = []

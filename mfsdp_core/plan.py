@@ -49,6 +49,7 @@ __all__ = [
     "mx_placement",
     "placement_fn",
     "plan_unit",
+    "add_owner_loads",
     "plan_model",
 ]
 
@@ -185,6 +186,9 @@ class BufferSpec:
     divisor_size: int | None = None  # ranks of the group placement.grad_divisor names, if it names one
     param_dtype: torch.dtype | None = None  # compute dtype (mixed precision); None: ``dtype``
     main_dtype: torch.dtype = torch.float32
+    # ``tensor`` policy: the rank the greedy owner assignment starts from. Chosen when planning as
+    # the least-loaded rank of the group so far, so that one-parameter units spread over the ranks.
+    first_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:
@@ -236,7 +240,7 @@ class BufferSpec:
 
     @cached_property
     def layout(self) -> Layout:
-        return compute_layout(self.shapes, self.shard_size_ranks, self.policy, self.fqns)
+        return compute_layout(self.shapes, self.shard_size_ranks, self.policy, self.fqns, self.first_rank)
 
     @cached_property
     def companion_layouts(self) -> dict[str, Layout]:
@@ -294,6 +298,7 @@ class BufferSpec:
             "is_expert": self.is_expert,
             "companions": [c.to_dict() for c in self.placement.companions],
             **({"mx": self.placement.mx.to_dict()} if self.placement.mx is not None else {}),
+            **({"first_rank": self.first_rank} if self.first_rank else {}),
         }
 
     @classmethod
@@ -319,6 +324,7 @@ class BufferSpec:
             divisor_size=int(d["divisor_size"]) if d.get("divisor_size") is not None else None,
             param_dtype=dtype_by_name(d.get("param_dtype", d["dtype"])),
             main_dtype=dtype_by_name(d.get("main_dtype", "float32")),
+            first_rank=int(d.get("first_rank", 0)),
         )
 
 
@@ -372,11 +378,17 @@ def plan_unit(
     mixed_precision: MixedPrecision,
     taken: Callable[[nn.Parameter], bool] = lambda p: False,
     prefix: str = "",
+    owner_loads: dict[str, list[int]] | None = None,
 ) -> list[tuple[BufferSpec, list[nn.Parameter]]]:
     """The flat buffers ``fully_shard(module)`` makes of the parameters no inner unit took
     (``taken``): one per (placement, dtype, requires_grad), in registration order, each with its
     parameters. ``placement`` gets names relative to ``module``; ``prefix`` (the module's path)
-    only names parameters in errors. Raises ValueError naming the parameter that cannot be placed."""
+    only names parameters in errors. Raises ValueError naming the parameter that cannot be placed.
+
+    ``owner_loads``: elements each rank of a group already owns in whole-tensor (``tensor``)
+    buffers planned before (group name -> one count per rank); each such buffer here starts its
+    owner assignment at the least-loaded rank, and its elements are added (the dict is updated)."""
+    loads = owner_loads if owner_loads is not None else {}
     grouped: dict[tuple, tuple[list[str], list[nn.Parameter]]] = {}
     for name, p in module.named_parameters():
         if taken(p):
@@ -400,9 +412,39 @@ def plan_unit(
             divisor_size=group_sizes[where.grad_divisor] if isinstance(where.grad_divisor, str) else None,
             param_dtype=mixed_precision.param_dtype, main_dtype=mixed_precision.main_dtype,
         )
+        if spec.policy.keeps_tensors_whole and spec.shard_size_ranks > 1:
+            spec = dataclasses.replace(spec, first_rank=_least_loaded(loads, where.group, spec.shard_size_ranks))
         spec.layout  # noqa: B018 - computed now, so a policy that cannot cut a parameter fails here
+        add_owner_loads(loads, spec)
         out.append((spec, params))
     return out
+
+
+def _least_loaded(loads: Mapping[str, Sequence[int]], group: str, n: int) -> int:
+    counts = loads.get(group)
+    if counts is None or len(counts) != n:
+        return 0
+    return min(range(n), key=lambda r: (counts[r], r))
+
+
+def whole_tensor_owner_counts(spec: "BufferSpec") -> list[int] | None:
+    """Elements each rank owns in ``spec`` when it is a sharded whole-tensor buffer; else None."""
+    if not spec.policy.keeps_tensors_whole or spec.shard_size_ranks <= 1:
+        return None
+    bounds = spec.layout.bounds
+    return [bounds[r + 1] - bounds[r] for r in range(spec.shard_size_ranks)]
+
+
+def add_owner_loads(loads: dict[str, list[int]], spec: "BufferSpec", group: str | None = None) -> None:
+    """Add the elements each rank owns in ``spec`` (a whole-tensor buffer; others are ignored)
+    to ``loads`` (group name -> count per rank), under ``group`` (default: the spec's group)."""
+    owned = whole_tensor_owner_counts(spec)
+    if owned is None:
+        return
+    counts = loads.setdefault(group or spec.placement.group, [0] * len(owned))
+    if len(counts) == len(owned):
+        for r, n in enumerate(owned):
+            counts[r] += n
 
 
 @dataclass(frozen=True)
@@ -445,13 +487,14 @@ def plan_model(
     mp = mixed_precision or MixedPrecision()
     prefix_of = {m: name for name, m in root.named_modules()}
     taken: set[int] = set()
+    loads: dict[str, list[int]] = {}
     per_unit: dict[nn.Module, list[BufferSpec]] = {}
     for unit in units:
         if unit not in prefix_of:
             raise ValueError(f"plan_model: {type(unit).__name__} is not a submodule of {type(root).__name__}")
         prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
         planned = plan_unit(unit, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
-                            taken=lambda p: id(p) in taken, prefix=prefix)
+                            taken=lambda p: id(p) in taken, prefix=prefix, owner_loads=loads)
         per_unit[unit] = [spec.with_prefix(prefix) for spec, _ in planned]
         taken.update(id(p) for _, params in planned for p in params)
     return ModelPlan(sizes, tuple(spec for m in root.modules() if m in per_unit for spec in per_unit[m]))

@@ -130,3 +130,36 @@ def test_plan_model_refuses_a_unit_outside_the_root():
     with pytest.raises(ValueError, match="plan_model: Linear is not a submodule of GPTModel"):
         with torch.device("meta"):
             plan_model(GPTModel(PRESETS["tiny"]), [torch.nn.Linear(2, 2)])
+
+
+def _seven_units():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8 * (1 + i % 2), bias=False) for i in range(7)])
+
+
+def _tensor_owners_spread() -> dict:
+    import gc
+
+    from mfsdp_core.fully_shard import _WHOLE_TENSOR_BUFFERS
+
+    meta = _seven_units()
+    planned = plan_model(meta, [*meta, meta], policy="tensor", group_sizes={"dp": 3})
+    built = []
+    for _ in range(2):  # a second model, built once the first is gone, is planned the same way
+        model = _seven_units()
+        for layer in model:
+            fully_shard(layer, policy="tensor")
+        fully_shard(model, policy="tensor")
+        optim = fully_shard_optimizer(make_adamw(model.parameters()))
+        owned = sum(hi - lo for ps in describe_shards(model, optim) for lo, hi in [ps.owned])
+        built.append((plan_of(model).to_dict(), owned))
+        del model, optim, layer
+        gc.collect()
+    return {"same_plan": built[0][0] == built[1][0] == planned.to_dict(), "owned": built[0][1],
+            "released": len(_WHOLE_TENSOR_BUFFERS) == 0}
+
+
+def test_tensor_policy_spreads_one_parameter_units_over_the_ranks(ranks):
+    results = ranks(_tensor_owners_spread, 3, timeout=300)
+    assert [(r["same_plan"], r["released"]) for r in results] == [(True, True)] * 3
+    assert [r["owned"] for r in results] == [64 + 128, 128 + 128, 64 + 64 + 64]

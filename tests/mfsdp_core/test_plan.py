@@ -153,3 +153,21 @@ def test_frozen_and_bf16_parameters_get_buffers_of_their_own():
 def test_a_module_outside_the_root_is_refused():
     with pytest.raises(ValueError, match="plan_model: Linear is not a submodule of MLP"):
         plan_model(make_model("mlp"), [nn.Linear(2, 2)])
+
+
+def test_tensor_policy_spreads_one_parameter_units_over_the_ranks():
+    model = nn.Sequential(*[nn.Linear(8, 8 * (1 + i % 2), bias=False) for i in range(7)])  # 7 units, 3 ranks
+    plan = plan_model(model, [*model, model], policy="tensor", group_sizes={"dp": 3})
+    specs = [spec for spec in plan.buffers if spec.names]
+    owners = [next(r for r in range(3) if spec.layout.piece(0, r).numel) for spec in specs]
+    assert owners == [0, 1, 2, 0, 2, 1, 2]  # each unit goes to the rank owning the fewest elements so far
+    owned = [sum(spec.layout.piece(0, r).numel for spec in specs) for r in range(3)]
+    assert owned == [64 + 128, 128 + 128, 64 + 64 + 64]
+    assert ModelPlan.from_dict(plan.to_dict()) == plan
+    old = plan.to_dict()  # a manifest written before ``first_rank`` existed: every buffer starts at rank 0
+    for b in old["buffers"]:
+        b.pop("first_rank", None)
+    assert {b.first_rank for b in ModelPlan.from_dict(old).buffers} == {0}
+    # flat policies and unsharded buffers are not affected
+    assert {b.first_rank for b in plan_model(model, [*model, model], policy="row", group_sizes={"dp": 3}).buffers} == {0}
+    assert {b.first_rank for b in plan_model(model, [*model, model], policy="tensor").buffers} == {0}
