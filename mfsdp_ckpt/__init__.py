@@ -4,7 +4,7 @@
 (world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
-from .checkpoint import LATEST_NAME, load, resolve_checkpoint, save
+from .checkpoint import LATEST_LINK_NAME, LATEST_NAME, load, resolve_checkpoint, save
 from .async_save import AsyncSaveHandle, async_save
 from .lock import RunLockedError, run_lock
 from .errors import (
@@ -24,6 +24,7 @@ __all__ = [
     "load",
     "resolve_checkpoint",
     "LATEST_NAME",
+    "LATEST_LINK_NAME",
     "run_lock",
     "RunLockedError",
     "CheckpointError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -38,16 +39,19 @@ from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
-from .staging import check_destination, new_token, partial_path, remove_leftovers
+from .staging import PARTIAL_MARK, check_destination, fsync_dir, new_token, partial_path, remove_leftovers
 from .staged_read import DEFAULT_READ_THREADS
 from .storage import CommittingWriter, VerifyingReader
 
-__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "PreparedSave", "check_save_arguments",
+__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "LATEST_LINK_NAME", "PreparedSave", "check_save_arguments",
            "prepare_save", "write_and_commit"]
 
 T = TypeVar("T")
 
 LATEST_NAME = "latest"
+# next to the pointer on local disks: a symlink to the same checkpoint, for tools that take only a
+# directory (stock DCP: ``FileSystemReader("<run>/latest-checkpoint")``)
+LATEST_LINK_NAME = "latest-checkpoint"
 
 
 def _global_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -282,8 +286,28 @@ def _after_commit(final: str, update_latest: bool, keep: int | None) -> None:
 
 
 def _write_latest(parent: str, name: str) -> None:
-    """``<parent>/latest``: locally a rename into place; on an object store one PUT."""
+    """``<parent>/latest``: locally a rename into place; on an object store one PUT. Locally also
+    the symlink ``<parent>/latest-checkpoint`` -> ``name`` (after the pointer, which is what our
+    readers follow)."""
     fs.write_bytes(fs.join(parent, LATEST_NAME), (name + "\n").encode())
+    if not fs.is_url(parent):
+        _link_latest(parent, name)
+
+
+def _link_latest(parent: str, name: str) -> None:
+    """Point the symlink ``latest-checkpoint`` at ``name``, atomically: a new link under a
+    partial name renamed over the old one. A file system without symlinks gets a warning (the
+    pointer file is already written)."""
+    link = os.path.join(parent, LATEST_LINK_NAME)
+    tmp = os.path.join(parent, f".{LATEST_LINK_NAME}{PARTIAL_MARK}{os.getpid()}")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        os.symlink(name, tmp)
+        os.replace(tmp, link)
+        fsync_dir(parent)
+    except OSError as e:
+        warnings.warn(f"{link}: cannot link the latest checkpoint ({e.strerror or e}); '{LATEST_NAME}' names it", stacklevel=2)
 
 
 def _prune(parent: str, keep: int, protect: str) -> None:
@@ -292,8 +316,8 @@ def _prune(parent: str, keep: int, protect: str) -> None:
     found = []
     for name in fs.listdir(parent):
         d = fs.join(parent, name)
-        if name.startswith(".") or not fs.isfile(fs.join(d, MANIFEST_NAME)):
-            continue
+        if name.startswith(".") or (not fs.is_url(d) and os.path.islink(d)) or not fs.isfile(fs.join(d, MANIFEST_NAME)):
+            continue  # the latest-checkpoint symlink is not a checkpoint of its own
         try:
             manifest = read_manifest(d)
         except CheckpointError:

@@ -47,8 +47,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         raise NotACheckpointError(f"{root}: cannot list ({e.strerror or e})") from None
     for name in names:
         d = fs.join(root, name)
-        if not fs.isdir(d):
-            continue
+        if not fs.isdir(d) or (not fs.is_url(d) and os.path.islink(d)):
+            continue  # the latest-checkpoint symlink names a checkpoint listed under its own name
         committed, step = False, None
         if is_committed(d):
             try:  # the manifest reader checks every field: a damaged one marks only its own checkpoint

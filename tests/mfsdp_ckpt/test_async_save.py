@@ -267,7 +267,7 @@ def test_refusals_are_those_of_save_before_returning_on_every_rank(ranks, tmp_pa
     for sync, async_ in cases:
         assert sync is not None and sync == async_, (sync, async_)
     assert "already exists" in cases[0][0][1] and "a run directory" in cases[1][0][1]
-    assert left == ["latest", "step_1"]
+    assert left == ["latest", "latest-checkpoint", "step_1"]
 
 
 # ---- the trainer ----------------------------------------------------------------------------------

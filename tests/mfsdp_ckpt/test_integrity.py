@@ -202,7 +202,8 @@ def _load_latest_step(root: str) -> int:
 def test_latest_and_keep_last_k(ranks, tmp_path):
     root = str(tmp_path / "run")
     ranks(_save_series, 2, root, [1, 2, 3, 4], 2, timeout=300)
-    assert sorted(os.listdir(root)) == ["latest", "step_3", "step_4"]
+    assert sorted(os.listdir(root)) == ["latest", "latest-checkpoint", "step_3", "step_4"]
+    assert os.readlink(os.path.join(root, "latest-checkpoint")) == "step_4"  # the link counts as no checkpoint for keep
     # a save that died half-way leaves a hidden partial directory: not a checkpoint, latest unmoved
     partial = os.path.join(root, ".step_5.partial-deadbeef")
     shutil.copytree(os.path.join(root, "step_4"), partial)
@@ -241,3 +242,28 @@ def test_load_refuses_overlapping_chunks_whose_sizes_add_up(ranks, tmp_path):
         pickle.dump(metadata, f)
     out = ranks(_load_stock, 2, path, timeout=300)
     assert all(r is not None and "chunks do not cover the tensor exactly" in r and key in r for r in out), out
+
+
+def test_stock_dcp_reads_the_latest_checkpoint_link(tmp_path):
+    """``<run>/latest-checkpoint``: a symlink next to the ``latest`` pointer, so that a tool that
+    takes only a directory (stock DCP here) reads the latest checkpoint; ``ls`` lists each
+    checkpoint once, and our readers accept the link too."""
+    import torch.distributed.checkpoint as dcp
+
+    from mfsdp_ckpt.listing import list_checkpoints
+
+    from tests.mfsdp_core.models import make_model, shard_model
+
+    root = tmp_path / "run"
+    model = shard_model(make_model("transformer", seed=5), strategy="optim_grads_params", policy="row")
+    for step in (1, 2):
+        mfsdp_ckpt.save(str(root / f"step_{step}"), model, extra={"step": step}, step=step)
+    link = root / "latest-checkpoint"
+    assert link.is_symlink() and os.readlink(link) == "step_2"
+    assert not [n for n in os.listdir(root) if n.startswith(".")]  # no partial link left behind
+    state = {k: torch.empty_like(p.detach()) for k, p in
+             ((f"model.{n}", p) for n, p in make_model("transformer", seed=5).named_parameters())}
+    dcp.load(state, checkpoint_id=str(link), no_dist=True)
+    assert all(torch.equal(state[f"model.{n}"], p.detach()) for n, p in make_model("transformer", seed=5).named_parameters())
+    assert [e.name for e in list_checkpoints(str(root))] == ["step_1", "step_2"]
+    assert mfsdp_ckpt.load(str(link), model)["step"] == 2

@@ -294,7 +294,8 @@ def test_hostile_damaged_manifest_in_the_run_directory_does_not_stop_saves(run, 
     with AUDIT.watching(str(tmp_path)):
         for step in (3, 4):
             save_small(os.path.join(run, f"step_{step}"), step, model, optim, keep=1)
-    assert sorted(os.listdir(run)) == ["latest", "step_1", "step_4"]
+    assert sorted(os.listdir(run)) == ["latest", "latest-checkpoint", "step_1", "step_4"]
+    assert os.readlink(os.path.join(run, "latest-checkpoint")) == "step_4"
     entries = list_checkpoints(run)
     assert [(e.name, e.committed, e.latest) for e in entries] == [("step_4", True, True), ("step_1", False, False)]
 
