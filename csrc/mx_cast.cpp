@@ -9,7 +9,9 @@
 // subnormals, signed zeros and NaN bits must come out exactly as torch computes them.
 //
 // Threads: at::parallel_for (torch's intra-op pool, torch.set_num_threads); inner loops are plain
-// fixed-length loops over uint32 lanes that GCC vectorizes (#pragma omp simd, -fopenmp-simd).
+// fixed-length loops over uint32 lanes that GCC vectorizes (#pragma omp simd, -fopenmp-simd). With
+// GCC on x86-64 the two hot loops are compiled three times (AVX-512, AVX2, baseline) and the CPU
+// picks one when the module loads (target_clones); the bytes are the same whichever runs.
 //
 // rceil needs one input the integer rule cannot know: torchao evaluates ceil(log2(d)) in float32
 // with torch.log2, which rounds log2(d) down to exactly e for d a few ulps above 2^e. The loader
@@ -23,6 +25,14 @@
 #include <cstring>
 
 namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// one copy of each hot loop per instruction set, chosen at load time by the CPU (GCC function
+// multiversioning): AVX2 / AVX-512 where present, the portable build elsewhere
+#define MX_CLONES __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+#else
+#define MX_CLONES
+#endif
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kColTile = 256;  // columns per task in the columnwise kernel
@@ -55,7 +65,7 @@ struct Elem {
 // clamp(v, -max, max) then c10's fp8 conversion (torch/headeronly/util/Float8_e4m3fn.h /
 // Float8_e5m2.h), written without branches so the loops vectorize.
 template <bool E4M3>
-inline uint8_t clamp_cast(float v) {
+__attribute__((always_inline)) inline uint8_t clamp_cast(float v) {
   using T = Elem<E4M3>;
   // |v|'s bits fit in 31 bits, so signed int32 arithmetic and compares are exact here; they keep
   // the loop vectorizable on plain SSE2 (which has no unsigned 32-bit compare or min).
@@ -75,7 +85,7 @@ inline uint8_t clamp_cast(float v) {
 
 // Scale byte and factor of a block from the bits of its amax (already |x|, NaN above inf).
 template <bool E4M3, bool FLOOR>
-inline BlockParams block_params(uint32_t amax_bits, const int32_t* thr) {
+__attribute__((always_inline)) inline BlockParams block_params(uint32_t amax_bits, const int32_t* thr) {
   using T = Elem<E4M3>;
   BlockParams p{0, 1.0f, 0xFF, 0x00};
   if (amax_bits > 0x7F800000u) {  // NaN
@@ -117,8 +127,7 @@ inline BlockParams block_params(uint32_t amax_bits, const int32_t* thr) {
 }
 
 template <bool E4M3, bool FLOOR>
-void rowwise(const float* x, uint8_t* data, uint8_t* scale, int64_t nblocks, const int32_t* thr) {
-  at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
+MX_CLONES void rowwise_range(const float* x, uint8_t* data, uint8_t* scale, int64_t b0, int64_t b1, const int32_t* thr) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint32_t* xb = reinterpret_cast<const uint32_t*>(x + b * kBlock);
       uint32_t amax = 0;
@@ -136,14 +145,19 @@ void rowwise(const float* x, uint8_t* data, uint8_t* scale, int64_t nblocks, con
         out[i] = (uint8_t)((clamp_cast<E4M3>(xf[i] * p.recip) & p.keep) | p.force);
       }
     }
+}
+
+template <bool E4M3, bool FLOOR>
+void rowwise(const float* x, uint8_t* data, uint8_t* scale, int64_t nblocks, const int32_t* thr) {
+  at::parallel_for(0, nblocks, 2048, [&](int64_t b0, int64_t b1) {
+    rowwise_range<E4M3, FLOOR>(x, data, scale, b0, b1, thr);
   });
 }
 
 template <bool E4M3, bool FLOOR>
-void colwise(const float* x, uint8_t* data, uint8_t* scale, int64_t M, int64_t K, const int32_t* thr) {
-  const int64_t strips = M / kBlock;
-  const int64_t tiles = (K + kColTile - 1) / kColTile;
-  at::parallel_for(0, strips * tiles, 1, [&](int64_t t0, int64_t t1) {
+MX_CLONES void colwise_range(const float* x, uint8_t* data, uint8_t* scale, int64_t M, int64_t K, const int32_t* thr,
+                             int64_t t0, int64_t t1) {
+    const int64_t tiles = (K + kColTile - 1) / kColTile;
     uint32_t amax[kColTile];
     float recip[kColTile];
     uint8_t keep[kColTile], force[kColTile];
@@ -177,6 +191,14 @@ void colwise(const float* x, uint8_t* data, uint8_t* scale, int64_t M, int64_t K
         }
       }
     }
+}
+
+template <bool E4M3, bool FLOOR>
+void colwise(const float* x, uint8_t* data, uint8_t* scale, int64_t M, int64_t K, const int32_t* thr) {
+  const int64_t strips = M / kBlock;
+  const int64_t tiles = (K + kColTile - 1) / kColTile;
+  at::parallel_for(0, strips * tiles, 1, [&](int64_t t0, int64_t t1) {
+    colwise_range<E4M3, FLOOR>(x, data, scale, M, K, thr, t0, t1);
   });
 }
 
