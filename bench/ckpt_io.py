@@ -5,11 +5,12 @@ DCP (``FileSystemWriter`` with default settings) on the same per-rank tensors, `
 ``torch.load`` of each rank's tensors, and ``mfsdp_ckpt.save`` / ``load``. "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
-Then ``mfsdp_ckpt.async_save``, in rounds alternating with ``mfsdp_ckpt.save`` (same disk, same
-time): the time it blocks the caller (the checks and the copy to host memory; the slowest rank)
-against ``save``'s time (target: at most 5%), its total time to the commit, and the peak extra
-host memory of a rank during the async saves (peak RSS, reset before each, minus the RSS before
-the first) against that rank's state bytes (target: at most 1.1x).
+Then ``mfsdp_ckpt.async_save`` inside a training loop of the same model (``bench/async_train.py``
+says how), in rounds with ``mfsdp_ckpt.save`` (same disk, same time): the time the call blocks,
+the time the optimizer step waits for the background copy, and the loop's slowdown over the
+steps around the save against a loop without one, each against ``save``'s time (target for the
+blocking: at most 5%), and the peak extra host memory of a rank against that rank's state bytes
+(target: at most 1.1x).
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 bench/ckpt_io.py --dir /tmp/ckpt_bench
 
@@ -76,29 +77,13 @@ def slowest(seconds: float) -> float:
 
 
 def time_async_saves(path: str, model, optim, rounds: int, threads: int, clear) -> dict[str, float]:
-    """``rounds`` rounds of a synchronous ``mfsdp_ckpt.save`` and an asynchronous one (waited for)
-    into a fresh ``path``, on the same disk at the same time: median save time, median blocking
-    and total time of ``async_save`` (the slowest rank's), the first call's blocking time (it
-    allocates the staging buffer), and this rank's peak extra RSS during the async saves over its
-    RSS before the first one (bytes): the staging buffer and anything the background write holds."""
-    base = rss_kib("VmRSS")
-    sync, blocked, total, peak = [], [], [], 0
-    for _ in range(rounds):
-        clear(os.path.dirname(path))
-        sync.append(timed(lambda: mfsdp_ckpt.save(path, model, optim, thread_count=threads)))
-        clear(os.path.dirname(path))
-        reset_peak_rss()
-        handle = mfsdp_ckpt.async_save(path, model, optim, thread_count=threads)
-        handle.result()
-        peak = max(peak, rss_kib("VmHWM") - base)
-        blocked.append(slowest(handle.blocked_s))
-        total.append(slowest(handle.total_s))
+    """``mfsdp_ckpt.async_save`` inside a training loop of this model, in rounds with a synchronous
+    ``save`` of the same state and the same training steps without a save (``bench/async_train.py``):
+    the call's blocking time, the optimizer step's wait at the fence, the loop's slowdown, each
+    against the synchronous save, and this rank's peak extra RSS (bytes)."""
+    from async_train import measure  # bench/ (the script's directory)
 
-    def median(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2]
-
-    return {"sync": median(sync), "blocked": median(blocked), "total": median(total), "first_blocked": blocked[0],
-            "peak_extra": peak * 1024}
+    return measure(path, model, optim, rounds=rounds, steps=2, batch=16, threads=threads, clear=clear)
 
 
 def build_state(layers: int, dim: int):
@@ -209,12 +194,9 @@ def main() -> None:
             kind = "read (cold)" if "read" in name else "write"
             gbs = total_bytes / seconds / 1e9
             print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
-        a = asynchronous
-        print(f"async_save, {args.rounds} rounds alternating with save: blocks {a['blocked']:.3f} s = "
-              f"{a['blocked'] / a['sync']:.1%} of save's {a['sync']:.2f} s (target <= 5%; the first call, which "
-              f"allocates the buffer: {a['first_blocked']:.3f} s); total to commit {a['total']:.2f} s; peak extra host "
-              f"memory {extra_ratio.item():.2f}x the rank's state bytes (target <= 1.1x; staging buffer "
-              f"{mfsdp_ckpt_staging_bytes() / 1e9:.2f} GB per rank)")
+        from async_train import report  # bench/ (the script's directory)
+
+        print(report(asynchronous, extra_ratio.item(), args.rounds, 2, mfsdp_ckpt_staging_bytes()))
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

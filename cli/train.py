@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
     p.add_argument("--async-save", action="store_true",
-                   help="save asynchronously: copy the state to host memory, go on training while it is written "
+                   help="save asynchronously: go on training while the state is copied to host memory and written "
                         "(at most one save in flight; logs each save's blocking and total seconds)")
     p.add_argument("--resume", nargs="?", const=_LATEST, default=None, metavar="CKPT",
                    help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
@@ -366,8 +366,9 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
 
 
 class _AsyncSaves:
-    """``--async-save``: at most one save in flight; rank 0 logs each save's blocking and total
-    seconds once it has committed. Errors surface where every rank is alike: at the next save
+    """``--async-save``: at most one save in flight; rank 0 logs each save's blocking seconds
+    (the call, and the optimizer step's wait for the background copy) and total seconds once it
+    has committed. Errors surface where every rank is alike: at the next save
     and at the end of the run."""
 
     def __init__(self, rank: int, bar: Any) -> None:
@@ -405,7 +406,8 @@ class _AsyncSaves:
             return
         self.logged = True
         h = self.handle
-        line = f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s, total {h.total_s:.2f} s"
+        line = (f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s "
+                f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s")
         if self.bar is not None:
             self.bar.write(line)
         else:

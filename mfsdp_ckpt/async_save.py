@@ -1,13 +1,22 @@
-"""Asynchronous save: copy the state to host memory, return to training, write in the background.
+"""Asynchronous save: check, return to training, copy the state and write it in the background.
 
 ``async_save`` does everything ``save`` does before writing in the calling thread (every refusal,
 the destination's checks, the run directory's lock, the entries and the manifest: the same code,
-:func:`~mfsdp_ckpt.checkpoint.prepare_save`), then copies every tensor the save writes into a
-host staging buffer (:class:`HostStaging`; the only part that grows with the state) and returns a
-:class:`AsyncSaveHandle`. A background thread then runs DCP's save on the staged copy with our
-writer, planner, manifest and commit (:func:`~mfsdp_ckpt.checkpoint.write_and_commit`), moves
-``latest`` and prunes, exactly as ``save`` does; the result is indistinguishable from a
-synchronous checkpoint of the same state.
+:func:`~mfsdp_ckpt.checkpoint.prepare_save`), copies the small values (RNG states, extras, the
+optimizer's groups and scalars) and returns a :class:`AsyncSaveHandle`. A background thread then
+copies the sharded state (weights, main params, optimizer state, planes, gradients) into a host
+staging buffer (:class:`HostStaging`; the only part that grows with the state), runs DCP's save
+on the staged copy with our writer, planner, manifest and commit
+(:func:`~mfsdp_ckpt.checkpoint.write_and_commit`), moves ``latest`` and prunes, exactly as
+``save`` does; the result is indistinguishable from a synchronous checkpoint of the state at the
+call.
+
+Why the copy may run while training goes on: the next forward and backward only read the state.
+Every write the runtime does to it waits until the copy is complete: a
+:class:`~mfsdp_core.fence.Fence` on the model's buffers (the optimizer step, refreshing the
+compute params, a load, and with ``include_grads`` the gradient reduction, ``clip_grad_norm_``
+and ``zero_grad(set_to_none=False)``). Once the copy is done the fence is gone. The handle counts
+the time a write waited there as time the save blocked training.
 
 Why a process group of its own: DCP's save runs collectives (the plan's gather and scatter, the
 final reduction). Run from a background thread on the training's process group they would
@@ -40,6 +49,8 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 
 from mfsdp_core.collectives import rank0_decides
+from mfsdp_core.fence import Fence
+from mfsdp_core.fully_shard import buffers_of
 
 from . import checkpoint as _checkpoint
 from .checkpoint import check_save_arguments, prepare_save, write_and_commit
@@ -57,23 +68,46 @@ class AsyncSaveHandle:
     """One asynchronous save. ``result()`` waits for its commit and returns the checkpoint
     directory, or raises its one-line :class:`CheckpointError` (every rank the same one).
 
-    ``blocked_s``: seconds ``async_save`` kept the caller (waiting for the previous save, the
-    checks, the copy to host memory); ``waited_s``: of which waiting for the previous save;
-    ``total_s``: seconds from the call to the commit (``latest`` moved, pruned), None until done."""
+    ``blocked_s``: seconds the save kept training from going on, ``call_s + fence_s``;
+    ``call_s``: seconds ``async_save`` kept the caller (waiting for the previous save, the
+    checks); ``waited_s``: of which waiting for the previous save; ``fence_s``: seconds the
+    runtime's writes of the state (the optimizer step, …) waited for the background copy (grows
+    until the copy is done); ``staged_s``: seconds from the call to the end of that copy, None
+    until then; ``total_s``: seconds from the call to the commit (``latest`` moved, pruned), None
+    until done."""
 
     def __init__(self, path: str, started: float) -> None:
         self.path = path
-        self.blocked_s = 0.0
+        self.call_s = 0.0
         self.waited_s = 0.0
+        self.staged_s: float | None = None
         self.total_s: float | None = None
         self._started = started
+        self._fence: Fence | None = None
+        self._staged = threading.Event()
         self._done = threading.Event()
         self._error: CheckpointError | None = None
         self._reported = False
 
+    @property
+    def fence_s(self) -> float:
+        """Seconds the runtime's writes of the state waited for the background copy (so far)."""
+        return 0.0 if self._fence is None else self._fence.waited_s
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds this save kept training from going on: the call plus the waits at the fence."""
+        return self.call_s + self.fence_s
+
     def done(self) -> bool:
         """Whether the background write has finished (committed or failed); never blocks."""
         return self._done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the state is copied (the fence released); whether it is. Call it before
+        writing the model's or optimizer's tensors yourself (the runtime's own writes wait
+        anyway)."""
+        return self._staged.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background write to finish (without raising); whether it has."""
@@ -92,6 +126,10 @@ class AsyncSaveHandle:
             raise self._error.with_traceback(None)
         return self.path
 
+    def _mark_staged(self) -> None:
+        self.staged_s = time.perf_counter() - self._started
+        self._staged.set()
+
     def _finish(self, error: CheckpointError | None) -> None:
         self._error = error
         self.total_s = time.perf_counter() - self._started
@@ -102,11 +140,24 @@ class AsyncSaveHandle:
         return f"AsyncSaveHandle({self.path!r}, {state})"
 
 
+@dataclasses.dataclass
+class _Staged:
+    """A save's staged copy: the entries DCP writes (``entries``; the flat ranges are regions of
+    the staging buffer, filled by :meth:`HostStaging.fill`), the live tensors' properties by key,
+    the ``(target, source)`` pairs left to copy, and, on a GPU, the event after which the sources
+    hold the state of the call."""
+
+    entries: dict[str, Any]
+    properties: dict[str, TensorProperties]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    ready: Any = None  # torch.cuda.Event, recorded on the caller's stream
+
+
 class HostStaging:
     """Host copies of every tensor a save writes, in one buffer that is allocated for a layout
     (the keys, dtypes, shapes and owned ranges of the entries) and reused by every save with the
     same layout; a new layout replaces it. Pinned when the state is on a GPU (so the copy is a
-    DMA); ordinary memory otherwise.
+    DMA, on a stream of its own); ordinary memory otherwise.
 
     Each staged tensor, and each box (chunk) of a staged flat range, is a tensor whose storage
     is exactly its own bytes of the buffer: DCP's writer copies a tensor whose storage is larger
@@ -118,38 +169,62 @@ class HostStaging:
         self._pinned = False
         self._buffer: torch.Tensor | None = None
         self._staged: dict[str, Any] = {}
+        self._stream: Any = None  # the copy's CUDA stream, created at the first pinned copy
 
     @property
     def nbytes(self) -> int:
         """Bytes of the staging buffer (0 before the first save)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def stage(self, entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, TensorProperties]]:
-        """A copy of ``entries`` that no later change of the live state affects: tensors copied
-        into the buffer, other values deep-copied (``param_groups``, extras). Also the
-        properties of the live tensors by key (what the checkpoint's metadata records, so that a
-        pinned buffer leaves no trace in it). Blocks until the copy is complete."""
+    def stage(self, entries: dict[str, Any]) -> _Staged:
+        """A copy of ``entries`` that no later change of the live state affects once
+        :meth:`fill` has run: the flat ranges (the runtime's sharded state, whose writes the
+        fence holds back) are left to :meth:`fill`; other tensors (RNG states, tensor extras,
+        optimizer scalars) are copied now, other values deep-copied now (``param_groups``,
+        extras: nothing holds back their changes). Also the properties of the live tensors by
+        key (what the checkpoint's metadata records, so that a pinned buffer leaves no trace in
+        it)."""
         layout, pinned = _layout_of(entries)
         if layout != self._layout or pinned != self._pinned:
             self._allocate(layout, pinned)
         staged: dict[str, Any] = {}
         properties: dict[str, TensorProperties] = {}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, value in entries.items():
             if isinstance(value, FlatEntry):
                 target = self._staged[key]
-                target.tensor.copy_(value.tensor[: value.end - value.start], non_blocking=pinned)
+                copies.append((target.tensor, value.tensor[: value.end - value.start]))
                 staged[key] = target
                 properties[key] = TensorProperties.create_from_tensor(value.tensor)
             elif isinstance(value, torch.Tensor):
                 target = self._staged[key]
-                target.copy_(value.detach(), non_blocking=pinned)
+                target.copy_(value.detach())
                 staged[key] = target
                 properties[key] = TensorProperties.create_from_tensor(value)
             else:
                 staged[key] = copy.deepcopy(value)
+        ready = None
         if pinned:
-            torch.cuda.synchronize()
-        return staged, properties
+            ready = torch.cuda.Event()
+            ready.record()  # the state of the call: what the caller's stream has written so far
+        return _Staged(staged, properties, copies, ready)
+
+    def fill(self, staged: _Staged) -> None:
+        """Copy the flat ranges of ``staged`` into the buffer; returns once the copy is complete.
+        Runs in the background thread: on a GPU, on a stream of its own after the caller's
+        stream reached the call."""
+        if staged.ready is None:
+            for target, source in staged.copies:
+                target.copy_(source)
+            return
+        device = staged.copies[0][1].device if staged.copies else torch.device("cuda", torch.cuda.current_device())
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(staged.ready)
+            for target, source in staged.copies:
+                target.copy_(source, non_blocking=True)
+        self._stream.synchronize()
 
     def _allocate(self, layout: tuple, pinned: bool) -> None:
         self._buffer, self._staged, self._layout = None, {}, None  # the old buffer goes first
@@ -221,8 +296,11 @@ class _StagedSavePlanner(MfsdpSavePlanner):
     def __init__(self, properties: dict[str, TensorProperties]) -> None:
         super().__init__()
         self._properties = properties
+        self.failure: CheckpointError | None = None  # this rank's copy failed: raised while planning
 
     def create_local_plan(self) -> SavePlan:
+        if self.failure is not None:  # DCP gathers it: every rank fails the save with it, none goes on alone
+            raise self.failure
         plan = super().create_local_plan()
         items = []
         for item in plan.items:
@@ -317,17 +395,20 @@ def async_save(
     overwrite: bool = False,
     thread_count: int = 1,
 ) -> AsyncSaveHandle:
-    """Start saving ``model`` (and ``optimizer``) to ``path`` and return once the state is copied
-    to host memory; the write, the commit, ``latest`` and pruning follow in a background thread.
+    """Start saving ``model`` (and ``optimizer``) to ``path`` and return; the copy of the state
+    to host memory, the write, the commit, ``latest`` and pruning follow in a background thread.
     Collective: every rank calls it at the same point. Arguments and the checkpoint written are
-    those of :func:`mfsdp_ckpt.save`.
+    those of :func:`mfsdp_ckpt.save`; it holds the state at the call.
 
     Before returning, on every rank alike: the previous asynchronous save is waited for; if it
     failed and its error was not yet raised by its handle's ``result()``, that error is raised
     here (one line naming both saves) and this save is not started: nothing of it is checked,
     copied or written, and calling ``async_save`` again starts it. Then ``save``'s refusals (a
     URL, ``keep`` < 1, a destination that exists or would lose data, another job's lock, …) raise
-    as ``save`` raises them. Call ``result()`` on the last handle before the process group goes.
+    as ``save`` raises them. Until the background copy is done, the runtime's writes of the
+    state (the optimizer step first) wait for it (:mod:`mfsdp_core.fence`); your own writes of
+    the model's or optimizer's tensors must call ``handle.wait_staged()`` first. Call
+    ``result()`` on the last handle before the process group goes.
     """
     started = time.perf_counter()
     check_save_arguments(path, keep)
@@ -346,18 +427,25 @@ def async_save(
         job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
                            step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
                            thread_count=thread_count, lock=lock)
-        staged, properties = _checkpoint._agreed(lambda: _stage(job))
+        staged = _checkpoint._agreed(lambda: _stage(job))
+        fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:
         lock.close()
         raise
     handle = AsyncSaveHandle(job.final, started)
-    planner = _StagedSavePlanner(properties)
+    handle._fence = fence
+    planner = _StagedSavePlanner(staged.properties)
 
     def write() -> None:
         error = None
         try:
             try:
-                write_and_commit(job, staged, planner, process_group=group, decide=_decide_on(group))
+                _fill(staged, planner, job.final)
+            finally:
+                fence.release()
+                handle._mark_staged()
+            try:
+                write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
             except BaseException as e:  # noqa: BLE001 - reported by the handle
                 error = _one_line(e, job.final)
                 if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
@@ -372,14 +460,32 @@ def async_save(
 
     thread = threading.Thread(target=write, name=f"mfsdp-ckpt async save {job.final}")
     handle.waited_s = waited
-    handle.blocked_s = time.perf_counter() - started
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        fence.release()
+        lock.close()
+        raise
+    handle.call_s = time.perf_counter() - started
     _state.in_flight = handle
     return handle
 
 
-def _stage(job: Any) -> tuple[dict[str, Any], dict[str, TensorProperties]]:
-    """Stage ``job``'s entries; a failure (no memory for the buffer) as a :class:`CheckpointError`,
+def _fill(staged: _Staged, planner: _StagedSavePlanner, final: str) -> None:
+    """The background copy into the staging buffer. A failure is not raised here: the planner
+    raises it while DCP plans, so that every rank fails the save alike (one rank stopping alone
+    would leave the others waiting in DCP's collectives)."""
+    try:
+        _state.staging.fill(staged)
+    except BaseException as e:  # noqa: BLE001 - reported through the save
+        _state.staging = HostStaging()  # not reused after a failed copy
+        text = (str(e).strip().splitlines() or [""])[0]
+        planner.failure = CheckpointError(f"{final}: cannot copy the state to host memory ({type(e).__name__}: {text})")
+
+
+def _stage(job: Any) -> _Staged:
+    """Stage ``job``'s entries (the buffer allocated, the small values copied; the flat ranges
+    are left to the background); a failure (no memory for the buffer) as a :class:`CheckpointError`,
     which ``_agreed`` raises on every rank (none goes on into the background collectives alone)."""
     try:
         return _state.staging.stage(job.entries)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as C
+from .fence import Fence, await_fences
 from .layout import Layout, Piece
 from .mx import dequantize
 from .mx_planes import ORIENTATIONS
@@ -117,6 +118,7 @@ class FlatParamBuffer:
     ) -> None:
         self.spec = spec
         self.params = params
+        self.fence: Fence | None = None  # held while a background reader copies this buffer's state (mfsdp_core.fence)
         self.strategy = spec.strategy
         self.group = group  # the placement's group: gradients are reduced over it
         self.shard_group = group if spec.strategy.shards_optim else None
@@ -284,7 +286,8 @@ class FlatParamBuffer:
     def refresh_compute_params(self, *, derive_companions: bool = True) -> None:
         """Copy the main params into the compute params (cast), derive the companion planes
         (unless told they were written already), and make every rank's full compute params
-        current: after an optimizer step, or after a checkpoint load."""
+        current: after an optimizer step, or after a checkpoint load. Waits for a fence first."""
+        await_fences((self,))
         if self.main is not self.shard:
             self.shard.copy_(self.main)
         if derive_companions:
@@ -351,15 +354,16 @@ class FlatParamBuffer:
             staging = self._staging
             if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
                 staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
-            self._restart_accumulation_if_zeroed()
             divisor = self.spec.grad_divisor
             if self.strategy.shards_grads:
                 reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
                 C.reduce_scatter_avg(reduced, staging, self.shard_group, divisor)
-                self.grad.add_(reduced)
             else:
                 C.all_reduce_avg(staging, self.group, divisor)
-                self.grad.add_(staging)
+                reduced = staging
+            await_fences((self,), grads_only=True)  # the accumulated grads are written from here on
+            self._restart_accumulation_if_zeroed()
+            self.grad.add_(reduced)
             self._staging = None
             self.reduced_this_pass = True
         self.reshard()

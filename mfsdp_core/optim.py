@@ -14,6 +14,9 @@ ZeRO-1/2, all-gathered. The optimizer stays a real ``torch.optim.Optimizer``: LR
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from torch import nn
 
 from . import collectives as C
 from .buffer import FlatParamBuffer
+from .fence import await_fences
 from .fully_shard import owner_of
 
 __all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers", "optimizer_param", "shard_of"]
@@ -70,8 +74,36 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
             shard_params.append(mine[i])
         group["params"] = shard_params
     setattr(optimizer, _ADAPTED_ATTR, adapted)
+    optimizer.register_step_pre_hook(_fence_before_step)
     optimizer.register_step_post_hook(_refresh_after_step)
+    optimizer.zero_grad = _fenced_zero_grad(optimizer)
     return optimizer
+
+
+def _fence_before_step(optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+    """The step writes the main params and the optimizer state: wait for a background copy of
+    them (``mfsdp_core.fence``)."""
+    await_fences(optimizer_buffers(optimizer))
+
+
+def _fenced_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+    """``optimizer.zero_grad`` that, when it zeroes in place (``set_to_none=False``, which writes
+    the reduced gradients), first waits for a background copy of the gradients. torch has no
+    zero_grad hook; the wrapper refers to the optimizer weakly (no reference cycle: the buffers,
+    and their process groups, must go with the last reference, see ``fully_shard``)."""
+    ref = weakref.ref(optimizer)
+    zero_grad = type(optimizer).zero_grad
+
+    def fenced(set_to_none: bool = True) -> Any:
+        opt = ref()
+        if opt is None:
+            return None
+        if not set_to_none:
+            await_fences(optimizer_buffers(opt), grads_only=True)
+        return zero_grad(opt, set_to_none)
+
+    fenced.__doc__ = zero_grad.__doc__
+    return fenced
 
 
 def _refresh_after_step(optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
@@ -129,6 +161,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise FloatingPointError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
+    await_fences(buffers, grads_only=True)
     for buf in buffers:
         buf.grad.mul_(coef.to(buf.grad.dtype))
     return total

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .buffer import FlatParamBuffer
+from .fence import await_fences
 from .fully_shard import buffers_of
 from .layout import Layout, Policy
 from .optim import optimizer_param
@@ -133,8 +134,13 @@ def describe_shards(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     """This rank's shards of every parameter under ``module`` (a ``fully_shard``-ed root), with
     the optimizer's per-parameter state when ``optimizer`` (adapted by ``fully_shard_optimizer``)
     is given. Optimizer state shaped like the parameter the optimizer sees (1-D pieces, or whole
-    matrices under ``tensor``) is reported flat, by the same range as the main params."""
-    return [ps for buf in buffers_of(module) for ps in _param_shards(buf, optimizer)]
+    matrices under ``tensor``) is reported flat, by the same range as the main params.
+
+    The views may be written (a checkpoint load does): a background copy of the state still
+    running (``mfsdp_core.fence``) is waited for first."""
+    buffers = buffers_of(module)
+    await_fences(buffers)
+    return [ps for buf in buffers for ps in _param_shards(buf, optimizer)]
 
 
 def refresh_compute_params(module: nn.Module, *, derive_companions: bool = True) -> None:

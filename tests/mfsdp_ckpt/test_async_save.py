@@ -46,19 +46,33 @@ def _partials(run: str) -> list[str]:
 
 # ---- a save every step --------------------------------------------------------------------------
 
+SLOW_COPY_S = 0.1  # the background copy is made slower than the next forward and backward: the step must wait
+
+
 def _train_with_async_saves(run: str) -> dict:
     ref_model, ref_optim = build("optim_grads_params", "row")
     reference = train_steps(ref_model, ref_optim, 0, STEPS)
     model, optim = build("optim_grads_params", "row")
-    losses, states, buffers, blocked = [], {}, set(), []
+    losses, states, buffers, fenced = [], {}, set(), []
     handle = None
-    for step in range(1, STEPS + 1):
-        losses += train_steps(model, optim, step - 1, step)
-        states[step] = owned_pieces(model, optim)  # the state at save time
-        handle = mfsdp_ckpt.async_save(os.path.join(run, f"step_{step:02d}"), model, optim, extra={"step": step}, step=step)
-        blocked.append(handle.blocked_s)
-        buffers.add(ASYNC._state.staging._buffer.data_ptr())
-    handle.result()
+    real_fill = ASYNC.HostStaging.fill
+
+    def slow_fill(self, staged):
+        time.sleep(SLOW_COPY_S)
+        return real_fill(self, staged)
+
+    ASYNC.HostStaging.fill = slow_fill
+    try:
+        for step in range(1, STEPS + 1):
+            losses += train_steps(model, optim, step - 1, step)
+            if handle is not None:
+                fenced.append(handle.fence_s)
+            states[step] = owned_pieces(model, optim)  # the state at save time
+            handle = mfsdp_ckpt.async_save(os.path.join(run, f"step_{step:02d}"), model, optim, extra={"step": step}, step=step)
+            buffers.add(ASYNC._state.staging._buffer.data_ptr())
+        handle.result()
+    finally:
+        ASYNC.HostStaging.fill = real_fill
     # every checkpoint loads back the state of its step (into a model that trained elsewhere)
     mismatches = []
     for step in range(1, STEPS + 1):
@@ -69,7 +83,7 @@ def _train_with_async_saves(run: str) -> dict:
         mismatches += [f"step {step}: extra {extra}"] if extra["step"] != step else []
     state_bytes = sum(v.numel() * v.element_size() for k, (_, _, v) in states[STEPS].items() if not k.startswith("main."))
     return {"losses": losses, "reference": reference, "mismatches": mismatches, "buffers": len(buffers),
-            "staging": ASYNC.staging_bytes(), "state_bytes": state_bytes}
+            "staging": ASYNC.staging_bytes(), "state_bytes": state_bytes, "fenced": sum(s > 0 for s in fenced)}
 
 
 def test_a_save_every_step_changes_no_loss_and_every_checkpoint_is_its_step(ranks, tmp_path):
@@ -77,7 +91,8 @@ def test_a_save_every_step_changes_no_loss_and_every_checkpoint_is_its_step(rank
     out = ranks(_train_with_async_saves, 2, run, timeout=300)
     for rank, r in enumerate(out):
         assert r["losses"] == r["reference"], f"rank {rank}: saving changed the losses"  # exact floats
-        assert not r["mismatches"], r["mismatches"][:5]
+        assert not r["mismatches"], r["mismatches"][:5]  # without the fence: the next step's values
+        assert r["fenced"] >= STEPS // 2, r["fenced"]  # the steps did wait for the copy (the case tests the fence)
         assert r["buffers"] == 1, "the staging buffer was reallocated"
         assert r["state_bytes"] <= r["staging"] <= 1.1 * r["state_bytes"] + 64 * 1024, (r["staging"], r["state_bytes"])
     assert _latest(run) == f"step_{STEPS:02d}" and not _partials(run)
