@@ -448,6 +448,8 @@ def async_save(
                 write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
             except BaseException as e:  # noqa: BLE001 - reported by the handle
                 error = _one_line(e, job.final)
+                with contextlib.suppress(Exception):  # the save's error is the one reported
+                    lock.close()  # rank 0: the run directory is unlocked before any rank reports
                 if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
                     with contextlib.suppress(Exception):
                         dist.barrier(group=group)

@@ -148,7 +148,8 @@ def _copy_fails_on(rank_failing: int, run: str) -> dict:
         ASYNC.HostStaging.fill = real_fill
     with open(os.path.join(run, "latest")) as f:
         latest = f.read().strip()
-    left = sorted(n for n in os.listdir(run) if n != "latest")
+    left = sorted(n for n in os.listdir(run) if n not in ("latest", "latest-checkpoint"))
+    dist.barrier()  # every rank has looked before rank 0 locks the run directory for step_3
     handle = mfsdp_ckpt.async_save(os.path.join(run, "step_3"), model, optim, step=3)  # a new buffer, saved
     handle.result()
     return {"error": error, "latest": latest, "left": left, "released": all(b.fence is None for b in buffers_of(model))}
