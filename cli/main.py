@@ -118,14 +118,18 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp"]), required=True,
-              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file")
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]), required=True,
+              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file; "
+                   "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict)")
+@click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
+              help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
+                   "e.g. 'model.=' for torchtitan's bare FQNs")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def convert(src: str, dst: str, to: str, as_json: bool) -> None:
-    """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
+def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
+    """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
     from mfsdp_ckpt.convert import convert as run_convert
 
-    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar), unit="entries")
+    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries")
     click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
