@@ -25,7 +25,7 @@ from .errors import CheckpointError
 from .keys import MAIN_PARAM, PARAM_GROUPS, model_key
 
 __all__ = ["KeyRule", "parse_key_map", "apply_key_map", "StockNames", "canonical_names", "stock_param_groups",
-           "to_fsdp2_key", "fsdp2_param_group_entries", "STOCK_STATE", "STOCK_GROUPS"]
+           "to_fsdp2_key", "fsdp2_param_group_entries", "missing_summary", "STOCK_STATE", "STOCK_GROUPS"]
 
 STOCK_STATE = "optim.state."  # get_state_dict's per-parameter optimizer state, under "optim"
 STOCK_GROUPS = "optim.param_groups."  # get_state_dict's hyper-parameters, one entry per (group, hp)
@@ -157,3 +157,21 @@ def fsdp2_param_group_entries(groups: Any, source: str) -> dict[str, Any]:
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise CheckpointError(f"{source}: key '{PARAM_GROUPS}': not a list of parameter groups naming their parameters")
     return {f"{STOCK_GROUPS}{i}.{hp}": value for i, group in enumerate(groups) for hp, value in group.items()}
+
+
+def missing_summary(keys: Iterable[str]) -> str:
+    """Keys a load did not find, in groups: ``model`` weights, each optimizer state by name
+    (``optim.*.exp_avg``), ``optim.param_groups``, anything else by its first component; each
+    with its count and first key, e.g. ``optim.*.exp_avg: 17 keys (optim.fc1.bias.exp_avg, …)``."""
+    groups: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        head = key.split(".", 1)[0]
+        if key == PARAM_GROUPS:
+            label = key
+        elif head == "optim":
+            label = "optim.*." + key.rsplit(".", 1)[-1]
+        else:
+            label = head + ".*"
+        groups.setdefault(label, []).append(key)
+    return "; ".join(f"{label}: {len(ks)} key{'s' if len(ks) > 1 else ''} ({ks[0]}{', …' if len(ks) > 1 else ''})"
+                     for label, ks in groups.items())

@@ -80,11 +80,11 @@ def _fsdp2_train_and_save(path: str) -> dict:
     return {"state": state, "first": first, "second": second}
 
 
-def _ours_load_and_step(path: str) -> dict:
+def _ours_load_and_step(path: str, require_manifest: bool = True) -> dict:
     """Our runtime (a different initial seed) loads ``path``; the loss on the fixed batch, then
     after one step there (every rank the whole batch), and the loaded pieces."""
     model, optim = build("optim_grads_params", "even", seed=5)
-    mfsdp_ckpt.load(path, model, optim)
+    mfsdp_ckpt.load(path, model, optim, require_manifest=require_manifest)
     pieces = owned_pieces(model, optim)
     x, y = _fixed_batch()
     loss = loss_fn(model, x, y)
@@ -132,6 +132,10 @@ def test_fsdp2_checkpoint_verifies_reshards_and_resumes_in_ours(ranks, tmp_path)
     # rounding of the gradient average, (g+g)/2 on 2 ranks against (g+g+g)/3 on 3
     assert all(o["second"] == pytest.approx(fsdp2["second"], rel=1e-6, abs=0) for o in out)
 
+    # load reads the stock checkpoint directly too (its key layout mapped), with the same result
+    direct = ranks(_ours_load_and_step, 3, stock, False, timeout=300)
+    assert [(d["first"], d["second"]) for d in direct] == [(o["first"], o["second"]) for o in out]
+
 
 def _ours_train_save_step(path: str) -> dict:
     model, optim = build("optim_grads_params", "even", seed=0)
@@ -173,6 +177,15 @@ def test_ours_converted_to_dcp_fsdp2_loads_into_stock_fsdp2_and_trains(ranks, tm
         torch.testing.assert_close(fsdp2["after"][f"model.{fqn}"], after, rtol=1e-6, atol=1e-7)
         assert fsdp2["loaded"][f"optim.{fqn}.step"].item() == 2.0
 
+    # our load reads the converted checkpoint back (keys mapped, checksums still checked)
+    model, optim = build("optim_grads_params", "even", seed=5)
+    mfsdp_ckpt.load(stock, model, optim)
+    mine = owned_pieces(model, optim)
+    for fqn, shape in shapes_of().items():
+        for key in (f"model.{fqn}", f"optim.{fqn}.exp_avg"):
+            assert torch.equal(mine[key][2].view(shape), _assemble([p["saved"] for p in per_rank], key, shape)), key
+    assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
+
 
 def _ours_load_model(path: str) -> dict:
     model, _ = build("optim_grads_params", "even", seed=5)
@@ -191,6 +204,16 @@ def test_torchtitan_bare_fqn_checkpoint_reshards_with_key_map(ranks, tmp_path):
     out = ranks(_ours_load_model, 3, ours, timeout=300)
     for fqn, p in source.named_parameters():
         assert torch.equal(_assemble(out, f"model.{fqn}", p.shape), p.detach()), fqn
+
+    # load takes the same key map; with strict=False it says what it did not find
+    model, optim = build("optim_grads_params", "even", seed=5)
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: optim\.\*\.exp_avg: 17 keys .*no optimizer state was loaded"):
+        mfsdp_ckpt.load(stock, model, optim, require_manifest=False, key_map=["=model."], strict=False)
+    mine = owned_pieces(model, optim)
+    for fqn, p in source.named_parameters():
+        assert torch.equal(mine[f"model.{fqn}"][2].view(p.shape), p.detach()), fqn
+    with pytest.raises(mfsdp_ckpt.CheckpointError, match="missing from the checkpoint"):
+        mfsdp_ckpt.load(stock, model, optim, require_manifest=False, key_map=["=model."])
 
 
 def test_bad_key_map_is_one_line_and_writes_nothing(tmp_path):
