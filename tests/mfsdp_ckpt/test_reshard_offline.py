@@ -316,7 +316,7 @@ def test_bad_input(source, tmp_path):
 
     # uncommitted: a save's .partial directory whose manifest was never written (a complete
     # directory without mfsdp.json is a stock DCP checkpoint, which reshard reads: test_stock_dcp.py)
-    half = tmp_path / ".half.partial-0123456789ab"
+    half = tmp_path / "run" / ".half.partial-0123456789ab"  # not next to DST: the refusal leaves no partial there
     shutil.copytree(source, half)
     os.remove(half / "mfsdp.json")
     _assert_refused([str(half), dst, "--world-size", "2"], dst, "never committed")
