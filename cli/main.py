@@ -118,14 +118,18 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp"]), required=True,
-              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file")
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]), required=True,
+              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file; "
+                   "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict)")
+@click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
+              help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
+                   "e.g. 'model.=' for torchtitan's bare FQNs")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def convert(src: str, dst: str, to: str, as_json: bool) -> None:
-    """Convert SRC to DST (which must not exist), keeping canonical keys and full tensors."""
+def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
+    """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
     from mfsdp_ckpt.convert import convert as run_convert
 
-    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar), unit="entries")
+    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries")
     click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
@@ -142,17 +146,22 @@ def convert(src: str, dst: str, to: str, as_json: bool) -> None:
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
 @click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None, help="cast the model weights")
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
+@click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
+              help="rename the key prefix OLD to NEW before anything else (repeatable, first match wins): "
+                   "'=model.' adds 'model.' (torchtitan's bare FQNs), 'model.=' strips it")
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def reshard(src: str, dst: str, world_size: int, ep: int | None, strategy: str | None, policy: str | None, plan_from: str | None,
-            model_only: bool, dtype: str | None, workers: int, overwrite: bool, as_json: bool) -> None:
+            model_only: bool, dtype: str | None, workers: int, key_map: tuple[str, ...], overwrite: bool, as_json: bool) -> None:
     """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
-    exactly what that rank reads. Streams one tensor range at a time (bounded memory)."""
+    exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
+    a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
+    committed canonical checkpoint."""
     from mfsdp_ckpt.reshard import reshard as run_reshard
 
     result = _run_with_progress("reshard", lambda bar: run_reshard(
         src, dst, world_size=world_size, ep=ep, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
-        workers=workers, overwrite=overwrite, progress=bar))
+        workers=workers, overwrite=overwrite, key_map=key_map, progress=bar))
     if as_json:
         click.echo(json.dumps(result.__dict__, indent=1))
         return
@@ -178,7 +187,7 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
         click.echo(json.dumps([e.to_json() for e in entries], indent=1))
         return
     for e in entries:
-        state = "committed" if e.committed else "UNCOMMITTED"
+        state = "committed" if e.committed else "stock DCP" if e.format == "stock DCP" else "UNCOMMITTED"
         step = e.step if e.step is not None else "-"
         click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
 

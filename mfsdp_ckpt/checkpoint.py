@@ -13,7 +13,7 @@ import os
 import shutil
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
 from .lock import run_lock
+from .mapped import map_reader_keys
+from .stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
 from .staging import PARTIAL_MARK, check_destination, fsync_dir, new_token, partial_path, remove_leftovers
 from .staged_read import DEFAULT_READ_THREADS
 from .storage import CommittingWriter, VerifyingReader
@@ -408,6 +410,7 @@ def load(
     require_manifest: bool = True,
     restore_rng: bool = True,
     thread_count: int = DEFAULT_READ_THREADS,
+    key_map: Sequence[str | KeyRule] = (),
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it; return the
     ``extra`` values. Collective.
@@ -425,7 +428,14 @@ def load(
     ``path`` may be an fsspec URL (``s3://…``): each rank reads the byte ranges of the chunks it
     needs, with the client's retries. ``thread_count``: reader threads per rank (see
     :mod:`mfsdp_ckpt.staged_read`).
+
+    A stock checkpoint's keys are read in canonical form (FSDP2's ``get_state_dict`` layout:
+    ``optim.state.<fqn>.<state>``, ``optim.param_groups.<…>.<hp>``), after ``key_map``'s
+    ``OLD=NEW`` prefix renames (e.g. ``['=model.']`` for torchtitan's bare FQNs; see
+    :mod:`mfsdp_ckpt.stock`). With ``strict=False`` the keys not found are reported, by group, in
+    one ``UserWarning`` (the same on every rank), which says so when no optimizer state was loaded.
     """
+    rules = parse_key_map(key_map)
     rank, world = rank_and_world()
     # one answer for all ranks, even if ``latest`` moves while they start
     directory = rank0_decides(resolve_checkpoint, path)
@@ -433,6 +443,8 @@ def load(
     if require_manifest or is_committed(directory):
         manifest = read_manifest(directory)
     reader = VerifyingReader(directory, manifest, thread_count=thread_count)
+    metadata = reader.read_metadata()
+    group_parts = map_reader_keys(reader, rules, manifest)  # canonical names from here on
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
     _check_expert_count(model, saved, directory)
@@ -443,7 +455,11 @@ def load(
     targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
     mx, mx_problems = mx_targets(shards, saved)
     found.shape_errors.extend(mx_problems)
-    _agree_on_keys(found, saved, optimizer is not None, strict, directory)
+    found.claimed.update(group_parts)
+    not_found = _agree_on_keys(found, saved, optimizer is not None, strict, directory)
+    if not strict:
+        _report_not_found(not_found, optimizer is not None and not any(
+            k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
     main_entries = {t.main_key: targets_by_key[t.main_key] for t in mx if t.main_key in targets_by_key}
     for t in mx:
         targets_by_key.update(t.planes.values())
@@ -452,16 +468,17 @@ def load(
     writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
     rng_state = torch.get_rng_state()
     restore = restore_rng and writer_world == world and my_rng in saved
-    groups = optimizer is not None and PARAM_GROUPS in saved
+    groups = optimizer is not None and (PARAM_GROUPS in saved or bool(group_parts))
 
     def check_before_reading() -> None:
         if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
                             and saved[my_rng].properties.dtype == rng_state.dtype):
             raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
-        if groups and not isinstance(saved[PARAM_GROUPS], BytesStorageMetadata):
+        if groups and not isinstance(saved.get(PARAM_GROUPS, BytesStorageMetadata()), BytesStorageMetadata):
             raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
         # every entry to read is sound and its bytes are present: checked before allocating anything
-        _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []), *([PARAM_GROUPS] if groups else [])])
+        _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []),
+                                           *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else [])])
 
     _agreed(check_before_reading)
     for key in extra_keys:
@@ -470,7 +487,7 @@ def load(
     if restore:
         targets_by_key[my_rng] = torch.empty_like(rng_state)
     if groups:
-        targets_by_key[PARAM_GROUPS] = None
+        targets_by_key.update((key, None) for key in ([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts))
     planner = MfsdpLoadPlanner()
     try:
         dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
@@ -487,6 +504,8 @@ def load(
                 raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
         if not groups:
             return None
+        if PARAM_GROUPS not in saved:  # a stock checkpoint's entries, one per (group, hyper-parameter)
+            planner.objects[PARAM_GROUPS] = stock_param_groups(group_parts, planner.objects.__getitem__, rules)
         _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
         return param_group_updates(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
 
@@ -615,25 +634,36 @@ class _KeyProblems:
     claimed: set[str]
 
 
-def _agree_on_keys(found: _KeyProblems, saved: dict[str, Any], with_optimizer: bool, strict: bool, source: str) -> None:
+def _agree_on_keys(found: _KeyProblems, saved: dict[str, Any], with_optimizer: bool, strict: bool, source: str) -> list[str]:
     """Raise the same :class:`StateMismatchError` on every rank, or none: the ranks' problems are
     combined (one ``all_gather_object``). A checkpoint key is unexpected only when no rank claims
-    it: under expert parallelism each rank wants only its own experts."""
+    it: under expert parallelism each rank wants only its own experts. Returns the keys some rank
+    wants that the checkpoint lacks (an error when ``strict``)."""
     keys = sorted(saved)
     claimed = bytes(key in found.claimed for key in keys)
     views = gather_objects((found.missing, found.shape_errors, found.coverage_errors, claimed))
     anyone = [any(v[3][i] for v in views) for i in range(len(keys))]
-    missing, unexpected = set(), []
+    missing, unexpected = {k for v in views for k in v[0]}, []
     if strict:
-        missing = {k for v in views for k in v[0]}
         prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
         unexpected = [k for k, c in zip(keys, anyone) if k.startswith(prefixes) and not c and k != PARAM_GROUPS]
     raise_key_problems(source, [
-        ("missing from the checkpoint", sorted(missing)),
+        ("missing from the checkpoint", sorted(missing) if strict else []),
         ("not in the model/optimizer", unexpected),
         ("shape mismatch", sorted({e for v in views for e in v[1]})),
         ("chunks do not cover the tensor exactly", sorted({k for v in views for k in v[2]})),
     ], StateMismatchError)
+    return sorted(missing)
+
+
+def _report_not_found(missing: list[str], no_optimizer_state: bool, source: str) -> None:
+    """``strict=False``: one warning naming, by group, what the checkpoint lacks, and saying so
+    when the optimizer gets no state at all (it keeps what it has)."""
+    parts = [f"not in the checkpoint: {missing_summary(missing)}"] if missing else []
+    if no_optimizer_state:
+        parts.append("no optimizer state was loaded (the optimizer keeps its current state)")
+    if parts:
+        warnings.warn(f"{source}: load(strict=False): " + "; ".join(parts), stacklevel=3)
 
 
 def _check_expert_count(model: nn.Module, saved: dict[str, Any], source: str) -> None:

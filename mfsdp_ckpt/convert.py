@@ -1,6 +1,8 @@
 """Conversions between a canonical DCP checkpoint and single-file formats other tools read:
 one ``torch.save`` file, or one flat safetensors file. Keys stay canonical (``model.<fqn>``,
-``optim.<fqn>.<state>``, …); tensors are full logical tensors.
+``optim.<fqn>.<state>``, …); tensors are full logical tensors. And one DCP-to-DCP conversion:
+``dcp-fsdp2`` renames the keys to the layout ``get_state_dict`` gives a stock FSDP2 model and
+optimizer, so that ``dcp.load`` + ``set_state_dict`` read it (:func:`write_fsdp2`).
 
 A single file holds everything at once, so these conversions hold the whole checkpoint in memory
 (the format requires it). Reading a DCP checkpoint goes one tensor at a time; writing one uses the
@@ -13,7 +15,7 @@ import base64
 import io
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -23,13 +25,16 @@ from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 from . import fs
 from .errors import CheckpointError, CheckpointExistsError, NotACheckpointError
+from .keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from .manifest import versions, writer_layout
+from .mapped import MappedReader
 from .staging import check_destination
+from .stock import KeyRule, apply_key_map, fsdp2_param_group_entries, parse_key_map, to_fsdp2_key
 from .streaming import CheckpointBuilder, CheckpointReader
 
-__all__ = ["FORMATS", "read_full_state", "write_dcp", "convert"]
+__all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "dcp-fsdp2")
 # safetensors metadata entry holding the non-tensor entries: base64 of a torch.save archive
 # (keeps tuples and other plain types exactly; read back with weights_only=True)
 _OBJECTS_KEY = "mfsdp.objects"
@@ -60,6 +65,48 @@ def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | N
             else:
                 builder.add_object(key, value)
         return builder.commit()
+
+
+def write_fsdp2(src: str, dst: str, *, key_map: Sequence[KeyRule] = (),
+                progress: Callable[[int, int], None] | None = None) -> str:
+    """Write the checkpoint ``src`` as ``dst`` in the key layout of ``get_state_dict`` saved as
+    ``{"model": msd, "optim": osd}`` (:func:`~mfsdp_ckpt.stock.to_fsdp2_key`), one entry at a
+    time, committed and checksummed like every checkpoint we write (stock DCP ignores
+    ``mfsdp.json``; ours says ``key_layout: dcp-fsdp2``, so our readers map the keys back).
+    Gradients, MX planes and RNG states are left out; the fp32 main params of a low-precision
+    model become its ``model.<fqn>``. ``key_map`` renames prefixes of the output keys last (e.g.
+    ``'model.='`` for torchtitan's bare FQNs)."""
+    with MappedReader(src) as reader:
+        source = reader.manifest or {}
+        manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": source.get("model_config"),
+                    "step": source.get("step"), "converted_from": src, "versions": versions(), "key_layout": "dcp-fsdp2"}
+        with CheckpointBuilder(dst, manifest, sources=(src,)) as builder:
+            return _write_fsdp2_entries(reader, builder, key_map, progress)
+
+
+def _write_fsdp2_entries(reader: MappedReader, builder: CheckpointBuilder, key_map: Sequence[KeyRule],
+                         progress: Callable[[int, int], None] | None) -> str:
+    """Every entry of ``reader`` under its FSDP2 key into ``builder``, then the commit."""
+    keys = reader.keys()
+    mains = {k for k in keys if k.startswith("optim.") and k.endswith("." + MAIN_PARAM)}
+    for done, key in enumerate(keys, 1):
+        name = fqn_of_model_key(key)
+        if name is not None and optim_key(name, MAIN_PARAM) in mains:
+            continue  # the fp32 main params stand in for the low-precision weights
+        if key == PARAM_GROUPS:
+            for out_key, value in fsdp2_param_group_entries(reader.read(key), reader.directory).items():
+                builder.add_object(apply_key_map(out_key, key_map), value)
+        elif (out_key := to_fsdp2_key(key)) is not None:
+            value = reader.read(key)
+            out_key = apply_key_map(out_key, key_map)
+            if isinstance(value, torch.Tensor):
+                builder.add_tensor(out_key, value)
+            else:
+                builder.add_object(out_key, value)
+            del value
+        if progress is not None:
+            progress(done, len(keys))
+    return builder.commit()
 
 
 def _pack_objects(objects: dict[str, Any]) -> str:
@@ -103,17 +150,23 @@ def _read_single_file(src: str) -> dict[str, Any]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
-            progress: Callable[[int, int], None] | None = None) -> str:
+            progress: Callable[[int, int], None] | None = None, key_map: Sequence[str | KeyRule] = ()) -> str:
     """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
-    ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file.
-    Either side may be an fsspec URL."""
+    ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file;
+    ``dcp-fsdp2`` writes a DCP checkpoint in FSDP2's ``get_state_dict`` key layout
+    (:func:`write_fsdp2`; ``key_map`` applies to it only). Either side may be an fsspec URL."""
     src, dst = fs.normalize(src), fs.normalize(dst)
     if to not in FORMATS:
         raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
+    rules = parse_key_map(key_map)
+    if rules and to != "dcp-fsdp2":
+        raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
     if not fs.is_url(dst) and not fs.is_url(src):
-        check_destination(dst, overwrite=False, kind="checkpoint" if to == "dcp" else "file", sources=(src,))
+        check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
+    if to == "dcp-fsdp2":
+        return write_fsdp2(src, dst, key_map=rules, progress=progress)
     if to == "dcp":
         if not fs.isfile(src):
             raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")

@@ -23,6 +23,7 @@ from .keys import GROUPS, group_of, mx_plane_of
 from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
 from .metadata_check import entry_faults, orphan_faults
 from .planner import chunk_id
+from .staging import is_partial_name
 from .storage import VerifyingReader
 
 __all__ = ["TensorInfo", "CheckpointInfo", "ExpertPlacement", "compact_ranges", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
@@ -221,13 +222,18 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     and the manifest belong to the same save (``save_id``) and name the same chunks, both ways,
     at the same places; that every tensor's chunks cover it exactly once, each listed chunk has
     stored data and each stored chunk is listed; and that every chunk's bytes are present,
-    readable, inside the checkpoint and match their crc32c. ``progress(done, total)`` counts
+    readable, inside the checkpoint and match their crc32c. A stock DCP checkpoint (no
+    ``mfsdp.json``) has no checksums: everything else is checked and a note says so (a
+    ``.partial`` directory without one is a fault: a save that never committed). ``progress(done, total)`` counts
     stored bytes checked. The result's ``notes`` say what could not be checked."""
     directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     faults: list[Fault] = []
     notes: list[str] = []
-    if manifest is None:
-        faults.append(Fault(MANIFEST_NAME, "-", None, "missing: not a committed mfsdp checkpoint (no checksums to verify)"))
+    if manifest is None and is_partial_name(directory.rstrip("/").rsplit("/", 1)[-1]):
+        faults.append(Fault(MANIFEST_NAME, "-", None, "missing: a save that never committed (a .partial directory)"))
+    elif manifest is None:
+        notes.append(f"{MANIFEST_NAME}: absent (a stock DCP checkpoint): checksums are not available; coverage and every "
+                     "chunk's bytes (present, inside its file, readable) are checked")
     else:
         if not is_protected(manifest):
             notes.append(f"{MANIFEST_NAME}: unprotected: {UNPROTECTED}")

@@ -1,4 +1,5 @@
-"""The checkpoints under a run directory: step, size, committed or not, which one is ``latest``."""
+"""The checkpoints under a run directory: step, size, committed or not (or a stock DCP checkpoint,
+which has no commit marker), which one is ``latest``."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ class CheckpointEntry:
     bytes: int
     committed: bool
     latest: bool
+    format: str = "mfsdp"  # "mfsdp", "stock DCP" (complete, no mfsdp.json) or "partial" (not committed)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
-    """Every checkpoint directory under ``root`` (committed, and half-written ``.partial`` ones),
-    oldest step first."""
+    """Every checkpoint directory under ``root`` (committed, stock DCP ones without
+    ``mfsdp.json``, and half-written ``.partial`` ones or ones whose manifest is refused), oldest
+    step first."""
     from .checkpoint import LATEST_NAME, read_pointer
 
     root = fs.normalize(root)
@@ -49,16 +52,18 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         d = fs.join(root, name)
         if not fs.isdir(d) or (not fs.is_url(d) and os.path.islink(d)):
             continue  # the latest-checkpoint symlink names a checkpoint listed under its own name
-        committed, step = False, None
+        committed, step, kind = False, None, "partial"
         if is_committed(d):
             try:  # the manifest reader checks every field: a damaged one marks only its own checkpoint
                 step = read_manifest(d).get("step")
-                committed = True
+                committed, kind = True, "mfsdp"
             except CheckpointError:
                 pass
         elif not (is_partial_name(name) or fs.isfile(fs.join(d, ".metadata"))):
             continue  # not a checkpoint at all
-        entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest))
+        elif not is_partial_name(name):
+            kind = "stock DCP"  # DCP's own save writes .metadata last: complete, but nothing to commit or checksum
+        entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest, kind))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return entries
 

@@ -28,14 +28,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
-from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan, check_companions
+from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan, Placement, check_companions
 from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
 from .experts import is_expert_buffer, num_experts_of, regroup_experts
 from .keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
-from .manifest import MANIFEST_NAME, recorded_plan, writer_layout
+from .manifest import MANIFEST_NAME, recorded_plan, versions, writer_layout
+from .mapped import MappedReader
+from .staging import is_partial_name
+from .stock import KeyRule, parse_key_map
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
 __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
@@ -68,7 +71,31 @@ class _Job:
     nbytes: int = 0
 
 
-def _source_plan(reader: CheckpointReader, plan_from: str | None) -> ModelPlan:
+def _stock_plan(reader: MappedReader) -> ModelPlan:
+    """A plan for a checkpoint that records none (stock DCP): the floating ``model.*`` tensors,
+    in key order, as one ``even`` buffer per dtype over all ranks. It only decides which target
+    file holds which range (every rank about 1/N of the bytes, one file each); any layout loads
+    the result."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Size]]] = {}
+    for key in reader.keys():
+        name = fqn_of_model_key(key)
+        if name is not None and reader.is_tensor(key) and reader.dtype(key).is_floating_point:
+            by_dtype.setdefault(reader.dtype(key), []).append((name, reader.shape(key)))
+    buffers = tuple(BufferSpec(names=tuple(n for n, _ in params), shapes=tuple(s for _, s in params), dtype=dtype,
+                               requires_grad=True, strategy=parse_strategy("optim_grads_params"),
+                               placement=Placement("even"), group_size=1)
+                    for dtype, params in by_dtype.items())
+    return ModelPlan({DEFAULT_GROUP: 1}, buffers)
+
+
+def _stock_manifest(reader: MappedReader) -> dict[str, Any]:
+    """The manifest fields ``save`` writes, for a source that has no manifest."""
+    groups = {group_of(k) for k in reader.keys()}
+    return {"model_config": None, "step": None, "include_grads": "grad" in groups, "has_optimizer": "optim" in groups,
+            "versions": versions()}
+
+
+def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None) -> ModelPlan:
     """The plan recorded in the checkpoint's manifest, or in ``plan_from``'s (a checkpoint of the
     same model that records one). Checked against the checkpoint's ``model.*`` tensors."""
     source = reader.directory
@@ -175,7 +202,7 @@ def _check_ep(plan: ModelPlan, world_size: int, ep: int, given: bool) -> int:
     return num
 
 
-def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int, tuple[int, ...]]], *, model_only: bool,
+def _plan_jobs(reader: MappedReader, params: dict[str, tuple[Layout, int, tuple[int, ...]]], *, model_only: bool,
                cast: torch.dtype | None, keep_rng: bool) -> tuple[list[_Job], list[str]]:
     """Every write: each parameter-shaped tensor cut by its target layout, shard rank r's piece
     into the file of the global rank holding it; everything else whole into file 0."""
@@ -205,12 +232,14 @@ def _plan_jobs(reader: CheckpointReader, params: dict[str, tuple[Layout, int, tu
     return jobs, dropped
 
 
-def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None]) -> list[ChunkRecord]:
-    """Carry out ``jobs`` (all of them for a set of files that no other worker writes)."""
+def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None],
+              key_map: Sequence[KeyRule] = ()) -> list[ChunkRecord]:
+    """Carry out ``jobs`` (all of them for a set of files that no other worker writes); keys are
+    canonical, read through ``key_map`` and the source's key layout (:class:`MappedReader`)."""
     records: list[ChunkRecord] = []
     writer = ChunkFileWriter(tmp)
     try:
-        with CheckpointReader(src) as reader:
+        with MappedReader(src, key_map) as reader:
             for job, after in zip(jobs, [*jobs[1:], None]):
                 if job.start is None:
                     value = reader.read(job.key)
@@ -236,9 +265,9 @@ def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], 
     return records
 
 
-def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any) -> None:
+def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any, key_map: Sequence[KeyRule] = ()) -> None:
     try:
-        records = _run_jobs(src, tmp, jobs, lambda n: results.put(("progress", wid, n)))
+        records = _run_jobs(src, tmp, jobs, lambda n: results.put(("progress", wid, n)), key_map)
         results.put(("done", wid, records))
     except CheckpointError as e:
         results.put(("error", wid, str(e)))
@@ -262,10 +291,12 @@ def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     return [w for w in out if w]
 
 
-def _run_parallel(src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None]) -> list[ChunkRecord]:
+def _run_parallel(src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None],
+                  key_map: Sequence[KeyRule] = ()) -> list[ChunkRecord]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(src, tmp, jobs, w, results), daemon=True) for w, jobs in enumerate(assignments)]
+    procs = [ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
+             for w, jobs in enumerate(assignments)]
     for p in procs:
         p.start()
     records: list[ChunkRecord] = []
@@ -307,6 +338,7 @@ def reshard(
     dtype: str | None = None,
     workers: int = 1,
     overwrite: bool = False,
+    key_map: Sequence[str | KeyRule] = (),
     progress: Callable[[int, int], None] | None = None,
 ) -> ReshardResult:
     """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
@@ -314,6 +346,12 @@ def reshard(
     (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
     holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
     the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
+
+    ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``: FSDP2's ``get_state_dict`` layout,
+    torchtitan's bare FQNs, any ``dcp.save``): its keys are mapped to canonical ones
+    (:mod:`mfsdp_ckpt.stock`; ``key_map``: ``OLD=NEW`` prefix renames applied first, e.g.
+    ``'=model.'`` for bare FQNs), its placement plan is ``plan_from``'s or one ``even`` buffer of
+    its ``model.*`` tensors, and the output is a committed canonical checkpoint.
 
     ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
     Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
@@ -343,12 +381,17 @@ def reshard(
         if dtype not in CAST_CHOICES:
             raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         cast = dtype_by_name(dtype)
-    with CheckpointReader(src) as reader:
-        if reader.manifest is None:
-            raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json: reshard needs a committed mfsdp checkpoint")
-        manifest = reader.manifest
+    rules = parse_key_map(key_map)
+    with MappedReader(src, rules) as reader:
+        if reader.manifest is None and is_partial_name(reader.directory.rstrip("/").rsplit("/", 1)[-1]):
+            raise UncommittedCheckpointError(f"{reader.directory}: a save that never committed (a .partial directory)")
+        stock = reader.manifest is None
+        manifest = reader.manifest if not stock else _stock_manifest(reader)
         source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
-        source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
+        if stock and plan_from is None:
+            source_plan = _stock_plan(reader)
+        else:
+            source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
         plan, params, experts = _target_plan(source_plan, world_size, strategy, policy, cast, ep,
                                              source_ep or source_plan.group_sizes.get(EP_GROUP))
         source_world = manifest.get("writer", {}).get("world_size")
@@ -361,7 +404,8 @@ def reshard(
         out_manifest.update(has_optimizer=False, include_grads=False)
     out_manifest["resharded_from"] = {"path": src_dir, "save_id": manifest.get("save_id"), "world_size": source_world,
                                       "ep_size": source_ep,
-                                      "model_only": model_only, "dtype": dtype}
+                                      "model_only": model_only, "dtype": dtype,
+                                      "format": "stock DCP" if stock else "mfsdp", "key_map": [str(r) for r in rules]}
     total = sum(j.nbytes for j in jobs)
     done = 0
 
@@ -374,9 +418,9 @@ def reshard(
     with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
         assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
-            records = _run_jobs(src_dir, builder.tmp, assignments[0] if assignments else [], report)
+            records = _run_jobs(src_dir, builder.tmp, assignments[0] if assignments else [], report, rules)
         else:
-            records = _run_parallel(src_dir, builder.tmp, assignments, report)
+            records = _run_parallel(src_dir, builder.tmp, assignments, report, rules)
         builder.add_records(records)
         path = builder.commit()
         written = builder.bytes_written

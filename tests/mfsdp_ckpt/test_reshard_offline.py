@@ -314,11 +314,12 @@ def test_bad_input(source, tmp_path):
     _assert_refused([source, dst, "--world-size", "two"], dst, "not a valid integer", code=2)
     assert not os.path.exists(dst)
 
-    # uncommitted: the manifest was never written
-    half = tmp_path / "half"
+    # uncommitted: a save's .partial directory whose manifest was never written (a complete
+    # directory without mfsdp.json is a stock DCP checkpoint, which reshard reads: test_stock_dcp.py)
+    half = tmp_path / "run" / ".half.partial-0123456789ab"  # not next to DST: the refusal leaves no partial there
     shutil.copytree(source, half)
     os.remove(half / "mfsdp.json")
-    _assert_refused([str(half), dst, "--world-size", "2"], dst, "mfsdp.json")
+    _assert_refused([str(half), dst, "--world-size", "2"], dst, "never committed")
     assert not os.path.exists(dst)
 
     # a corrupt chunk: named by file and key, nothing left at DST
