@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import click
-
-from mfsdp_ckpt.errors import CheckpointError
 
 
 def _human(n: float) -> str:
@@ -26,26 +25,65 @@ def _debug() -> bool:
     return flag or os.environ.get("MFSDP_DEBUG", "") not in ("", "0")
 
 
+def _as_json() -> bool:
+    """Whether the running command was given ``--json``."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.params.get("as_json"))
+
+
+def _fail(message: str, kind: str, code: int = 1) -> None:
+    """Report a failure as one line on stderr (a JSON object ``{"error", "kind"}`` under
+    ``--json``) and exit with ``code``."""
+    if _as_json():
+        click.echo(json.dumps({"error": message, "kind": kind}), err=True)
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
 def _run(fn: Callable[[], Any]) -> Any:
     """The error boundary of every command: whatever goes wrong is one line on stderr and exit
     code 1 (130 when interrupted); ``--debug`` shows the traceback instead."""
+    from mfsdp_ckpt.errors import CheckpointError  # here, not at the top: ``--help`` imports no torch
+
     try:
         return fn()
     except KeyboardInterrupt:
-        click.echo("error: interrupted", err=True)
-        sys.exit(130)
+        _fail("interrupted", "KeyboardInterrupt", 130)
     except Exception as e:  # noqa: BLE001 - the boundary: nothing escapes as a traceback
         if _debug():
             raise
+        text = " ".join(str(e).split())  # one line, whatever the exception held
         if isinstance(e, CheckpointError):
-            click.echo(f"error: {e}", err=True)
+            _fail(text, type(e).__name__)
         elif isinstance(e, OSError):
-            click.echo(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", err=True)
+            _fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or text}", type(e).__name__)
         else:
-            first = (str(e).splitlines() or [""])[0][:300]
-            click.echo(f"error: {type(e).__name__}: {first} (an internal error: run with --debug for the traceback)",
-                       err=True)
-        sys.exit(1)
+            _fail(f"{type(e).__name__}: {text[:300]} (an internal error: run with --debug for the traceback)", type(e).__name__)
+
+
+class LazyChoice(click.Choice):
+    """A :class:`click.Choice` whose choices come from ``load()`` when first needed, so that
+    defining the commands (and ``mfsdp-ckpt --help``) imports no torch."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
+        self._load = load
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self._load())
+
+    @choices.setter
+    def choices(self, value: Any) -> None:  # click's __init__ assigns the (empty) placeholder
+        pass
+
+
+def cast_choices() -> tuple[str, ...]:
+    """The dtypes ``--dtype`` may cast weights to (imported on use: it needs torch)."""
+    from mfsdp_core.dtypes import CAST_CHOICES
+
+    return CAST_CHOICES
 
 
 class _Progress:

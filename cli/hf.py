@@ -7,15 +7,14 @@ import json
 
 import click
 
-from cli.common import _human, _run_with_progress
-from mfsdp_core.dtypes import CAST_CHOICES
+from cli.common import LazyChoice, _human, _run_with_progress, cast_choices
 
 
-@click.command(name="export-hf")
+@click.command(name="export-hf", short_help="Export a checkpoint's model weights as a Hugging Face model directory.")
 @click.argument("ckpt")
 @click.argument("out")
 @click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest")
-@click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None,
+@click.option("--dtype", type=LazyChoice(cast_choices), default=None,
               help="dtype of the exported tensors; default: the checkpoint's")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)")
 @click.option("--from-mx", "from_mx", is_flag=True,
@@ -44,7 +43,7 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
                    f"in {len(result.files)} file(s), {result.seconds:.1f} s")
 
 
-@click.command(name="import-hf")
+@click.command(name="import-hf", short_help="Make a checkpoint of a Hugging Face model directory.")
 @click.argument("hf_dir")
 @click.argument("ckpt")
 @click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type")

@@ -8,17 +8,18 @@ import sys
 
 import click
 
-from cli.common import _human, _run, _run_with_progress
-from mfsdp_core.dtypes import CAST_CHOICES
+from cli.common import LazyChoice, _fail, _human, _run, _run_with_progress, cast_choices
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.version_option(package_name="mfsdp-ckpt", prog_name="mfsdp-ckpt", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
 def main(debug: bool) -> None:
-    """Inspect, verify, compare and list mfsdp / PyTorch DCP checkpoints."""
+    """Inspect, verify, compare, list, reshard and convert mfsdp and PyTorch DCP checkpoints, and
+    bridge them to Hugging Face safetensors. Run `mfsdp-ckpt COMMAND --help` for a command's options."""
 
 
-@main.command()
+@main.command(short_help="Show a checkpoint's format, step, layout, config and tensors.")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def inspect(path: str, as_json: bool) -> None:
@@ -65,7 +66,7 @@ def inspect(path: str, as_json: bool) -> None:
         click.echo(f"total {group:<6} {total['tensors']:5d} entries {_human(total['bytes']):>10}")
 
 
-@main.command()
+@main.command(short_help="Check that every tensor is covered once and every chunk matches its checksum.")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def verify(path: str, as_json: bool) -> None:
@@ -89,7 +90,7 @@ def verify(path: str, as_json: bool) -> None:
     sys.exit(1 if faults else 0)
 
 
-@main.command()
+@main.command(short_help="Compare two checkpoints tensor by tensor, whatever their layouts.")
 @click.argument("a")
 @click.argument("b")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="absolute tolerance")
@@ -115,7 +116,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
     sys.exit(0 if result.equal else 1)
 
 
-@main.command()
+@main.command(short_help="Convert between a checkpoint and one .pt or .safetensors file, or FSDP2's key layout.")
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]), required=True,
@@ -133,7 +134,7 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool
     click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
-@main.command()
+@main.command(short_help="Rewrite a checkpoint for another world size, strategy, policy or EP size.")
 @click.argument("src")
 @click.argument("dst")
 @click.option("--world-size", type=int, required=True, help="ranks of the target job")
@@ -144,7 +145,7 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool
 @click.option("--plan-from", default=None, metavar="CKPT",
               help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none")
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
-@click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None, help="cast the model weights")
+@click.option("--dtype", type=LazyChoice(cast_choices), default=None, help="cast the model weights")
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
 @click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
               help="rename the key prefix OLD to NEW before anything else (repeatable, first match wins): "
@@ -171,7 +172,7 @@ def reshard(src: str, dst: str, world_size: int, ep: int | None, strategy: str |
         click.echo(f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})")
 
 
-@main.command(name="ls")
+@main.command(name="ls", short_help="List the checkpoints of a run directory and which is latest.")
 @click.argument("root")
 @click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -186,6 +187,8 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([e.to_json() for e in entries], indent=1))
         return
+    if not entries:
+        click.echo(f"no checkpoints under {root}")
     for e in entries:
         state = "committed" if e.committed else "stock DCP" if e.format == "stock DCP" else "UNCOMMITTED"
         step = e.step if e.step is not None else "-"

@@ -341,6 +341,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     itself, a ``latest`` pointer file, or a run directory holding one."""
     path = fs.normalize(path)
     if fs.isfile(path):
+        kind = _single_file_kind(path)
+        if kind is not None:
+            raise NotACheckpointError(f"{path}: {kind[0]}, not a checkpoint directory; {kind[1]}")
         return fs.join(fs.dirname(path), read_pointer(path))
     if not fs.isdir(path):
         raise NotACheckpointError(f"{path}: no such checkpoint")
@@ -350,6 +353,23 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
 
 
 MAX_POINTER_BYTES = 4096
+
+
+def _single_file_kind(path: str) -> tuple[str, str] | None:
+    """What a file given where a checkpoint directory was expected is, and the command that
+    takes it, when it is a safetensors file or a ``torch.save`` file (by its first bytes); None
+    otherwise (a ``latest`` pointer, or something else the pointer reader refuses)."""
+    try:
+        with fs.open_regular(path) as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    make = f"'mfsdp-ckpt convert --to dcp {path} DST' makes a checkpoint of it"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "a torch.save file", make
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
+        return "a safetensors file", make + " ('mfsdp-ckpt import-hf' takes a Hugging Face model directory)"
+    return None
 
 
 def read_pointer(path: str) -> str:
