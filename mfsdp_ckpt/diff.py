@@ -80,7 +80,10 @@ def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, 
         return TensorDiff(key, "dtype", f"{ra.dtype(key)} vs {rb.dtype(key)}")
     va, vb = ra.read(key), rb.read(key)
     if not tensor_a:
-        return None if _same_object(va, vb) else TensorDiff(key, "object", f"{_short_repr(va)} vs {_short_repr(vb)}"[:200])
+        if _same_object(va, vb):
+            return None
+        where, da, db = _first_difference(va, vb)
+        return TensorDiff(key, "object", f"{where + ': ' if where else ''}{_repr(da)} vs {_repr(db)}")
     if va.numel() == 0 or torch.equal(va, vb):
         return None
     fa, fb = va.double(), vb.double()
@@ -89,7 +92,12 @@ def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, 
     delta = (fa - fb).abs()
     finite = delta[~torch.isnan(delta)]
     max_abs = float(finite.max()) if finite.numel() else math.nan
-    return TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g}", max_abs)
+    # the worst mismatch (a NaN against a number counts as the largest), with both values in full
+    mismatch = ~torch.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True)
+    score = torch.where(mismatch, torch.nan_to_num(delta, nan=math.inf), torch.zeros_like(delta))
+    at = [int(i) for i in torch.unravel_index(torch.argmax(score), va.shape)] if va.dim() else []
+    a_at, b_at = (va[tuple(at)], vb[tuple(at)]) if at else (va, vb)
+    return TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g} at {at}: a = {a_at.item()!r}, b = {b_at.item()!r}", max_abs)
 
 
 def _same_object(a: Any, b: Any) -> bool:
@@ -109,8 +117,23 @@ def _same_object(a: Any, b: Any) -> bool:
         return False
 
 
-def _short_repr(value: Any) -> str:
+def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
+    """The path (``[0]['lr']``) of the first place two unequal objects differ, and the two values
+    there: a diff reports those in full rather than cutting both objects short."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        for k in a:
+            if not _same_object(a[k], b[k]):
+                return _first_difference(a[k], b[k], f"{where}[{k!r}]")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not _same_object(x, y):
+                return _first_difference(x, y, f"{where}[{i}]")
+    return where, a, b
+
+
+def _repr(value: Any) -> str:
+    """A value's repr on one line, whole."""
     try:
-        return repr(value)[:100].replace("\n", " ")
+        return " ".join(repr(value).split())
     except (RecursionError, RuntimeError, TypeError, ValueError):
         return f"<{type(value).__name__}>"
