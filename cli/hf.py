@@ -7,7 +7,7 @@ import json
 
 import click
 
-from cli.common import LazyChoice, _human, _run_with_progress, cast_choices
+from .common import LazyChoice, _human, _run_with_progress, cast_choices
 
 
 @click.command(name="export-hf", short_help="Export a checkpoint's model weights as a Hugging Face model directory.")

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from cli.common import LazyChoice, _fail, _human, _run, _run_with_progress, cast_choices
+from .common import LazyChoice, _fail, _human, _run, _run_with_progress, cast_choices
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -195,7 +195,7 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
         click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
 
 
-from cli.hf import export_hf, import_hf  # noqa: E402
+from .hf import export_hf, import_hf  # noqa: E402
 
 main.add_command(export_hf)
 main.add_command(import_hf)

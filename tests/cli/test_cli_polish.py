@@ -74,3 +74,17 @@ def test_errors_under_json_are_one_json_object(tmp_path):
         assert str(tmp_path / "missing") in error["error"]
     plain = _cli("inspect", str(tmp_path / "missing"))
     assert plain.returncode == 1 and plain.stderr.startswith("error: ") and plain.stderr.count("\n") == 1
+
+
+def test_installed_under_its_own_import_name(tmp_path):
+    """The command line package is installed as ``mfsdp_cli`` (a top-level ``cli`` would clash
+    with other packages): the console scripts name it, and they run from any directory."""
+    import os
+    from importlib.metadata import entry_points
+
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name.startswith("mfsdp-")}
+    assert scripts == {"mfsdp-ckpt": "mfsdp_cli.main:main", "mfsdp-train": "mfsdp_cli.train:main"}
+    script = os.path.join(os.path.dirname(sys.executable), "mfsdp-ckpt")
+    out = subprocess.run([script, "ls", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0 and out.stdout.strip() == f"no checkpoints under {tmp_path}", out
