@@ -23,7 +23,7 @@ from .keys import GROUPS, group_of, mx_plane_of
 from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
 from .metadata_check import entry_faults, orphan_faults
 from .planner import chunk_id
-from .staging import is_partial_name
+from .stock import uncommitted_reason
 from .storage import VerifyingReader
 
 __all__ = ["TensorInfo", "CheckpointInfo", "ExpertPlacement", "compact_ranges", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
@@ -229,8 +229,9 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     directory, manifest, metadata, reader = open_checkpoint(os.fspath(path))
     faults: list[Fault] = []
     notes: list[str] = []
-    if manifest is None and is_partial_name(directory.rstrip("/").rsplit("/", 1)[-1]):
-        faults.append(Fault(MANIFEST_NAME, "-", None, "missing: a save that never committed (a .partial directory)"))
+    if manifest is None and (mark := uncommitted_reason(directory, metadata)) is not None:
+        faults.append(Fault(MANIFEST_NAME, "-", None, f"missing ({mark}): a save that never committed, or a deleted "
+                            "manifest; no checksums to verify"))
     elif manifest is None:
         notes.append(f"{MANIFEST_NAME}: absent (a stock DCP checkpoint): checksums are not available; coverage and every "
                      "chunk's bytes (present, inside its file, readable) are checked")

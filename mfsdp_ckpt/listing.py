@@ -61,11 +61,24 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
                 pass
         elif not (is_partial_name(name) or fs.isfile(fs.join(d, ".metadata"))):
             continue  # not a checkpoint at all
-        elif not is_partial_name(name):
+        elif not is_partial_name(name) and _stock(d):
             kind = "stock DCP"  # DCP's own save writes .metadata last: complete, but nothing to commit or checksum
         entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest, kind))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return entries
+
+
+def _stock(directory: str) -> bool:
+    """Whether a directory with ``.metadata`` and no ``mfsdp.json`` is a stock DCP checkpoint, not
+    one of our saves that never committed (:func:`mfsdp_ckpt.stock.uncommitted_reason`)."""
+    from .safety import safe_load_metadata
+    from .stock import uncommitted_reason
+
+    try:
+        metadata = safe_load_metadata(fs.read_member(directory, ".metadata"), fs.join(directory, ".metadata"))
+    except (OSError, CheckpointError):
+        return False  # unreadable: listed as not committed
+    return uncommitted_reason(directory, metadata) is None
 
 
 def clean_run_dir(root: str | os.PathLike) -> list[str]:

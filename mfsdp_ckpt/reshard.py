@@ -37,8 +37,7 @@ from .experts import is_expert_buffer, num_experts_of, regroup_experts
 from .keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from .manifest import MANIFEST_NAME, recorded_plan, versions, writer_layout
 from .mapped import MappedReader
-from .staging import is_partial_name
-from .stock import KeyRule, parse_key_map
+from .stock import KeyRule, parse_key_map, uncommitted_reason
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 
 __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
@@ -383,8 +382,10 @@ def reshard(
         cast = dtype_by_name(dtype)
     rules = parse_key_map(key_map)
     with MappedReader(src, rules) as reader:
-        if reader.manifest is None and is_partial_name(reader.directory.rstrip("/").rsplit("/", 1)[-1]):
-            raise UncommittedCheckpointError(f"{reader.directory}: a save that never committed (a .partial directory)")
+        mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
+        if mark is not None:
+            raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json, but {mark}: a save that never "
+                                             "committed, or a deleted manifest")
         stock = reader.manifest is None
         manifest = reader.manifest if not stock else _stock_manifest(reader)
         source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")

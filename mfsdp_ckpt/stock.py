@@ -175,3 +175,22 @@ def missing_summary(keys: Iterable[str]) -> str:
         groups.setdefault(label, []).append(key)
     return "; ".join(f"{label}: {len(ks)} key{'s' if len(ks) > 1 else ''} ({ks[0]}{', …' if len(ks) > 1 else ''})"
                      for label, ks in groups.items())
+
+
+def uncommitted_reason(directory: str, metadata: Any) -> str | None:
+    """Why a checkpoint without ``mfsdp.json`` is an ``mfsdp_ckpt`` save that never committed (or
+    lost its manifest) rather than a stock DCP checkpoint; None when nothing says so. The marks:
+    a ``.partial-`` directory name; the per-rank RNG states every save of ours stores; DCP's
+    record (``storage_meta``) of a ``.partial-`` directory, where a local save writes. On an
+    object store a save writes in place and commits with the manifest, so only the RNG keys tell."""
+    from .keys import RNG_PREFIX
+    from .staging import is_partial_name
+
+    if is_partial_name(directory.rstrip("/").rsplit("/", 1)[-1]):
+        return "a .partial directory"
+    if any(key.startswith(RNG_PREFIX) for key in metadata.state_dict_metadata):
+        return f"it holds '{RNG_PREFIX}*' keys, which mfsdp_ckpt writes"
+    written_in = str(getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", "") or "")
+    if is_partial_name(written_in.rstrip("/").rsplit("/", 1)[-1]):
+        return "DCP recorded it being written into an mfsdp_ckpt staging directory"
+    return None

@@ -102,14 +102,14 @@ def test_verify_names_a_truncated_file_and_a_missing_manifest(run_dir, tmp_path)
     os.truncate(os.path.join(broken, data_file), 100)
     os.remove(os.path.join(broken, "mfsdp.json"))
     result = _cli("verify", broken)
-    assert result.exit_code == 1  # the truncated file; without a manifest the checkpoint counts as stock DCP
-    assert "NOTE mfsdp.json: absent (a stock DCP checkpoint): checksums are not available" in result.output
+    assert result.exit_code == 1
+    assert "FAULT mfsdp.json: -: missing" in result.output  # an mfsdp checkpoint that lost its manifest is not stock DCP
     assert f"FAULT {data_file}: " in result.output and "truncated" in result.output
 
 
 def test_ls_shows_steps_latest_and_uncommitted(run_dir, tmp_path):
     root = str(tmp_path / "ls")
-    shutil.copytree(run_dir, root)
+    shutil.copytree(run_dir, root, symlinks=True)  # latest-checkpoint stays a link, as cp -r / rsync -a keep it
     shutil.copytree(os.path.join(root, "step_2"), os.path.join(root, ".step_3.partial-abc"))
     os.remove(os.path.join(root, ".step_3.partial-abc", "mfsdp.json"))
     result = _cli("ls", root)
