@@ -7,16 +7,19 @@ against the usual routes through ``transformers``, in one run.
 
 Setup (not timed): a canonical checkpoint of random fp32 weights, and its HF export with one
 worker, the common input of every phase that reads an HF directory. Each timed phase then runs
-in its own fresh process, after an ``os.sync()``, and reports its wall time (from before its
-imports) and its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``); the OS page cache is shared,
-and every input was just written, as after a training save. Phases:
+in its own fresh process, after an ``os.sync()`` and an untimed read of its input (so every
+phase reads from the page cache, as right after a training save, whatever else the machine's
+other jobs did to the cache), and reports its wall time (from before its imports) and its peak
+RSS (``getrusage(RUSAGE_SELF).ru_maxrss``); each output is deleted after its phase. Phases:
 
 1. ``ours export``: canonical checkpoint -> HF directory (``--workers`` threads, fsynced);
 2. ``transformers load + save``: ``AutoModelForCausalLM.from_pretrained`` of the HF directory,
    then ``save_pretrained`` (the export baseline: the whole model in memory, nothing fsynced);
 3. ``ours import``: HF directory -> canonical checkpoint (``--workers`` threads, fsynced);
 4. ``transformers from_pretrained``: the import baseline (it maps the safetensors files and may
-   leave weights unread until used).
+   leave weights unread until used);
+5. ``dd``: the physical reference, ``dd conv=fdatasync`` of the checkpoint's data file (the same
+   bytes read and durably written, as ours must before its commit).
 
 ``--rounds`` repetitions in rotated order (the disk's speed drifts with what ran before); the
 medians are reported, with the ratios (baseline time / ours: > 1 means ours is faster) and the
@@ -101,14 +104,40 @@ def phase_from_pretrained(hf_dir: str) -> dict:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
-PHASES = {"make": phase_make, "ours_export": phase_ours_export, "transformers": phase_transformers,
+def phase_dd(ckpt: str, out: str) -> dict:
+    """The physical reference: ``dd`` copies the checkpoint's data files and fdatasyncs them
+    (the same bytes read and durably written, no conversion)."""
+    os.makedirs(out)
+    for n in sorted(os.listdir(ckpt)):
+        if n.endswith(".distcp"):
+            subprocess.run(["dd", f"if={os.path.join(ckpt, n)}", f"of={os.path.join(out, n)}", "bs=16M", "conv=fdatasync"],
+                           check=True, capture_output=True)
+    return {}
+
+
+PHASES = {"make": phase_make, "dd": phase_dd, "ours_export": phase_ours_export, "transformers": phase_transformers,
           "ours_import": phase_ours_import, "from_pretrained": phase_from_pretrained}
 
 
-def _child(name: str, *args: str) -> dict:
+def _warm(path: str) -> None:
+    """Read every file under ``path`` once (untimed), so that a phase reads its input from the
+    page cache, as right after it was written, whatever other jobs on the machine did to the
+    cache in between."""
+    buf = bytearray(16 * MiB)
+    for d, _, names in os.walk(path):
+        for n in names:
+            with open(os.path.join(d, n), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def _child(name: str, *args: str, warm: str | None = None) -> dict:
     """Run one phase in a fresh process; its wall time and peak RSS. Dirty pages of the phase
-    before are flushed first, so no phase pays for another's writeback."""
+    before are flushed first, so no phase pays for another's writeback; ``warm``: its input,
+    read once first (see :func:`_warm`)."""
     os.sync()
+    if warm:
+        _warm(warm)
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, *args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -145,9 +174,11 @@ def main() -> None:
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     ckpt, src, ours, theirs, back = (os.path.join(a.workdir, n) for n in ("ckpt", "hf_src", "hf_ours", "hf_transformers", "ckpt_back"))
-    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None}
+    copy = os.path.join(a.workdir, "dd_copy")
+    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None, "dd": copy}
+    inputs = {"ours_export": ckpt, "transformers": src, "ours_import": src, "from_pretrained": src, "dd": ckpt}
     calls = {"ours_export": (ckpt, ours, str(a.workers)), "transformers": (src, theirs),
-             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,)}
+             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,), "dd": (ckpt, copy)}
     order = list(calls)
     times: dict[str, list[dict]] = {name: [] for name in order}
     identical = None
@@ -158,11 +189,11 @@ def main() -> None:
               f"largest tensor {made['largest'] / MiB:,.0f} MiB; ours with {a.workers} worker(s); {a.rounds} round(s)")
         for r in range(a.rounds):
             for name in order[r % len(order):] + order[: r % len(order)]:
-                if outputs[name]:
+                times[name].append(_child(name, *calls[name], warm=inputs[name]))
+                if name == "ours_export" and identical is None:
+                    identical = _same_files(src, ours)
+                if outputs[name] and not a.keep:  # only the inputs stay in the page cache
                     shutil.rmtree(outputs[name], ignore_errors=True)
-                times[name].append(_child(name, *calls[name]))
-            if identical is None:
-                identical = _same_files(src, ours)
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
@@ -173,7 +204,8 @@ def main() -> None:
     labels = {"ours_export": f"ours export (hf.export, {a.workers} workers)",
               "transformers": "transformers from_pretrained + save_pretrained",
               "ours_import": f"ours import (hf.import_, {a.workers} workers)",
-              "from_pretrained": "transformers from_pretrained"}
+              "from_pretrained": "transformers from_pretrained",
+              "dd": "dd copy of the data file, fdatasync (reference)"}
     print(f"\n{'phase (median of ' + str(a.rounds) + ')':<50} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}  all rounds (s)")
     for name in order:
         secs = [r["seconds"] for r in times[name]]
@@ -188,6 +220,9 @@ def main() -> None:
         per = med(name, "peak_rss_mib") / a.workers
         print(f"{name.replace('_', ' ')}: peak RSS {med(name, 'peak_rss_mib'):,.0f} MiB = {per:,.0f} MiB per worker "
               f"(bound: largest tensor + 512 MiB = {bound:,.0f} MiB per worker: {'met' if per <= bound else 'MISSED'})")
+    dd = med("dd", "seconds")
+    print(f"against dd's durable copy of the same bytes ({dd:.2f} s): export {med('ours_export', 'seconds') / dd:.2f}x "
+          f"dd's time, import {med('ours_import', 'seconds') / dd:.2f}x (ours includes starting Python and torch)")
     print(f"export with {a.workers} worker(s) byte-identical to the 1-worker export: {'yes' if identical else 'NO'}")
 
 

@@ -34,6 +34,7 @@ from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 from ..errors import ConversionError
 from ..write_errors import reporting
+from ..writeback import start_writeback
 from .strided_io import pread_tensor, pwrite_tensor
 
 __all__ = [
@@ -152,7 +153,8 @@ class SafetensorsWriter:
                 raise ConversionError(f"{self.path}: tensor '{name}' written twice")
             self._written.add(name)
         with reporting(self.path):
-            pwrite_tensor(self._fd, tensor.detach().cpu(), offset)
+            nbytes = pwrite_tensor(self._fd, tensor.detach().cpu(), offset)
+        start_writeback(self._fd, offset, nbytes)  # the disk starts now; close()'s fsync waits for less
 
     def close(self) -> None:
         """Check that every planned tensor was written, fsync and close (durable before the
