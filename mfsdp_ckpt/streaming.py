@@ -47,7 +47,6 @@ from .records import without_zip_crc
 from .lock import run_lock
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from .write_errors import RecordingStream, reporting
-from .writeback import start_writeback
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -346,10 +345,6 @@ class ChunkRecord:
     crc32c: int
 
 
-#: a local data file's write-back is started every this many bytes (see ChunkFileWriter)
-WRITEBACK_BYTES = 32 << 20
-
-
 class ChunkFileWriter:
     """Appends chunks to data files ``__{i}_0.distcp`` in ``directory`` and returns their records.
     One writer per file: two writers must not share a file index."""
@@ -358,7 +353,6 @@ class ChunkFileWriter:
         self.directory = directory
         self.sync = sync
         self._files: dict[int, RecordingStream] = {}
-        self._kicked: dict[int, int] = {}  # per file: bytes whose write-back was started
         self.bytes_written = 0
 
     def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
@@ -377,26 +371,7 @@ class ChunkFileWriter:
                     torch.save(payload, f)
             length = f.tell() - offset
         self.bytes_written += length
-        self._start_writeback(file, f, offset + length)
         return name, offset, length
-
-    def _start_writeback(self, file: int, f: RecordingStream, end: int) -> None:
-        """Local files written with ``sync``: once :data:`WRITEBACK_BYTES` more are written, start
-        their write-back (:func:`~mfsdp_ckpt.writeback.start_writeback`), so the fsync in
-        :meth:`close_file` waits for little."""
-        if not self.sync or fs.is_url(self.directory):
-            return
-        done = self._kicked.get(file, 0)
-        if end - done < WRITEBACK_BYTES:
-            return
-        with reporting(f.path, [f]):
-            f.flush()
-        try:
-            fd = f.fileno()
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            return
-        start_writeback(fd, done, end - done)
-        self._kicked[file] = end
 
     def write_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], file: int,
                     crc32c: int | None = None) -> ChunkRecord:
@@ -435,7 +410,6 @@ class ChunkFileWriter:
         """Finish data file ``file`` (a writer that is done with a file closes it, so that the
         number of open files stays small whatever the number of target ranks)."""
         f = self._files.pop(file, None)
-        self._kicked.pop(file, None)
         if f is None:
             return
         with reporting(f.path, [f]):
