@@ -47,6 +47,7 @@ from .records import without_zip_crc
 from .lock import run_lock
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from .write_errors import RecordingStream, reporting
+from .writeback import start_writeback
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -353,6 +354,7 @@ class ChunkFileWriter:
         self.directory = directory
         self.sync = sync
         self._files: dict[int, RecordingStream] = {}
+        self._index: dict[str, int] = {}  # file name -> file index
         self.bytes_written = 0
 
     def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
@@ -360,6 +362,7 @@ class ChunkFileWriter:
         path = fs.join(self.directory, name)
         f = self._files.get(file)
         if f is None:
+            self._index[name] = file
             with reporting(path):
                 f = self._files[file] = RecordingStream(fs.open_file(path, "wb"), path)
         with reporting(path, [f]):
@@ -388,6 +391,17 @@ class ChunkFileWriter:
         name, offset, length = self._append(file, payload)
         crc = payload_crc32c(payload) if crc32c is None else crc32c
         return ChunkRecord(key, chunk.dtype, shape, offsets, tuple(chunk.shape), name, offset, length, crc)
+
+    def start_writeback(self, record: ChunkRecord) -> None:
+        """Start the write-back of the bytes of ``record`` that reached the file (see
+        :func:`~mfsdp_ckpt.writeback.start_writeback`; a hint, nothing if the file is closed)."""
+        f = self._files.get(self._index.get(record.file, -1))
+        try:
+            fd = f.fileno() if f is not None else -1
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return
+        if fd >= 0:
+            start_writeback(fd, record.offset, record.length)
 
     def write_object(self, key: str, value: Any, file: int) -> ChunkRecord:
         buf = io.BytesIO()
@@ -517,18 +531,27 @@ class CheckpointBuilder:
             self._chunks[chunk_id(index)] = {"file": rec.file, "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
 
     def add_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], *, file: int = 0,
-                  crc32c: int | None = None) -> None:
+                  crc32c: int | None = None) -> ChunkRecord:
         """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``
         (``crc32c``: its checksum, if already computed; see :meth:`ChunkFileWriter.write_chunk`)."""
         if key in self._objects:
             raise CheckpointError(f"key '{key}': already written as an object")
         if MetadataIndex(key, torch.Size(offsets)) in self._storage:
             raise CheckpointError(f"key '{key}': a chunk at {list(offsets)} was already written")
-        self.add_records([self._writer.write_chunk(key, chunk, offsets, shape, file, crc32c)])
+        record = self._writer.write_chunk(key, chunk, offsets, shape, file, crc32c)
+        self.add_records([record])
+        return record
 
-    def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0, crc32c: int | None = None) -> None:
-        """Append the whole tensor ``key`` as one chunk."""
-        self.add_chunk(key, tensor, (0,) * tensor.dim(), tensor.shape, file=file, crc32c=crc32c)
+    def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0, crc32c: int | None = None) -> ChunkRecord:
+        """Append the whole tensor ``key`` as one chunk; returns where it went."""
+        return self.add_chunk(key, tensor, (0,) * tensor.dim(), tensor.shape, file=file, crc32c=crc32c)
+
+    def start_writeback(self, record: ChunkRecord) -> None:
+        """Start writing ``record``'s bytes to disk now (a local file written with ``sync``; see
+        :mod:`mfsdp_ckpt.writeback`), so the fsync at :meth:`commit` waits for less. May be called
+        from another thread than the one appending, e.g. after handing the next append on."""
+        if self.sync and not self.remote:
+            self._writer.start_writeback(record)
 
     def add_object(self, key: str, value: Any, *, file: int = 0) -> None:
         """Append a plain object (saved with ``torch.save``; loaded back with ``weights_only``)."""

@@ -205,13 +205,15 @@ def _convert_all(hf: HFDirectory, builder: CheckpointBuilder, conversions: list[
         crc = payload_crc32c(tensor)
         planes = _planes(fqn_of(conv.ours), tensor, mx.fmt) if conv.ours in mx.quantized else []
         with turns.of(i):  # appends in conversion order; the counters are touched only here
-            builder.add_tensor(conv.ours, tensor, crc32c=crc)
+            records = [builder.add_tensor(conv.ours, tensor, crc32c=crc)]
             for key, plane in planes:
-                builder.add_tensor(key, plane)
+                records.append(builder.add_tensor(key, plane))
             written[conv.ours] += 1
             consumed.update(conv.theirs)
             if conv.ours in mx.quantized:
                 consumed.update(scale_name(k) for k in conv.theirs)
+        for record in records:  # off the turn: the next append goes on while the disk starts on this one
+            builder.start_writeback(record)
         return nbytes
 
     done = 0
