@@ -1,33 +1,46 @@
-"""HF export benchmark: ``mfsdp_ckpt.hf.export`` of a ≥ 2 GiB canonical checkpoint against the
-usual route, loading the whole model with ``transformers`` and calling ``save_pretrained``.
+"""HF export / import benchmark: ``mfsdp_ckpt.hf.export`` / ``import_`` of a ≥ 2 GiB model
+against the usual routes through ``transformers``, in one run.
 
-    .venv/bin/python bench/export_hf.py                  # ~2.3 GB fp32 Llama-style model
-    .venv/bin/python bench/export_hf.py --layers 4       # smaller
+    .venv/bin/python bench/export_hf.py                  # ~2.3 GB fp32 Llama-style model, default workers
+    .venv/bin/python bench/export_hf.py --workers 1      # one thread (the serial path)
+    .venv/bin/python bench/export_hf.py --layers 4 --rounds 1   # smaller and quicker
 
-Each phase runs in its own fresh process, after an ``os.sync()``, which reports its wall time and its peak RSS
-(``getrusage(RUSAGE_SELF).ru_maxrss``), so the phases do not share memory or caches of Python
-objects (the OS page cache is shared: the files were just written, as after a training save).
-Phases:
+Setup (not timed): a canonical checkpoint of random fp32 weights, and its HF export with one
+worker, the common input of every phase that reads an HF directory. Each timed phase then runs
+in its own fresh process, after an ``os.sync()`` and an untimed read of its input (so every
+phase reads from the page cache, as right after a training save, whatever else the machine's
+other jobs did to the cache), and reports its wall time (from before its imports) and its peak
+RSS (``getrusage(RUSAGE_SELF).ru_maxrss``); each output is deleted after its phase. Phases:
 
-1. ``ours export``: canonical checkpoint -> HF directory (streaming, one tensor at a time);
-2. ``transformers``: ``AutoModelForCausalLM.from_pretrained(<1's output>)`` then
-   ``save_pretrained`` (the baseline: the whole model in memory);
-3. ``ours import``: HF directory -> canonical checkpoint (streaming), for reference.
+1. ``ours export``: canonical checkpoint -> HF directory (``--workers`` threads, fsynced);
+2. ``transformers load + save``: ``AutoModelForCausalLM.from_pretrained`` of the HF directory,
+   then ``save_pretrained`` (the export baseline: the whole model in memory, nothing fsynced);
+3. ``ours import``: HF directory -> canonical checkpoint (``--workers`` threads, fsynced);
+4. ``transformers from_pretrained``: the import baseline (it maps the safetensors files and may
+   leave weights unread until used);
+5. ``dd``: the physical reference, ``dd conv=fdatasync`` of the checkpoint's data file (the same
+   bytes read and durably written, as ours must before its commit).
 
-One run; prints a table and the ratios (baseline / ours).
+``--rounds`` repetitions in rotated order (the disk's speed drifts with what ran before); the
+medians are reported, with the ratios (baseline time / ours: > 1 means ours is faster) and the
+peak RSS per worker against the bound (largest tensor + 512 MiB per worker). After the first
+round the export is compared byte for byte with the one-worker export of the setup.
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2**20
 
 
 def _peak_mib() -> float:
@@ -49,20 +62,21 @@ def phase_make(ckpt: str, layers: str) -> dict:
     manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": config.to_dict(),
                 "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
     torch.manual_seed(0)
-    total = 0
+    total = largest = 0
     with CheckpointBuilder(ckpt, manifest, sync=False) as builder:
         for key, shape in canonical_shapes(config).items():
             t = torch.randn(shape) * 0.02
             builder.add_tensor(key, t)
             total += t.numel() * 4
+            largest = max(largest, t.numel() * 4)
         builder.commit()
-    return {"bytes": total}
+    return {"bytes": total, "largest": largest}
 
 
-def phase_ours_export(ckpt: str, out: str) -> dict:
+def phase_ours_export(ckpt: str, out: str, workers: str) -> dict:
     from mfsdp_ckpt.hf import export
 
-    result = export(ckpt, out)
+    result = export(ckpt, out, workers=int(workers))
     return {"files": len(result.files), "bytes": result.bytes}
 
 
@@ -75,20 +89,55 @@ def phase_transformers(hf_dir: str, out: str) -> dict:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
-def phase_ours_import(hf_dir: str, ckpt: str) -> dict:
+def phase_ours_import(hf_dir: str, ckpt: str, workers: str) -> dict:
     from mfsdp_ckpt.hf import import_
 
-    result = import_(hf_dir, ckpt)
+    result = import_(hf_dir, ckpt, workers=int(workers))
     return {"bytes": result.bytes}
 
 
-PHASES = {"make": phase_make, "ours_export": phase_ours_export, "transformers": phase_transformers, "ours_import": phase_ours_import}
+def phase_from_pretrained(hf_dir: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    return {"params": sum(p.numel() for p in model.parameters())}
 
 
-def _child(name: str, *args: str) -> dict:
+def phase_dd(ckpt: str, out: str) -> dict:
+    """The physical reference: ``dd`` copies the checkpoint's data files and fdatasyncs them
+    (the same bytes read and durably written, no conversion)."""
+    os.makedirs(out)
+    for n in sorted(os.listdir(ckpt)):
+        if n.endswith(".distcp"):
+            subprocess.run(["dd", f"if={os.path.join(ckpt, n)}", f"of={os.path.join(out, n)}", "bs=16M", "conv=fdatasync"],
+                           check=True, capture_output=True)
+    return {}
+
+
+PHASES = {"make": phase_make, "dd": phase_dd, "ours_export": phase_ours_export, "transformers": phase_transformers,
+          "ours_import": phase_ours_import, "from_pretrained": phase_from_pretrained}
+
+
+def _warm(path: str) -> None:
+    """Read every file under ``path`` once (untimed), so that a phase reads its input from the
+    page cache, as right after it was written, whatever other jobs on the machine did to the
+    cache in between."""
+    buf = bytearray(16 * MiB)
+    for d, _, names in os.walk(path):
+        for n in names:
+            with open(os.path.join(d, n), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def _child(name: str, *args: str, warm: str | None = None) -> dict:
     """Run one phase in a fresh process; its wall time and peak RSS. Dirty pages of the phase
-    before are flushed first, so no phase pays for another's writeback."""
+    before are flushed first, so no phase pays for another's writeback; ``warm``: its input,
+    read once first (see :func:`_warm`)."""
     os.sync()
+    if warm:
+        _warm(warm)
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, *args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -97,10 +146,18 @@ def _child(name: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _same_files(a: str, b: str) -> bool:
+    names = sorted(os.listdir(a))
+    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
+                                                  for n in names)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/tmp/mfsdp_bench_export_hf")
     p.add_argument("--layers", type=int, default=10, help="decoder layers (10: ~2.3 GB fp32)")
+    p.add_argument("--workers", type=int, default=None, help="threads for ours (default: the bridge's, min(4, CPUs))")
+    p.add_argument("--rounds", type=int, default=3, help="repetitions in rotated order; medians are reported")
     p.add_argument("--keep", action="store_true", help="keep the files")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
@@ -111,29 +168,62 @@ def main() -> None:
         info.update(seconds=time.perf_counter() - start, peak_rss_mib=_peak_mib())
         print(json.dumps(info))
         return
+    if a.workers is None:
+        a.workers = max(1, min(4, os.cpu_count() or 1))  # mfsdp_ckpt.hf.workers.default_workers, without importing torch here
 
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
-    ckpt, ours, theirs, back = (os.path.join(a.workdir, n) for n in ("ckpt", "hf_ours", "hf_transformers", "ckpt_back"))
+    ckpt, src, ours, theirs, back = (os.path.join(a.workdir, n) for n in ("ckpt", "hf_src", "hf_ours", "hf_transformers", "ckpt_back"))
+    copy = os.path.join(a.workdir, "dd_copy")
+    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None, "dd": copy}
+    inputs = {"ours_export": ckpt, "transformers": src, "ours_import": src, "from_pretrained": src, "dd": ckpt}
+    calls = {"ours_export": (ckpt, ours, str(a.workers)), "transformers": (src, theirs),
+             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,), "dd": (ckpt, copy)}
+    order = list(calls)
+    times: dict[str, list[dict]] = {name: [] for name in order}
+    identical = None
     try:
         made = _child("make", ckpt, str(a.layers))
-        gib = made["bytes"] / 2**30
-        print(f"checkpoint: {made['bytes'] / 1e9:.2f} GB ({gib:.2f} GiB) fp32, Llama-style, {a.layers} layers")
-        rows = [
-            ("ours export (mfsdp_ckpt.hf.export)", _child("ours_export", ckpt, ours)),
-            ("transformers from_pretrained + save_pretrained", _child("transformers", ours, theirs)),
-            ("ours import (mfsdp_ckpt.hf.import_)", _child("ours_import", ours, back)),
-        ]
+        _child("ours_export", ckpt, src, "1")  # the common HF input, and the reference bytes
+        print(f"checkpoint: {made['bytes'] / 1e9:.2f} GB ({made['bytes'] / 2**30:.2f} GiB) fp32, Llama-style, {a.layers} layers, "
+              f"largest tensor {made['largest'] / MiB:,.0f} MiB; ours with {a.workers} worker(s); {a.rounds} round(s)")
+        for r in range(a.rounds):
+            for name in order[r % len(order):] + order[: r % len(order)]:
+                times[name].append(_child(name, *calls[name], warm=inputs[name]))
+                if name == "ours_export" and identical is None:
+                    identical = _same_files(src, ours)
+                if outputs[name] and not a.keep:  # only the inputs stay in the page cache
+                    shutil.rmtree(outputs[name], ignore_errors=True)
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
-    print(f"\n{'phase':<48} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}")
-    for name, r in rows:
-        print(f"{name:<48} {r['seconds']:8.2f} {made['bytes'] / 1e9 / r['seconds']:6.2f} {r['peak_rss_mib']:13,.0f}")
-    ours_r, base = rows[0][1], rows[1][1]
-    print(f"\nexport vs transformers: {base['seconds'] / ours_r['seconds']:.2f}x faster, "
-          f"{base['peak_rss_mib'] / ours_r['peak_rss_mib']:.2f}x less peak memory "
-          f"(ours {ours_r['peak_rss_mib']:,.0f} MiB for a {made['bytes'] / 2**20:,.0f} MiB model)")
+
+    def med(name: str, field: str) -> float:
+        return statistics.median(r[field] for r in times[name])
+
+    labels = {"ours_export": f"ours export (hf.export, {a.workers} workers)",
+              "transformers": "transformers from_pretrained + save_pretrained",
+              "ours_import": f"ours import (hf.import_, {a.workers} workers)",
+              "from_pretrained": "transformers from_pretrained",
+              "dd": "dd copy of the data file, fdatasync (reference)"}
+    print(f"\n{'phase (median of ' + str(a.rounds) + ')':<50} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}  all rounds (s)")
+    for name in order:
+        secs = [r["seconds"] for r in times[name]]
+        print(f"{labels[name]:<50} {med(name, 'seconds'):8.2f} {made['bytes'] / 1e9 / med(name, 'seconds'):6.2f} "
+              f"{med(name, 'peak_rss_mib'):13,.0f}  {', '.join(f'{s:.2f}' for s in secs)}")
+    bound = made["largest"] / MiB + 512
+    print(f"\nexport: {med('transformers', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed of transformers' "
+          f"load + save_pretrained (target >= 1.5x)")
+    print(f"import: {med('from_pretrained', 'seconds') / med('ours_import', 'seconds'):.2f}x the speed of transformers' "
+          f"from_pretrained (target >= 1.5x)")
+    for name in ("ours_export", "ours_import"):
+        per = med(name, "peak_rss_mib") / a.workers
+        print(f"{name.replace('_', ' ')}: peak RSS {med(name, 'peak_rss_mib'):,.0f} MiB = {per:,.0f} MiB per worker "
+              f"(bound: largest tensor + 512 MiB = {bound:,.0f} MiB per worker: {'met' if per <= bound else 'MISSED'})")
+    dd = med("dd", "seconds")
+    print(f"against dd's durable copy of the same bytes ({dd:.2f} s): export {med('ours_export', 'seconds') / dd:.2f}x "
+          f"dd's time, import {med('ours_import', 'seconds') / dd:.2f}x (ours includes starting Python and torch)")
+    print(f"export with {a.workers} worker(s) byte-identical to the 1-worker export: {'yes' if identical else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ import click
 
 from .common import LazyChoice, _human, _run_with_progress, cast_choices
 
+#: ``--workers``: threads converting at once (the bridge's default when not given: min(4, CPUs))
+_WORKERS = click.option("--workers", type=click.IntRange(min=1), default=None,
+                        help="threads converting and writing at once (default: min(4, CPUs)); the output is the "
+                             "same bytes for any number")
+
 
 @click.command(name="export-hf", short_help="Export a checkpoint's model weights as a Hugging Face model directory.")
 @click.argument("ckpt")
@@ -23,10 +28,11 @@ from .common import LazyChoice, _human, _run_with_progress, cast_choices
 @click.option("--mx", "mx", is_flag=True,
               help="MXFP8 checkpoints: export the MX weights raw (weight F8_E4M3/F8_E5M2 + weight_scale_inv F8_E8M0, "
                    "transformers' mxfp8 quantization_config); other tensors as usual")
+@_WORKERS
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, from_mx: bool, mx: bool,
-              overwrite: bool, as_json: bool) -> None:
+              workers: int | None, overwrite: bool, as_json: bool) -> None:
     """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
     (safetensors shards, index, config.json), loadable by transformers."""
     from mfsdp_ckpt.hf import export
@@ -35,7 +41,8 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
         raise click.UsageError("--from-mx and --mx exclude each other")
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
     result = _run_with_progress("export-hf", lambda bar: export(
-        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar, mode=mode))
+        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar, mode=mode,
+        workers=workers))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -47,14 +54,16 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
 @click.argument("hf_dir")
 @click.argument("ckpt")
 @click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type")
+@_WORKERS
 @click.option("--overwrite", is_flag=True, help="replace CKPT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def import_hf(hf_dir: str, ckpt: str, arch: str | None, overwrite: bool, as_json: bool) -> None:
+def import_hf(hf_dir: str, ckpt: str, arch: str | None, workers: int | None, overwrite: bool, as_json: bool) -> None:
     """Convert the Hugging Face model directory HF_DIR (config.json + safetensors) into a committed
     checkpoint CKPT with the model weights and config (train from it with --init-from)."""
     from mfsdp_ckpt.hf import import_
 
-    result = _run_with_progress("import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar))
+    result = _run_with_progress("import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar,
+                                                                               workers=workers))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

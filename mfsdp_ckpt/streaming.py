@@ -1,10 +1,16 @@
-"""Whole-entry reads and chunk-at-a-time writes of canonical checkpoints, in one process.
+"""Whole-entry reads and chunk-at-a-time writes of canonical checkpoints.
 
 Offline tools (``reshard``, the HF bridge, ``convert``) hold one tensor at a time, never the whole
 checkpoint: :class:`CheckpointReader` returns one entry, assembled from its chunks and verified
 against the manifest; :class:`CheckpointBuilder` appends chunks to data files as they come and
 commits the directory (``.metadata``, then ``mfsdp.json``, then one rename) only when every key is
 covered exactly once. The files are the stock DCP format, so PyTorch's own readers load them.
+
+Several threads read one checkpoint through one :meth:`CheckpointReader.fork` each (a reader
+shares the parsed metadata, but not its open files). A caller that reads many tensors reuses one
+buffer through ``read(key, out=...)``, so the pages of a fresh allocation are not faulted in again
+for every tensor. Small chunks that lie next to each other in one file are read as one range
+(:func:`coalesce`); large ones go straight into place.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 import pickle
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy
 import torch
@@ -32,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import fs
-from .chunks import ChunkFiles, coverage_faults
+from .chunks import ChunkFault, ChunkFiles, chunk_location, coverage_faults, read_chunk
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import completed, write_manifest
 from .metadata_check import entry_faults
@@ -41,6 +47,7 @@ from .records import without_zip_crc
 from .lock import run_lock
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from .write_errors import RecordingStream, reporting
+from .writeback import start_writeback
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -56,8 +63,20 @@ class CheckpointReader:
 
         self.directory, self.manifest, self.metadata, verifying = open_checkpoint(os.fspath(path))
         self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = verifying.stored
-        self._chunks = ChunkFiles(self.directory, self.manifest["chunks"] if self.manifest else None, verifying.chunk_shapes)
+        self._shapes = verifying.chunk_shapes
+        self._chunks = ChunkFiles(self.directory, self.manifest["chunks"] if self.manifest else None, self._shapes)
         self._sound: set[str] = set()  # entries whose metadata and files were checked (see _check_entry)
+
+    def fork(self) -> "CheckpointReader":
+        """Another reader of the same checkpoint, for another thread: the metadata checked once,
+        shared (read-only); its own open files (a file object is not shared between threads: a
+        read is a seek and a read). Close it like any reader."""
+        other = object.__new__(CheckpointReader)
+        other.directory, other.manifest, other.metadata = self.directory, self.manifest, self.metadata
+        other._chunks_by_key, other._shapes = self._chunks_by_key, self._shapes
+        other._chunks = ChunkFiles(self.directory, self._chunks.manifest_chunks, self._shapes)
+        other._sound = set()
+        return other
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -103,25 +122,34 @@ class CheckpointReader:
         self._chunks.require_present(self._chunks_by_key.get(key, []))
         self._sound.add(key)
 
-    def read(self, key: str) -> Any:
-        """The entry ``key``: a full tensor, or the object (unpickled with ``weights_only``)."""
+    def read(self, key: str, out: torch.Tensor | None = None) -> Any:
+        """The entry ``key``: a full tensor, or the object (unpickled with ``weights_only``).
+
+        ``out``: a contiguous tensor of the entry's dtype and shape to read the tensor into (and
+        return), e.g. a view of a buffer the caller reuses for every tensor."""
         md = self.metadata.state_dict_metadata.get(key)
         if md is None:
             raise CheckpointError(f"{self.directory}: no key '{fs.shown(key)}'")
         self._check_entry(key, md)
         chunks = self._chunks_by_key.get(key, [])
         if not isinstance(md, TensorStorageMetadata):
+            if out is not None:
+                raise CheckpointError(f"{self.directory}: key '{fs.shown(key)}' is an object, not a tensor to read into out")
             data = self._payload(*chunks[0])
             try:
                 return torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})") from None
+        if out is not None and (out.dtype != md.properties.dtype or out.shape != md.size or not out.is_contiguous()):
+            raise CheckpointError(f"{self.directory}: key '{key}' is {md.properties.dtype} {tuple(md.size)}; "
+                                  f"cannot read it into a {'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {tuple(out.shape)}")
         if all(_contiguous_flat_start(c.offsets, c.sizes, md.size) is not None for c in md.chunks):
-            return self.read_flat(key, 0, md.size.numel()).view(md.size)  # every chunk straight into place
-        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            flat = None if out is None else out.view(-1)
+            return self.read_flat(key, 0, md.size.numel(), out=flat).view(md.size)  # every chunk straight into place
+        if out is None:
+            out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = 0
-        for index, info in sorted(chunks, key=lambda c: (c[1].relative_path, c[1].offset)):
-            piece = self._payload(index, info)
+        for (index, info), piece in self._payloads(sorted(chunks, key=lambda c: (c[1].relative_path, c[1].offset))):
             assert isinstance(piece, torch.Tensor)
             region = out
             for dim, (o, s) in enumerate(zip(index.offset, piece.shape)):
@@ -138,11 +166,13 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of {out.numel()} elements")
         return out
 
-    def read_flat(self, key: str, start: int, end: int) -> torch.Tensor:
+    def read_flat(self, key: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, end)`` of the row-major flattening of tensor ``key``, as a new 1-D
-        tensor, reading only the chunks that overlap the range (each whole, so its crc32c is
-        checked). Chunks lying inside the range are read straight into place. Peak memory: the
-        range plus one chunk."""
+        tensor (or in ``out``, a contiguous 1-D tensor of ``end - start`` elements of the key's
+        dtype), reading only the chunks that overlap the range (each whole, so its crc32c is
+        checked). Chunks lying inside the range are read straight into place; small neighbours
+        in one file are read as one range (:func:`coalesce`). Peak memory: the range plus one
+        chunk (or one coalesced range, at most :data:`COALESCE_BYTES`)."""
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{self.directory}: no tensor '{fs.shown(key)}'")
@@ -150,7 +180,11 @@ class CheckpointReader:
             raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) lie outside its {math.prod(md.size)}")
         self._check_entry(key, md)
         shape, dtype = tuple(md.size), md.properties.dtype
-        out = torch.empty(end - start, dtype=dtype)
+        if out is None:
+            out = torch.empty(end - start, dtype=dtype)
+        elif out.dtype != dtype or out.shape != (end - start,) or not out.is_contiguous():
+            raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) of {dtype} do not fit "
+                                  f"out ({out.dtype} {tuple(out.shape)})")
         if start == end:
             return out
         placed = []
@@ -159,24 +193,116 @@ class CheckpointReader:
             sizes = sizes_at[tuple(index.offset)]  # every stored chunk is listed (_check_entry)
             flat0 = _contiguous_flat_start(index.offset, sizes, shape)
             if flat0 is None:  # not one run of the flattening (e.g. a column shard): the slow way
-                return self.read(key).reshape(-1)[start:end].clone()
+                return out.copy_(self.read(key).reshape(-1)[start:end])
             placed.append((flat0, math.prod(sizes), index, info))
         covered = 0
+        wanted = []  # (index, info, where its payload goes: a slice of out, or None for a temporary)
         for flat0, n, index, info in sorted(placed, key=lambda c: (c[3].relative_path, c[3].offset)):
             lo, hi = max(flat0, start), min(flat0 + n, end)
             if lo >= hi:
                 continue
             covered += hi - lo
-            if lo == flat0 and hi == flat0 + n:
-                self._payload(index, info, out[lo - start : hi - start])
-            else:
-                tmp = torch.empty(n, dtype=dtype)
-                self._payload(index, info, tmp)
-                out[lo - start : hi - start].copy_(tmp[lo - flat0 : hi - flat0])
-                del tmp
+            inside = lo == flat0 and hi == flat0 + n
+            wanted.append(((index, info), out[lo - start : hi - start] if inside else None, (flat0, n, lo, hi)))
+        for ((index, info), piece), (_, target, (flat0, n, lo, hi)) in zip(
+                self._payloads([w[0] for w in wanted], [w[1] for w in wanted]), wanted):
+            if target is None:
+                out[lo - start : hi - start].copy_(piece.reshape(-1)[lo - flat0 : hi - flat0])
+            del piece
         if covered != end - start:
             raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of elements [{start}, {end})")
         return out
+
+    def _payloads(self, chunks: Sequence[tuple[MetadataIndex, _StorageInfo]],
+                  targets: Sequence[torch.Tensor | None] | None = None) -> Iterator[tuple[tuple[MetadataIndex, _StorageInfo], Any]]:
+        """Each chunk with its verified payload, in the order given (read into ``targets[i]``
+        where one is given). Runs of small chunks that lie next to each other in one file are
+        read with one read of their whole range (:func:`coalesce`), then each is checked and
+        copied out of it; the others are read alone, straight into place."""
+        targets = list(targets) if targets is not None else [None] * len(chunks)
+        for run in coalesce(list(chunks)):
+            if len(run) == 1:
+                i = run[0]
+                yield chunks[i], self._payload(*chunks[i], targets[i])
+                continue
+            first, last = chunks[run[0]][1], chunks[run[-1]][1]
+            f = self._chunks.open(first.relative_path, chunks[run[0]][0].fqn)
+            window = _Window.load(f, first.offset, last.offset + last.length - first.offset)
+            for i in run:  # each chunk checked as ever (completeness, manifest entry, crc32c), from memory
+                index, info = chunks[i]
+                try:
+                    payload = read_chunk(window, info, index, self._chunks.manifest_chunks, self._shapes.get(index), targets[i])
+                except ChunkFault as e:
+                    raise CorruptCheckpointError(f"{chunk_location(self._chunks.path(info.relative_path), index)}: {e}") from None
+                yield chunks[i], payload
+            del window
+
+
+#: chunks up to this size are read together with their neighbours in one file
+COALESCE_CHUNK_BYTES = 1 << 20
+#: the most bytes one coalesced read holds in memory
+COALESCE_BYTES = 16 << 20
+
+
+def coalesce(chunks: Sequence[tuple[MetadataIndex, Any]], *, small: int = COALESCE_CHUNK_BYTES,
+             limit: int = COALESCE_BYTES) -> list[list[int]]:
+    """Group the positions of ``chunks`` (in the given order) into runs that one read serves:
+    consecutive chunks of at most ``small`` bytes each that follow each other without a gap in
+    one file, at most ``limit`` bytes per run. Large chunks stay alone (read straight into
+    their destination, no intermediate copy); so does everything on a gap."""
+    runs: list[list[int]] = []
+    for i, (_, info) in enumerate(chunks):
+        if runs and info.length <= small:
+            prev = chunks[runs[-1][-1]][1]
+            start = chunks[runs[-1][0]][1].offset
+            if (prev.relative_path == info.relative_path and prev.length <= small and prev.offset + prev.length == info.offset
+                    and info.offset + info.length - start <= limit):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + len(data))`` of a file, held in memory, read at the file's own
+    offsets (what :func:`~mfsdp_ckpt.chunks.read_chunk` expects of a file); ``size`` is where the
+    window ends, so a chunk reaching past it reads as truncated."""
+
+    def __init__(self, data: bytearray, base: int) -> None:
+        super().__init__()
+        self._data, self._view, self.base, self.pos = data, memoryview(data), base, base
+        self.size = base + len(data)
+
+    @classmethod
+    def load(cls, f: Any, offset: int, length: int) -> "_Window":
+        """Read the range of ``f`` into memory (one read)."""
+        buf = bytearray(length)
+        f.seek(offset)
+        got = f.readinto(buf)
+        return cls(buf if got == length else buf[: got or 0], offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        lo = max(self.pos - self.base, 0) if self.pos >= self.base else None
+        if lo is None:
+            raise OSError(f"read at {self.pos}, before the coalesced range at {self.base}")
+        n = max(min(len(buffer), len(self._data) - lo), 0)
+        with memoryview(buffer) as view:
+            view.cast("B")[:n] = self._view[lo : lo + n]
+        self.pos += n
+        return n
 
 
 def _contiguous_flat_start(offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> int | None:
@@ -228,6 +354,7 @@ class ChunkFileWriter:
         self.directory = directory
         self.sync = sync
         self._files: dict[int, RecordingStream] = {}
+        self._index: dict[str, int] = {}  # file name -> file index
         self.bytes_written = 0
 
     def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
@@ -235,6 +362,7 @@ class ChunkFileWriter:
         path = fs.join(self.directory, name)
         f = self._files.get(file)
         if f is None:
+            self._index[name] = file
             with reporting(path):
                 f = self._files[file] = RecordingStream(fs.open_file(path, "wb"), path)
         with reporting(path, [f]):
@@ -248,7 +376,12 @@ class ChunkFileWriter:
         self.bytes_written += length
         return name, offset, length
 
-    def write_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], file: int) -> ChunkRecord:
+    def write_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], file: int,
+                    crc32c: int | None = None) -> ChunkRecord:
+        """Append ``chunk`` (the box of ``key`` at ``offsets`` of a ``shape`` tensor) to data file
+        ``file``. ``crc32c``: the chunk's :func:`~mfsdp_ckpt.planner.payload_crc32c`, if the
+        caller computed it already (e.g. on another thread, while an earlier chunk was written);
+        else it is computed here. A wrong one fails every later read of the chunk."""
         shape, offsets = tuple(shape), tuple(offsets)
         if len(offsets) != len(shape) or chunk.dim() != len(shape) or any(
             o < 0 or o + s > d for o, s, d in zip(offsets, chunk.shape, shape)
@@ -256,7 +389,19 @@ class ChunkFileWriter:
             raise CheckpointError(f"key '{key}': chunk {tuple(chunk.shape)} at {list(offsets)} lies outside {shape}")
         payload = compact(chunk.detach().cpu())
         name, offset, length = self._append(file, payload)
-        return ChunkRecord(key, chunk.dtype, shape, offsets, tuple(chunk.shape), name, offset, length, payload_crc32c(payload))
+        crc = payload_crc32c(payload) if crc32c is None else crc32c
+        return ChunkRecord(key, chunk.dtype, shape, offsets, tuple(chunk.shape), name, offset, length, crc)
+
+    def start_writeback(self, record: ChunkRecord) -> None:
+        """Start the write-back of the bytes of ``record`` that reached the file (see
+        :func:`~mfsdp_ckpt.writeback.start_writeback`; a hint, nothing if the file is closed)."""
+        f = self._files.get(self._index.get(record.file, -1))
+        try:
+            fd = f.fileno() if f is not None else -1
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return
+        if fd >= 0:
+            start_writeback(fd, record.offset, record.length)
 
     def write_object(self, key: str, value: Any, file: int) -> ChunkRecord:
         buf = io.BytesIO()
@@ -385,17 +530,28 @@ class CheckpointBuilder:
             self._storage[index] = _StorageInfo(rec.file, rec.offset, rec.length)
             self._chunks[chunk_id(index)] = {"file": rec.file, "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
 
-    def add_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], *, file: int = 0) -> None:
-        """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``."""
+    def add_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], *, file: int = 0,
+                  crc32c: int | None = None) -> ChunkRecord:
+        """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``
+        (``crc32c``: its checksum, if already computed; see :meth:`ChunkFileWriter.write_chunk`)."""
         if key in self._objects:
             raise CheckpointError(f"key '{key}': already written as an object")
         if MetadataIndex(key, torch.Size(offsets)) in self._storage:
             raise CheckpointError(f"key '{key}': a chunk at {list(offsets)} was already written")
-        self.add_records([self._writer.write_chunk(key, chunk, offsets, shape, file)])
+        record = self._writer.write_chunk(key, chunk, offsets, shape, file, crc32c)
+        self.add_records([record])
+        return record
 
-    def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0) -> None:
-        """Append the whole tensor ``key`` as one chunk."""
-        self.add_chunk(key, tensor, (0,) * tensor.dim(), tensor.shape, file=file)
+    def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0, crc32c: int | None = None) -> ChunkRecord:
+        """Append the whole tensor ``key`` as one chunk; returns where it went."""
+        return self.add_chunk(key, tensor, (0,) * tensor.dim(), tensor.shape, file=file, crc32c=crc32c)
+
+    def start_writeback(self, record: ChunkRecord) -> None:
+        """Start writing ``record``'s bytes to disk now (a local file written with ``sync``; see
+        :mod:`mfsdp_ckpt.writeback`), so the fsync at :meth:`commit` waits for less. May be called
+        from another thread than the one appending, e.g. after handing the next append on."""
+        if self.sync and not self.remote:
+            self._writer.start_writeback(record)
 
     def add_object(self, key: str, value: Any, *, file: int = 0) -> None:
         """Append a plain object (saved with ``torch.save``; loaded back with ``weights_only``)."""

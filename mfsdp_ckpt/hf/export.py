@@ -2,11 +2,14 @@
 
 The whole plan (which HF tensors, their shapes and dtypes, which shard file each goes to) comes
 from metadata alone, so it is the same on every rank and every check runs before a byte is read.
-Then each canonical tensor is read once, split into its HF tensors, and written straight into its
-shard file, whose header was written first: memory holds one source tensor and its pieces, never
-a shard or the model. Under ``torch.distributed`` the ranks write disjoint shard files in
-parallel (file ``i`` by rank ``i % world``); rank 0 writes the index and ``config.json`` once
-every rank has finished, and renames the temporary directory into place.
+Then each canonical tensor is read once (into a buffer the worker reuses), split into its HF
+tensors as views of it, and written straight into its place in its shard file, whose header and
+offsets were fixed first: memory holds one source tensor per worker, never a shard or the model.
+Several worker threads (``workers=``) convert tensors at once, each into its planned offsets, so
+the files are the same bytes for any number of workers; a file is fsynced by the worker that
+writes its last tensor while the others go on. Under ``torch.distributed`` the ranks write
+disjoint shard files in parallel (file ``i`` by rank ``i % world``); rank 0 writes the index and
+``config.json`` once every rank has finished, and renames the temporary directory into place.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +42,7 @@ from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
 from .mx import E8M0, SCALE_SUFFIX, MXParam, check_rows_only, module_of, mx_params, quantization_config, scale_name, single_format, split_rows
 from .registry import get_architecture, infer_architecture
+from .workers import Staging, check_workers, run_tasks
 
 __all__ = ["export", "ExportResult", "MODES"]
 
@@ -229,32 +234,104 @@ def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig) -> list[torch
     return [t.contiguous() for pair in pairs for t in pair]
 
 
-def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None) -> None:
-    """Write this rank's shard files; check each source it was given was read exactly once."""
+class _OpenShards:
+    """This rank's shard files while workers fill them: each is created (header first) when the
+    first of its tensors comes, and closed (checked complete, fsynced) by the worker that writes
+    its last one, while the other workers go on with the next files; so only about as many
+    files as workers are open at once, whatever their number."""
+
+    def __init__(self, plan: _Plan, tmp: str, mine: list[int]) -> None:
+        self.plan, self.tmp = plan, tmp
+        self.left = {s: len(plan.shards[s]) for s in mine}
+        self.open: dict[int, SafetensorsWriter] = {}
+        self.lock = threading.Lock()
+
+    def writer(self, s: int) -> SafetensorsWriter:
+        with self.lock:
+            w = self.open.get(s)
+            if w is None:
+                n = len(self.plan.shards)
+                entries = [out for item in self.plan.shards[s] for out in item.outputs]
+                w = self.open[s] = SafetensorsWriter(os.path.join(self.tmp, shard_name(s + 1, n)), entries, {"format": "pt"})
+            return w
+
+    def item_done(self, s: int) -> None:
+        with self.lock:
+            self.left[s] -= 1
+            last = self.left[s] == 0
+            w = self.open.pop(s) if last else None
+        if w is not None:
+            w.close()
+
+    def abort(self) -> None:
+        with self.lock:
+            writers, self.open = list(self.open.values()), {}
+        for w in writers:
+            w.abort()
+
+
+def _convert(reader: CheckpointReader, item: _Item, cfg: GPTConfig, staging: Staging, casting: Staging,
+             writer: SafetensorsWriter) -> None:
+    """One item: read its source (crc32c-checked) into the worker's staging buffer, and write
+    each HF tensor. Plain weights go out as views of the staged tensor (split without a copy);
+    a cast goes through the worker's second buffer; MX items compute their pieces."""
+    if item.kind == PLAIN:
+        key = item.sources[0]
+        staged = reader.read(key, out=staging.tensor(reader.dtype(key), reader.shape(key)))
+        pieces = item.conv.rule.views(staged, cfg)
+        if pieces is None:  # a rule without views: split copies
+            pieces = item.conv.rule.split(staged, cfg)
+    else:
+        pieces = _pieces(reader, item, cfg)
+    for (name, dtype, _), piece in zip(item.outputs, pieces):
+        if piece.dtype != dtype:
+            piece = casting.tensor(dtype, piece.shape).copy_(piece)
+        writer.write(name, piece)
+
+
+def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None,
+                  workers: int = 1) -> None:
+    """Write this rank's shard files with ``workers`` threads, each converting whole items (one
+    canonical tensor each) in plan order into their planned offsets; check each source it was
+    given was read exactly once."""
     n = len(plan.shards)
     mine = [s for s in range(n) if s % world == rank]
-    total = sum(item.nbytes for s in mine for item in plan.shards[s])
-    done = 0
+    tasks = [(s, item) for s in mine for item in plan.shards[s]]
+    total = sum(item.nbytes for _, item in tasks)
+    shards = _OpenShards(plan, tmp, mine)
     consumed: Counter[str] = Counter()
-    for s in mine:
-        entries = [out for item in plan.shards[s] for out in item.outputs]
-        writer = SafetensorsWriter(os.path.join(tmp, shard_name(s + 1, n)), entries, {"format": "pt"})
-        try:
-            for item in plan.shards[s]:
-                pieces = _pieces(reader, item, plan.config)
-                consumed.update(item.sources)
-                for (name, dtype, _), piece in zip(item.outputs, pieces):
-                    writer.write(name, piece.to(dtype))
-                del pieces
-                done += item.nbytes
-                if progress is not None:
-                    progress(done, total)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-    expected = Counter(src for s in mine for item in plan.shards[s] for src in item.sources)
-    if consumed != expected:
+    lock = threading.Lock()
+
+    def make_state() -> tuple[CheckpointReader, Staging, Staging]:
+        return (reader if workers <= 1 else reader.fork()), Staging(), Staging()
+
+    def close_state(state: tuple[CheckpointReader, Staging, Staging]) -> None:
+        if state[0] is not reader:
+            state[0].close()
+
+    def do(state: tuple[CheckpointReader, Staging, Staging], task: tuple[int, _Item]) -> int:
+        s, item = task
+        _convert(state[0], item, plan.config, state[1], state[2], shards.writer(s))
+        with lock:
+            consumed.update(item.sources)
+        shards.item_done(s)
+        return item.nbytes
+
+    done = 0
+
+    def report(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        run_tasks(tasks, workers, make_state, do, close_state, report)
+    except BaseException:
+        shards.abort()
+        raise
+    expected = Counter(src for _, item in tasks for src in item.sources)
+    if consumed != expected or shards.open:
         wrong = sorted(k for k in set(consumed) | set(expected) if consumed[k] != 1)
         raise ConversionError(f"rank {rank}: these checkpoint keys were not read exactly once: {', '.join(wrong)}")
 
@@ -294,6 +371,7 @@ def export(
     overwrite: bool = False,
     progress: Progress | None = None,
     mode: str = "weights",
+    workers: int | None = None,
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
@@ -315,6 +393,11 @@ def export(
     and config after all are done. ``out`` appears only when complete (a temporary sibling is
     renamed); on any error, on any rank, nothing is left at ``out``. ``progress(done, total)``
     gets this rank's bytes written so far.
+
+    ``workers``: threads converting and writing at once on each rank (default ``min(4, CPUs)``);
+    each converts whole tensors into their planned places, so the files are the same bytes for
+    any number. Each thread holds at most its largest tensor (plus, when casting, its largest
+    cast piece).
     """
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
@@ -328,13 +411,14 @@ def export(
     sources = () if fs.is_url(source) else (source,)
     check_destination(final, overwrite=overwrite, kind="hf", sources=sources)  # refuse early, on every rank
     max_bytes = parse_size(max_shard_size)
+    workers = check_workers(workers)
     with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
         return _export(reader, plan=_plan(reader, source, arch, dtype, max_bytes, mode), final=final, overwrite=overwrite,
-                       sources=sources, lock=lock, progress=progress, start=start)
+                       sources=sources, lock=lock, progress=progress, start=start, workers=workers)
 
 
 def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: bool, sources: tuple[str, ...],
-            lock: contextlib.ExitStack, progress: Progress | None, start: float) -> ExportResult:
+            lock: contextlib.ExitStack, progress: Progress | None, start: float, workers: int) -> ExportResult:
     rank, world = rank_and_world()
     # rank 0 makes the directory for all (holding the parent's writer lock until the export is
     # committed); nobody writes before it exists, and if it cannot be made every rank raises the
@@ -342,7 +426,7 @@ def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: boo
     tmp = rank0_decides(_make_partial_dir, final, overwrite, sources, lock)
     failure: BaseException | None = None
     try:
-        _write_shards(reader, plan, tmp, rank, world, progress)
+        _write_shards(reader, plan, tmp, rank, world, progress, workers)
     except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
         failure = e
     if world > 1:

@@ -24,6 +24,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,12 @@ from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 from ..errors import ConversionError
 from ..write_errors import reporting
+from ..writeback import start_writeback
+from .strided_io import pread_tensor, pwrite_tensor
 
 __all__ = [
     "hf_safetensors_name", "hf_dtype_from_safetensors", "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter",
+    "safetensors_layout",
     "HFTensor", "HFDirectory", "read_json_file",
     "check_shard_name", "parse_safetensors_header", "short_repr", "MAX_HEADER_BYTES", "MAX_JSON_BYTES",
 ]
@@ -84,66 +88,93 @@ def shard_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
+def safetensors_layout(path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int], int]:
+    """The file a safetensors writer makes of ``entries`` (name, dtype, shape, in file order):
+    its first bytes (the 8-byte header length and the JSON header, padded so that the data
+    section starts 8-byte aligned), each tensor's absolute offset, and the file's total size.
+    Writers that fill the tensors in any order, from several threads, put them there."""
+    header: dict[str, Any] = {}
+    offsets: list[int] = []
+    offset = 0
+    for name, dtype, shape in entries:
+        st_name = hf_safetensors_name(dtype)
+        if st_name is None:
+            raise ConversionError(f"{path}: tensor '{name}': dtype {dtype} has no safetensors name")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": st_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    head = struct.pack("<Q", len(text)) + text
+    return head, [len(head) + o for o in offsets], len(head) + offset
+
+
 class SafetensorsWriter:
     """Writes one safetensors file whose tensors (name, dtype, shape, in file order) are known in
-    advance: the header at once, then each tensor's bytes as :meth:`write` receives them, in that
-    order. :meth:`close` checks every tensor was written exactly once."""
+    advance: the header at once, then each tensor at its own offset as :meth:`write` receives it,
+    in any order and from any number of threads (positional writes of the tensor's contiguous
+    runs, so a piece of a fused tensor is written without a copy). The bytes do not depend on the
+    order of the writes. :meth:`close` checks that every tensor was written exactly once, then
+    fsyncs the file."""
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> None:
         self.path = path
-        header: dict[str, Any] = {}
-        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        offset = 0
-        for name, dtype, shape in entries:
-            st_name = hf_safetensors_name(dtype)
-            if st_name is None:
-                raise ConversionError(f"{path}: tensor '{name}': dtype {dtype} has no safetensors name")
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": st_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self._order.append((name, dtype, tuple(shape), nbytes))
-            offset += nbytes
-        if metadata:
-            header["__metadata__"] = metadata
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+        head, offsets, self.size = safetensors_layout(path, entries, metadata)
+        self._where = {name: (dtype, torch.Size(shape), offset) for (name, dtype, shape), offset in zip(entries, offsets)}
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        self._fd = -1
         with reporting(path):  # a full disk: one line naming the file
-            self._f = open(path, "wb")
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC | _BINARY, 0o644)
             try:
-                self._f.write(struct.pack("<Q", len(text)))
-                self._f.write(text)
+                pwrite_tensor(self._fd, torch.frombuffer(bytearray(head), dtype=torch.uint8), 0)
             except BaseException:
                 self.abort()
                 raise
-        self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self._order):
+        """Write the HF tensor ``name``: ``tensor`` holds its elements in row-major order (the
+        tensor itself, or a view of a fused tensor with the same elements and, for a matrix, the
+        same rows)."""
+        spec = self._where.get(name)
+        if spec is None:
             raise ConversionError(f"{self.path}: tensor '{name}' written but not planned for this file")
-        want, dtype, shape, nbytes = self._order[self._next]
-        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ConversionError(f"{self.path}: got '{name}' {tensor.dtype} {tuple(tensor.shape)}, "
-                                  f"expected '{want}' {dtype} {shape} next")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        if data.numel():
-            with reporting(self.path):
-                self._f.write(memoryview(data.numpy()))
-        self._next += 1
+        dtype, shape, offset = spec
+        rows_fit = len(shape) < 2 or (tensor.dim() >= 2 and tensor.shape[-1] == shape[-1])  # a view keeps the row length
+        if tensor.dtype != dtype or tensor.numel() != shape.numel() or not rows_fit:
+            raise ConversionError(f"{self.path}: got '{name}' {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {tuple(shape)}")
+        with self._lock:
+            if name in self._written:
+                raise ConversionError(f"{self.path}: tensor '{name}' written twice")
+            self._written.add(name)
+        with reporting(self.path):
+            nbytes = pwrite_tensor(self._fd, tensor.detach().cpu(), offset)
+        start_writeback(self._fd, offset, nbytes)  # the disk starts now; close()'s fsync waits for less
 
     def close(self) -> None:
-        if self._next != len(self._order):
-            missing = [name for name, *_ in self._order[self._next:]]
+        """Check that every planned tensor was written, fsync and close (durable before the
+        directory holding the file is renamed into place)."""
+        missing = [name for name in self._where if name not in self._written]
+        if missing:
             self.abort()
             raise ConversionError(f"{self.path}: tensors planned but never written: {', '.join(missing)}")
         with reporting(self.path):
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            try:
+                os.fsync(self._fd)
+            finally:
+                self.abort()
 
     def abort(self) -> None:
-        """Close without caring whether buffered bytes reach the disk (the file is discarded)."""
-        with contextlib.suppress(OSError):
-            self._f.close()
+        """Close without caring whether the bytes reach the disk (the file is discarded)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -472,23 +503,33 @@ class HFDirectory:
             check_shard_name(name, index_path, key)
         return weight_map
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor ``key``, read alone from its file (opened for this one read, so memory
         holds this tensor and nothing else of the file), after checking that the file is still
-        the one whose header was checked."""
+        the one whose header was checked. ``out``: where to read it (returned): a tensor of its
+        dtype and element count, or a view holding its elements in row-major order (e.g. its
+        rows in a fused tensor: read into place, no copy). Safe to call from several threads."""
         t = self.tensors[key]
         path = os.path.join(self.path, t.file)
         layout = self._layout[key]
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype)
+        elif out.dtype != t.dtype or out.numel() != t.shape.numel():
+            raise ConversionError(f"{path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}; cannot read it into "
+                                  f"{out.dtype} {tuple(out.shape)}")
         fd, st = _open_regular(path, "a safetensors shard")
         try:
             if _FileId.of(st) != self._ids[t.file]:
                 raise ConversionError(f"{path}: changed since its header was read (reading tensor {key!r})")
-            buf = _read_exact(fd, layout.offset, layout.nbytes, path, f"tensor {key!r}")
+            if layout.nbytes:
+                pread_tensor(fd, out, layout.offset)
+        except EOFError:
+            raise ConversionError(f"{path}: tensor {key!r} ends early (file truncated while reading?)") from None
+        except OSError as e:
+            raise ConversionError(f"{path}: cannot read tensor {key!r} ({e.strerror or e})") from None
         finally:
             os.close(fd)
-        if not layout.nbytes:
-            return torch.empty(t.shape, dtype=t.dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+        return out
 
     def close(self) -> None:
         """Nothing is held open between reads; kept for the context-manager protocol."""

@@ -8,7 +8,9 @@ headers list *before* anything is expanded per layer or expert, so a declared si
 more than the files can back; then the headers are checked against the mapping (missing,
 unexpected and misshapen tensors, pieces in mixed dtypes, integer or bool dtypes where the model
 has floating-point weights, all named) before a byte of data is read; then each conversion reads
-its HF tensors one at a time, merges them, and appends the result to the checkpoint being built.
+its HF tensors straight into their places in the canonical tensor (a merge without a copy) and
+appends the result to the checkpoint being built. Several worker threads (``workers=``) read and
+merge at once; they append in conversion order, so the checkpoint is the same for any number.
 Nothing is visible at the destination until the checkpoint commits.
 """
 
@@ -29,12 +31,14 @@ from mfsdp_core.mx_planes import ORIENTATIONS
 
 from ..errors import ConversionError, raise_key_problems
 from ..manifest import versions, writer_layout
+from ..planner import payload_crc32c
 from ..streaming import CheckpointBuilder
 from .config import model_type_of
 from .files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
 from .mapping import Architecture, Conversion, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
 from .mx import E8M0, EXTENSION, fqn_of, module_of, mx_key, mx_plan, parse_quantization_config, scale_name
 from .registry import architecture_of_hf_config, architectures, get_architecture
+from .workers import Staging, Turns, check_workers, run_tasks
 
 __all__ = ["import_", "ImportResult"]
 
@@ -139,14 +143,91 @@ def _check_mx_pair(hf: HFDirectory, key: str, shape: torch.Size, fmt: MXFormat) 
                               f"(one scale per 32 elements of each row of {key!r} {tuple(shape)})")
 
 
-def _add_planes(builder: CheckpointBuilder, fqn: str, weight: torch.Tensor, fmt: MXFormat) -> None:
-    """The four MX planes of ``weight`` (fp32 ``[M, K]``), as the runtime derives them."""
+def _planes(fqn: str, weight: torch.Tensor, fmt: MXFormat) -> list[tuple[str, torch.Tensor]]:
+    """The four MX planes of ``weight`` (fp32 ``[M, K]``), as the runtime derives them, by key."""
+    out = []
     with warnings.catch_warnings():  # the native cast and the reference give the same bytes
         warnings.simplefilter("ignore", MXNativeUnavailableWarning)
         for axis, (data_plane, scale_plane) in ORIENTATIONS.items():
             data, scale = quantize(weight, fmt, axis)
-            builder.add_tensor(mx_key(fqn, data_plane), data)
-            builder.add_tensor(mx_key(fqn, scale_plane), scale)
+            out += [(mx_key(fqn, data_plane), data), (mx_key(fqn, scale_plane), scale)]
+    return out
+
+
+def _staged(hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: GPTConfig, mx: _MXLayout,
+            staging: Staging) -> tuple[torch.Tensor, int]:
+    """The canonical tensor of ``conv`` and the HF bytes read for it. Its HF tensors are read
+    straight into their places in the worker's staging buffer (the rule's views: a merge without
+    a copy); MX pieces are dequantized into theirs; a rule without views merges copies."""
+    theirs = [hf.tensors[k] for k in conv.theirs]
+    nbytes = sum(t.shape.numel() * t.dtype.itemsize for t in theirs)
+    quantized = conv.ours in mx.quantized
+    dtype = torch.float32 if quantized else theirs[0].dtype  # the pieces share one dtype (checked)
+    out = staging.tensor(dtype, shape)
+    views = conv.rule.views(out, cfg)
+    if views is None:
+        pieces = [_read_piece(hf, key, quantized) for key in conv.theirs]
+        return out.copy_(conv.rule.merge(pieces, cfg)), nbytes + (_scale_bytes(hf, conv) if quantized else 0)
+    for key, view in zip(conv.theirs, views):
+        if quantized:
+            view.copy_(_read_piece(hf, key, True).reshape(view.shape))
+        else:
+            hf.read(key, out=view)
+    return out, nbytes + (_scale_bytes(hf, conv) if quantized else 0)
+
+
+def _read_piece(hf: HFDirectory, key: str, quantized: bool) -> torch.Tensor:
+    """HF tensor ``key``; an MX weight dequantized to fp32 with its ``weight_scale_inv``."""
+    piece = hf.read(key)
+    return dequantize(piece, hf.read(scale_name(key)), "row") if quantized else piece
+
+
+def _scale_bytes(hf: HFDirectory, conv: Conversion) -> int:
+    return sum(hf.tensors[scale_name(k)].shape.numel() for k in conv.theirs)
+
+
+def _convert_all(hf: HFDirectory, builder: CheckpointBuilder, conversions: list[Conversion], shapes: dict[str, torch.Size],
+                 cfg: GPTConfig, mx: _MXLayout, workers: int, progress: Callable[[int, int], None] | None, total: int) -> None:
+    """Every conversion, on ``workers`` threads: each reads and merges one tensor (and computes
+    its crc32c and, for MX, its planes) in parallel with the others, then appends it to the
+    checkpoint in conversion order (:class:`~mfsdp_ckpt.hf.workers.Turns`), so the data file is
+    the same bytes for any number of workers. Checks that every HF tensor was consumed and
+    every canonical tensor written exactly once."""
+    consumed: Counter[str] = Counter()
+    written: Counter[str] = Counter()
+    turns = Turns()
+
+    def do(staging: Staging, task: tuple[int, Conversion]) -> int:
+        i, conv = task
+        tensor, nbytes = _staged(hf, conv, shapes[conv.ours], cfg, mx, staging)
+        if tensor.shape != shapes[conv.ours]:
+            raise ConversionError(f"{hf.path}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}")
+        crc = payload_crc32c(tensor)
+        planes = _planes(fqn_of(conv.ours), tensor, mx.fmt) if conv.ours in mx.quantized else []
+        with turns.of(i):  # appends in conversion order; the counters are touched only here
+            records = [builder.add_tensor(conv.ours, tensor, crc32c=crc)]
+            for key, plane in planes:
+                records.append(builder.add_tensor(key, plane))
+            written[conv.ours] += 1
+            consumed.update(conv.theirs)
+            if conv.ours in mx.quantized:
+                consumed.update(scale_name(k) for k in conv.theirs)
+        for record in records:  # off the turn: the next append goes on while the disk starts on this one
+            builder.start_writeback(record)
+        return nbytes
+
+    done = 0
+
+    def report(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    run_tasks(list(enumerate(conversions)), workers, Staging, do, progress=report, turns=turns)
+    wrong = sorted([k for k in hf.tensors if consumed[k] != 1] + [k for k in shapes if written[k] != 1])
+    if wrong:
+        raise ConversionError(f"{hf.path}: not consumed / written exactly once: {', '.join(wrong)}")
 
 
 @dataclass
@@ -169,6 +250,7 @@ def import_(
     arch: str | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
 ) -> ImportResult:
     """Convert the HF model directory ``hf_dir`` (``config.json`` plus safetensors, sharded or
     not) into a committed canonical checkpoint at ``checkpoint``: ``model.<fqn>`` weights in their
@@ -183,9 +265,14 @@ def import_(
     ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. Every HF
     tensor must be consumed exactly once and every parameter of the model written exactly once;
     otherwise a :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and nothing is
-    written. ``progress(done, total)`` gets bytes converted so far. One process.
+    written. ``progress(done, total)`` gets bytes converted so far.
+
+    ``workers``: threads reading and merging tensors at once (default ``min(4, CPUs)``); they
+    append to the checkpoint's data file in conversion order, so the checkpoint holds the same
+    bytes for any number. Each holds at most one canonical tensor (and, for MX, its planes).
     """
     start = time.perf_counter()
+    workers = check_workers(workers)
     with HFDirectory(hf_dir) as hf:
         source = hf.path
         if arch is None:
@@ -244,35 +331,8 @@ def import_(
             "hf": {"architecture": architecture.name, "model_type": model_type_of(hf.config, source)},
         }
         total = sum(present[k].shape.numel() * present[k].dtype.itemsize for k in expected)
-        done = 0
-        consumed: Counter[str] = Counter()
-        written: Counter[str] = Counter()
         with CheckpointBuilder(checkpoint, manifest, overwrite=overwrite, sources=(source,)) as builder:
-            for conv in conversions:
-                pieces = []
-                for key in conv.theirs:
-                    pieces.append(hf.read(key))
-                    consumed[key] += 1
-                    done += pieces[-1].numel() * pieces[-1].element_size()
-                    if conv.ours in mx.quantized:  # MX: weight_scale_inv next to it; the piece in fp32
-                        scale = hf.read(scale_name(key))
-                        consumed[scale_name(key)] += 1
-                        done += scale.numel()
-                        pieces[-1] = dequantize(pieces[-1], scale, "row")
-                tensor = conv.rule.merge(pieces, cfg)
-                del pieces
-                if tensor.shape != shapes[conv.ours]:
-                    raise ConversionError(f"{source}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}")
-                builder.add_tensor(conv.ours, tensor)
-                written[conv.ours] += 1
-                if conv.ours in mx.quantized:
-                    _add_planes(builder, fqn_of(conv.ours), tensor, mx.fmt)
-                del tensor
-                if progress is not None:
-                    progress(done, total)
-            wrong = sorted([k for k in present if consumed[k] != 1] + [k for k in shapes if written[k] != 1])
-            if wrong:
-                raise ConversionError(f"{source}: not consumed / written exactly once: {', '.join(wrong)}")
+            _convert_all(hf, builder, conversions, shapes, cfg, mx, workers, progress, total)
             path = builder.commit()
     return ImportResult(path=path, architecture=architecture.name, tensors=len(conversions), bytes=total,
                         model_config=cfg.to_dict(), seconds=time.perf_counter() - start)

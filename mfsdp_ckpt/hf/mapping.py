@@ -83,9 +83,21 @@ class Rule:
         """The shapes of the HF tensors made from a canonical tensor of ``shape``."""
         raise NotImplementedError
 
+    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor] | None:
+        """The HF tensors as views of the (contiguous) canonical ``tensor``, in the order of
+        ``theirs``: each holds its HF tensor's elements in row-major order, possibly strided and
+        in more dimensions than the HF shape. The bridge writes them to a file, or reads a file
+        into them, without copying (:mod:`mfsdp_ckpt.hf.strided_io`). None: this rule has no
+        such views (it reorders elements); :meth:`split` and :meth:`merge` are used instead."""
+        return None
+
     def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
-        """Canonical tensor -> the HF tensors, in the order of ``theirs`` (contiguous)."""
-        raise NotImplementedError
+        """Canonical tensor -> the HF tensors, in the order of ``theirs`` (contiguous): the
+        :meth:`views`, copied out, for the rules that have them."""
+        views = self.views(tensor.contiguous(), c)
+        if views is None:
+            raise NotImplementedError
+        return [v.contiguous().view(shape) for v, shape in zip(views, self.their_shapes(tensor.shape, c))]
 
     def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
         """The HF tensors, in the order of ``theirs`` -> the canonical tensor (contiguous)."""
@@ -98,8 +110,8 @@ class Direct(Rule):
     def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
         return [torch.Size(shape)]
 
-    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
-        return [tensor.contiguous()]
+    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        return [tensor]
 
     def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
         return tensors[0].contiguous()
@@ -120,14 +132,10 @@ class FusedQKV(Rule):
         rest = tuple(shape[1:])
         return [torch.Size((g * per * d, *rest)), torch.Size((g * d, *rest)), torch.Size((g * d, *rest))]
 
-    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
         g, per, d = self._dims(c)
-        rest = tuple(tensor.shape[1:])
-        grouped = tensor.reshape(g, per + 2, d, *rest)
-        q = grouped[:, :per].reshape(g * per * d, *rest).contiguous()
-        k = grouped[:, per].reshape(g * d, *rest).contiguous()
-        v = grouped[:, per + 1].reshape(g * d, *rest).contiguous()
-        return [q, k, v]
+        grouped = tensor.view(g, per + 2, d, *tensor.shape[1:])
+        return [grouped[:, :per], grouped[:, per], grouped[:, per + 1]]  # q [g, per, d, ...], k and v [g, d, ...]
 
     def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
         g, per, d = self._dims(c)
@@ -145,9 +153,8 @@ class GatedMLP(Rule):
         half = torch.Size((shape[0] // 2, *shape[1:]))
         return [half, half]
 
-    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
-        gate, up = tensor.chunk(2, dim=0)
-        return [gate.contiguous(), up.contiguous()]
+    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+        return list(tensor.chunk(2, dim=0))
 
     def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
         return torch.cat(tensors, dim=0).contiguous()
