@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .common import LazyChoice, _fail, _human, _run, _run_with_progress, cast_choices
+from .common import LazyChoice, _human, _run, _run_with_progress, cast_choices
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
