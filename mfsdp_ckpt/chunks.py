@@ -199,12 +199,15 @@ def tensor_view(data: numpy.ndarray, dtype: torch.dtype, shape: Sequence[int]) -
 
 
 class MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over bytes already in memory (for the zip parsing of
-    :func:`~mfsdp_ckpt.records.locate_raw_tensor`, which reads only a record's small headers)."""
+    """A read-only, seekable file over bytes already in memory: ``data`` holds bytes
+    ``[base, base + len(data))`` of the file they were read from, read at that file's offsets
+    (for :func:`read_chunk` and the zip parsing of :func:`~mfsdp_ckpt.records.locate_raw_tensor`).
+    ``size`` is where the bytes end, so a chunk reaching past them reads as truncated."""
 
-    def __init__(self, data: numpy.ndarray) -> None:
+    def __init__(self, data: Any, base: int = 0) -> None:
         super().__init__()
-        self.data, self.pos = data, 0
+        self._view = memoryview(data).cast("B")
+        self.base, self.pos, self.size = base, base, base + len(self._view)
 
     def readable(self) -> bool:
         return True
@@ -216,16 +219,18 @@ class MemoryFile(io.RawIOBase):
         return self.pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.data)}[whence]
-        self.pos = min(max(base + pos, 0), len(self.data))
+        self.pos = max({io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos, 0)
         return self.pos
 
     def readinto(self, buffer: Any) -> int:
-        part = self.data[self.pos : self.pos + len(buffer)]
+        if self.pos < self.base:
+            raise OSError(f"read at {self.pos}, before the bytes held, which start at {self.base}")
+        lo = self.pos - self.base
+        n = max(min(len(buffer), len(self._view) - lo), 0)
         with memoryview(buffer) as view:
-            view[: len(part)] = part.tobytes()
-        self.pos += len(part)
-        return len(part)
+            view.cast("B")[:n] = self._view[lo : lo + n]
+        self.pos += n
+        return n
 
 
 class ChunkFiles:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import fs
-from .chunks import ChunkFault, ChunkFiles, chunk_location, coverage_faults, read_chunk
+from .chunks import ChunkFault, ChunkFiles, MemoryFile, chunk_location, coverage_faults, read_chunk
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .manifest import completed, write_manifest
 from .metadata_check import entry_faults
@@ -227,7 +227,7 @@ class CheckpointReader:
                 continue
             first, last = chunks[run[0]][1], chunks[run[-1]][1]
             f = self._chunks.open(first.relative_path, chunks[run[0]][0].fqn)
-            window = _Window.load(f, first.offset, last.offset + last.length - first.offset)
+            window = _read_window(f, first.offset, last.offset + last.length - first.offset)
             for i in run:  # each chunk checked as ever (completeness, manifest entry, crc32c), from memory
                 index, info = chunks[i]
                 try:
@@ -263,46 +263,13 @@ def coalesce(chunks: Sequence[tuple[MetadataIndex, Any]], *, small: int = COALES
     return runs
 
 
-class _Window(io.RawIOBase):
-    """Bytes ``[base, base + len(data))`` of a file, held in memory, read at the file's own
-    offsets (what :func:`~mfsdp_ckpt.chunks.read_chunk` expects of a file); ``size`` is where the
-    window ends, so a chunk reaching past it reads as truncated."""
-
-    def __init__(self, data: bytearray, base: int) -> None:
-        super().__init__()
-        self._data, self._view, self.base, self.pos = data, memoryview(data), base, base
-        self.size = base + len(data)
-
-    @classmethod
-    def load(cls, f: Any, offset: int, length: int) -> "_Window":
-        """Read the range of ``f`` into memory (one read)."""
-        buf = bytearray(length)
-        f.seek(offset)
-        got = f.readinto(buf)
-        return cls(buf if got == length else buf[: got or 0], offset)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        lo = max(self.pos - self.base, 0) if self.pos >= self.base else None
-        if lo is None:
-            raise OSError(f"read at {self.pos}, before the coalesced range at {self.base}")
-        n = max(min(len(buffer), len(self._data) - lo), 0)
-        with memoryview(buffer) as view:
-            view.cast("B")[:n] = self._view[lo : lo + n]
-        self.pos += n
-        return n
+def _read_window(f: Any, offset: int, length: int) -> MemoryFile:
+    """Bytes ``[offset, offset + length)`` of ``f`` read into memory in one read, as a file
+    addressed at ``f``'s own offsets (a short read leaves a shorter window)."""
+    buf = bytearray(length)
+    f.seek(offset)
+    got = f.readinto(buf) or 0
+    return MemoryFile(buf if got == length else buf[:got], base=offset)
 
 
 def _contiguous_flat_start(offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> int | None:
