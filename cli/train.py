@@ -50,12 +50,15 @@ from mfsdp_core.mx import MXFormat
 from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked, placement_fn
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
+from .run_config import allowed_changes, changed_settings, run_config
+
 
 class UsageError(Exception):
     """Bad flags or a request that cannot be met: one line on stderr, non-zero exit."""
 
 
 _LATEST = "<ckpt-dir>/latest"  # --resume without a path
+_AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh start
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(at most one save in flight; logs each save's blocking and total seconds)")
     p.add_argument("--resume", nargs="?", const=_LATEST, default=None, metavar="CKPT",
                    help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
-                        "<ckpt-dir>/latest; at any world size")
+                        "<ckpt-dir>/latest; 'auto': from <ckpt-dir>/latest when it exists, else start fresh; at any "
+                        "world size. Refused when a flag that changes the samples or the math differs from the run's")
+    p.add_argument("--allow-change", action="append", default=[], metavar="FLAG",
+                   help="with --resume: accept a new value of this recorded flag (e.g. lr); repeatable")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
                         "fresh optimizer, step 0, any world size")
@@ -126,8 +132,14 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         )
     if args.seq_len > config.seq_length:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
-    if (args.resume == _LATEST or args.save_every) and not args.ckpt_dir:
-        raise UsageError("--resume without a checkpoint path, and --save-every, need --ckpt-dir")
+    if (args.resume in (_LATEST, _AUTO) or args.save_every) and not args.ckpt_dir:
+        raise UsageError("--resume without a checkpoint path (or 'auto'), and --save-every, need --ckpt-dir")
+    try:
+        allowed_changes(args.allow_change)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.allow_change and not args.resume:
+        raise UsageError("--allow-change is for --resume (a fresh run has nothing to compare with)")
     if args.async_save and not args.ckpt_dir:
         raise UsageError("--async-save needs --ckpt-dir")
     if args.resume and args.init_from:
@@ -206,13 +218,29 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
 
 
 def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
-    """The checkpoint to resume from, after checking it was written for this model."""
+    """The checkpoint to resume from, after checking it was written for this model and with the
+    settings of this run (:mod:`cli.run_config`; ``--allow-change`` lifts the check per flag)."""
     if args.resume != _LATEST:
-        return checked_checkpoint(args.resume, config, "--resume")
+        path = checked_checkpoint(args.resume, config, "--resume")
+    else:
+        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+        if not mfsdp_fs.exists(latest):
+            raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
+        path = checked_checkpoint(latest, config, "--resume")
+    saved = read_manifest(path).get("run_config")
+    if saved is not None:  # a checkpoint from before settings were recorded has nothing to compare
+        changed = changed_settings(saved, run_config(args), allowed_changes(args.allow_change))
+        if changed:
+            flags = " ".join(f"--allow-change {c.split()[0].lstrip('-')}" for c in changed)
+            raise UsageError(f"--resume: {path} was written with other settings: {', '.join(changed)}; "
+                             f"pass {flags} to resume with this run's values")
+    return path
+
+
+def resolve_auto_resume(args: argparse.Namespace) -> str | None:
+    """``--resume auto``: resume from ``<ckpt-dir>/latest`` when it exists, else start fresh."""
     latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-    if not mfsdp_fs.exists(latest):
-        raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
-    return checked_checkpoint(latest, config, "--resume")
+    return _LATEST if mfsdp_fs.exists(latest) else None
 
 
 def checked_checkpoint(where: str, config: GPTConfig, flag: str) -> str:
@@ -267,6 +295,10 @@ def _refuse_held(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
+    if args.resume == _AUTO:
+        args.resume = rank0_decides(resolve_auto_resume, args)
+        if rank == 0 and args.resume is None:
+            print(f"--resume auto: no checkpoint in {args.ckpt_dir}, starting fresh", flush=True)
     with contextlib.ExitStack() as run:
         rank0_decides(claim_run_dir, args, run)
         _train(args, config, rank, world)
@@ -357,6 +389,7 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
                     optim,
                     extra={"step": step, "data_position": position, "model": args.model},
                     model_config=config.to_dict(),
+                    run_config=run_config(args),
                     step=step,
                     keep=args.keep,
                     overwrite=True,

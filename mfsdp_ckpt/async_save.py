@@ -389,6 +389,7 @@ def async_save(
     extra: dict[str, Any] | None = None,
     include_grads: bool = False,
     model_config: dict[str, Any] | None = None,
+    run_config: dict[str, Any] | None = None,
     step: int | None = None,
     keep: int | None = None,
     update_latest: bool = True,
@@ -426,7 +427,7 @@ def async_save(
     try:
         job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
                            step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock)
+                           thread_count=thread_count, lock=lock, run_config=run_config)
         staged = _checkpoint._agreed(lambda: _stage(job))
         fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:

@@ -98,14 +98,16 @@ def save(
     update_latest: bool = True,
     overwrite: bool = False,
     thread_count: int = 1,
+    run_config: dict[str, Any] | None = None,
 ) -> str:
     """Save ``model`` (and ``optimizer``, adapted by ``fully_shard_optimizer``) to the directory
     ``path``, atomically. Collective: every rank of the model's mesh calls it.
 
     ``extra``: JSON-like values saved as ``extra.<name>`` (taken from rank 0; loaded with
     ``weights_only=True``, so plain types and tensors only). Each rank's torch RNG state is saved
-    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_config``
-    and ``step`` go into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
+    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_config``,
+    ``step`` and ``run_config`` (the settings a resumed run must keep: a trainer compares them) go
+    into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
     (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
     remain. Under expert parallelism each rank's experts are stored under their global names,
     the manifest records the plan merged over all ranks and ``writer.experts`` (which EP rank held
@@ -123,7 +125,7 @@ def save(
     with contextlib.ExitStack() as lock:
         job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
                            step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock)
+                           thread_count=thread_count, lock=lock, run_config=run_config)
         write_and_commit(job, job.entries, MfsdpSavePlanner())
     return job.final
 
@@ -166,6 +168,7 @@ def prepare_save(
     overwrite: bool,
     thread_count: int,
     lock: contextlib.ExitStack,
+    run_config: dict[str, Any] | None = None,
 ) -> PreparedSave:
     """Everything ``save`` does before writing: every refusal (on every rank alike), the
     destination's checks, the run directory's lock (entered into ``lock`` on rank 0; the caller
@@ -192,6 +195,7 @@ def prepare_save(
     manifest = {
         "writer": writer_layout(world, plan, experts),
         "model_config": model_config,
+        **({"run_config": run_config} if run_config is not None else {}),
         "step": step,
         "include_grads": include_grads,
         "has_optimizer": optimizer is not None,

@@ -230,6 +230,7 @@ MANIFEST = record(
         "total_bytes": integer(),
         "step": nullable(integer()),
         "model_config": nullable(dict_of(anything)),
+        "run_config": dict_of(anything),
         "writer": _WRITER,
         "include_grads": boolean,
         "has_optimizer": boolean,

@@ -223,3 +223,46 @@ def test_muon_run_stops_and_resumes_bitwise(tmp_path):
     state = _full_state(str(tmp_path / "b" / "step_000006"), str(tmp_path / "s.pt"))
     assert "optim.decoder.layers.0.mlp.linear_fc1.weight.momentum_buffer" in state
     assert "optim.embedding.word_embeddings.weight.exp_avg" in state
+
+
+SMALL = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--save-every", "2")
+
+
+def _snapshot(root) -> dict:
+    return {os.path.join(d, p): os.lstat(os.path.join(d, p)).st_mtime_ns for d, _, fs in os.walk(root) for p in fs}
+
+
+def test_resume_refuses_changed_settings_unless_allowed_and_touches_nothing(tmp_path):
+    ckpt = str(tmp_path / "run")
+    first = _run(None, *SMALL, "--steps", "4", "--stop-at", "2", "--ckpt-dir", ckpt)
+    assert first.returncode == 0, failure(first)
+    before = _snapshot(ckpt)
+    changed = _run(None, *SMALL, "--steps", "4", "--lr", "0.001", "--seed", "1", "--ckpt-dir", ckpt, "--resume")
+    assert changed.returncode == 1 and changed.stderr.strip().count("\n") == 0, failure(changed)
+    assert changed.stderr.strip() == (
+        f"error: --resume: {ckpt}/step_000002 was written with other settings: --lr 0.003 (this run: 0.001), "
+        "--seed 0 (this run: 1); pass --allow-change lr --allow-change seed to resume with this run's values")
+    partly = _run(None, *SMALL, "--steps", "4", "--lr", "0.001", "--seed", "1", "--ckpt-dir", ckpt, "--resume",
+                  "--allow-change", "lr")
+    assert partly.returncode == 1 and "--seed 0 (this run: 1)" in partly.stderr and "--lr" not in partly.stderr
+    bad = _run(None, *SMALL, "--steps", "4", "--ckpt-dir", ckpt, "--resume", "--allow-change", "strategy")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --allow-change strategy: not a recorded setting")
+    assert _snapshot(ckpt) == before  # nothing in the run directory changed
+    # a layout change is no setting change; an allowed one resumes and runs to the end
+    allowed = _run(None, *SMALL, "--steps", "4", "--lr", "0.001", "--strategy", "optim", "--ckpt-dir", ckpt,
+                   "--resume", "--allow-change=--lr", "--metrics", str(tmp_path / "m.jsonl"))
+    assert allowed.returncode == 0, failure(allowed)
+    assert "resumed from" in allowed.stdout and sorted(read_metrics(str(tmp_path / "m.jsonl"))) == [3, 4]
+
+
+def test_resume_auto_starts_fresh_then_resumes(tmp_path):
+    ckpt = str(tmp_path / "run")
+    fresh = _run(None, *SMALL, "--steps", "4", "--stop-at", "2", "--ckpt-dir", ckpt, "--resume", "auto")
+    assert fresh.returncode == 0, failure(fresh)
+    assert f"--resume auto: no checkpoint in {ckpt}, starting fresh" in fresh.stdout
+    again = _run(None, *SMALL, "--steps", "4", "--ckpt-dir", ckpt, "--resume", "auto")
+    assert again.returncode == 0, failure(again)
+    assert f"resumed from {ckpt}/step_000002 at step 2" in again.stdout
+    assert os.readlink(os.path.join(ckpt, "latest-checkpoint")) == "step_000004"
+    no_dir = _run(None, *SMALL, "--steps", "4", "--resume", "auto")
+    assert no_dir.returncode == 1 and "need --ckpt-dir" in no_dir.stderr

@@ -1,0 +1,78 @@
+"""The settings of a training run that a resumed run must keep, and the comparison ``--resume``
+makes: the sample sequence (seed, data source, batch size, sequence length) and the math (the
+optimizer and its schedule, clipping, precision). Layout flags (world size, ``--strategy``,
+``--policy``, ``--ep``) are not among them: a checkpoint loads into any layout.
+
+Each checkpoint's manifest records them (``run_config``); ``--resume`` refuses a run whose flags
+differ, naming each difference, unless the flag is named with ``--allow-change`` (a new learning
+rate after a restart, say)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["RECORDED_FLAGS", "run_config", "allowed_changes", "changed_settings"]
+
+# flag -> argparse attribute; the Muon and MXFP8 details count only when those are on
+RECORDED_FLAGS: dict[str, str] = {
+    "seed": "seed",
+    "batch-size": "batch_size",
+    "seq-len": "seq_len",
+    "micro-batches": "micro_batches",
+    "steps": "steps",
+    "lr": "lr",
+    "min-lr": "min_lr",
+    "warmup": "warmup",
+    "weight-decay": "weight_decay",
+    "clip": "clip",
+    "optimizer": "optimizer",
+    "param-dtype": "param_dtype",
+    "mxfp8": "mxfp8",
+    "muon-lr": "muon_lr",
+    "ns-dtype": "ns_dtype",
+    "mx-rule": "mx_rule",
+    "data": "data",
+}
+_ONLY_WITH = {"muon-lr": ("optimizer", "muon"), "ns-dtype": ("optimizer", "muon"), "mx-rule": ("mxfp8", None)}
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The recorded settings of this run, by flag name (``data``: where the samples come from)."""
+    out: dict[str, Any] = {}
+    for flag, attr in RECORDED_FLAGS.items():
+        if flag == "data":
+            out[flag] = "synthetic"  # the trainer's generated token stream (seeded by --seed)
+            continue
+        if flag in _ONLY_WITH:
+            other, value = _ONLY_WITH[flag]
+            on = getattr(args, other.replace("-", "_"))
+            if (value is None and on is None) or (value is not None and on != value):
+                continue
+        out[flag] = getattr(args, attr)
+    return out
+
+
+def allowed_changes(names: list[str]) -> set[str]:
+    """``--allow-change`` values as flag names (``lr`` or ``--lr``); ValueError naming an unknown one."""
+    out = set()
+    for name in names:
+        flag = name.lstrip("-")
+        if flag not in RECORDED_FLAGS:
+            raise ValueError(f"--allow-change {name}: not a recorded setting (one of: {', '.join(RECORDED_FLAGS)})")
+        out.add(flag)
+    return out
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any], allowed: set[str]) -> list[str]:
+    """``--flag SAVED (this run: NOW)`` for each recorded setting that differs and is not allowed."""
+    out = []
+    for flag in sorted(set(saved) | set(current)):
+        if flag in allowed or saved.get(flag) == current.get(flag):
+            continue
+        out.append(f"--{flag} {_shown(saved.get(flag))} (this run: {_shown(current.get(flag))})")
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
