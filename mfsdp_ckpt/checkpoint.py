@@ -305,6 +305,9 @@ def _link_latest(parent: str, name: str) -> None:
     partial name renamed over the old one. A file system without symlinks gets a warning (the
     pointer file is already written)."""
     link = os.path.join(parent, LATEST_LINK_NAME)
+    if os.path.lexists(link) and not os.path.islink(link):
+        warnings.warn(f"{link}: not a symlink (a copy of the run?); left as it is; '{LATEST_NAME}' names the latest", stacklevel=2)
+        return
     tmp = os.path.join(parent, f".{LATEST_LINK_NAME}{PARTIAL_MARK}{os.getpid()}")
     try:
         with contextlib.suppress(FileNotFoundError):
@@ -313,6 +316,8 @@ def _link_latest(parent: str, name: str) -> None:
         os.replace(tmp, link)
         fsync_dir(parent)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         warnings.warn(f"{link}: cannot link the latest checkpoint ({e.strerror or e}); '{LATEST_NAME}' names it", stacklevel=2)
 
 

@@ -71,11 +71,13 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
 def _stock(directory: str) -> bool:
     """Whether a directory with ``.metadata`` and no ``mfsdp.json`` is a stock DCP checkpoint, not
     one of our saves that never committed (:func:`mfsdp_ckpt.stock.uncommitted_reason`)."""
+    from .metadata_check import checked_metadata
     from .safety import safe_load_metadata
     from .stock import uncommitted_reason
 
+    path = fs.join(directory, ".metadata")
     try:
-        metadata = safe_load_metadata(fs.read_member(directory, ".metadata"), fs.join(directory, ".metadata"))
+        metadata = checked_metadata(safe_load_metadata(fs.read_member(directory, ".metadata"), path), path)
     except (OSError, CheckpointError):
         return False  # unreadable: listed as not committed
     return uncommitted_reason(directory, metadata) is None

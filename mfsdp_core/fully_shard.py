@@ -175,9 +175,10 @@ class ShardedUnit:
         self.in_backward = False
 
 
-# the live whole-tensor (``tensor`` policy) buffers, so that each new unit's owners start at the
-# least-loaded rank of its group: units of one parameter each spread over the ranks instead of
-# all landing on rank 0 (a model's buffers are released with it)
+# the whole-tensor (``tensor`` policy) buffers of the model being sharded, so that each new unit's
+# owners start at the least-loaded rank of its group: units of one parameter each spread over the
+# ranks instead of all landing on rank 0 (emptied when the model's root is sharded; weak, so a
+# model dropped half-way does not count)
 _WHOLE_TENSOR_BUFFERS: "weakref.WeakSet[FlatParamBuffer]" = weakref.WeakSet()
 
 
@@ -250,6 +251,12 @@ def fully_shard(
             sub_unit.context = context
             for buf in sub_unit.buffers:
                 buf.spec = buf.spec.with_prefix(f"{prefix}." if prefix else "")
+    # the root of every whole-tensor buffer planned so far: that model is complete, and the next
+    # model's units are balanced from zero (so two models built alike get the same plan)
+    inner_units = [u for sub in module.modules() if sub is not module and (u := getattr(sub, _UNIT_ATTR, None)) is not None]
+    under = {id(buf) for u in (unit, *inner_units) for buf in u.buffers}
+    if inner_units and all(id(buf) in under for buf in list(_WHOLE_TENSOR_BUFFERS)):
+        _WHOLE_TENSOR_BUFFERS.clear()
     return module
 
 
