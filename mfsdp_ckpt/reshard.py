@@ -39,6 +39,7 @@ from .manifest import MANIFEST_NAME, recorded_plan, versions, writer_layout
 from .mapped import MappedReader
 from .stock import KeyRule, parse_key_map, uncommitted_reason
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
+from .progress import progress_adder
 
 __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
 
@@ -408,13 +409,7 @@ def reshard(
                                       "model_only": model_only, "dtype": dtype,
                                       "format": "stock DCP" if stock else "mfsdp", "key_map": [str(r) for r in rules]}
     total = sum(j.nbytes for j in jobs)
-    done = 0
-
-    def report(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
+    report = progress_adder(progress, total)
 
     with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
         assignments = _assign(jobs, workers)

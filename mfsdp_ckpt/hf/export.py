@@ -43,6 +43,7 @@ from .mapping import Architecture, Conversion, check_against, expand
 from .mx import E8M0, SCALE_SUFFIX, MXParam, check_rows_only, module_of, mx_params, quantization_config, scale_name, single_format, split_rows
 from .registry import get_architecture, infer_architecture
 from .workers import Staging, check_workers, run_tasks
+from ..progress import progress_adder
 
 __all__ = ["export", "ExportResult", "MODES"]
 
@@ -317,13 +318,7 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
         shards.item_done(s)
         return item.nbytes
 
-    done = 0
-
-    def report(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
+    report = progress_adder(progress, total)
 
     try:
         run_tasks(tasks, workers, make_state, do, close_state, report)

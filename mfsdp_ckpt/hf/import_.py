@@ -39,6 +39,7 @@ from .mapping import Architecture, Conversion, check_against, count_their_keys, 
 from .mx import E8M0, EXTENSION, fqn_of, module_of, mx_key, mx_plan, parse_quantization_config, scale_name
 from .registry import architecture_of_hf_config, architectures, get_architecture
 from .workers import Staging, Turns, check_workers, run_tasks
+from ..progress import progress_adder
 
 __all__ = ["import_", "ImportResult"]
 
@@ -216,13 +217,7 @@ def _convert_all(hf: HFDirectory, builder: CheckpointBuilder, conversions: list[
             builder.start_writeback(record)
         return nbytes
 
-    done = 0
-
-    def report(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
+    report = progress_adder(progress, total)
 
     run_tasks(list(enumerate(conversions)), workers, Staging, do, progress=report, turns=turns)
     wrong = sorted([k for k in hf.tensors if consumed[k] != 1] + [k for k in shapes if written[k] != 1])
