@@ -176,7 +176,7 @@ def decode_record(record: numpy.ndarray, info: Any, index: MetadataIndex, manife
     if expect is not None:
         raw = locate_raw_tensor(MemoryFile(record), 0, info.length, expect[0], math.prod(expect[1]))
     if raw is None:
-        tensor = _loaded_tensor(io.BytesIO(record.tobytes()), expect)
+        tensor = _loaded_tensor(MemoryFile(record), expect)  # read in place: no copy of the record
         _check_crc(tensor, expected)
         return tensor
     assert expect is not None
