@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mfsdp_core.data import describe_token_file
+
 __all__ = ["RECORDED_FLAGS", "run_config", "allowed_changes", "changed_settings"]
 
 # flag -> argparse attribute; the Muon and MXFP8 details count only when those are on
@@ -27,13 +29,15 @@ RECORDED_FLAGS: dict[str, str] = {
     "weight-decay": "weight_decay",
     "clip": "clip",
     "optimizer": "optimizer",
-    "param-dtype": "param_dtype",
+    "dtype": "param_dtype",
     "mxfp8": "mxfp8",
     "muon-lr": "muon_lr",
     "ns-dtype": "ns_dtype",
     "mx-rule": "mx_rule",
     "data": "data",
 }
+# flags recorded under another name by earlier versions (or still accepted as aliases)
+_RENAMED = {"param-dtype": "dtype"}
 _ONLY_WITH = {"muon-lr": ("optimizer", "muon"), "ns-dtype": ("optimizer", "muon"), "mx-rule": ("mxfp8", None)}
 
 
@@ -41,8 +45,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The recorded settings of this run, by flag name (``data``: where the samples come from)."""
     out: dict[str, Any] = {}
     for flag, attr in RECORDED_FLAGS.items():
-        if flag == "data":
-            out[flag] = "synthetic"  # the trainer's generated token stream (seeded by --seed)
+        if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
+            out[flag] = describe_token_file(args.data, args.data_dtype) if args.data else "synthetic"
             continue
         if flag in _ONLY_WITH:
             other, value = _ONLY_WITH[flag]
@@ -58,6 +62,7 @@ def allowed_changes(names: list[str]) -> set[str]:
     out = set()
     for name in names:
         flag = name.lstrip("-")
+        flag = _RENAMED.get(flag, flag)
         if flag not in RECORDED_FLAGS:
             raise ValueError(f"--allow-change {name}: not a recorded setting (one of: {', '.join(RECORDED_FLAGS)})")
         out.add(flag)
@@ -67,6 +72,7 @@ def allowed_changes(names: list[str]) -> set[str]:
 def changed_settings(saved: dict[str, Any], current: dict[str, Any], allowed: set[str]) -> list[str]:
     """``--flag SAVED (this run: NOW)`` for each recorded setting that differs and is not allowed."""
     out = []
+    saved = {_RENAMED.get(flag, flag): value for flag, value in saved.items()}
     for flag in sorted(set(saved) | set(current)):
         if flag in allowed or saved.get(flag) == current.get(flag):
             continue

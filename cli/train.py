@@ -8,9 +8,10 @@
         --init-from ckpts/from_hf    # weights only (e.g. from ``mfsdp-ckpt import-hf``), fresh optimizer
 
 Every decoder layer and then the root are ``fully_shard``-ed; AdamW (or Muon) steps on the local fp32
-shards. The data is a deterministic, seekable synthetic stream whose position is checkpointed, so a
-resumed run (at any world size) continues the same sample sequence; at the same world size it is
-bitwise identical to an uninterrupted run. gloo on CPU by default; NCCL when CUDA is available.
+shards. The data (a synthetic stream, or ``--data``: a memory-mapped token file) is deterministic and
+seekable, and its position is checkpointed, so a resumed run (at any world size) continues the same
+sample sequence; at the same world size it is bitwise identical to an uninterrupted run. The model is
+a preset, a ``--model-config`` file, or the config recorded in the checkpoint the run starts from. gloo on CPU by default; NCCL when CUDA is available.
 
 This module is the application on top of both packages (the runtime ``mfsdp_core`` and the
 checkpoint layer ``mfsdp_ckpt``), which is why it lives next to the command line: neither package
@@ -41,15 +42,16 @@ from mfsdp_ckpt.objstore import check_writable_prefix
 from mfsdp_ckpt.manifest import read_manifest
 from mfsdp_core import MixedPrecision, clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
-from mfsdp_core.data import SyntheticText
+from mfsdp_core.data import TOKEN_DTYPES, SyntheticText, TokenFile
 from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
 from mfsdp_core.layout import parse_policy
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset, linear_weights, shard_experts, shard_units
+from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, linear_weights, shard_experts, shard_units
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
 from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked, placement_fn
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
+from .model_source import DEFAULT_PRESET, model_of_run
 from .run_config import allowed_changes, changed_settings, run_config
 
 
@@ -63,7 +65,12 @@ _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
-    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", default=None,
+                   help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
+                        f"checkpoint, else {DEFAULT_PRESET})")
+    p.add_argument("--model-config", default=None, metavar="FILE.json",
+                   help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
+                        "Face config.json of a known architecture")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
     p.add_argument("--ep", type=int, default=1, metavar="E",
@@ -74,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "sharded on whole 32-row blocks, quantized locally after each step, gathered as MX planes")
     p.add_argument("--mx-rule", default="floor", choices=["floor", "rceil"],
                    help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil")
-    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype the model computes in (main params and gradient reduction stay fp32)")
+    p.add_argument("--dtype", "--param-dtype", dest="param_dtype", default="float32", type=_compute_dtype,
+                   metavar="{fp32,bf16}", help="dtype the model computes in: fp32, or bf16 for mixed precision "
+                                               "(main params, optimizer state and gradient reduction stay fp32)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="adamw, or muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
                         "under flat policies) and AdamW for embeddings, output layer and vectors")
@@ -92,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on a tokenized corpus: one flat binary file of token ids, no header (nanoGPT's train.bin, "
+                        "the .bin of Megatron's preprocessing), memory-mapped and cut into --seq-len windows shuffled "
+                        "per epoch by --seed; the position is checkpointed (default: a synthetic token stream)")
+    p.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES), help="the token id type of --data")
     p.add_argument("--ckpt-dir", default=None,
                    help="checkpoint directory: a local path, or an object-store URL such as s3://bucket/run "
                         "(endpoint and credentials from the environment: FSSPEC_S3_ENDPOINT_URL, AWS_*)")
@@ -114,10 +127,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+_DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _compute_dtype(name: str) -> str:
+    if name not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r}: one of fp32, bf16 (or float32, bfloat16)")
+    return _DTYPE_NAMES[name]
+
+
 def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
-    """Validate flags before anything is built; returns the model config."""
+    """Validate flags before anything is built; returns the model config (``args.model`` becomes its
+    name: the preset's, the config file's, or ``custom``)."""
+    if (args.resume in (_LATEST, _AUTO) or args.save_every) and not args.ckpt_dir:
+        raise UsageError("--resume without a checkpoint path (or 'auto'), and --save-every, need --ckpt-dir")
     try:
-        config = get_preset(args.model)
+        config, args.model = model_of_run(args.model, args.model_config, start_checkpoint(args))
         parse_strategy(args.strategy)
         parse_policy(args.policy)
     except ValueError as e:
@@ -132,8 +157,8 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         )
     if args.seq_len > config.seq_length:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
-    if (args.resume in (_LATEST, _AUTO) or args.save_every) and not args.ckpt_dir:
-        raise UsageError("--resume without a checkpoint path (or 'auto'), and --save-every, need --ckpt-dir")
+    if args.data:
+        open_data(args, config)  # a missing, misshapen or too short file fails now
     try:
         allowed_changes(args.allow_change)
     except ValueError as e:
@@ -165,6 +190,27 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {probe} is not writable")
+
+
+def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(flag, checkpoint)`` the run starts from, as far as flags tell before rank 0 picks it
+    (``--resume`` without a path: ``<ckpt-dir>/latest``, if it exists)."""
+    if args.init_from:
+        return "--init-from", args.init_from
+    if args.resume in (_LATEST, _AUTO):
+        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+        return ("--resume", latest) if mfsdp_fs.exists(latest) else None
+    return ("--resume", args.resume) if args.resume else None
+
+
+def open_data(args: argparse.Namespace, config: GPTConfig) -> SyntheticText | TokenFile:
+    """The run's samples: ``--data``'s token file, or the synthetic stream."""
+    if not args.data:
+        return SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
+    try:
+        return TokenFile(args.data, args.seq_len, config.vocab_size, dtype=args.data_dtype, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -311,7 +357,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
     init_from = rank0_decides(checked_checkpoint, args.init_from, config, "--init-from") if args.init_from else None
     model, optim = build(config, args)
     device = next(model.parameters()).device
-    data = SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
+    data = open_data(args, config)
     step, position = 0, 0
     if resume_from is not None:
         try:
@@ -341,7 +387,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if args.async_save else None
     try:
-        _loop(args, config, rank, world, model, optim, data, device, step, position, last, bar, saving)
+        done = _loop(args, config, rank, world, model, optim, data, device, step, position, last, bar, saving)
         if saving is not None:
             saving.finish()  # the last save is committed before the run ends (--stop-at included)
     finally:
@@ -349,19 +395,37 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
             saving.wait()  # on an error: let the save in flight end before the process group goes
     if bar is not None:
         bar.close()
+    if rank == 0:
+        print(stop_reason(args, step, done), flush=True)
+
+
+def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
+    """The run's last line: why it stopped, and how to go on when it can."""
+    if done == first:
+        limit = f"--stop-at {args.stop_at}" if args.stop_at is not None and args.stop_at < args.steps else f"--steps {args.steps}"
+        return f"nothing to do: the run is already at step {first} ({limit})"
+    if done >= args.steps:
+        return f"finished: step {done} of {args.steps}"
+    how = "continue with --resume" if args.ckpt_dir else "no --ckpt-dir, so there is no checkpoint to continue from"
+    return f"stopped at step {done} of {args.steps}: reached --stop-at {args.stop_at}; {how}"
 
 
 def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, model: GPTModel, optim: torch.optim.Optimizer,
-          data: SyntheticText, device: torch.device, step: int, position: int, last: int, bar: Any,
-          saving: _AsyncSaves | None) -> None:
+          data: SyntheticText | TokenFile, device: torch.device, step: int, position: int, last: int, bar: Any,
+          saving: _AsyncSaves | None) -> int:
+    """Train from ``step`` to ``last``; returns the last step done."""
     per_rank = args.batch_size // world
+    window = _StepTimes()
     while step < last:
         step += 1
         start = time.perf_counter()
         lr = lr_at(step, args)
         for group in optim.param_groups:
             group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
-        tokens = data.batch(position, args.batch_size)[rank * per_rank : (rank + 1) * per_rank].to(device)
+        try:  # this rank's slice of the global batch (samples are a pure function of their index)
+            tokens = data.batch(position + rank * per_rank, per_rank).to(device)
+        except ValueError as e:  # a token id outside the vocabulary
+            raise UsageError(str(e)) from None
         position += args.batch_size
         loss_sum = torch.zeros((), device=device)
         for micro in tokens.chunk(args.micro_batches):
@@ -375,15 +439,15 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
         if dist.is_initialized():
             dist.all_reduce(loss_sum)
         mean_loss = loss_sum.item() / world
-        seconds = time.perf_counter() - start
+        window.add(time.perf_counter() - start)
         if rank == 0:
-            _report(args, bar, step, mean_loss, lr, grad_norm.item(), args.batch_size * args.seq_len / seconds)
+            _report(args, bar, step, last, mean_loss, lr, grad_norm.item(), window)
         if saving is not None:
             saving.poll()
         if args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last):
-            save = mfsdp_ckpt.save if saving is None else saving.start
+            save = _timed_save if saving is None else saving.start
             try:
-                save(
+                line = save(
                     mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
                     model,
                     optim,
@@ -396,6 +460,49 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
                 )
             except mfsdp_ckpt.CheckpointError as e:
                 raise UsageError(f"saving step {step}: {e}") from None
+            if line is not None and rank == 0:
+                _log(bar, line)
+    return step
+
+
+def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
+    """``mfsdp_ckpt.save``; returns its log line: name, bytes written, seconds, where."""
+    start = time.perf_counter()
+    saved = mfsdp_ckpt.save(path, *args, **kwargs)
+    seconds = time.perf_counter() - start
+    return f"saved {os.path.basename(saved)}: {_written(saved)} in {seconds:.2f} s to {saved}"
+
+
+def _written(path: str) -> str:
+    """The bytes a committed checkpoint holds, from its manifest (``?`` if it cannot be read)."""
+    try:
+        total = read_manifest(path).get("total_bytes")
+    except mfsdp_ckpt.CheckpointError:
+        total = None
+    if not isinstance(total, int):
+        return "? bytes"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if total >= size:
+            return f"{total / size:.2f} {unit}"
+    return f"{total} bytes"
+
+
+class _StepTimes:
+    """Seconds of the steps since the last log line: the log reports their mean, not the last step's
+    (one slow step, a save's or the first one's warm-up, would otherwise stand for the window)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.steps = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+
+    def take(self) -> float:
+        """The mean step time of the window, which then starts again."""
+        mean = self.seconds / max(self.steps, 1)
+        self.seconds, self.steps = 0.0, 0
+        return mean
 
 
 class _AsyncSaves:
@@ -410,6 +517,7 @@ class _AsyncSaves:
         self.logged = True
 
     def start(self, path: str, *args: Any, **kwargs: Any) -> None:
+        """Start saving ``path`` in the background (logged once committed: returns no line now)."""
         self.finish()  # the previous save: committed (logged) or its error raised
         self.handle, self.logged = mfsdp_ckpt.async_save(path, *args, **kwargs), False
 
@@ -439,12 +547,9 @@ class _AsyncSaves:
             return
         self.logged = True
         h = self.handle
-        line = (f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s "
-                f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s")
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        _log(self.bar, f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s "
+                       f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s; "
+                       f"{_written(h.path)} to {h.path}")
 
 
 def _progress(rank: int, step: int, steps: int) -> Any:
@@ -455,19 +560,26 @@ def _progress(rank: int, step: int, steps: int) -> Any:
     return tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
 
-def _report(args: argparse.Namespace, bar: Any, step: int, loss: float, lr: float, grad_norm: float, tok_s: float) -> None:
+def _report(args: argparse.Namespace, bar: Any, step: int, last: int, loss: float, lr: float, grad_norm: float,
+            window: _StepTimes) -> None:
     if args.metrics:
         with open(args.metrics, "a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}) + "\n")
-    if step % args.log_every == 0 or step == args.steps or step == args.stop_at:
-        line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
-                f"{tok_s:,.0f} tok/s | peak-rss {memory_mib():,.0f} MiB")
-        if bar is not None:
-            bar.write(line)
-        else:
-            print(line, flush=True)
+    if step % args.log_every == 0 or step == last:
+        mean = window.take()
+        _log(bar, f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
+                  f"{mean * 1e3:,.1f} ms/step | {args.batch_size * args.seq_len / mean:,.0f} tok/s | "
+                  f"peak-rss {memory_mib():,.0f} MiB")
     if bar is not None:
         bar.update(1)
+
+
+def _log(bar: Any, line: str) -> None:
+    """One line of the run's log, above the progress bar when there is one."""
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,22 @@
-"""A deterministic, seekable synthetic token stream for training runs and tests.
+"""The trainer's samples: a deterministic, seekable synthetic token stream (runs and tests), and a
+memory-mapped tokenized corpus (:class:`TokenFile`).
 
-Sample ``i`` is a pure function of ``(seed, i)``: a walk through a fixed sparse transition table
-(each token has a few likely successors, drawn with Zipf-like weights), so there is structure to
-learn, and any sample can be produced without producing the ones before it. A trainer saves the
-index of the next sample and resumes the same sequence of samples at any world size: the global
-batch of a step is the same whatever the number of ranks; each rank takes its slice.
+In both, sample ``i`` is a pure function of ``(seed, i)``, so any sample can be produced without
+producing the ones before it. A trainer saves the index of the next sample and resumes the same
+sequence of samples at any world size: the global batch of a step is the same whatever the number
+of ranks; each rank takes its slice. The synthetic stream is a walk through a fixed sparse
+transition table (each token has a few likely successors, drawn with Zipf-like weights), so there
+is structure to learn.
 """
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 
-__all__ = ["SyntheticText"]
+__all__ = ["SyntheticText", "TokenFile", "TOKEN_DTYPES", "describe_token_file"]
 
 
 class SyntheticText:
@@ -36,3 +41,78 @@ class SyntheticText:
     def batch(self, start: int, count: int) -> torch.Tensor:
         """Samples ``start .. start + count - 1`` stacked: ``[count, seq_len + 1]``."""
         return torch.stack([self.sample(start + i) for i in range(count)])
+
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class TokenFile:
+    """A tokenized corpus: one flat binary file of ``uint16`` or ``uint32`` token ids, native byte
+    order, no header (what nanoGPT's ``prepare.py`` writes, and the ``.bin`` half of Megatron's
+    preprocessed data). Memory-mapped: only the windows a rank trains on are read.
+
+    The file is cut into ``(tokens - 1) // seq_len`` windows of ``seq_len + 1`` tokens (each
+    window's last token is the next one's first, so every token is a target once). Sample ``i``
+    is window ``perm_e[i % windows]`` of epoch ``e = i // windows``, where ``perm_e`` is a
+    permutation seeded by ``(seed, e)``: a pure function of ``i``, like :class:`SyntheticText`, so
+    a trainer that saves the next sample index resumes the same samples at any world size.
+    """
+
+    def __init__(self, path: str, seq_len: int, vocab: int, *, dtype: str = "uint16", seed: int = 0) -> None:
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"--data-dtype {dtype!r}: one of {', '.join(TOKEN_DTYPES)}")
+        self.path, self.seq_len, self.vocab, self.seed = path, seq_len, vocab, seed
+        np_dtype = TOKEN_DTYPES[dtype]
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise ValueError(f"--data {path}: {e.strerror or e}") from None
+        if os.path.isdir(path):
+            raise ValueError(f"--data {path}: is a directory, not a token file")
+        itemsize = np.dtype(np_dtype).itemsize
+        if size % itemsize:
+            raise ValueError(f"--data {path}: {size} bytes is not a whole number of {dtype} token ids "
+                             f"({itemsize} bytes each); is --data-dtype right?")
+        self.tokens = size // itemsize
+        self.windows = (self.tokens - 1) // seq_len if self.tokens else 0
+        if self.windows < 1:
+            raise ValueError(f"--data {path}: {self.tokens} tokens, fewer than one sample of --seq-len {seq_len} + 1")
+        self._ids = np.memmap(path, dtype=np_dtype, mode="r")
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def _window(self, index: int) -> int:
+        epoch, within = divmod(index, self.windows)
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+            self._perm = (epoch, torch.randperm(self.windows, generator=gen))
+        return int(self._perm[1][within])
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Tokens ``[seq_len + 1]`` of sample ``index`` as int64; ValueError naming the file and
+        the offset of a token id outside the model's vocabulary."""
+        start = self._window(index) * self.seq_len
+        tokens = torch.from_numpy(self._ids[start : start + self.seq_len + 1].astype(np.int64))
+        bad = (tokens >= self.vocab).nonzero()
+        if bad.numel():
+            at = int(bad[0, 0])
+            raise ValueError(f"--data {self.path}: token id {int(tokens[at])} at token {start + at} is outside the "
+                             f"model's vocabulary ({self.vocab}); is --data-dtype right, and the tokenizer the model's?")
+        return tokens
+
+    def batch(self, start: int, count: int) -> torch.Tensor:
+        """Samples ``start .. start + count - 1`` stacked: ``[count, seq_len + 1]``."""
+        return torch.stack([self.sample(start + i) for i in range(count)])
+
+    def describe(self) -> str:
+        """What a run records as its data source (compared on resume)."""
+        return describe_token_file(self.path, self._ids.dtype.name)
+
+
+def describe_token_file(path: str, dtype: str) -> str:
+    """``/abs/path (uint16, N tokens)``: a token file as a run records its data source, so a resumed
+    run that reads another file, or the same one grown or read with another dtype, is told."""
+    try:
+        tokens = str(os.path.getsize(path) // np.dtype(TOKEN_DTYPES[dtype]).itemsize)
+    except (OSError, KeyError):
+        tokens = "?"
+    return f"{os.path.abspath(path)} ({dtype}, {tokens} tokens)"
