@@ -56,6 +56,10 @@ def _run(fn: Callable[[], Any]) -> Any:
         text = " ".join(str(e).split())  # one line, whatever the exception held
         if isinstance(e, CheckpointError):
             _fail(text, type(e).__name__)
+        elif type(e).__name__ == "NoCredentialsError":  # botocore's, raised by any s3:// request
+            from mfsdp_ckpt.objstore import NO_CREDENTIALS
+
+            _fail(NO_CREDENTIALS, type(e).__name__)
         elif isinstance(e, OSError):
             _fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or text}", type(e).__name__)
         else:

@@ -76,7 +76,7 @@ def verify(path: str, as_json: bool) -> None:
 
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
-        click.echo(json.dumps({"ok": not faults, "faults": [f.__dict__ for f in faults],
+        click.echo(json.dumps({"path": path, "ok": not faults, "faults": [f.__dict__ for f in faults],
                                "notes": list(getattr(faults, "notes", []))}, indent=1))
         sys.exit(1 if faults else 0)
     for note in getattr(faults, "notes", []):
@@ -103,8 +103,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
 
     result = _run_with_progress("diff", lambda bar: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar),
                                 unit="entries")
-    if as_json:
-        click.echo(json.dumps(result.to_json(), indent=1))
+    if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name
+        click.echo(json.dumps({"a": a, "b": b, "ok": result.equal, **result.to_json()}, indent=1))
     else:
         for key in result.only_in_a:
             click.echo(f"only in A  {key}")
@@ -164,7 +164,7 @@ def reshard(src: str, dst: str, world_size: int, ep: int | None, strategy: str |
         src, dst, world_size=world_size, ep=ep, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
         workers=workers, overwrite=overwrite, key_map=key_map, progress=bar))
     if as_json:
-        click.echo(json.dumps(result.__dict__, indent=1))
+        click.echo(json.dumps(result.to_json(), indent=1))
         return
     click.echo(f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
                f"file(s) for world size {result.world_size}" + (f", EP size {result.ep_size}" if result.ep_size else ""))

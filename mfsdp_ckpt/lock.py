@@ -61,7 +61,8 @@ def _acquire(run_dir: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise CheckpointError(f"{path}: cannot open the run directory's lock ({e.strerror})") from None
+            raise CheckpointError(f"{run_dir}: cannot write there ({e.strerror}; the writer lock {LOCK_NAME} "
+                                  "is created in the destination's directory)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -83,6 +84,20 @@ def _acquire(run_dir: str) -> int:
     return fd
 
 
+def _blocker(path: str) -> str | None:
+    """``<ancestor> is a file, not a directory`` when an existing ancestor of ``path`` is not a
+    directory (the usual reason a destination cannot be created), else None."""
+    probe = path
+    while probe and not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if probe and os.path.lexists(probe) and not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    return None
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
     """Hold the writer lock of ``run_dir`` (created if missing) inside ``with``; re-entrant within
@@ -92,7 +107,7 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
         try:
             os.makedirs(run_dir, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+            raise CheckpointError(f"{run_dir}: cannot create the directory ({_blocker(run_dir) or e.strerror})") from None
         _held[run_dir] = (_acquire(run_dir), 0)
     fd, count = _held[run_dir]
     _held[run_dir] = (fd, count + 1)

@@ -223,16 +223,46 @@ def bucket_of(url: str) -> str | None:
     return f"{scheme}://{rest.split('/', 1)[0]}" if scheme in _BUCKET_SCHEMES else None
 
 
+NO_CREDENTIALS = ("no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in "
+                  "the environment, or FSSPEC_S3_ANON=true for a public bucket")
+
+
+def missing_credentials(url: str) -> str | None:
+    """Why requests to ``url`` cannot be signed, when that is so: an ``s3://`` URL, no anonymous
+    access configured, and no credentials in botocore's chain (environment, profile files,
+    instance role). None otherwise. Asked only once a request has failed or a bucket looks
+    absent: s3fs reports a missing bucket and missing credentials alike."""
+    if url.partition("://")[0] not in ("s3", "s3a"):
+        return None
+    import fsspec.config
+
+    options = fsspec.config.conf.get("s3", {})
+    if str(options.get("anon", "")).lower() in ("1", "true") or options.get("key") or options.get("profile"):
+        return None
+    try:
+        import botocore.session
+
+        found = botocore.session.Session().get_credentials()
+    except Exception:  # noqa: BLE001 - a broken profile file: botocore's own error surfaces later
+        return None
+    return None if found is not None else NO_CREDENTIALS
+
+
 def check_bucket(url: str) -> None:
-    """Refuse, in one line, a URL whose bucket does not exist or cannot be reached."""
+    """Refuse, in one line, a URL whose bucket does not exist or cannot be reached (naming
+    missing credentials when that is the reason)."""
     bucket = bucket_of(url)
     if bucket is None:
         return
     try:
         found = fs.exists(bucket)
     except Exception as e:  # noqa: BLE001 - unreachable endpoint, bad credentials
-        raise CheckpointError(f"{url}: cannot reach {bucket} ({_reason(e)})") from None
+        reason = missing_credentials(url)
+        raise CheckpointError(f"{url}: {reason or f'cannot reach {bucket} ({_reason(e)})'}") from None
     if not found:
+        reason = missing_credentials(url)
+        if reason:
+            raise CheckpointError(f"{url}: {reason}")
         raise CheckpointError(f"{url}: {bucket} does not exist or cannot be reached (create the bucket first; "
                               "check the endpoint and credentials in the environment)")
 

@@ -57,6 +57,13 @@ class ReshardResult:
     dropped: list[str]  # keys left out (--model-only, RNG states of another world size)
     ep_size: int | None = None  # the target's EP size (None: no expert parallelism)
 
+    def to_json(self) -> dict[str, Any]:
+        """The fields under the names every command's ``--json`` uses (``bytes``, as export-hf,
+        import-hf and ls have it)."""
+        out = dict(self.__dict__)
+        out["bytes"] = out.pop("bytes_written")
+        return out
+
 
 @dataclass(frozen=True)
 class _Job:

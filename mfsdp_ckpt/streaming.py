@@ -571,18 +571,14 @@ class CheckpointBuilder:
         self._lock.close()
 
 
-_BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")  # stores whose first path part is a bucket
-
-
 def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
     """An object-store destination: never inside or around a source; replaced only when it is a
     committed checkpoint (the manifest is there) and ``overwrite`` asks for it."""
     from .manifest import MANIFEST_NAME
 
-    scheme, _, rest = final.partition("://")
-    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
-    if scheme in _BUCKET_SCHEMES and not fs.exists(bucket):  # else every upload fails, slowly, after retries
-        raise CheckpointError(f"{final}: {bucket} does not exist (create the bucket first)")
+    from .objstore import check_bucket
+
+    check_bucket(final)  # else every upload fails, slowly, after retries
     exists = fs.exists(final)
     if exists and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")

@@ -6,6 +6,7 @@ errors as one line (one JSON object under ``--json``)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -79,7 +80,6 @@ def test_errors_under_json_are_one_json_object(tmp_path):
 def test_installed_under_its_own_import_name(tmp_path):
     """The command line package is installed as ``mfsdp_cli`` (a top-level ``cli`` would clash
     with other packages): the console scripts name it, and they run from any directory."""
-    import os
     from importlib.metadata import entry_points
 
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name.startswith("mfsdp-")}
@@ -88,3 +88,75 @@ def test_installed_under_its_own_import_name(tmp_path):
     out = subprocess.run([script, "ls", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0 and out.stdout.strip() == f"no checkpoints under {tmp_path}", out
+
+
+def _tiny_checkpoint(root) -> str:
+    """A real checkpoint of the trainer (one process, one step)."""
+    from tests.torchrun import failure, run_train
+
+    run = run_train(None, "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--ckpt-dir", str(root))
+    assert run.returncode == 0, failure(run)
+    return str(root / "step_000001")
+
+
+def test_json_field_names_are_shared_across_commands(tmp_path):
+    """``path`` names what a command read or wrote, ``ok`` is the verdict of a check (verify,
+    diff), ``bytes`` a size (reshard, ls, export-hf, import-hf), ``tensors`` a count."""
+    ckpt = _tiny_checkpoint(tmp_path / "run")
+    verify = json.loads(_cli("verify", "--json", ckpt).stdout)
+    assert verify["path"] == ckpt and verify["ok"] is True and verify["faults"] == []
+    same = _cli("diff", "--json", ckpt, ckpt)
+    assert same.returncode == 0 and json.loads(same.stdout)["ok"] is True
+    reshard = _cli("reshard", "--json", ckpt, str(tmp_path / "w3"), "--world-size", "3")
+    assert reshard.returncode == 0, reshard.stderr
+    info = json.loads(reshard.stdout)
+    assert info["path"] == str(tmp_path / "w3") and info["bytes"] > 0 and "bytes_written" not in info
+    listed = json.loads(_cli("ls", "--json", str(tmp_path / "run")).stdout)
+    assert [e["name"] for e in listed] == ["step_000001"] and listed[0]["bytes"] > 0
+    inspected = json.loads(_cli("inspect", "--json", ckpt).stdout)
+    assert inspected["path"] == ckpt
+    exported = _cli("export-hf", "--json", ckpt, str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    exported = json.loads(exported.stdout)
+    assert {"path", "tensors", "bytes", "seconds"} <= set(exported)
+    imported = json.loads(_cli("import-hf", "--json", str(tmp_path / "hf"), str(tmp_path / "back")).stdout)
+    assert {"path", "tensors", "bytes", "seconds"} <= set(imported)
+    differ = _cli("diff", "--json", ckpt, str(tmp_path / "back"))  # the import has no optimizer state
+    assert differ.returncode == 1 and json.loads(differ.stdout)["ok"] is False
+    converted = json.loads(_cli("convert", "--json", ckpt, str(tmp_path / "flat.pt"), "--to", "torch").stdout)
+    assert converted["path"] == str(tmp_path / "flat.pt")
+
+
+def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    ckpt = _tiny_checkpoint(tmp_path / "run")
+    (tmp_path / "afile").write_text("not a directory")
+    before = sorted(os.listdir(tmp_path))
+    for args in (("reshard", ckpt, str(tmp_path / "afile" / "out"), "--world-size", "2"),
+                 ("export-hf", ckpt, str(tmp_path / "afile" / "hf")),
+                 ("convert", ckpt, str(tmp_path / "afile" / "flat.safetensors"), "--to", "safetensors")):
+        out = _cli(*args)
+        assert out.returncode == 1 and out.stdout == "" and out.stderr.count("\n") == 1, (args, out)
+        assert out.stderr.startswith("error: ") and str(tmp_path / "afile") in out.stderr, (args, out.stderr)
+        assert "internal error" not in out.stderr, out.stderr
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "afile").read_text() == "not a directory"
+
+
+def test_s3_without_credentials_or_bucket_is_one_line(tmp_path, s3_bucket):
+    """Against the local S3 server: no credentials anywhere (environment, profile files; the
+    instance-metadata lookup off), and a bucket that does not exist."""
+    ckpt = _tiny_checkpoint(tmp_path / "run")
+    no_credentials = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    no_credentials.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+                          AWS_CONFIG_FILE=str(tmp_path / "none"))
+    for args in (("verify", f"{s3_bucket}/x"), ("reshard", ckpt, f"{s3_bucket}/out", "--world-size", "2"),
+                 ("ls", "--json", s3_bucket)):
+        out = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
+                             env=no_credentials)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, (args, out)
+        assert "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in out.stderr, (args, out.stderr)
+    missing = _cli("reshard", ckpt, "s3://no-such-bucket-here/out", "--world-size", "2")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing
+    assert missing.stderr.startswith("error: s3://no-such-bucket-here/out: s3://no-such-bucket-here does not exist")
+    import fsspec
+
+    assert not fsspec.filesystem("s3", skip_instance_cache=True).exists(f"{s3_bucket}/out")
