@@ -95,13 +95,20 @@ def verify(path: str, as_json: bool) -> None:
 @click.argument("b")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="absolute tolerance")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance")
+@click.option("--key-map-a", "key_map_a", multiple=True, metavar="OLD=NEW",
+              help="rename A's key prefix OLD to NEW before comparing (repeatable; '=model.' for torchtitan's bare FQNs)")
+@click.option("--key-map-b", "key_map_b", multiple=True, metavar="OLD=NEW", help="the same for B")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
+def diff(a: str, b: str, atol: float, rtol: float, key_map_a: tuple[str, ...], key_map_b: tuple[str, ...],
+         as_json: bool) -> None:
     """Compare checkpoints A and B logically, whatever their layouts; exit 1 when they differ.
-    (Per-rank RNG states are not compared: they depend on the world size.)"""
+    Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
+    is read through its key layout. (Per-rank RNG states are not compared: they depend on the
+    world size.)"""
     from mfsdp_ckpt.diff import diff_checkpoints
 
-    result = _run_with_progress("diff", lambda bar: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar),
+    result = _run_with_progress("diff", lambda bar: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar,
+                                                                     key_map_a=key_map_a, key_map_b=key_map_b),
                                 unit="entries")
     if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name
         click.echo(json.dumps({"a": a, "b": b, "ok": result.equal, **result.to_json()}, indent=1))

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .keys import RNG_PREFIX
-from .streaming import CheckpointReader
 
 __all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
 
@@ -50,12 +49,22 @@ class CheckpointDiff:
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
                      ignore: tuple[str, ...] = (RNG_PREFIX,),
-                     progress: Callable[[int, int], None] | None = None) -> CheckpointDiff:
+                     progress: Callable[[int, int], None] | None = None,
+                     key_map_a: Sequence[str] = (), key_map_b: Sequence[str] = ()) -> CheckpointDiff:
     """Keys only in one checkpoint, shape / dtype changes, and tensors whose values differ by more
     than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal).
     Keys starting with a prefix in ``ignore`` are skipped (by default the per-rank RNG states,
-    which depend on the world size). ``progress(done, total)`` counts entries compared."""
-    with CheckpointReader(os.fspath(a)) as ra, CheckpointReader(os.fspath(b)) as rb:
+    which depend on the world size). ``progress(done, total)`` counts entries compared.
+
+    Entries are compared by canonical name: a stock DCP checkpoint (FSDP2's ``get_state_dict``
+    layout, or any without ``mfsdp.json``) is read through its key layout, and ``key_map_a`` /
+    ``key_map_b`` rename prefixes of A's / B's keys first (``=model.`` for torchtitan's bare
+    FQNs), so that a stock checkpoint and its ``reshard`` compare equal."""
+    from .mapped import MappedReader
+    from .stock import parse_key_map
+
+    rules_a, rules_b = parse_key_map(key_map_a), parse_key_map(key_map_b)
+    with MappedReader(os.fspath(a), rules_a) as ra, MappedReader(os.fspath(b), rules_b) as rb:
         keys_a = {k for k in ra.keys() if not k.startswith(ignore)}
         keys_b = {k for k in rb.keys() if not k.startswith(ignore)}
         out = CheckpointDiff(only_in_a=sorted(keys_a - keys_b), only_in_b=sorted(keys_b - keys_a))
@@ -70,7 +79,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float 
     return out
 
 
-def _compare(ra: CheckpointReader, rb: CheckpointReader, key: str, atol: float, rtol: float) -> TensorDiff | None:
+def _compare(ra: Any, rb: Any, key: str, atol: float, rtol: float) -> TensorDiff | None:
     tensor_a, tensor_b = ra.is_tensor(key), rb.is_tensor(key)
     if tensor_a != tensor_b:
         return TensorDiff(key, "object", "a tensor in one checkpoint, an object in the other")

@@ -7,6 +7,7 @@ only difference a world size makes is the rounding of the gradient average."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def test_fsdp2_checkpoint_verifies_reshards_and_resumes_in_ours(ranks, tmp_path)
     assert res.returncode == 0, res.stderr
     assert sorted(n for n in os.listdir(ours) if n.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     assert _cli("verify", ours).returncode == 0
+    # diff matches entries by canonical name: the stock checkpoint and its reshard are equal
+    res = _cli("diff", stock, ours)
+    assert res.returncode == 0 and res.stdout.startswith("equal: "), res.stdout + res.stderr
 
     out = ranks(_ours_load_and_step, 3, ours, timeout=300)
     shapes = shapes_of()
@@ -204,6 +208,12 @@ def test_torchtitan_bare_fqn_checkpoint_reshards_with_key_map(ranks, tmp_path):
     out = ranks(_ours_load_model, 3, ours, timeout=300)
     for fqn, p in source.named_parameters():
         assert torch.equal(_assemble(out, f"model.{fqn}", p.shape), p.detach()), fqn
+    # diff by stored name sees two key sets; with A's bare FQNs mapped, the same tensors
+    res = _cli("diff", stock, ours)
+    assert res.returncode == 1 and "only in A  " in res.stdout and "only in B  model." in res.stdout
+    res = _cli("diff", stock, ours, "--key-map-a", "=model.", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["compared"] == len(list(source.parameters()))
 
     # load takes the same key map; with strict=False it says what it did not find
     model, optim = build("optim_grads_params", "even", seed=5)
