@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -90,19 +91,21 @@ def test_installed_under_its_own_import_name(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == f"no checkpoints under {tmp_path}", out
 
 
-def _tiny_checkpoint(root) -> str:
-    """A real checkpoint of the trainer (one process, one step)."""
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> str:
+    """A real checkpoint of the trainer (one process, one step), in a run directory of its own."""
     from tests.torchrun import failure, run_train
 
+    root = tmp_path_factory.mktemp("tiny") / "run"
     run = run_train(None, "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--ckpt-dir", str(root))
     assert run.returncode == 0, failure(run)
     return str(root / "step_000001")
 
 
-def test_json_field_names_are_shared_across_commands(tmp_path):
+def test_json_field_names_are_shared_across_commands(tiny_ckpt, tmp_path):
     """``path`` names what a command read or wrote, ``ok`` is the verdict of a check (verify,
     diff), ``bytes`` a size (reshard, ls, export-hf, import-hf), ``tensors`` a count."""
-    ckpt = _tiny_checkpoint(tmp_path / "run")
+    ckpt = tiny_ckpt
     verify = json.loads(_cli("verify", "--json", ckpt).stdout)
     assert verify["path"] == ckpt and verify["ok"] is True and verify["faults"] == []
     same = _cli("diff", "--json", ckpt, ckpt)
@@ -111,7 +114,7 @@ def test_json_field_names_are_shared_across_commands(tmp_path):
     assert reshard.returncode == 0, reshard.stderr
     info = json.loads(reshard.stdout)
     assert info["path"] == str(tmp_path / "w3") and info["bytes"] > 0 and "bytes_written" not in info
-    listed = json.loads(_cli("ls", "--json", str(tmp_path / "run")).stdout)
+    listed = json.loads(_cli("ls", "--json", os.path.dirname(ckpt)).stdout)
     assert [e["name"] for e in listed] == ["step_000001"] and listed[0]["bytes"] > 0
     inspected = json.loads(_cli("inspect", "--json", ckpt).stdout)
     assert inspected["path"] == ckpt
@@ -127,8 +130,8 @@ def test_json_field_names_are_shared_across_commands(tmp_path):
     assert converted["path"] == str(tmp_path / "flat.pt")
 
 
-def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
-    ckpt = _tiny_checkpoint(tmp_path / "run")
+def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path):
+    ckpt = tiny_ckpt
     (tmp_path / "afile").write_text("not a directory")
     before = sorted(os.listdir(tmp_path))
     for args in (("reshard", ckpt, str(tmp_path / "afile" / "out"), "--world-size", "2"),
@@ -141,10 +144,10 @@ def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp
     assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "afile").read_text() == "not a directory"
 
 
-def test_s3_without_credentials_or_bucket_is_one_line(tmp_path, s3_bucket):
+def test_s3_without_credentials_or_bucket_is_one_line(tiny_ckpt, tmp_path, s3_bucket):
     """Against the local S3 server: no credentials anywhere (environment, profile files; the
     instance-metadata lookup off), and a bucket that does not exist."""
-    ckpt = _tiny_checkpoint(tmp_path / "run")
+    ckpt = tiny_ckpt
     no_credentials = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
     no_credentials.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
                           AWS_CONFIG_FILE=str(tmp_path / "none"))

@@ -175,7 +175,10 @@ def test_init_from_a_non_preset_import_hf_output_trains_with_its_config(tmp_path
     assert wrong.stderr.count("\n") == 1
 
 
-def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path):
+def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path, capsys):
+    from cli.model_source import model_of_run
+    from cli.train import parse_args
+
     config = GPTConfig(vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=2, num_query_groups=1,
                        kv_channels=16, ffn_hidden_size=64, seq_length=32)
     (tmp_path / "ours.json").write_text(json.dumps(config.to_dict()))
@@ -185,27 +188,39 @@ def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path):
     assert "model ours.json, 17,504 parameters" in run.stdout  # 2 x 128 x 32 embeddings + one 32-wide layer
     assert "stopped at step 1 of 2: reached --stop-at 1; no --ckpt-dir, so there is no checkpoint to continue from" in run.stdout
     assert "step     1 | loss" in run.stdout  # the last step is logged whatever --log-every says
+    # a Hugging Face config.json, and a checkpoint manifest holding model_config
     hf = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
           "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    run = run_train(None, "--model-config", str(tmp_path / "config.json"), "--steps", "1", "--batch-size", "2", "--seq-len", "16")
-    assert run.returncode == 0, failure(run)
-    assert "model config.json, " in run.stdout and "finished: step 1 of 1" in run.stdout
+    got, name = model_of_run(None, str(tmp_path / "config.json"), None)
+    assert name == "config.json" and (got.vocab_size, got.hidden_size, got.num_query_groups, got.kv_channels,
+                                      got.ffn_hidden_size, got.add_qkv_bias) == (64, 32, 2, 8, 48, True)
+    (tmp_path / "mfsdp.json").write_text(json.dumps({"format_version": 2, "model_config": config.to_dict()}))
+    assert model_of_run(None, str(tmp_path / "mfsdp.json"), None)[0] == config
+    assert model_of_run(None, None, None)[1] == "tiny" and model_of_run("tiny-moe", None, None)[1] == "tiny-moe"
     for text, expected in ((None, "No such file"), ("{", "not a JSON file"), ("[1]", "expected a JSON object, got list"),
-                           ('{"hidden": 3}', "not a model config: unknown GPTConfig key(s): hidden")):
-        path = tmp_path / "bad.json"
-        if text is None:
-            path = tmp_path / "missing.json"
-        else:
+                           ('{"hidden": 3}', "not a model config: unknown GPTConfig key(s): hidden"),
+                           ('{"model_type": "bert"}', "unknown architecture (model_type='bert'")):
+        path = tmp_path / "missing.json" if text is None else tmp_path / "bad.json"
+        if text is not None:
             path.write_text(text)
-        run = run_train(None, "--model-config", str(path), "--steps", "1")
-        assert run.returncode == 1 and run.stderr.count("\n") == 1, failure(run)
-        assert run.stderr.startswith(f"error: --model-config {path}: ") and expected in run.stderr, run.stderr
-    both = run_train(None, "--model-config", str(tmp_path / "ours.json"), "--model", "tiny", "--steps", "1")
-    assert both.returncode == 1 and "--model and --model-config exclude each other" in both.stderr
-    dtype = run_train(None, "--dtype", "fp16", "--steps", "1")
-    assert dtype.returncode == 2 and "argument --dtype/--param-dtype: 'fp16': one of fp32, bf16" in dtype.stderr
+        with pytest.raises(ValueError) as e:
+            model_of_run(None, str(path), None)
+        assert str(e.value).startswith(f"--model-config {path}: ") and expected in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="--model and --model-config exclude each other"):
+        model_of_run("tiny", str(tmp_path / "ours.json"), None)
+    # through the trainer: one line, exit 1, nothing trained
+    bad = run_train(None, "--model-config", str(tmp_path / "missing.json"), "--steps", "1")
+    assert bad.returncode == 1 and bad.stderr == f"error: --model-config {tmp_path / 'missing.json'}: No such file or directory\n"
+    assert bad.stdout == ""
+    # --dtype: the short names and the long ones, nothing else
+    assert parse_args(["--dtype", "bf16"]).param_dtype == "bfloat16" == parse_args(["--param-dtype", "bfloat16"]).param_dtype
+    assert parse_args(["--dtype", "fp32"]).param_dtype == "float32"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--dtype", "fp16"])
+    assert exit_.value.code == 2 and "argument --dtype/--param-dtype: 'fp16': one of fp32, bf16" in capsys.readouterr().err
 
 
 def test_resume_takes_the_model_from_the_checkpoint_and_says_when_there_is_nothing_to_do(tmp_path):
