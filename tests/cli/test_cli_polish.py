@@ -37,7 +37,10 @@ def test_help_lists_every_command_with_a_sentence_and_imports_no_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("NO TORCH"), out.stdout
     listing = out.stdout.split("Commands:", 1)[1]
-    for command in COMMANDS:
+    from cli.main import main
+
+    assert set(COMMANDS) <= set(main.commands)
+    for command in sorted(main.commands):  # every command, those added later too
         line = re.search(rf"^\s+{re.escape(command)}\s+(.+)$", listing, re.MULTILINE)
         assert line, (command, listing)
         assert line.group(1).endswith(".") and "..." not in line.group(1), line.group(1)
