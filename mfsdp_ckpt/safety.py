@@ -1,6 +1,7 @@
 """Never run code from a checkpoint. Stock DCP's ``.metadata`` is a pickle; we read it with an
-unpickler that admits only DCP's metadata classes, torch dtypes / sizes / layouts and plain
-containers. Anything else is refused before it is called."""
+unpickler that admits only DCP's metadata classes (and the plain-data save-plan classes that
+Megatron-Core's writer leaves in it), torch dtypes / sizes / layouts and plain containers.
+Anything else is refused before it is called."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ _ALLOWED: dict[str, set[str]] = {
         "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core's torch_dist writer caches its DCP save plans in .metadata (all_local_plans):
+    # dataclasses and an Enum of plain values, nothing that runs code when rebuilt
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},

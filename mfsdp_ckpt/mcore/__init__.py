@@ -1,0 +1,17 @@
+"""Megatron-Core ``torch_dist`` checkpoints ⇄ canonical checkpoints (docs/mcore.md).
+
+- :func:`import_mcore`: an MCore checkpoint → a committed canonical checkpoint (streaming, one
+  stacked slice at a time);
+- :func:`export_mcore`: a canonical checkpoint → an MCore ``torch_dist`` checkpoint that
+  ``megatron.core.dist_checkpointing.load`` reads (0.16 layout: ``common.pt``);
+- :func:`is_mcore`: whether a directory is an MCore checkpoint (for ``inspect`` / ``export-hf``).
+
+Modules: ``layout`` (key names, pure), ``config`` (our config from shapes and MCore arguments),
+``source`` (reading: backend, common state, slices), ``import_``, ``export``.
+"""
+
+from .export import McoreExportResult, export_mcore
+from .import_ import McoreImportResult, import_mcore
+from .source import is_mcore
+
+__all__ = ["import_mcore", "export_mcore", "is_mcore", "McoreImportResult", "McoreExportResult"]

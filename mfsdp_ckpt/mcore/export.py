@@ -1,0 +1,137 @@
+"""``export-mcore``: a canonical checkpoint → a Megatron-Core ``torch_dist`` checkpoint.
+
+Each canonical tensor becomes one chunk of its stack (``model.decoder.layers.3.X`` is the chunk
+at layer 3 of ``decoder.layers.X``; expert ``e`` of layer ``l`` the chunk at ``(l, e)``), read
+and written one at a time. Next to the DCP files: ``metadata.json`` and ``common.pt`` in the
+layout of megatron-core 0.16 (``"common_backend": "torch"``), which 0.16 and later both read,
+holding the checkpoint's ``extra.*`` values (``iteration`` …; per-rank RNG states are left
+out); and the ``_extra_state`` objects MCore's loader asks for, each ``[None]`` as MCore writes
+them without Transformer Engine. Optimizer state goes out in the ``fully_reshardable`` layout
+(``optimizer.state.<state>.<key>``, ``main_param`` as ``param``). The output is built in a hidden
+sibling and renamed into place when complete; it also carries our ``mfsdp.json`` (checksums of
+every chunk: ``mfsdp-ckpt verify`` checks it), which MCore ignores.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from mfsdp_core.models.gpt import GPTConfig
+
+from .. import fs
+from ..errors import ConversionError
+from ..keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
+from ..manifest import versions
+from ..mapped import MappedReader
+from ..streaming import CheckpointBuilder
+from .config import to_mcore_args
+from .layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
+
+__all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
+
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+_STATE_NAMES = {MAIN_PARAM: "param"}
+
+
+@dataclass
+class McoreExportResult:
+    path: str
+    tensors: int
+    bytes: int
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _target(key: str, moe_norm: str) -> tuple[str, tuple[int, ...]] | None:
+    """(stored key, leading index) of canonical ``key``; None for what MCore has no place for."""
+    if key.startswith("model."):
+        return stack_of(key[len("model."):], moe_norm)
+    if key.startswith("optim.") and key != PARAM_GROUPS:
+        fqn, state = key[len("optim."):].rsplit(".", 1)
+        stored, index = stack_of(fqn, moe_norm)
+        return f"{OPTIM_STATE}{_STATE_NAMES.get(state, state)}.{stored}", index
+    return None
+
+
+def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False, moe_norm: str = "te",
+                 progress: Callable[[int, int], None] | None = None) -> McoreExportResult:
+    """Write the canonical checkpoint ``src`` as the MCore ``torch_dist`` checkpoint ``dst`` (see
+    the module docstring). ``moe_norm``: ``"te"`` names the MoE pre-MLP norm
+    ``pre_mlp_layernorm.weight`` (Transformer Engine's layer spec, what GPU runs use), ``"local"``
+    ``mlp.linear_fc1.layer_norm_weight`` (MCore's local spec). Gradients and MX planes are not
+    exported (MCore has no place for them)."""
+    start = time.perf_counter()
+    if moe_norm not in ("te", "local"):
+        raise ConversionError(f"moe_norm {moe_norm!r}: expected 'te' or 'local'")
+    norm_name = MOE_NORM_TE if moe_norm == "te" else MOE_NORM_LOCAL
+    with MappedReader(src) as reader:
+        saved = (reader.manifest or {}).get("model_config")
+        if not saved:
+            raise ConversionError(f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)")
+        try:
+            cfg = GPTConfig.from_dict(saved)
+        except (TypeError, ValueError) as e:
+            raise ConversionError(f"{reader.directory}: model_config in the manifest is not ours: {e}") from None
+        keys = reader.keys()
+        targets: dict[str, tuple[str, tuple[int, ...]]] = {}
+        stacks: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for key in keys:
+            if not reader.is_tensor(key):
+                continue
+            target = _target(key, norm_name)
+            if target is None:
+                continue
+            stored, index = target
+            dims = (cfg.num_layers, cfg.num_experts)[: len(index)]
+            shape = tuple(dims) + tuple(reader.shape(key))
+            dtype = reader.dtype(key)
+            if stored in stacks and stacks[stored] != (dtype, shape):
+                raise ConversionError(f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
+                                      f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index):])})")
+            if any(not 0 <= i < d for i, d in zip(index, dims)):
+                raise ConversionError(f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
+                                      f"{list(dims)} (num_layers, num_experts)")
+            stacks[stored] = (dtype, shape)
+            targets[key] = (stored, index)
+        common: dict[str, Any] = {}
+        for key in keys:
+            name = extra_name(key)
+            if name is not None and not is_rng(key) and not reader.is_tensor(key):
+                common[name] = reader.read(key)
+        if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
+            common["iteration"] = reader.manifest["step"]
+        total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)
+        manifest = {"model_config": cfg.to_dict(), "step": common.get("iteration") if type(common.get("iteration")) is int else None,
+                    "versions": versions(), "converted_from": reader.directory, "key_layout": "mcore-torch_dist"}
+        done = 0
+        with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(reader.directory,)) as builder:
+            for key, (stored, index) in targets.items():
+                tensor = reader.read(key)
+                _, shape = stacks[stored]
+                chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
+                record = builder.add_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), shape)
+                builder.start_writeback(record)
+                done += tensor.numel() * tensor.element_size()
+                del tensor, chunk
+                if progress is not None:
+                    progress(done, total)
+            for key in extra_state_keys(cfg.num_layers, cfg.num_experts, dense=cfg.num_experts == 0):
+                builder.add_object(key, [None])
+            buf = io.BytesIO()
+            torch.save(common, buf)
+            fs.write_bytes(fs.join(builder.tmp, "common.pt"), buf.getvalue(), sync=builder.sync)
+            fs.write_bytes(fs.join(builder.tmp, "metadata.json"), json.dumps(BACKEND).encode(), sync=builder.sync)
+            fs.write_bytes(fs.join(builder.tmp, "mcore_args.json"),
+                           (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(), sync=builder.sync)
+            path = builder.commit()
+    return McoreExportResult(path=path, tensors=len(targets), bytes=total, seconds=time.perf_counter() - start)

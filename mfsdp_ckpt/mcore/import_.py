@@ -1,0 +1,271 @@
+"""``import-mcore``: a Megatron-Core ``torch_dist`` checkpoint → a committed canonical checkpoint.
+
+Everything is checked before a byte of tensor data is read: the backend (``metadata.json``), the
+entries (each stored entry is model weights, ``fully_reshardable`` optimizer state, an
+``_extra_state`` object, common state, or an object left out with a notice; the distributed
+optimizer's ``dp_reshardable`` buckets and anything unknown are refused, naming the key), every
+``_extra_state`` (``[None]`` or empty: dropped with a notice; anything else, e.g. Transformer
+Engine's FP8 scaling state: refused, naming the key, never silently lost), the model config
+(:mod:`~mfsdp_ckpt.mcore.config`) and the keys and shapes against our model's. Then each
+canonical tensor is read as one slice of its stack (:meth:`McoreSource.read_slice`) and appended
+to the checkpoint being built, one at a time; it commits atomically (nothing is left at the
+destination on error). ``world_size`` > 1 lays the result out for that many ranks with the
+offline reshard (one file per target rank), from a hidden temporary checkpoint next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mfsdp_core.models.gpt import GPTConfig
+
+from .. import fs
+from ..errors import ConversionError, raise_key_problems
+from ..hf.mapping import canonical_shapes, default_plan, meta_model
+from ..manifest import versions, writer_layout
+from ..streaming import CheckpointBuilder
+from .config import infer_config, read_config_file
+from .layout import COMMON_STATE, OPTIM_DISTRIBUTED, OPTIM_STATE, Piece, is_extra_state, model_pieces, optimizer_pieces
+from .source import McoreSource
+
+__all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]
+
+ARGS_FILE = "mcore_args.json"  # MCore's arguments, written by export-mcore; read when no config is given
+
+
+@dataclass
+class McoreImportResult:
+    path: str
+    tensors: int
+    bytes: int
+    model_config: dict[str, Any]
+    world_size: int
+    step: int | None
+    assumed: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    largest_read: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ImportPlan:
+    """What an import will write: the config, the pieces in order, the common state, notices."""
+
+    config: GPTConfig
+    assumed: list[str]
+    pieces: list[Piece]
+    common: dict[str, Any]
+    notices: list[str]
+    has_optimizer: bool
+    model: Any
+
+
+def _plain(value: Any) -> Any:
+    """A Megatron-LM ``args`` namespace (and any nested one) as a dict: plain data for ``extra.*``."""
+    if isinstance(value, argparse.Namespace):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _empty_extra_state(value: Any) -> bool:
+    """An ``_extra_state`` that holds nothing: ``None``, ``[None]`` (MCore without Transformer
+    Engine), an empty tensor or empty bytes (TE without FP8)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0
+    return isinstance(value, (bytes, bytearray)) and len(value) == 0
+
+
+def _check_extra_state(source: McoreSource, key: str) -> None:
+    """Refuse an ``_extra_state`` that holds something (Transformer Engine keeps its FP8 scaling
+    factors and amax history there): dropping it would lose that state silently."""
+    try:
+        value = source.read_object(key)
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line naming the key
+        raise ConversionError(f"{source.directory}: key '{key}': extra state that is not plain data (Transformer Engine "
+                              f"FP8 metadata?), not carried: {' '.join(str(e).split())[:160]}") from None
+    if not _empty_extra_state(value):
+        what = f"a {value.numel()}-byte tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ConversionError(f"{source.directory}: key '{key}': holds Transformer Engine extra state ({what}: FP8 scaling "
+                              "factors / amax history), which a canonical checkpoint cannot carry; save without FP8 "
+                              "(or convert its weights to high precision first) before importing")
+
+
+def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
+    """Classify every stored entry, infer and check the config, and map the keys (see the module
+    docstring); reads only small objects (``_extra_state``, common state), no tensor data."""
+    where = "the checkpoint's arguments"
+    given: dict[str, Any] = {}
+    args = source.common.get("args")
+    if isinstance(args, argparse.Namespace):
+        given.update(vars(args))
+        where = f"{source.directory}/common.pt 'args'"
+    if config is None and fs.isfile(fs.join(source.directory, ARGS_FILE)):
+        config = fs.join(source.directory, ARGS_FILE)  # what export-mcore writes next to the checkpoint
+    if config is not None:
+        if isinstance(config, dict):
+            given.update(config)
+            where = "config"
+        else:
+            given.update(read_config_file(config))
+            where = os.fspath(config)
+    notices: list[str] = []
+    model_keys, optim_keys, extra_states, dropped = [], [], [], []
+    for key in sorted(source.entries):
+        tensor = source.shape(key) is not None
+        if key.startswith(OPTIM_DISTRIBUTED):
+            raise ConversionError(f"{source.directory}: key '{key}': the distributed optimizer's 'dp_reshardable' layout "
+                                  "(flat buckets that only its writer's bucket layout can cut) is not read; save the "
+                                  "optimizer with sharding_type 'fully_reshardable' and import that")
+        if key.startswith(OPTIM_STATE) and tensor:
+            optim_keys.append(key)
+        elif key.startswith("optimizer."):
+            raise ConversionError(f"{source.directory}: key '{key}': an optimizer entry of a layout import-mcore does not "
+                                  f"know (expected {OPTIM_STATE}<state>.<parameter>)")
+        elif is_extra_state(key):
+            extra_states.append(key)
+        elif key.split("/", 1)[0] == COMMON_STATE:
+            continue  # read with the common state
+        elif tensor:
+            model_keys.append(key)
+        else:
+            dropped.append(key)
+    shape_of = {k: source.shape(k) for k in model_keys}
+    cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
+    for key in extra_states:
+        _check_extra_state(source, key)
+    if extra_states:
+        notices.append(f"dropped {len(extra_states)} empty _extra_state entries (no Transformer Engine state in them)")
+    if dropped:
+        notices.append(f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
+                       f"{', ...' if len(dropped) > 3 else ''})")
+    if assumed:
+        notices.append("assumed MCore's defaults for " + ", ".join(assumed) + " (pass --config to set them)")
+
+    moe = cfg.num_experts > 0
+    pieces = [p for k in model_keys for p in model_pieces(k, shape_of[k], moe)]
+    model = meta_model(cfg)
+    expected = canonical_shapes(cfg, model)
+    produced: dict[str, Piece] = {}
+    twice = []
+    for p in pieces:
+        if p.canonical in produced:
+            twice.append(f"{p.stored} and {produced[p.canonical].stored} -> {p.canonical}")
+        produced[p.canonical] = p
+    stored_shape = {p.canonical: torch.Size(shape_of[p.stored][len(p.index):]) for p in pieces}
+    raise_key_problems(source.directory, [
+        ("two stored keys give one tensor", twice),
+        ("missing (our model has them)", sorted(set(expected) - set(produced))),
+        ("unexpected stored keys (our model has no place for them)",
+         sorted({produced[c].stored for c in set(produced) - set(expected)})),
+        ("shape mismatch", sorted(f"{produced[c].stored}{list(produced[c].index)} {list(stored_shape[c])}, model {list(expected[c])}"
+                                  for c in set(produced) & set(expected) if stored_shape[c] != expected[c])),
+    ], ConversionError)
+
+    optim_pieces: list[Piece] = []
+    for key in optim_keys:
+        state, ps = optimizer_pieces(key, source.shape(key), moe)
+        weights = key[len(OPTIM_STATE) + len(state) + 1:]
+        if state == "param" and weights in shape_of and source.dtype(weights) == source.dtype(key):
+            notices.append(f"left out '{key}': main params of the weights' own dtype (a canonical checkpoint stores "
+                           "the weights once)")
+            continue
+        for p in ps:
+            model_of = "model." + p.canonical[len("optim."):].rsplit(".", 1)[0]
+            if model_of not in expected:
+                raise ConversionError(f"{source.directory}: key '{key}': optimizer state of '{model_of[len('model.'):]}', "
+                                      "which our model does not have")
+            shape = torch.Size(source.shape(key)[len(p.index):])
+            if shape != expected[model_of]:
+                raise ConversionError(f"{source.directory}: key '{key}'{list(p.index)}: shape {list(shape)}, the parameter's "
+                                      f"{list(expected[model_of])}")
+        optim_pieces += ps
+    return ImportPlan(cfg, assumed, pieces + optim_pieces, {k: _plain(v) for k, v in source.common.items()}, notices,
+                      bool(optim_pieces), model)
+
+
+def _write(source: McoreSource, plan: ImportPlan, dst: str, overwrite: bool,
+           progress: Callable[[int, int], None] | None) -> tuple[str, int]:
+    step = plan.common.get("iteration")
+    manifest = {
+        "writer": writer_layout(1, default_plan(plan.config, plan.model)),
+        "model_config": plan.config.to_dict(),
+        "step": step if type(step) is int and step >= 0 else None,
+        "include_grads": False,
+        "has_optimizer": plan.has_optimizer,
+        "versions": versions(),
+        "converted_from": source.directory,
+        "mcore": {"backend": source.backend, "assumed": plan.assumed, "notices": plan.notices},
+    }
+    total = sum(source.entries[p.stored].size[len(p.index):].numel() * source.dtype(p.stored).itemsize for p in plan.pieces)
+    done = 0
+    with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(source.directory,)) as builder:
+        for p in plan.pieces:
+            tensor = source.read_slice(p.stored, p.index)
+            record = builder.add_tensor(p.canonical, tensor)
+            builder.start_writeback(record)
+            done += tensor.numel() * tensor.element_size()
+            del tensor
+            if progress is not None:
+                progress(done, total)
+        for name, value in sorted(plan.common.items()):
+            builder.add_object(f"extra.{name}", value)
+        return builder.commit(), total
+
+
+def import_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int = 1,
+                 config: dict[str, Any] | str | os.PathLike | None = None, overwrite: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> McoreImportResult:
+    """Convert the MCore ``torch_dist`` checkpoint ``src`` into a committed canonical checkpoint
+    ``dst`` (``model.*``, ``optim.*`` from ``fully_reshardable`` optimizer state, the common state
+    as ``extra.*``), laid out for ``world_size`` ranks (one file per rank).
+
+    ``config``: MCore's arguments (a dict or a JSON file) for what the shapes do not tell; at
+    least one of ``num_attention_heads``, ``num_query_groups``, ``kv_channels`` unless the
+    checkpoint's common state carries Megatron-LM's ``args``. Raises a one-line
+    :class:`~mfsdp_ckpt.errors.ConversionError` naming the file and key for anything it cannot
+    carry (see the module docstring); nothing is left at ``dst`` then."""
+    start = time.perf_counter()
+    if world_size < 1:
+        raise ConversionError(f"--world-size {world_size}: must be at least 1")
+    with McoreSource.open(src) as source:
+        plan = plan_import(source, config)
+        final = fs.normalize(dst)
+        if world_size == 1:
+            path, total = _write(source, plan, final, overwrite, progress)
+        else:
+            from ..reshard import reshard
+            from ..staging import check_destination
+
+            if not fs.is_url(final):
+                check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
+            tmp = fs.join(fs.dirname(final), f".{final.rstrip('/').rsplit('/', 1)[-1]}.mcore-import-{uuid.uuid4().hex[:8]}")
+            try:
+                _, total = _write(source, plan, tmp, False, progress)
+                path = reshard(tmp, final, world_size=world_size, overwrite=overwrite).path
+            finally:
+                fs.remove_tree(tmp)
+        largest = source.largest_read
+    step = plan.common.get("iteration")
+    return McoreImportResult(path=path, tensors=len(plan.pieces), bytes=total, model_config=plan.config.to_dict(),
+                             world_size=world_size, step=step if type(step) is int else None, assumed=plan.assumed,
+                             notices=plan.notices, largest_read=largest, seconds=time.perf_counter() - start)
