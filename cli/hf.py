@@ -29,12 +29,15 @@ _WORKERS = click.option("--workers", type=click.IntRange(min=1), default=None,
               help="MXFP8 checkpoints: export the MX weights raw (weight F8_E4M3/F8_E5M2 + weight_scale_inv F8_E8M0, "
                    "transformers' mxfp8 quantization_config); other tensors as usual")
 @_WORKERS
+@click.option("--mcore-config", default=None, metavar="FILE.json",
+              help="CKPT is a Megatron-Core checkpoint: MCore's arguments as JSON (see import-mcore --config)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, from_mx: bool, mx: bool,
-              workers: int | None, overwrite: bool, as_json: bool) -> None:
+              workers: int | None, mcore_config: str | None, overwrite: bool, as_json: bool) -> None:
     """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
-    (safetensors shards, index, config.json), loadable by transformers."""
+    (safetensors shards, index, config.json), loadable by transformers. CKPT may be a
+    Megatron-Core torch_dist checkpoint (with --mcore-config)."""
     from mfsdp_ckpt.hf import export
 
     if from_mx and mx:
@@ -42,7 +45,7 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
     result = _run_with_progress("export-hf", lambda bar: export(
         ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar, mode=mode,
-        workers=workers))
+        workers=workers, mcore_config=mcore_config))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

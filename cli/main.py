@@ -206,6 +206,10 @@ from .hf import export_hf, import_hf  # noqa: E402
 
 main.add_command(export_hf)
 main.add_command(import_hf)
+from .mcore import export_mcore, import_mcore  # noqa: E402
+
+main.add_command(import_mcore)
+main.add_command(export_mcore)
 
 if __name__ == "__main__":
     main()

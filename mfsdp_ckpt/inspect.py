@@ -186,6 +186,14 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         info.unknown = ["writer layout", "model config", "step", "checksums (no mfsdp.json)"]
     elif not is_protected(manifest):
         info.unknown = [UNPROTECTED]
+    if manifest is None or manifest.get("key_layout") == "mcore-torch_dist":  # a Megatron-Core checkpoint
+        from .mcore.describe import describe_mcore
+
+        mcore = describe_mcore(directory)
+        if mcore is not None:
+            info.format, info.step = mcore["format"], mcore["step"] if info.step is None else info.step
+            info.model_config = info.model_config or mcore["model_config"]
+            info.unknown = [u for u in info.unknown if u not in ("model config", "step")] + mcore["unknown"]
     for key in sorted(metadata.state_dict_metadata):
         md = metadata.state_dict_metadata[key]
         if isinstance(md, TensorStorageMetadata):

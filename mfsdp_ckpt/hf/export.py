@@ -367,6 +367,7 @@ def export(
     progress: Progress | None = None,
     mode: str = "weights",
     workers: int | None = None,
+    mcore_config: Any = None,
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
@@ -393,7 +394,17 @@ def export(
     each converts whole tensors into their planned places, so the files are the same bytes for
     any number. Each thread holds at most its largest tensor (plus, when casting, its largest
     cast piece).
+
+    ``checkpoint`` may also be a Megatron-Core ``torch_dist`` checkpoint (``mcore_config``: MCore's
+    arguments as for :func:`mfsdp_ckpt.mcore.import_mcore`); it is imported first, in one process.
     """
+    from ..mcore.source import is_mcore
+
+    if is_mcore(checkpoint):  # a Megatron-Core checkpoint: ``mcore_config`` holds MCore's arguments (docs/mcore.md)
+        from ..mcore.to_hf import export_hf_from_mcore
+
+        return export_hf_from_mcore(checkpoint, out, mcore_config, arch=arch, dtype=dtype, max_shard_size=max_shard_size,
+                                    overwrite=overwrite, progress=progress, mode=mode, workers=workers)
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
     if fs.is_url(out):
