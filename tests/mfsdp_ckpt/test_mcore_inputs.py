@@ -1,0 +1,219 @@
+"""import-mcore on synthetic MCore-layout checkpoints (plain ``dcp.save`` with MCore's key layout):
+the optimizer layouts (a genuine distributed-optimizer checkpoint needs CUDA, see
+fixtures/README.md), refusals of what cannot be carried (one line naming the key, exit 1,
+nothing written), and the memory bound of reading stacked tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.mcore import import_mcore
+from mfsdp_ckpt.mcore.import_ import plan_import
+from mfsdp_ckpt.mcore.layout import stack_of
+from mfsdp_ckpt.mcore.source import McoreSource
+from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_core.models.gpt import GPTConfig, GPTModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DENSE = os.path.join(ROOT, "fixtures", "mcore", "dense")
+HEADS = {"num_attention_heads": 4}
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+
+
+def stacked_state(cfg: GPTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Our random model's weights in MCore's stacked layout, one whole tensor per stored key."""
+    torch.manual_seed(seed)
+    model = GPTModel(cfg)
+    groups: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+    for fqn, p in model.named_parameters():
+        stored, index = stack_of(fqn)
+        groups.setdefault(stored, {})[index] = p.detach()
+    out = {}
+    for stored, parts in groups.items():
+        if parts.keys() == {()}:
+            out[stored] = parts[()].clone()
+            continue
+        lead = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
+        t = torch.empty(lead + tuple(next(iter(parts.values())).shape))
+        for index, value in parts.items():
+            t[index] = value
+        out[stored] = t
+    return out
+
+
+def write_mcore(directory: str, state: dict, common: dict | None = None, backend: dict | None = None) -> str:
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(backend or BACKEND, f)
+    torch.save(common if common is not None else {"iteration": 3}, os.path.join(directory, "common.pt"))
+    return directory
+
+
+SMALL = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                  ffn_hidden_size=64, seq_length=32)
+
+
+def test_fully_reshardable_optimizer_state_maps_to_optim_keys(tmp_path):
+    state = stacked_state(SMALL)
+    torch.manual_seed(1)
+    optim = {f"optimizer.state.{s}.{k}": torch.randn_like(v) for k, v in state.items() for s in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"optimizer.state.param.{k}": v.clone() for k, v in state.items()})  # fp32 main params, same dtype
+    src = write_mcore(str(tmp_path / "src"), {**state, **optim})
+    result = import_mcore(src, tmp_path / "ckpt", config=HEADS)
+    assert any("main params of the weights' own dtype" in n for n in result.notices)
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        assert reader.manifest["has_optimizer"]
+        qkv = "decoder.layers.self_attention.linear_qkv.weight"
+        for layer in range(SMALL.num_layers):
+            fqn = f"decoder.layers.{layer}.self_attention.linear_qkv.weight"
+            assert torch.equal(reader.read(f"optim.{fqn}.exp_avg"), optim[f"optimizer.state.exp_avg.{qkv}"][layer])
+            assert torch.equal(reader.read(f"model.{fqn}"), state[qkv][layer])
+        assert not [k for k in reader.keys() if k.endswith(".main_param")]
+        assert len([k for k in reader.keys() if k.endswith(".exp_avg_sq")]) == len([k for k in reader.keys() if k.startswith("model.")])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _refused(tmp_path, src: str, *extra: str) -> str:
+    dst = tmp_path / "out" / "ckpt"
+    (tmp_path / "out").mkdir()
+    proc = _cli("import-mcore", src, str(dst), *extra)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert os.listdir(tmp_path / "out") == []  # nothing written, no partial directory left
+    return lines[0]
+
+
+def test_refuses_dp_reshardable_optimizer(tmp_path):
+    state = stacked_state(SMALL)
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
+    src = write_mcore(str(tmp_path / "src"), {**state, key: torch.zeros(1000)})
+    line = _refused(tmp_path, src, "--config", _config(tmp_path, HEADS))
+    assert key in line and "fully_reshardable" in line
+
+
+def _config(tmp_path, value: dict) -> str:
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(value))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["te_tensor", "bytesio"])
+def test_refuses_extra_state_holding_fp8_metadata(tmp_path, kind):
+    import io
+
+    state = stacked_state(SMALL)
+    fp8 = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3), "recipe": "DelayedScaling"}
+    raw = pickle.dumps(fp8)
+    key = "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2"
+    value = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if kind == "te_tensor" else io.BytesIO(raw)
+    empty = "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"
+    src = write_mcore(str(tmp_path / "src"), {**state, key: value, empty: [None]})
+    line = _refused(tmp_path, src, "--config", _config(tmp_path, HEADS))
+    assert key in line and ("FP8" in line)
+
+
+def test_refuses_unknown_backend(tmp_path):
+    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), backend={"sharded_backend": "zarr", "sharded_backend_version": 1})
+    line = _refused(tmp_path, src, "--config", _config(tmp_path, HEADS))
+    assert "metadata.json" in line and "sharded_backend 'zarr'" in line
+
+
+@pytest.mark.parametrize("args, field, key", [
+    ({"num_attention_heads": 4, "hidden_size": 64}, "hidden_size", "embedding.word_embeddings.weight"),
+    ({"num_attention_heads": 4, "num_query_groups": 4}, "num_query_groups", "decoder.layers.self_attention.linear_qkv.weight"),
+    ({"kv_channels": 12}, "kv_channels=12", "decoder.layers.self_attention.linear_qkv.weight"),
+    ({"num_attention_heads": 4, "ffn_hidden_size": 32}, "ffn_hidden_size", "decoder.layers.mlp.linear_fc2.weight"),
+    ({"num_attention_heads": 4, "num_layers": 3}, "num_layers", "decoder.layers.self_attention.linear_qkv.weight"),
+])
+def test_refuses_a_config_that_disagrees_with_the_shapes(tmp_path, args, field, key):
+    line = _refused(tmp_path, DENSE, "--config", _config(tmp_path, args))
+    assert field in line and key in line and ("disagrees" in line or "whole heads" in line)
+
+
+def test_names_the_missing_field_without_a_config(tmp_path):
+    line = _refused(tmp_path, DENSE)
+    assert "num_attention_heads, num_query_groups or kv_channels is needed" in line and "--config" in line
+
+
+def test_refuses_an_unsupported_argument(tmp_path):
+    line = _refused(tmp_path, DENSE, "--config", _config(tmp_path, {**HEADS, "normalization": "LayerNorm"}))
+    assert "normalization='LayerNorm'" in line
+
+
+def test_cli_import_and_export_mcore(tmp_path):
+    proc = _cli("import-mcore", DENSE, str(tmp_path / "ckpt"), "--world-size", "3", "--config", DENSE + ".config.json")
+    assert proc.returncode == 0, proc.stderr
+    assert "world size 3" in proc.stdout and "iteration 7" in proc.stdout and "_extra_state" in proc.stderr
+    proc = _cli("export-mcore", str(tmp_path / "ckpt"), str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli("inspect", str(tmp_path / "back"))
+    assert proc.returncode == 0 and "megatron-core torch_dist" in proc.stdout and "step        7" in proc.stdout
+    proc = _cli("verify", str(tmp_path / "back"))  # export-mcore's mfsdp.json checksums every chunk
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_stacked_reads_never_hold_a_whole_stack(tmp_path):
+    """Each stacked tensor saved as ONE chunk (plain dcp.save): the reader must read only the
+    layer's bytes of it. Measured: the largest single read and the total bytes read."""
+    cfg = GPTConfig(vocab_size=64, hidden_size=256, num_layers=8, num_attention_heads=4, num_query_groups=2,
+                    kv_channels=64, ffn_hidden_size=1024, seq_length=32)
+    state = stacked_state(cfg)
+    src = write_mcore(str(tmp_path / "src"), state)
+    md = dcp.FileSystemReader(src).read_metadata()
+    assert all(len(m.chunks) == 1 for m in md.state_dict_metadata.values() if hasattr(m, "chunks"))
+    stack = max(v.numel() * 4 for v in state.values())  # the largest stack: fc1, 8 x 2048 x 256 fp32 = 16 MiB
+    layer = max(v[0].numel() * 4 for k, v in state.items() if k.startswith("decoder.layers."))  # 2 MiB
+    with McoreSource.open(src) as source:
+        plan = plan_import(source, HEADS)
+        for p in plan.pieces:
+            source.read_slice(p.stored, p.index)
+        assert source.largest_read <= layer, (source.largest_read, layer)
+        total = sum(v.numel() * 4 for v in state.values())
+        assert source.bytes_read <= total * 1.01, (source.bytes_read, total)  # every byte once (+ record headers)
+    assert stack == 8 * layer
+
+
+@pytest.mark.heavy
+def test_peak_memory_of_import_is_one_layer_not_the_stack(tmp_path):
+    """Peak RSS of an import process (ru_maxrss) over its baseline (the same process after
+    importing torch and our package and building the plan), on stacks of 256 MiB saved as
+    one chunk each: must stay below a quarter of one stack."""
+    cfg = GPTConfig(vocab_size=64, hidden_size=512, num_layers=16, num_attention_heads=8, num_query_groups=2,
+                    kv_channels=64, ffn_hidden_size=4096, seq_length=32)
+    src = write_mcore(str(tmp_path / "src"), stacked_state(cfg))
+    stack = 16 * 2 * 4096 * 512 * 4
+    code = (
+        "import resource, sys, json\n"
+        "from mfsdp_ckpt.mcore import import_mcore\n"
+        "from mfsdp_ckpt.mcore.source import McoreSource\n"
+        "from mfsdp_ckpt.mcore.import_ import plan_import\n"
+        "with McoreSource.open(sys.argv[1]) as s: plan_import(s, {'num_attention_heads': 8})\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "r = import_mcore(sys.argv[1], sys.argv[2], config={'num_attention_heads': 8})\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'base_kib': base, 'peak_kib': peak, 'largest_read': r.largest_read}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, src, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    grown = (out["peak_kib"] - out["base_kib"]) * 1024
+    print(f"stack {stack >> 20} MiB, one layer {stack // 16 >> 20} MiB, peak RSS growth {grown / 2**20:.1f} MiB, "
+          f"largest read {out['largest_read'] >> 20} MiB")
+    assert out["largest_read"] <= stack // 16
+    assert grown < stack // 4, grown
