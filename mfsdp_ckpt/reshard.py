@@ -389,6 +389,11 @@ def reshard(
             raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         cast = dtype_by_name(dtype)
     rules = parse_key_map(key_map)
+    from .mcore.source import is_mcore
+
+    if not rules and is_mcore(src):  # stacked layers: its keys are not canonical ones
+        raise CheckpointError(f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "
+                              f"{world_size}' lays it out for {world_size} ranks")
     with MappedReader(src, rules) as reader:
         mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
         if mark is not None:

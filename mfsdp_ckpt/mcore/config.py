@@ -134,7 +134,8 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
 
     router = shapes(ROUTER)
     experts = router[1] if router else 0
-    check("num_experts", experts, ROUTER) if router else None
+    if router:
+        check("num_experts", experts, ROUTER)
     if not router and args.get("num_experts"):
         raise ConversionError(f"{where}: num_experts={args['num_experts']} but the checkpoint has no '{ROUTER}'")
     moe_ffn = ffn = 0
@@ -156,8 +157,11 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
         raise ConversionError(f"{where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
                               f"disagrees with the checkpoint ('{OUTPUT}' is {'absent' if tied else 'present'})")
     q_norm = shapes(Q_NORM) is not None
-    check("qk_layernorm", q_norm, Q_NORM) if "qk_layernorm" in args else None
     qkv_bias = shapes(QKV_BIAS) is not None
+    for name, present, key in (("qk_layernorm", q_norm, Q_NORM), ("add_qkv_bias", qkv_bias, QKV_BIAS)):
+        if name in args and args[name] is not None and bool(args[name]) != present:
+            raise ConversionError(f"{where}: {name}={args[name]!r} disagrees with the checkpoint ('{key}' is "
+                                  f"{'present' if present else 'absent'})")
 
     assumed = [name for name in DEFAULTS if name not in args and (experts or not name.startswith("moe_"))]
     value = {**DEFAULTS, **{k: v for k, v in args.items() if v is not None}}

@@ -112,7 +112,10 @@ def _check_extra_state(source: McoreSource, key: str) -> None:
 
 def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
     """Classify every stored entry, infer and check the config, and map the keys (see the module
-    docstring); reads only small objects (``_extra_state``, common state), no tensor data."""
+    docstring); reads only small objects (``_extra_state``, common state), no tensor data. Every
+    tensor entry's chunks are checked to cover it exactly once inside the bytes its files hold
+    before it is expanded per layer and expert, so a stored shape never costs more than the
+    files back."""
     where = "the checkpoint's arguments"
     given: dict[str, Any] = {}
     args = source.common.get("args")
@@ -149,6 +152,8 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
             model_keys.append(key)
         else:
             dropped.append(key)
+    for key in model_keys + optim_keys:  # before expanding per layer / expert: the chunks must back the shape
+        source.reader._check_entry(key, source.entries[key])
     shape_of = {k: source.shape(k) for k in model_keys}
     cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
     for key in extra_states:

@@ -252,3 +252,32 @@ def test_peak_memory_of_import_is_one_layer_not_the_stack(tmp_path):
           f"{whole['grown'] / 2**20:.1f} MiB reading whole chunks (largest read {whole['largest_read'] >> 20} MiB)")
     assert sliced["largest_read"] <= stack // 16 < whole["largest_read"]
     assert sliced["grown"] < stack // 4 < stack <= whole["grown"], (sliced, whole)
+
+
+def test_a_declared_shape_larger_than_the_files_is_refused_before_expanding(tmp_path):
+    """A .metadata claiming 2**40 layers (chunks that do not cover it) is refused naming the key,
+    before any per-layer list is built."""
+    import pickle as pk
+
+    from mfsdp_ckpt.errors import CheckpointError
+
+    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL))
+    path = os.path.join(src, ".metadata")
+    with open(path, "rb") as f:
+        md = pk.load(f)  # our own file, written just above
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    md.state_dict_metadata[key].size = torch.Size([2**40, *md.state_dict_metadata[key].size[1:]])
+    with open(path, "wb") as f:
+        pk.dump(md, f)
+    with pytest.raises(CheckpointError) as e:
+        import_mcore(src, tmp_path / "ckpt", config=HEADS)
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reshard_of_an_mcore_checkpoint_points_to_import_mcore(tmp_path):
+    from mfsdp_ckpt.errors import CheckpointError
+    from mfsdp_ckpt.reshard import reshard
+
+    with pytest.raises(CheckpointError, match="import-mcore"):
+        reshard(DENSE, tmp_path / "out", world_size=3)
+    assert not os.path.exists(tmp_path / "out")
