@@ -131,7 +131,7 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         else:
             given.update(read_config_file(config))
             where = os.fspath(config)
-    notices: list[str] = []
+    notices: list[str] = list(source.notices)
     model_keys, optim_keys, extra_states, dropped = [], [], [], []
     for key in sorted(source.entries):
         tensor = source.shape(key) is not None

@@ -148,7 +148,10 @@ class McoreSource:
 
     def _read_common(self) -> dict[str, Any]:
         """The common state: ``common.pt`` (loaded with ``weights_only``; an ``args`` namespace
-        of Megatron-LM's trainer is admitted as plain data) or the ``common_state`` objects."""
+        of Megatron-LM's trainer is admitted as plain data) or the ``common_state`` objects. A
+        ``common.pt`` holding anything else (e.g. an enum among the ``args``) is not unpickled
+        further: it is left out with a notice (the iteration is then unknown), the weights do
+        not depend on it."""
         out: dict[str, Any] = {}
         path = fs.join(self.directory, COMMON_PT)
         if fs.lexists(path):
@@ -156,9 +159,10 @@ class McoreSource:
             try:
                 with torch.serialization.safe_globals([argparse.Namespace]):
                     value = torch.load(io.BytesIO(data), weights_only=True)
-            except Exception as e:  # noqa: BLE001 - one line, the reason named
+            except Exception as e:  # noqa: BLE001 - never unpickled further; the weights do not depend on it
                 what = " ".join(str(e).split())[:160]
-                raise ConversionError(f"{path}: not loadable as plain data ({type(e).__name__}: {what})") from None
+                self.notices.append(f"{COMMON_PT} not carried: not loadable as plain data ({type(e).__name__}: {what})")
+                value = {}
             if not isinstance(value, dict):
                 raise ConversionError(f"{path}: expected a dict, got {type(value).__name__}")
             out.update(value)

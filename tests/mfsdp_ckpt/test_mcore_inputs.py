@@ -281,3 +281,31 @@ def test_reshard_of_an_mcore_checkpoint_points_to_import_mcore(tmp_path):
     with pytest.raises(CheckpointError, match="import-mcore"):
         reshard(DENSE, tmp_path / "out", world_size=3)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_common_pt_that_is_not_plain_data_is_left_out_with_a_notice(tmp_path):
+    """Megatron-LM's trainer may keep objects of its own classes in common.pt (e.g. enums among
+    its args): nothing of it is unpickled further, the weights still import, a notice says so."""
+    import datetime
+
+    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 5, "when": datetime.date(2026, 1, 1)})
+    result = import_mcore(src, tmp_path / "ckpt", config=HEADS)
+    assert result.step is None and any(n.startswith("common.pt not carried: not loadable as plain data") for n in result.notices)
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        assert not [k for k in reader.keys() if k.startswith("extra.")]
+
+
+def test_megatron_lm_args_in_common_pt_give_the_config(tmp_path):
+    """Megatron-LM's trainer keeps its argparse namespace in common.pt: the heads and the rest
+    come from it (no --config), and it is carried as a plain dict in extra.args."""
+    import argparse
+
+    args = argparse.Namespace(num_attention_heads=4, num_query_groups=2, rotary_base=500000, norm_epsilon=1e-6,
+                              seq_length=32, swiglu=True, normalization="RMSNorm", untie_embeddings_and_output_weights=True)
+    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 11, "checkpoint_version": 3.0,
+                                                                           "args": args})
+    result = import_mcore(src, tmp_path / "ckpt")
+    assert result.step == 11 and result.assumed == []
+    assert result.model_config["rotary_base"] == 500000 and result.model_config["norm_epsilon"] == 1e-6
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        assert reader.read("extra.args") == vars(args) and reader.read("extra.checkpoint_version") == 3.0
