@@ -69,11 +69,19 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _normalised(args: dict[str, Any]) -> dict[str, Any]:
+    """Our spelling of Megatron-LM's argument names. Where both are given: ``padded_vocab_size``
+    (the embedding's rows) over ``vocab_size`` (the tokenizer's), the larger of ``seq_length`` and
+    ``max_position_embeddings`` (ours bounds the length a forward takes)."""
     out = {}
     for key, value in args.items():
         name = _ALIASES.get(key, key)
         if name not in out or key == name:
             out[name] = value
+    if args.get("padded_vocab_size") is not None:
+        out["vocab_size"] = args["padded_vocab_size"]
+    lengths = [args[k] for k in ("seq_length", "max_position_embeddings") if isinstance(args.get(k), int)]
+    if lengths:
+        out["seq_length"] = max(lengths)
     return out
 
 

@@ -187,12 +187,12 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
     ], ConversionError)
 
     optim_pieces: list[Piece] = []
+    same_dtype = []
     for key in optim_keys:
         state, ps = optimizer_pieces(key, source.shape(key), moe)
         weights = key[len(OPTIM_STATE) + len(state) + 1:]
         if state == "param" and weights in shape_of and source.dtype(weights) == source.dtype(key):
-            notices.append(f"left out '{key}': main params of the weights' own dtype (a canonical checkpoint stores "
-                           "the weights once)")
+            same_dtype.append(key)
             continue
         for p in ps:
             model_of = "model." + p.canonical[len("optim."):].rsplit(".", 1)[0]
@@ -204,6 +204,9 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
                 raise ConversionError(f"{source.directory}: key '{key}'{list(p.index)}: shape {list(shape)}, the parameter's "
                                       f"{list(expected[model_of])}")
         optim_pieces += ps
+    if same_dtype:
+        notices.append(f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
+                       "of the weights' own dtype (a canonical checkpoint stores the weights once)")
     return ImportPlan(cfg, assumed, pieces + optim_pieces, {k: _plain(v) for k, v in source.common.items()}, notices,
                       bool(optim_pieces), model)
 

@@ -69,7 +69,7 @@ def test_fully_reshardable_optimizer_state_maps_to_optim_keys(tmp_path):
     optim.update({f"optimizer.state.param.{k}": v.clone() for k, v in state.items()})  # fp32 main params, same dtype
     src = write_mcore(str(tmp_path / "src"), {**state, **optim})
     result = import_mcore(src, tmp_path / "ckpt", config=HEADS)
-    assert any("main params of the weights' own dtype" in n for n in result.notices)
+    assert [n for n in result.notices if "main params of the weights' own dtype" in n and n.startswith(f"left out {len(state)} ")]
     with CheckpointReader(tmp_path / "ckpt") as reader:
         assert reader.manifest["has_optimizer"]
         qkv = "decoder.layers.self_attention.linear_qkv.weight"
@@ -309,3 +309,13 @@ def test_megatron_lm_args_in_common_pt_give_the_config(tmp_path):
     assert result.model_config["rotary_base"] == 500000 and result.model_config["norm_epsilon"] == 1e-6
     with CheckpointReader(tmp_path / "ckpt") as reader:
         assert reader.read("extra.args") == vars(args) and reader.read("extra.checkpoint_version") == 3.0
+
+
+def test_megatron_lm_vocab_and_length_arguments():
+    """Megatron-LM keeps the tokenizer's vocab_size next to the embedding's padded_vocab_size,
+    and seq_length next to max_position_embeddings: the padded size and the longer length count."""
+    from mfsdp_ckpt.mcore.config import _normalised
+
+    out = _normalised({"vocab_size": 50257, "padded_vocab_size": 50304, "seq_length": 2048, "max_position_embeddings": 4096,
+                       "layernorm_epsilon": 1e-6})
+    assert out["vocab_size"] == 50304 and out["seq_length"] == 4096 and out["norm_epsilon"] == 1e-6
