@@ -125,7 +125,8 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
                 del tensor, chunk
                 if progress is not None:
                     progress(done, total)
-            for key in extra_state_keys(cfg.num_layers, cfg.num_experts, dense=cfg.num_experts == 0):
+            for key in extra_state_keys(cfg.num_layers, cfg.num_experts, dense=cfg.num_experts == 0,
+                                        shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0):
                 builder.add_object(key, [None])
             buf = io.BytesIO()
             torch.save(common, buf)

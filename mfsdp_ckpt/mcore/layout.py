@@ -104,15 +104,18 @@ def stored_name(fqn: str) -> str:
     return stack_of(fqn)[0]
 
 
-def extra_state_keys(num_layers: int, num_experts: int, dense: bool) -> list[str]:
+def extra_state_keys(num_layers: int, num_experts: int, dense: bool, shared_experts: bool = False) -> list[str]:
     """The ``_extra_state`` objects MCore's loader asks for in a model without Transformer
-    Engine (each stored as ``[None]``... see :func:`~mfsdp_ckpt.mcore.extra_state`): one per
-    layer for every linear module of attention and the dense MLP, one per layer and expert
-    for the experts' linears."""
+    Engine (MCore stores each as ``[None]``): one per layer for every linear module of attention
+    and of the dense MLP (or the shared experts), one per layer and expert for the experts'
+    linears. (Checked against MCore 0.16 / 0.19 for dense and routed-expert models; the shared
+    experts' entries follow the same rule but no genuine checkpoint with them was made.)"""
     keys = []
     modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
     if dense:
         modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    if shared_experts:
+        modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
     for module in modules:
         keys += [f"{STACK}{module}{EXTRA_STATE}/shard_{l}_{num_layers}" for l in range(num_layers)]
     if num_experts:
