@@ -30,7 +30,7 @@ LOGIT_ATOL = 1e-5
 #: the HF architecture that expresses each fixture's model (moe_ep2: MCore's default router =
 #: Mixtral's). pp2 has none: moe_router_pre_softmax is Qwen3-MoE's norm_topk_prob false, but
 #: Qwen3-MoE always has q/k norms, which the fixture does not.
-HF_ARCH = {"dense": "llama", "tp2": "llama", "moe_ep2": "mixtral"}
+HF_ARCH = {"dense": "llama", "tp2": "llama", "moe_ep2": "mixtral", "v019/dense": "llama", "v019/moe_ep2": "mixtral"}
 
 
 def fixture(name: str) -> str:
@@ -87,7 +87,7 @@ def test_import_at_world_size_3_one_file_per_rank(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # the temporary checkpoint is gone
 
 
-@pytest.mark.parametrize("name", ["dense", "moe_ep2"])
+@pytest.mark.parametrize("name", ["dense", "moe_ep2", "v019/moe_ep2"])
 def test_export_hf_of_the_mcore_checkpoint_matches_in_transformers(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -102,7 +102,7 @@ def test_export_hf_of_the_mcore_checkpoint_matches_in_transformers(name, tmp_pat
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
-@pytest.mark.parametrize("name", ["tp2"])
+@pytest.mark.parametrize("name", ["tp2", "v019/dense"])
 def test_export_hf_of_the_import_matches_in_transformers(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
