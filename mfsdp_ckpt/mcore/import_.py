@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -262,11 +261,11 @@ def import_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: 
             path, total = _write(source, plan, final, overwrite, progress)
         else:
             from ..reshard import reshard
-            from ..staging import check_destination
+            from ..staging import check_destination, new_token, partial_path
 
             if not fs.is_url(final):
                 check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
-            tmp = fs.join(fs.dirname(final), f".{final.rstrip('/').rsplit('/', 1)[-1]}.mcore-import-{uuid.uuid4().hex[:8]}")
+            tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed import: `ls --clean` removes it
             try:
                 _, total = _write(source, plan, tmp, False, progress)
                 path = reshard(tmp, final, world_size=world_size, overwrite=overwrite).path

@@ -5,11 +5,11 @@ The disk holds the weights once more while it runs; memory stays that of the two
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any
 
 from .. import fs
 from ..errors import ConversionError
+from ..staging import new_token, partial_path
 
 __all__ = ["export_hf_from_mcore"]
 
@@ -26,7 +26,7 @@ def export_hf_from_mcore(src: str | os.PathLike, out: str | os.PathLike, config:
         raise ConversionError(f"{os.fspath(src)}: exporting a Megatron-Core checkpoint runs in one process "
                               "(import-mcore it first for a collective export)")
     final = os.path.abspath(os.fspath(out))
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.mcore-{uuid.uuid4().hex[:8]}")
+    tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed export: `ls --clean` removes it
     try:
         import_mcore(src, tmp, config=config)
         return export(tmp, out, **kwargs)
