@@ -63,42 +63,31 @@ struct Elem {
 };
 
 // clamp(v, -max, max) then c10's fp8 conversion (torch/headeronly/util/Float8_e4m3fn.h /
-// Float8_e5m2.h), written without branches so the loops vectorize.
+// Float8_e5m2.h) for a v that is not NaN, written without branches so the loops vectorize. The
+// saturated maximum maps to 0x7E in E4M3, so c10's check for 0x7F (its NaN) never fires here.
 template <bool E4M3>
-__attribute__((always_inline)) inline uint8_t clamp_cast(float v) {
+__attribute__((always_inline)) inline uint8_t clamp_cast_no_nan(float v) {
   using T = Elem<E4M3>;
   // |v|'s bits fit in 31 bits, so signed int32 arithmetic and compares are exact here; they keep
   // the loop vectorizable on plain SSE2 (which has no unsigned 32-bit compare or min).
   uint32_t u = bits_of(v);
   uint32_t sign = u & 0x80000000u;
   int32_t a = (int32_t)(u ^ sign);
-  int32_t is_nan = a > 0x7F800000;
-  a = a > (int32_t)T::max_bits ? (int32_t)T::max_bits : a;  // saturate (inf included); NaN is selected below
-  int32_t den = (int32_t)(bits_of(float_of((uint32_t)a) + float_of(T::denorm_mask)) - T::denorm_mask);
-  int32_t odd = (a >> T::mant_shift) & 1;
-  int32_t nor = (int32_t)(((uint32_t)a + T::exp_adjust + T::round_bias + (uint32_t)odd) >> T::mant_shift);
-  int32_t r = a < (int32_t)T::denorm_thresh ? den : nor;
-  if (E4M3) r = r == 0x7F ? 0x7E : r;  // never reached after the clamp; kept as in c10
-  r = is_nan ? 0x7F : r;
-  return (uint8_t)((uint32_t)(r & 0xFF) | (sign >> 24));
-}
-
-// clamp_cast for a block without NaN (its amax is at most inf): no element can become NaN once
-// scaled (finite * finite is finite or inf, inf * positive is inf, which saturates), so the NaN
-// select goes; and the saturated maximum maps to 0x7E in E4M3, never to 0x7F, so c10's 0x7F check
-// goes too. The same bytes as clamp_cast on such inputs, in fewer vector operations.
-template <bool E4M3>
-__attribute__((always_inline)) inline uint8_t clamp_cast_no_nan(float v) {
-  using T = Elem<E4M3>;
-  uint32_t u = bits_of(v);
-  uint32_t sign = u & 0x80000000u;
-  int32_t a = (int32_t)(u ^ sign);
-  a = a > (int32_t)T::max_bits ? (int32_t)T::max_bits : a;
+  a = a > (int32_t)T::max_bits ? (int32_t)T::max_bits : a;  // saturate (inf included)
   int32_t den = (int32_t)(bits_of(float_of((uint32_t)a) + float_of(T::denorm_mask)) - T::denorm_mask);
   int32_t odd = (a >> T::mant_shift) & 1;
   int32_t nor = (int32_t)(((uint32_t)a + T::exp_adjust + T::round_bias + (uint32_t)odd) >> T::mant_shift);
   int32_t r = a < (int32_t)T::denorm_thresh ? den : nor;
   return (uint8_t)((uint32_t)r | (sign >> 24));
+}
+
+// The same for any v: NaN becomes 0x7F with NaN's sign bit, as in c10. Blocks without NaN (their
+// amax is at most inf: no element becomes NaN once scaled) take clamp_cast_no_nan, one select less.
+template <bool E4M3>
+__attribute__((always_inline)) inline uint8_t clamp_cast(float v) {
+  uint32_t u = bits_of(v);
+  uint8_t nan_byte = (uint8_t)(0x7Fu | ((u & 0x80000000u) >> 24));
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? nan_byte : clamp_cast_no_nan<E4M3>(v);
 }
 
 // Scale byte and factor of a block from the bits of its amax (already |x|, NaN above inf).
