@@ -99,6 +99,27 @@ class CheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.metadata.state_dict_metadata[key].properties.dtype
 
+    # chunk-level access, for readers of stored layouts that are not ours (mfsdp_ckpt.mcore reads one
+    # layer of a layer-stacked tensor): every chunk still goes through the same checks
+
+    def check_entry(self, key: str) -> None:
+        """Raise :class:`CorruptCheckpointError` unless entry ``key``'s metadata is sound and its
+        files hold every chunk's byte range (see :meth:`_check_entry`)."""
+        self._check_entry(key, self.metadata.state_dict_metadata[key])
+
+    def stored_chunks(self, key: str) -> list[tuple[MetadataIndex, _StorageInfo]]:
+        """Where each chunk of ``key`` lies: its index (offsets) and storage (file, range)."""
+        return list(self._chunks_by_key.get(key, []))
+
+    def read_chunk(self, index: MetadataIndex, info: _StorageInfo) -> torch.Tensor | Any:
+        """One chunk's verified payload (a tensor, or the object a non-tensor entry holds)."""
+        return self._chunks.read(index, info)
+
+    def open_data_file(self, relative_path: str, key: str) -> Any:
+        """The open data file ``relative_path`` (inside the checkpoint, a regular file), for
+        reading ranges of it; ``key`` names the entry in errors."""
+        return self._chunks.open(relative_path, key)
+
     def _payload(self, index: MetadataIndex, info: _StorageInfo, out: torch.Tensor | None = None) -> torch.Tensor | bytes:
         """The chunk's verified payload (read into ``out`` when given)."""
         return self._chunks.read(index, info, out)

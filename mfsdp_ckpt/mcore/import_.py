@@ -152,7 +152,7 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         else:
             dropped.append(key)
     for key in model_keys + optim_keys:  # before expanding per layer / expert: the chunks must back the shape
-        source.reader._check_entry(key, source.entries[key])
+        source.reader.check_entry(key)
     shape_of = {k: source.shape(k) for k in model_keys}
     cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
     for key in extra_states:

@@ -182,14 +182,14 @@ class McoreSource:
         (see the module docstring)."""
         reader = self.reader
         md = self.entries[key]
-        reader._check_entry(key, md)
+        reader.check_entry(key)
         shape, dtype, k = tuple(md.size), md.properties.dtype, len(index)
         if any(not 0 <= i < d for i, d in zip(index, shape)):
             raise ConversionError(f"{self.directory}: key '{key}': index {list(index)} outside {list(shape)}")
         out = torch.empty(shape[k:], dtype=dtype)
         sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         covered = 0
-        for idx, info in reader._chunks_by_key.get(key, []):
+        for idx, info in reader.stored_chunks(key):
             offsets = tuple(idx.offset)
             sizes = sizes_at[offsets]
             if any(not o <= i < o + s for i, o, s in zip(index, offsets, sizes)):
@@ -198,7 +198,7 @@ class McoreSource:
             for dim, (o, s) in enumerate(zip(offsets[k:], sizes[k:])):
                 region = region.narrow(dim, o, s)
             if all(s == 1 for s in sizes[:k]):  # the chunk lies inside the slice: read it whole
-                piece = reader._chunks.read(idx, info)
+                piece = reader.read_chunk(idx, info)
                 self._count(info.length)
                 if not isinstance(piece, torch.Tensor) or piece.numel() != region.numel():
                     raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(offsets)}: does not hold "
@@ -224,12 +224,12 @@ class McoreSource:
         reader = self.reader
         dtype = region.dtype
         k = len(index)
-        f = reader._chunks.open(info.relative_path, key)
+        f = reader.open_data_file(info.relative_path, key)
         raw = None
         if reader.manifest is None:
             raw = locate_raw_tensor(f, info.offset, info.length, dtype, math.prod(sizes))
         if raw is None:
-            piece = reader._chunks.read(idx, info)
+            piece = reader.read_chunk(idx, info)
             self._count(info.length)
             sub = piece.reshape(sizes)
             for i, o in zip(index, offsets):
