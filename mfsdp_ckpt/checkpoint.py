@@ -397,14 +397,15 @@ def read_pointer(path: str) -> str:
     return name
 
 
-def _unwrap(e: CheckpointException) -> BaseException:
-    """DCP wraps each rank's failure; surface ours (the first CheckpointError) as is."""
+def _unwrap(e: CheckpointException, rank: int | None = None) -> BaseException:
+    """DCP wraps each rank's failure; surface ours (the first CheckpointError) as is. ``rank``:
+    the rank to name when DCP ran without a process group (it numbers that one rank 0)."""
     failures = sorted(e.failures.items())
     for _rank, (exc, _tb) in failures:
         if isinstance(exc, CheckpointError):
             return exc
-    rank, (exc, _tb) = failures[0]
-    return CheckpointError(f"rank {rank}: {type(exc).__name__}: {exc}")
+    failed, (exc, _tb) = failures[0]
+    return CheckpointError(f"rank {failed if rank is None else rank}: {type(exc).__name__}: {exc}")
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -485,10 +486,6 @@ def load(
     mx, mx_problems = mx_targets(shards, saved)
     found.shape_errors.extend(mx_problems)
     found.claimed.update(group_parts)
-    not_found = _agree_on_keys(found, saved, optimizer is not None, strict, directory)
-    if not strict:
-        _report_not_found(not_found, optimizer is not None and not any(
-            k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
     main_entries = {t.main_key: targets_by_key[t.main_key] for t in mx if t.main_key in targets_by_key}
     for t in mx:
         targets_by_key.update(t.planes.values())
@@ -509,7 +506,15 @@ def load(
         _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []),
                                            *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else [])])
 
-    _agreed(check_before_reading)
+    # one gather for both: the key problems of every rank (raised first, the same on all), then
+    # the first failure of the entry checks
+    _, failure, views = _run_and_gather(check_before_reading, _key_view(found, saved))
+    not_found = _agree_on_keys(views, saved, optimizer is not None, strict, directory)
+    if failure is not None:
+        raise failure
+    if not strict:
+        _report_not_found(not_found, optimizer is not None and not any(
+            k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
     for key in extra_keys:
         md = saved[key]
         targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
@@ -518,13 +523,18 @@ def load(
     if groups:
         targets_by_key.update((key, None) for key in ([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts))
     planner = MfsdpLoadPlanner()
-    try:
-        dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        raise _unwrap(e) from None
 
-    # every rank read and verified everything: what follows changes nothing until all is checked, on every rank
-    def check_after_reading() -> list[dict[str, Any]] | None:
+    # Each rank plans and reads its own chunks (DCP's ``no_dist``: a load plan needs nothing from
+    # the other ranks, and central planning would cost two gathers and a scatter per load); the
+    # ranks then agree once, below, on every failure of the read and of the checks after it.
+    # What follows changes nothing until every rank has read, verified and checked everything.
+    def read_and_check() -> list[dict[str, Any]] | None:
+        try:
+            with warnings.catch_warnings():  # DCP's notice that no_dist reads "in a single process"
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise _unwrap(e, rank) from None
         check_planes(mx, reader, main_entries, directory)
         if restore:
             try:
@@ -538,7 +548,7 @@ def load(
         _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
         return param_group_updates(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
 
-    updates = _agreed(check_after_reading)
+    updates = _agreed(read_and_check)
     if updates is not None:
         for group, update in zip(optimizer.param_groups, updates):
             group.update(update)
@@ -663,14 +673,19 @@ class _KeyProblems:
     claimed: set[str]
 
 
-def _agree_on_keys(found: _KeyProblems, saved: dict[str, Any], with_optimizer: bool, strict: bool, source: str) -> list[str]:
-    """Raise the same :class:`StateMismatchError` on every rank, or none: the ranks' problems are
-    combined (one ``all_gather_object``). A checkpoint key is unexpected only when no rank claims
-    it: under expert parallelism each rank wants only its own experts. Returns the keys some rank
-    wants that the checkpoint lacks (an error when ``strict``)."""
+def _key_view(found: _KeyProblems, saved: dict[str, Any]) -> tuple[list[str], list[str], list[str], bytes]:
+    """What one rank tells the others about the keys (:func:`_agree_on_keys`): its problems, and
+    which of the checkpoint's keys (in sorted order) it claims, one byte each."""
+    return found.missing, found.shape_errors, found.coverage_errors, bytes(key in found.claimed for key in sorted(saved))
+
+
+def _agree_on_keys(views: list[tuple[list[str], list[str], list[str], bytes]], saved: dict[str, Any], with_optimizer: bool,
+                   strict: bool, source: str) -> list[str]:
+    """Raise the same :class:`StateMismatchError` on every rank, or none, from every rank's
+    :func:`_key_view`. A checkpoint key is unexpected only when no rank claims it: under expert
+    parallelism each rank wants only its own experts. Returns the keys some rank wants that the
+    checkpoint lacks (an error when ``strict``)."""
     keys = sorted(saved)
-    claimed = bytes(key in found.claimed for key in keys)
-    views = gather_objects((found.missing, found.shape_errors, found.coverage_errors, claimed))
     anyone = [any(v[3][i] for v in views) for i in range(len(keys))]
     missing, unexpected = {k for v in views for k in v[0]}, []
     if strict:
@@ -711,6 +726,20 @@ def _check_expert_count(model: nn.Module, saved: dict[str, Any], source: str) ->
     problem = expert_count_problem(stored, model_counts)
     if problem is not None:
         raise StateMismatchError(f"{source}: {problem}")
+
+
+def _run_and_gather(check: Callable[[], T], share: Any) -> tuple[T | None, CheckpointError | None, list[Any]]:
+    """``check()`` on this rank, then one gather of every rank's ``share`` and outcome: returns this
+    rank's result, the first :class:`CheckpointError` in rank order (None when no rank failed; the
+    same on every rank) and the shares in rank order. The caller decides what to raise first."""
+    failure: CheckpointError | None = None
+    result = None
+    try:
+        result = check()
+    except CheckpointError as e:
+        failure = e.with_traceback(None)  # its traceback would hold this frame, which holds it
+    views = gather_objects((share, failure))
+    return result, next((f for _, f in views if f is not None), None), [v for v, _ in views]
 
 
 def _agreed(check: Callable[[], T]) -> T:

@@ -176,9 +176,14 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
         for c in ready:
             check(s, c)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(blocks))), thread_name_prefix="mfsdp-ckpt-read") as pool:
-        for future in [pool.submit(read_block, b) for b in range(len(blocks))]:
-            future.result()
+    if threads <= 1 or sum(end - start for _, start, end in blocks) <= BLOCK_BYTES:
+        # at most one block's worth: starting threads would cost more than they save
+        for b in range(len(blocks)):
+            read_block(b)
+    else:
+        with ThreadPoolExecutor(max_workers=min(threads, len(blocks)), thread_name_prefix="mfsdp-ckpt-read") as pool:
+            for future in [pool.submit(read_block, b) for b in range(len(blocks))]:
+                future.result()
     for s, c in unblocked:
         check(s, c)
     if faults:
