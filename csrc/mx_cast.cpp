@@ -8,7 +8,9 @@
 // float32 -> FP8 round-to-nearest-even identical to c10's scalar conversion. No -ffast-math:
 // subnormals, signed zeros and NaN bits must come out exactly as torch computes them.
 //
-// Threads: at::parallel_for (torch's intra-op pool, torch.set_num_threads); inner loops are plain
+// Threads: at::parallel_for (torch's intra-op pool, torch.set_num_threads; with an OpenMP build of
+// torch that is an inlined `omp parallel`, so the loader compiles this file with -fopenmp, without
+// which everything would run on one thread); inner loops are plain
 // fixed-length loops over uint32 lanes that GCC vectorizes (#pragma omp simd, -fopenmp-simd). With
 // GCC on x86-64 the two hot loops are compiled three times (AVX-512, AVX2, baseline) and the CPU
 // picks one when the module loads (target_clones); the bytes are the same whichever runs.
@@ -21,8 +23,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace {
 
@@ -36,6 +43,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kColTile = 256;  // columns per task in the columnwise kernel
+constexpr int64_t kRowGroup = 64;  // blocks per step of the rowwise kernel
 
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -133,9 +141,56 @@ __attribute__((always_inline)) inline BlockParams block_params(uint32_t amax_bit
   return p;
 }
 
+// every entry of the rceil table (but the subnormal one) is at most this: the loader measures it
+// over 4096 mantissas per exponent; quantize() checks it on every call
+constexpr int32_t kRceilNear = 4095;
+constexpr int64_t kScaleGroup = 256;  // the most blocks scales_no_nan is given at once
+static_assert(kRowGroup <= kScaleGroup && kColTile <= kScaleGroup, "scales_no_nan gets at most kScaleGroup blocks");
+
+// block_params' rule for n NaN-free amaxes at once, in vector loops: scale bytes into sc, factors
+// into recip. rceil's table lookup thr[e] would be a gather per block; instead the loop decides
+// with the table's bound (thr[e] <= kRceilNear for every e: a mantissa above it always rounds up)
+// and marks the blocks whose mantissa is at or under the bound, or whose d is subnormal, for an
+// exact scalar pass with the table (about one block in 2000 of random data).
+template <bool E4M3, bool FLOOR>
+__attribute__((always_inline)) inline void scales_no_nan(const uint32_t* amax, int64_t n, uint8_t* sc, float* recip,
+                                                         const int32_t* thr) {
+  int32_t byte[kScaleGroup];
+  int32_t near_any = 0;
+#pragma omp simd reduction(| : near_any)
+  for (int64_t j = 0; j < n; ++j) {
+    if (FLOOR) {
+      int32_t b = (int32_t)(amax[j] >> 23) - Elem<E4M3>::emax;
+      byte[j] = b < 0 ? 0 : b;
+    } else {
+      uint32_t d = bits_of(float_of(amax[j]) / Elem<E4M3>::max);
+      int32_t e = (int32_t)(d >> 23);  // 255 for an inf amax: replaced below
+      int32_t m = (int32_t)(d & 0x7FFFFF);
+      int32_t b = e + (m > kRceilNear ? 1 : 0);
+      b = b > 254 ? 254 : b;
+      int32_t near = (m <= kRceilNear) | (e == 0);
+      near = amax[j] == 0x7F800000u ? 0 : near;
+      b = amax[j] == 0x7F800000u ? 254 : b;
+      byte[j] = near ? -1 : b;
+      near_any |= near;
+    }
+  }
+  if (!FLOOR && near_any) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (byte[j] < 0) byte[j] = block_params<E4M3, FLOOR>(amax[j], thr).byte;
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t b = byte[j];
+    if (FLOOR) recip[j] = float_of((uint32_t)(b == 0 ? 253 : 254 - b) << 23);
+    else recip[j] = b == 0 ? 1.0f : b == 254 ? float_of(0x00400000u) : float_of((uint32_t)(254 - b) << 23);
+    sc[j] = (uint8_t)b;
+  }
+}
+
 // A group of blocks at a time: their amaxes (one reduction each), then every block's scale in one
 // loop over the group, then the casts; a group holding a NaN block takes the general path.
-constexpr int64_t kRowGroup = 64;
 
 template <bool E4M3, bool FLOOR>
 MX_CLONES void rowwise_range(const float* x, uint8_t* data, uint8_t* scale, int64_t b0, int64_t b1, const int32_t* thr) {
@@ -171,29 +226,7 @@ MX_CLONES void rowwise_range(const float* x, uint8_t* data, uint8_t* scale, int6
       }
       continue;
     }
-    // no NaN: block_params' rule (below, for NaN-free amaxes) for every block of the group in one
-    // vector loop
-    uint8_t* sc = scale + g0;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      int32_t byte;
-      if (FLOOR) {
-        byte = (int32_t)(amax[j] >> 23) - Elem<E4M3>::emax;
-        byte = byte < 0 ? 0 : byte;
-        recip[j] = float_of((uint32_t)(byte == 0 ? 253 : 254 - byte) << 23);
-      } else {
-        uint32_t d = bits_of(float_of(amax[j]) / Elem<E4M3>::max);
-        int32_t e = (int32_t)(d >> 23);  // 255 for an inf amax: replaced below
-        int32_t m = (int32_t)(d & 0x7FFFFF);
-        int32_t normal = e + (m > thr[e] ? 1 : 0);
-        normal = normal > 254 ? 254 : normal;
-        int32_t subnormal = m > 0x400000 + thr[0] ? 1 : 0;
-        byte = e == 0 ? subnormal : normal;
-        byte = amax[j] == 0x7F800000u ? 254 : byte;
-        recip[j] = byte == 0 ? 1.0f : byte == 254 ? float_of(0x00400000u) : float_of((uint32_t)(254 - byte) << 23);
-      }
-      sc[j] = (uint8_t)byte;
-    }
+    scales_no_nan<E4M3, FLOOR>(amax, n, scale + g0, recip, thr);
     for (int64_t j = 0; j < n; ++j) {
       const float* xf = x + (g0 + j) * kBlock;
       uint8_t* out = data + (g0 + j) * kBlock;
@@ -232,6 +265,18 @@ MX_CLONES void colwise_range(const float* x, uint8_t* data, uint8_t* scale, int6
         }
       }
       uint8_t* sc = scale + s * K + k0;
+      uint32_t tile_max = 0;
+      for (int64_t j = 0; j < w; ++j) tile_max = amax[j] > tile_max ? amax[j] : tile_max;
+      if (tile_max <= 0x7F800000u) {  // no NaN column: every scale in vector loops, casts without selects
+        scales_no_nan<E4M3, FLOOR>(amax, w, sc, recip, thr);
+        for (int64_t r = 0; r < kBlock; ++r) {
+          const float* row = xs + r * K;
+          uint8_t* out = data + (s * kBlock + r) * K + k0;
+#pragma omp simd
+          for (int64_t j = 0; j < w; ++j) out[j] = clamp_cast_no_nan<E4M3>(row[j] * recip[j]);
+        }
+        continue;
+      }
       for (int64_t j = 0; j < w; ++j) {
         BlockParams p = block_params<E4M3, FLOOR>(amax[j], thr);
         sc[j] = p.byte;
@@ -266,6 +311,21 @@ void dispatch_axis(const float* x, uint8_t* data, uint8_t* scale, int64_t M, int
   else rowwise<E4M3, FLOOR>(x, data, scale, M * K / kBlock, thr);
 }
 
+// Outputs of many MB are fresh memory: the allocator maps them anew for each call, and the first
+// write to each 4 KiB page costs a page fault (measured here: 32 MiB of fresh uint8 took 17 ms to
+// fill, about as long as the whole cast). Asking for transparent huge pages on the 2 MiB-aligned
+// part of such an output makes that one fault per 2 MiB (8 ms for the same fill). Only a hint: where
+// THP is off, or not on Linux, nothing changes.
+void prefer_huge_pages(const torch::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = 2u << 20;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t end = begin + (uintptr_t)t.nbytes();
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  if (t.nbytes() >= (8u << 20) && last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+}
+
 }  // namespace
 
 // x: float32 [M, K] (CPU); elem 0 = E4M3, 1 = E5M2; rule 0 = floor, 1 = rceil; col: blocks down
@@ -278,6 +338,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x_in, int
   TORCH_CHECK(rule == 0 || rule == 1, "mx_cast: rule must be 0 (floor) or 1 (rceil)");
   TORCH_CHECK(rceil_thr.scalar_type() == torch::kInt32 && rceil_thr.numel() == 256 && rceil_thr.is_contiguous(),
               "mx_cast: rceil_thr must be a contiguous int32[256]");
+  {
+    const int32_t* t = rceil_thr.data_ptr<int32_t>();
+    for (int e = 1; e < 255; ++e) TORCH_CHECK(t[e] >= 0 && t[e] <= kRceilNear, "mx_cast: rceil_thr[", e, "] out of range");
+  }
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK((col ? M : K) % kBlock == 0, "mx_cast: the blocked dimension must be a multiple of 32");
   torch::Tensor x = x_in.contiguous();
@@ -285,6 +349,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x_in, int
   torch::Tensor data = torch::empty({M, K}, opts);
   torch::Tensor scale = col ? torch::empty({M / kBlock, K}, opts) : torch::empty({M, K / kBlock}, opts);
   if (M == 0 || K == 0) return {data, scale};
+  prefer_huge_pages(data);
   const float* xp = x.data_ptr<float>();
   uint8_t* dp = data.data_ptr<uint8_t>();
   uint8_t* sp = scale.data_ptr<uint8_t>();
@@ -296,7 +361,16 @@ std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x_in, int
   return {data, scale};
 }
 
+// How many threads a parallel_for of this module runs on (torch.get_num_threads() when the module
+// was built with the threading torch uses; 1 when the loop fell back to serial): for the tests.
+int64_t parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63)); });
+  return __builtin_popcountll(seen.load());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MXFP8 cast (float32 -> E4M3/E5M2 + E8M0 scales), CPU; bitwise equal to mfsdp_core.mx";
+  m.def("parallel_threads", &parallel_threads, "threads a parallel_for of this module runs on");
   m.def("quantize", &quantize, "quantize(x, elem, rule, col, rceil_thr) -> (data uint8, scale uint8)");
 }

@@ -90,6 +90,41 @@ def test_rceil_table_reproduces_torch_log2(kernel) -> None:
     assert torch.equal(got, want)
 
 
+def test_kernel_runs_on_torchs_threads(kernel) -> None:
+    """The kernel's parallel loops use torch's intra-op threads (built without OpenMP against an
+    OpenMP torch, they would silently run on one)."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert kernel.parallel_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_groups_and_tiles_with_and_without_nan(kernel, fmt: MXFormat) -> None:
+    """The kernel takes a vector path for a group of row blocks (64) or a tile of columns (256)
+    without NaN, and a general one for a group or tile holding one: in one tensor, groups and tiles
+    of both kinds, with amaxes at and just above the rceil power-of-two edges (the blocks the
+    vector scale loop hands to the exact table pass), zero blocks, subnormal and inf ones."""
+    g = torch.Generator().manual_seed(5)
+    m, k = 96, 2048  # rows: 64 blocks per row, 96 groups; cols: 8 tiles per 32-row strip
+    edge = 448.0 if fmt.element == "e4m3" else 57344.0
+    e = torch.randint(-100, 100, (m, 1), generator=g).float()
+    bits = (edge * torch.exp2(e)).expand(m, k).contiguous().view(torch.int32)
+    bits = bits + torch.randint(-3, 6000, (m, k), generator=g, dtype=torch.int32)  # mantissas 0..~6000 above the edge
+    x = bits.view(torch.float32) * torch.where(torch.rand(m, k, generator=g) > 0.5, 1.0, -1.0)
+    x[:, 1::2] *= 0.25  # only some elements are their block's amax
+    x[40:72, 512:544] = 0.0  # zero blocks
+    x[10, 1000:1032] = 1e-42  # a subnormal row block
+    x[20, 1500] = float("inf")
+    x[70, 300] = float("nan")  # one group of row blocks and one column tile with NaN
+    x[5, 1900] = 3.0e38  # an amax whose rceil scale byte saturates
+    for axis in mx.AXES:
+        _both(x, fmt, axis, f"{fmt} {axis} mixed groups")
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 def test_large_and_multithreaded(kernel, fmt: MXFormat) -> None:
