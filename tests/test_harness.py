@@ -171,10 +171,16 @@ def test_timeout_names_silent_ranks(tmp_path, monkeypatch):
 def test_keyboard_interrupt_kills_all_ranks(tmp_path):
     timer = threading.Thread(target=_interrupt_when_started, args=(tmp_path, 2), daemon=True)
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        timer.start()
-        run_ranks(_sleep_forever, 2, str(tmp_path), timeout=60)
-    timer.join()
+    # Python's own Ctrl-C handler even where the suite inherited SIGINT ignored (started in the
+    # background by a non-interactive shell, as `cmd &` in a script does)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            timer.start()
+            run_ranks(_sleep_forever, 2, str(tmp_path), timeout=60)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 50
     pids = _pids(tmp_path)
     assert len(pids) == 2
