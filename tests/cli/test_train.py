@@ -178,10 +178,12 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     """`tiny` on 3 ranks, 50 steps, bf16 compute: with MXFP8 linears (E4M3, floor) every step's
     loss is within 5e-3 relative of the bf16 run's (measured: at most 3.7e-4; the weights carry 3
     mantissa bits, but the matmuls average their rounding), and differs from it (the MX weights are
-    used). A run stopped at step 25 and resumed gives the same losses bitwise and the same final
-    state, MX planes included."""
+    used). A run resumed from the MX run's step-25 checkpoint gives the same losses bitwise and the
+    same final state, MX planes included. (Stopping with ``--stop-at`` before resuming is tested in
+    ``test_kill_and_resume_bitwise_and_resume_at_another_world_size``; here the checkpoint comes
+    from the uninterrupted run, which saves one launch of 25 steps.)"""
     runs = {}
-    for name, extra in (("bf16", ()), ("mx", ("--mxfp8",))):
+    for name, extra in (("bf16", ()), ("mx", ("--mxfp8", "--save-every", "25"))):
         metrics = tmp_path / f"{name}.jsonl"
         run = _run(3, *MX_COMMON, *extra, "--metrics", str(metrics), "--ckpt-dir", str(tmp_path / name))
         assert run.returncode == 0, failure(run)
@@ -189,12 +191,15 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     diffs = [abs(runs["mx"][s]["loss"] - runs["bf16"][s]["loss"]) / runs["bf16"][s]["loss"] for s in range(1, 51)]
     assert max(diffs) < 5e-3, max(diffs)
     assert max(diffs) > 0
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "mx" / "step_000025", tmp_path / "b" / "step_000025")
     resumed = tmp_path / "mx_resumed.jsonl"
-    for extra in (("--stop-at", "25"), ("--resume",)):
-        run = _run(3, *MX_COMMON, "--mxfp8", "--save-every", "25", "--metrics", str(resumed), "--ckpt-dir", str(tmp_path / "b"), *extra)
-        assert run.returncode == 0, failure(run)
+    run = _run(3, *MX_COMMON, "--mxfp8", "--save-every", "25", "--metrics", str(resumed), "--ckpt-dir", str(tmp_path / "b"),
+               "--resume", str(tmp_path / "b" / "step_000025"))
+    assert run.returncode == 0, failure(run)
     mb = read_metrics(resumed)
-    assert [runs["mx"][s] for s in range(1, 51)] == [mb[s] for s in range(1, 51)]  # exact floats
+    assert sorted(mb) == list(range(26, 51))
+    assert [runs["mx"][s] for s in range(26, 51)] == [mb[s] for s in range(26, 51)]  # exact floats
     sa = _full_state(str(tmp_path / "mx" / "step_000050"), str(tmp_path / "a.pt"))
     sb = _full_state(str(tmp_path / "b" / "step_000050"), str(tmp_path / "b.pt"))
     assert sorted(sa) == sorted(sb) and sum(k.startswith("mx.") for k in sa) == 4 * 8

@@ -185,11 +185,13 @@ def _run(code: str, env_dir: Path, timeout: float = 600) -> subprocess.Popen:
 @pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_build_failure_is_one_line_and_import_survives(tmp_path: Path) -> None:
-    """A kernel source that does not compile: ``import mfsdp_core`` is unaffected, ``load`` returns
-    None with the compiler's first error line, and auto quantize falls back with that reason."""
+    """A kernel source that does not compile (here: a header the machine lacks, as when Python's
+    or torch's development headers are missing; the compiler stops at once): ``import mfsdp_core``
+    is unaffected, ``load`` returns None with the compiler's first error line, and auto quantize
+    falls back with that reason."""
     src = tmp_path / "csrc"
     src.mkdir()
-    (src / "mx_cast.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    (src / "mx_cast.cpp").write_text("#include <mfsdp_no_such_header.h>\n#include <torch/extension.h>\nthis is not C++;\n")
     p = _run(f"""
         import warnings, torch
         import mfsdp_core
