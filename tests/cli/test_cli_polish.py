@@ -53,6 +53,7 @@ def test_ls_of_an_empty_directory_says_so(tmp_path):
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
 
 
+@pytest.mark.heavy
 def test_a_single_file_is_named_with_the_command_that_takes_it(tmp_path):
     pt, st = tmp_path / "weights.pt", tmp_path / "model.safetensors"
     torch.save({"w": torch.ones(3)}, pt)
@@ -67,6 +68,7 @@ def test_a_single_file_is_named_with_the_command_that_takes_it(tmp_path):
     assert "import-hf" in _cli("inspect", str(st)).stderr
 
 
+@pytest.mark.heavy
 def test_errors_under_json_are_one_json_object(tmp_path):
     for args in (("inspect", "--json", str(tmp_path / "missing")), ("verify", "--json", str(tmp_path / "missing")),
                  ("ls", "--json", str(tmp_path / "missing"))):
@@ -105,6 +107,7 @@ def tiny_ckpt(tmp_path_factory) -> str:
     return str(root / "step_000001")
 
 
+@pytest.mark.heavy
 def test_json_field_names_are_shared_across_commands(tiny_ckpt, tmp_path):
     """``path`` names what a command read or wrote, ``ok`` is the verdict of a check (verify,
     diff), ``bytes`` a size (reshard, ls, export-hf, import-hf), ``tensors`` a count."""
@@ -147,6 +150,7 @@ def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tin
     assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "afile").read_text() == "not a directory"
 
 
+@pytest.mark.heavy
 def test_s3_without_credentials_or_bucket_is_one_line(tiny_ckpt, tmp_path, s3_bucket):
     """Against the local S3 server: no credentials anywhere (environment, profile files; the
     instance-metadata lookup off), and a bucket that does not exist."""

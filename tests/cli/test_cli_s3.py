@@ -46,6 +46,7 @@ def _cli(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
+@pytest.mark.heavy
 def test_commands_on_s3(local_run, s3_bucket):
     s3 = _s3()
     s3.put(local_run, f"{s3_bucket}/run", recursive=True)

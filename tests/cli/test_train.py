@@ -237,6 +237,7 @@ def _snapshot(root) -> dict:
     return {os.path.join(d, p): os.lstat(os.path.join(d, p)).st_mtime_ns for d, _, fs in os.walk(root) for p in fs}
 
 
+@pytest.mark.heavy
 def test_resume_refuses_changed_settings_unless_allowed_and_touches_nothing(tmp_path):
     ckpt = str(tmp_path / "run")
     first = _run(None, *SMALL, "--steps", "4", "--stop-at", "2", "--ckpt-dir", ckpt)
@@ -260,6 +261,7 @@ def test_resume_refuses_changed_settings_unless_allowed_and_touches_nothing(tmp_
     assert "resumed from" in allowed.stdout and sorted(read_metrics(str(tmp_path / "m.jsonl"))) == [3, 4]
 
 
+@pytest.mark.heavy
 def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     ckpt = str(tmp_path / "run")
     fresh = _run(None, *SMALL, "--steps", "4", "--stop-at", "2", "--ckpt-dir", ckpt, "--resume", "auto")

@@ -142,6 +142,7 @@ def test_bad_data_flags_are_one_line_before_training(tmp_path):
     assert "is outside the model's vocabulary (256)" in run.stderr
 
 
+@pytest.mark.heavy
 def test_init_from_a_non_preset_import_hf_output_trains_with_its_config(tmp_path):
     pytest.importorskip("transformers")
     from click.testing import CliRunner

@@ -199,6 +199,7 @@ def _load_latest_step(root: str) -> int:
     return mfsdp_ckpt.load(os.path.join(root, "latest"), model, optim)["step"]
 
 
+@pytest.mark.heavy
 def test_latest_and_keep_last_k(ranks, tmp_path):
     root = str(tmp_path / "run")
     ranks(_save_series, 2, root, [1, 2, 3, 4], 2, timeout=300)

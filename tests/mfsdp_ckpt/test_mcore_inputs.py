@@ -168,6 +168,7 @@ def test_refuses_an_unsupported_argument(tmp_path):
     assert "normalization='LayerNorm'" in line
 
 
+@pytest.mark.heavy
 def test_cli_import_and_export_mcore(tmp_path):
     proc = _cli("import-mcore", DENSE, str(tmp_path / "ckpt"), "--world-size", "3", "--config", DENSE + ".config.json")
     assert proc.returncode == 0, proc.stderr

@@ -149,6 +149,7 @@ def _save_then_reshard_then_load(ckpt_dir: str) -> dict:
     return {"opened": opened, "pieces": owned_pieces(model, optim)}
 
 
+@pytest.mark.heavy
 def test_each_target_rank_reads_its_own_file(ranks, tmp_path):
     ranks(_save_then_reshard_then_load, 4, str(tmp_path))
     result = reshard(tmp_path / "src", tmp_path / "w3", world_size=3)

@@ -197,6 +197,7 @@ def _ours_load_model(path: str) -> dict:
     return owned_pieces(model, None)
 
 
+@pytest.mark.heavy
 def test_torchtitan_bare_fqn_checkpoint_reshards_with_key_map(ranks, tmp_path):
     source = make_model("transformer", seed=11)
     stock, ours = str(tmp_path / "titan"), str(tmp_path / "ours")

@@ -55,6 +55,7 @@ def _damage(path: str, name: str, how: str, at: int) -> None:
             f.write(bytes([byte[0] ^ 0x5A]))
 
 
+@pytest.mark.heavy
 def test_damage_anywhere_is_found_or_harmless(saved, tmp_path):
     path, original = saved
     cases = _cases(path)

@@ -58,6 +58,7 @@ def run(tmp_path) -> str:
     return root
 
 
+@pytest.mark.heavy
 def test_overwrite_never_deletes_a_source_or_a_run(run, tmp_path):
     src = os.path.join(run, "step_1")
     before = _tree(run)
@@ -77,6 +78,7 @@ def test_overwrite_never_deletes_a_source_or_a_run(run, tmp_path):
     assert _tree(run) == before and verify_checkpoint(src) == [] and os.path.isdir(os.path.join(other, "step_1"))
 
 
+@pytest.mark.heavy
 def test_overwrite_refuses_what_is_not_a_checkpoint_and_symlinks(run, tmp_path):
     src = os.path.join(run, "step_1")
     home = tmp_path / "home"
@@ -99,6 +101,7 @@ def test_overwrite_refuses_what_is_not_a_checkpoint_and_symlinks(run, tmp_path):
     assert verify_checkpoint(target) == []
 
 
+@pytest.mark.heavy
 def test_trainer_refuses_a_directory_holding_a_run_unless_resumed(tmp_path):
     args = ("--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(tmp_path / "r"))
     first = run_train(None, *args)
@@ -266,6 +269,7 @@ def _fill(path: str, leave: int) -> None:
         f.write(b"\0" * max(_free_bytes(path) - leave, 0))
 
 
+@pytest.mark.heavy
 def test_a_really_full_disk(run, small_disk):
     """A training run whose disk fills up between two saves, then the offline writers on that
     disk: one line each, nothing half-written, the previous checkpoint and ``latest`` kept."""

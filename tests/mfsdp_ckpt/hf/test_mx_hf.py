@@ -119,6 +119,7 @@ def ckpt(tmp_path_factory):
 # export
 
 
+@pytest.mark.heavy
 def test_bf16_export_is_the_main_params_cast(ckpt, tmp_path):
     hf.export(ckpt, tmp_path / "out", dtype="bfloat16")
     state, manifest = read_ckpt(ckpt)
@@ -131,6 +132,7 @@ def test_bf16_export_is_the_main_params_cast(ckpt, tmp_path):
             assert same_bytes(got[name], piece.to(torch.bfloat16)), name
 
 
+@pytest.mark.heavy
 def test_from_mx_export_is_the_dequantized_rowwise_planes(ckpt, tmp_path):
     hf.export(ckpt, tmp_path / "out", dtype="bfloat16", mode="from-mx")
     state, manifest = read_ckpt(ckpt)
@@ -253,6 +255,7 @@ def test_every_builtin_mapping_moves_whole_rows_only():
 # import and round trips
 
 
+@pytest.mark.heavy
 def test_import_makes_an_mx_checkpoint_and_the_round_trip_is_byte_identical(ckpt, tmp_path):
     hf.export(ckpt, tmp_path / "hf1", mode="mx")
     hf.import_(tmp_path / "hf1", tmp_path / "back")
