@@ -191,7 +191,6 @@ __attribute__((always_inline)) inline void scales_no_nan(const uint32_t* amax, i
 
 // A group of blocks at a time: their amaxes (one reduction each), then every block's scale in one
 // loop over the group, then the casts; a group holding a NaN block takes the general path.
-
 template <bool E4M3, bool FLOOR>
 MX_CLONES void rowwise_range(const float* x, uint8_t* data, uint8_t* scale, int64_t b0, int64_t b1, const int32_t* thr) {
   uint32_t amax[kRowGroup];

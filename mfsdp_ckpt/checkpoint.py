@@ -728,36 +728,30 @@ def _check_expert_count(model: nn.Module, saved: dict[str, Any], source: str) ->
         raise StateMismatchError(f"{source}: {problem}")
 
 
-def _run_and_gather(check: Callable[[], T], share: Any) -> tuple[T | None, CheckpointError | None, list[Any]]:
+def _run_and_gather(check: Callable[[], T], share: Any = None) -> tuple[T | None, CheckpointError | None, list[Any]]:
     """``check()`` on this rank, then one gather of every rank's ``share`` and outcome: returns this
     rank's result, the first :class:`CheckpointError` in rank order (None when no rank failed; the
     same on every rank) and the shares in rank order. The caller decides what to raise first."""
     failure: CheckpointError | None = None
-    result = None
-    try:
-        result = check()
-    except CheckpointError as e:
-        failure = e.with_traceback(None)  # its traceback would hold this frame, which holds it
-    views = gather_objects((share, failure))
-    return result, next((f for _, f in views if f is not None), None), [v for v, _ in views]
-
-
-def _agreed(check: Callable[[], T]) -> T:
-    """``check()`` on every rank; when it raises a :class:`CheckpointError` on any rank, every rank
-    raises the first one (in rank order), so that none goes on alone into a collective or changes
-    its state while another gives up."""
-    failure: CheckpointError | None = None
-    failures: list[CheckpointError] = []
+    views: list[Any] = []
     result = None
     try:
         result = check()
     except CheckpointError as e:
         failure = e
     try:
-        failures = [f for f in gather_objects(failure) if f is not None]
-        if failures:
-            raise failures[0]
+        views = gather_objects((share, failure))
+        return result, next((f for _, f in views if f is not None), None), [v for v, _ in views]
     finally:
         # an exception's traceback holds this frame: break the cycle (see rank0_decides)
-        failure, failures = None, []
+        failure, views = None, []
+
+
+def _agreed(check: Callable[[], T]) -> T:
+    """``check()`` on every rank; when it raises a :class:`CheckpointError` on any rank, every rank
+    raises the first one (in rank order), so that none goes on alone into a collective or changes
+    its state while another gives up."""
+    result, failure, _ = _run_and_gather(check)
+    if failure is not None:
+        raise failure
     return result

@@ -97,7 +97,7 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
 def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *,
                 threads: int = DEFAULT_READ_THREADS) -> dict[MetadataIndex, torch.Tensor | bytes]:
     """Every chunk's verified payload (see :func:`~mfsdp_ckpt.chunks.decode_record`), read as
-    spans by ``threads`` threads. Raises one :class:`CorruptCheckpointError` (the first bad chunk
+    spans by ``threads`` threads (by the calling thread when there is at most one block to read). Raises one :class:`CorruptCheckpointError` (the first bad chunk
     in file order among those found) after all reads have stopped; ``files`` opens each file and
     reports a file that cannot be opened."""
     spans = plan_spans(chunks)

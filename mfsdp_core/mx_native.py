@@ -42,13 +42,6 @@ _NAMES = {"cpu": ("mfsdp_mx_cast", "mx_cast.cpp"), "cuda": ("mfsdp_mx_cast_cuda"
 # -ffast-math: NaN, subnormal and signed-zero bits must come out as torch computes them.
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 
-
-def _openmp_flags() -> list[str]:
-    """``-fopenmp`` where torch's intra-op threads are OpenMP ones: ``at::parallel_for`` is then a
-    ``#pragma omp parallel`` inlined into the kernel, which runs on one thread unless the kernel is
-    compiled with OpenMP (measured: rowwise 4096x1024 went from 8 to 16.6 GB/s with 2 threads).
-    The module then links the ``libgomp.so.1`` torch has loaded already (same soname): one pool."""
-    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
 _LOCK_TIMEOUT_S = 1800.0  # a first build takes ~1 min; ranks wait for it rather than build twice
 
 _modules: dict[str, ModuleType | None] = {}
@@ -123,18 +116,23 @@ def _build(device: str) -> ModuleType:
             stale = out / "lock"  # cpp_extension's baton; under our flock no live builder holds it
             if stale.exists():
                 stale.unlink()
-            openmp = _openmp_flags() if device == "cpu" else []
-            kwargs = dict(extra_cuda_cflags=["-O3"]) if device == "cuda" else dict(extra_ldflags=openmp)
-            return cpp_extension.load(
-                name=name,
-                sources=[str(source_dir() / src)],
-                extra_cflags=_CFLAGS + openmp,
-                build_directory=str(out),
-                verbose=False,
-                **kwargs,
-            )
+            if device == "cuda":
+                flags = dict(extra_cflags=_CFLAGS, extra_cuda_cflags=["-O3"])
+            else:
+                openmp = _openmp_flags()
+                flags = dict(extra_cflags=_CFLAGS + openmp, extra_ldflags=openmp)
+            return cpp_extension.load(name=name, sources=[str(source_dir() / src)], build_directory=str(out),
+                                      verbose=False, **flags)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _openmp_flags() -> list[str]:
+    """``-fopenmp`` where torch's intra-op threads are OpenMP ones: ``at::parallel_for`` is then a
+    ``#pragma omp parallel`` inlined into the kernel, which runs on one thread unless the kernel is
+    compiled with OpenMP (measured: rowwise 4096x1024 went from 8 to 16.6 GB/s with 2 threads).
+    The module then links the ``libgomp.so.1`` torch has loaded already (same soname): one pool."""
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
 def load(device: str = "cpu") -> ModuleType | None:

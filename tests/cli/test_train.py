@@ -179,9 +179,9 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     loss is within 5e-3 relative of the bf16 run's (measured: at most 3.7e-4; the weights carry 3
     mantissa bits, but the matmuls average their rounding), and differs from it (the MX weights are
     used). A run resumed from the MX run's step-25 checkpoint gives the same losses bitwise and the
-    same final state, MX planes included. (Stopping with ``--stop-at`` before resuming is tested in
-    ``test_kill_and_resume_bitwise_and_resume_at_another_world_size``; here the checkpoint comes
-    from the uninterrupted run, which saves one launch of 25 steps.)"""
+    same final state, MX planes included. (A ``--stop-at`` run resumed bitwise is tested in
+    ``test_muon_run_stops_and_resumes_bitwise`` and the expert-parallel run test; here the
+    checkpoint comes from the uninterrupted run, which saves one launch of 25 steps.)"""
     runs = {}
     for name, extra in (("bf16", ()), ("mx", ("--mxfp8", "--save-every", "25"))):
         metrics = tmp_path / f"{name}.jsonl"
