@@ -473,98 +473,101 @@ def load(
     if require_manifest or is_committed(directory):
         manifest = read_manifest(directory)
     reader = VerifyingReader(directory, manifest, thread_count=thread_count)
-    metadata = reader.read_metadata()
-    group_parts = map_reader_keys(reader, rules, manifest)  # canonical names from here on
-    metadata = reader.read_metadata()
-    saved = metadata.state_dict_metadata
-    _check_expert_count(model, saved, directory)
-    if optimizer is not None:
-        optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
-        _ensure_optimizer_state(optimizer)
-    shards = describe_shards(model, optimizer)
-    targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
-    mx, mx_problems = mx_targets(shards, saved)
-    found.shape_errors.extend(mx_problems)
-    found.claimed.update(group_parts)
-    main_entries = {t.main_key: targets_by_key[t.main_key] for t in mx if t.main_key in targets_by_key}
-    for t in mx:
-        targets_by_key.update(t.planes.values())
-    extra_keys = [key for key in saved if extra_name(key) is not None]
-    my_rng = rng_key(rank)
-    writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
-    rng_state = torch.get_rng_state()
-    restore = restore_rng and writer_world == world and my_rng in saved
-    groups = optimizer is not None and (PARAM_GROUPS in saved or bool(group_parts))
+    try:
+        metadata = reader.read_metadata()
+        group_parts = map_reader_keys(reader, rules, manifest)  # canonical names from here on
+        metadata = reader.read_metadata()
+        saved = metadata.state_dict_metadata
+        _check_expert_count(model, saved, directory)
+        if optimizer is not None:
+            optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
+            _ensure_optimizer_state(optimizer)
+        shards = describe_shards(model, optimizer)
+        targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
+        mx, mx_problems = mx_targets(shards, saved)
+        found.shape_errors.extend(mx_problems)
+        found.claimed.update(group_parts)
+        main_entries = {t.main_key: targets_by_key[t.main_key] for t in mx if t.main_key in targets_by_key}
+        for t in mx:
+            targets_by_key.update(t.planes.values())
+        extra_keys = [key for key in saved if extra_name(key) is not None]
+        my_rng = rng_key(rank)
+        writer_world = ((manifest or {}).get("writer") or {}).get("world_size")
+        rng_state = torch.get_rng_state()
+        restore = restore_rng and writer_world == world and my_rng in saved
+        groups = optimizer is not None and (PARAM_GROUPS in saved or bool(group_parts))
 
-    def check_before_reading() -> None:
-        if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
-                            and saved[my_rng].properties.dtype == rng_state.dtype):
-            raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
-        if groups and not isinstance(saved.get(PARAM_GROUPS, BytesStorageMetadata()), BytesStorageMetadata):
-            raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
-        # every entry to read is sound and its bytes are present: checked before allocating anything
-        _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []),
-                                           *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else [])])
+        def check_before_reading() -> None:
+            if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
+                                and saved[my_rng].properties.dtype == rng_state.dtype):
+                raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
+            if groups and not isinstance(saved.get(PARAM_GROUPS, BytesStorageMetadata()), BytesStorageMetadata):
+                raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
+            # every entry to read is sound and its bytes are present: checked before allocating anything
+            _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []),
+                                               *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else [])])
 
-    # one gather for both: the key problems of every rank (raised first, the same on all), then
-    # the first failure of the entry checks
-    _, failure, views = _run_and_gather(check_before_reading, _key_view(found, saved))
-    not_found = _agree_on_keys(views, saved, optimizer is not None, strict, directory)
-    if failure is not None:
-        raise failure
-    if not strict:
-        _report_not_found(not_found, optimizer is not None and not any(
-            k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
-    for key in extra_keys:
-        md = saved[key]
-        targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
-    if restore:
-        targets_by_key[my_rng] = torch.empty_like(rng_state)
-    if groups:
-        targets_by_key.update((key, None) for key in ([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts))
-    planner = MfsdpLoadPlanner()
-
-    # Each rank plans and reads its own chunks (DCP's ``no_dist``: a load plan needs nothing from
-    # the other ranks, and central planning would cost two gathers and a scatter per load); the
-    # ranks then agree once, below, on every failure of the read and of the checks after it.
-    # What follows changes nothing until every rank has read, verified and checked everything.
-    def read_and_check() -> list[dict[str, Any]] | None:
-        try:
-            with warnings.catch_warnings():  # DCP's notice that no_dist reads "in a single process"
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=True)
-        except CheckpointException as e:
-            raise _unwrap(e, rank) from None
-        check_planes(mx, reader, main_entries, directory)
+        # one gather for both: the key problems of every rank (raised first, the same on all), then
+        # the first failure of the entry checks
+        _, failure, views = _run_and_gather(check_before_reading, _key_view(found, saved))
+        not_found = _agree_on_keys(views, saved, optimizer is not None, strict, directory)
+        if failure is not None:
+            raise failure
+        if not strict:
+            _report_not_found(not_found, optimizer is not None and not any(
+                k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
+        for key in extra_keys:
+            md = saved[key]
+            targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
         if restore:
-            try:
-                torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
-        if not groups:
-            return None
-        if PARAM_GROUPS not in saved:  # a stock checkpoint's entries, one per (group, hyper-parameter)
-            planner.objects[PARAM_GROUPS] = stock_param_groups(group_parts, planner.objects.__getitem__, rules)
-        _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
-        return param_group_updates(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
+            targets_by_key[my_rng] = torch.empty_like(rng_state)
+        if groups:
+            targets_by_key.update((key, None) for key in ([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts))
+        planner = MfsdpLoadPlanner()
 
-    updates = _agreed(read_and_check)
-    if updates is not None:
-        for group, update in zip(optimizer.param_groups, updates):
-            group.update(update)
-    with torch.no_grad():
-        reader.apply(planner)
-        for key, (state, name) in scalar_objects:
-            state[name] = planner.objects[key]
-    refresh_compute_params(model)
-    with torch.no_grad():
-        if write_planes(mx):  # planes that cannot be derived exactly: as saved
-            refresh_compute_params(model, derive_companions=False)
-    if restore:
-        torch.set_rng_state(targets_by_key[my_rng])
-    extras = {name: v for k, v in targets_by_key.items() if (name := extra_name(k)) is not None}
-    extras.update((name, v) for k, v in planner.objects.items() if (name := extra_name(k)) is not None)
-    return extras
+        # Each rank plans and reads its own chunks (DCP's ``no_dist``: a load plan needs nothing from
+        # the other ranks, and central planning would cost two gathers and a scatter per load); the
+        # ranks then agree once, below, on every failure of the read and of the checks after it.
+        # What follows changes nothing until every rank has read, verified and checked everything.
+        def read_and_check() -> list[dict[str, Any]] | None:
+            try:
+                with warnings.catch_warnings():  # DCP's notice that no_dist reads "in a single process"
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                    dcp.load(targets_by_key, storage_reader=reader, planner=planner, no_dist=True)
+            except CheckpointException as e:
+                raise _unwrap(e, rank) from None
+            check_planes(mx, reader, main_entries, directory)
+            if restore:
+                try:
+                    torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
+                except (RuntimeError, ValueError, TypeError) as e:
+                    raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
+            if not groups:
+                return None
+            if PARAM_GROUPS not in saved:  # a stock checkpoint's entries, one per (group, hyper-parameter)
+                planner.objects[PARAM_GROUPS] = stock_param_groups(group_parts, planner.objects.__getitem__, rules)
+            _check_param_groups(planner.objects.get(PARAM_GROUPS), directory)
+            return param_group_updates(shards, optimizer, planner.objects[PARAM_GROUPS], directory)
+
+        updates = _agreed(read_and_check)
+        if updates is not None:
+            for group, update in zip(optimizer.param_groups, updates):
+                group.update(update)
+        with torch.no_grad():
+            reader.apply(planner)
+            for key, (state, name) in scalar_objects:
+                state[name] = planner.objects[key]
+        refresh_compute_params(model)
+        with torch.no_grad():
+            if write_planes(mx):  # planes that cannot be derived exactly: as saved
+                refresh_compute_params(model, derive_companions=False)
+        if restore:
+            torch.set_rng_state(targets_by_key[my_rng])
+        extras = {name: v for k, v in targets_by_key.items() if (name := extra_name(k)) is not None}
+        extras.update((name, v) for k, v in planner.objects.items() if (name := extra_name(k)) is not None)
+        return extras
+    finally:
+        reader.close()  # the data files a load keeps open between reading and copying
 
 
 def _check_entries(reader: VerifyingReader, directory: str, keys: list[str]) -> None:

@@ -27,7 +27,7 @@ from .records import locate_raw_tensor
 
 __all__ = [
     "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "missing_bytes", "read_chunk",
-    "expected_crc", "decode_record", "tensor_view", "MemoryFile",
+    "expected_crc", "decode_record", "decode_record_at", "tensor_view", "MemoryFile",
     "coverage_faults",
 ]
 
@@ -163,6 +163,14 @@ def decode_record(record: numpy.ndarray, info: Any, index: MetadataIndex, manife
     """:func:`read_chunk` for a chunk whose ``info.length`` stored bytes are already in memory
     (``record``, a uint8 array): the same checks, and a plain record's tensor is a view of
     ``record`` (no copy; possibly not aligned to its element size, which torch's copies accept)."""
+    return decode_record_at(record, info, index, manifest_chunks, expect)[0]
+
+
+def decode_record_at(record: numpy.ndarray, info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
+                     expect: tuple[torch.dtype, Sequence[int]] | None) -> tuple[torch.Tensor | bytes, int | None]:
+    """:func:`decode_record`, and where a plain record's tensor bytes start within ``record``
+    (None for an object or a record read through ``torch.load``): the verified bytes can then be
+    read again straight from the file into their destination."""
     expected = expected_crc(info, index, manifest_chunks)
     if len(record) < info.length:
         raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, "
@@ -171,18 +179,18 @@ def decode_record(record: numpy.ndarray, info: Any, index: MetadataIndex, manife
     if index.offset is None:
         payload = bytes(record)
         _check_crc(payload, expected)
-        return payload
+        return payload, None
     raw = None
     if expect is not None:
         raw = locate_raw_tensor(MemoryFile(record), 0, info.length, expect[0], math.prod(expect[1]))
     if raw is None:
         tensor = _loaded_tensor(MemoryFile(record), expect)  # read in place: no copy of the record
         _check_crc(tensor, expected)
-        return tensor
+        return tensor, None
     assert expect is not None
     data = record[raw.offset : raw.offset + raw.nbytes]
     _check_crc(data, expected)
-    return tensor_view(data, expect[0], expect[1])
+    return tensor_view(data, expect[0], expect[1]), raw.offset
 
 
 def tensor_view(data: numpy.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

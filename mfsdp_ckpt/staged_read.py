@@ -11,27 +11,43 @@ is then a view of the staging buffer: the bytes are copied once more only into t
 after every rank has verified everything (see :func:`mfsdp_ckpt.load`).
 
 The staging memory is the bytes of the spans: what the rank needs, plus the dropped gaps.
+
+For a local checkpoint, :func:`verify_chunks` reads in two passes instead, so that no staging
+area as large as the rank's share is ever allocated (fresh memory costs page faults and zeroing
+on every page: on the development VM 0.1-0.4 s per GB, more when the kernel compacts memory for
+huge pages, as much as the disk read itself). The first pass reads the chunks in batches of at
+most :data:`STAGE_BYTES` through one reused staging area and verifies each; a plain record is then
+dropped and kept only as a :class:`VerifiedRange` of its file. The second pass,
+:func:`read_verified`, after every rank has verified everything, reads those ranges again -- from
+the page cache the first pass just filled -- straight into their destinations: one copy by the
+kernel instead of a copy into staging and another into place. The files stay open between the
+passes, and the second refuses, before it copies anything, a file whose size, inode or
+modification time changed in between.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record
+from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record_at, tensor_view
 from .errors import CorruptCheckpointError
 
-__all__ = ["BLOCK_BYTES", "MAX_GAP", "DEFAULT_READ_THREADS", "Span", "plan_spans", "read_chunks"]
+__all__ = ["BLOCK_BYTES", "MAX_GAP", "STAGE_BYTES", "DEFAULT_READ_THREADS", "Span", "VerifiedRange", "plan_spans",
+           "read_chunks", "verify_chunks", "read_verified", "read_range"]
 
-BLOCK_BYTES = 16 << 20  # one read request; large enough for the disk, small enough to spread over threads
+BLOCK_BYTES = 8 << 20  # one read request; large enough for the disk, small enough to spread over threads
 MAX_GAP = 1 << 20  # unneeded bytes read (and dropped) rather than splitting a span
+STAGE_BYTES = 128 << 20  # verify_chunks' reused staging area (a larger chunk gets one of its size)
 DEFAULT_READ_THREADS = 4
 
 
@@ -94,19 +110,211 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
     return read_remote
 
 
+@dataclass(frozen=True)
+class VerifiedRange:
+    """A plain record's tensor bytes, verified against their crc32c and left in their file: bytes
+    ``[offset, offset + nbytes)`` of ``relative_path`` hold a row-major ``dtype`` tensor of
+    ``shape``. ``stamp`` is the file's (size, inode, modification time) when they were verified."""
+
+    relative_path: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stamp: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *,
                 threads: int = DEFAULT_READ_THREADS) -> dict[MetadataIndex, torch.Tensor | bytes]:
     """Every chunk's verified payload (see :func:`~mfsdp_ckpt.chunks.decode_record`), read as
-    spans by ``threads`` threads (by the calling thread when there is at most one block to read). Raises one :class:`CorruptCheckpointError` (the first bad chunk
-    in file order among those found) after all reads have stopped; ``files`` opens each file and
-    reports a file that cannot be opened."""
+    spans by ``threads`` threads (by the calling thread when there is at most one block to read)
+    into staging memory of the spans' size. Raises one :class:`CorruptCheckpointError` (the first
+    bad chunk in file order among those found) after all reads have stopped; ``files`` opens each
+    file and reports a file that cannot be opened."""
     spans = plan_spans(chunks)
+    readers = _readers(files, spans)
+    staging = [numpy.empty(span.end - span.start, dtype=numpy.uint8) for span in spans]
+    with _Runner(threads) as run:
+        payloads, _ = _read_spans(files, spans, readers, staging, run)
+    return payloads
+
+
+def verify_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *,
+                  threads: int = DEFAULT_READ_THREADS,
+                  stage_bytes: int = STAGE_BYTES) -> dict[MetadataIndex, torch.Tensor | bytes | VerifiedRange]:
+    """Every chunk read and verified as :func:`read_chunks` does, in batches of at most
+    ``stage_bytes`` through one reused staging area; a plain record of a local file comes back as
+    a :class:`VerifiedRange` (for :func:`read_verified`), any other payload in memory of its own.
+    Checkpoints on object stores are read by :func:`read_chunks` (a second pass would download
+    everything again)."""
+    chunks = sorted(chunks, key=lambda item: (item[1].relative_path, item[1].offset))
+    spans = plan_spans(chunks)
+    readers = _readers(files, spans)
+    if not all(fd is not None for fd in (_descriptor(files.handle(span.relative_path)) for span in spans)):
+        return read_chunks(files, chunks, threads=threads)
+    batches: list[list[Span]] = []
+    batch: list[tuple[MetadataIndex, Any]] = []
+    size = 0
+    for item in chunks:  # in file order, cut into batches of whole chunks
+        if batch and size + item[1].length > stage_bytes:
+            batches.append(plan_spans(batch))
+            batch, size = [], 0
+        batch.append(item)
+        size += item[1].length
+    if batch:
+        batches.append(plan_spans(batch))
+    # taken before the first read: a file changed at any time after this is refused by read_verified
+    stamps = {path: _stamp(_descriptor(files.handle(path))) for path in readers}
+    arena = _arena(max((sum(span.end - span.start for span in batch_spans) for batch_spans in batches), default=0))
+    out: dict[MetadataIndex, torch.Tensor | bytes | VerifiedRange] = {}
+    with _Runner(threads) as run:
+        for batch_spans in batches:
+            staging, at = [], 0
+            for span in batch_spans:
+                staging.append(arena[at : at + span.end - span.start])
+                at += span.end - span.start
+            payloads, locations = _read_spans(files, batch_spans, readers, staging, run)
+            for span in batch_spans:
+                for index, _ in span.chunks:
+                    payload = payloads[index]
+                    if index in locations:
+                        out[index] = VerifiedRange(span.relative_path, locations[index], payload.dtype,
+                                                   tuple(payload.shape), stamps[span.relative_path])
+                    else:  # its memory is the staging area, which the next batch reuses
+                        out[index] = payload.clone() if isinstance(payload, torch.Tensor) else payload
+    return out
+
+
+def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequence[int], Sequence[int], torch.Tensor]], *,
+                  threads: int = DEFAULT_READ_THREADS) -> None:
+    """The second pass: for each (range, offsets, lengths, target), the box ``offsets``/``lengths``
+    of the range's tensor copied into ``target``, read from the range's file -- straight into
+    ``target``'s memory when the box is the whole tensor and ``target`` a contiguous tensor of its
+    dtype. Raises :class:`CorruptCheckpointError` before copying anything when a file changed since
+    its ranges were verified; a read error after that (the disk failing in between) is raised
+    too, but leaves the targets copied so far changed."""
+    for relative_path in sorted({item[0].relative_path for item in items}):
+        stamp = _stamp(_descriptor(files.handle(relative_path)))
+        first = next(item[0] for item in items if item[0].relative_path == relative_path)
+        if stamp != first.stamp:
+            raise CorruptCheckpointError(f"{files.path(relative_path)}: changed while it was being loaded "
+                                         f"(size, inode or modification time differ from when it was verified); nothing was loaded")
+    by_range: dict[VerifiedRange, list[tuple[Sequence[int], Sequence[int], torch.Tensor]]] = {}
+    for verified, offsets, lengths, target in items:
+        by_range.setdefault(verified, []).append((offsets, lengths, target))
+
+    def copy(verified: VerifiedRange) -> None:
+        pieces = by_range[verified]
+        if len(pieces) == 1 and _is_whole(verified, *pieces[0]):
+            _read_into(files, verified, pieces[0][2].reshape(-1).view(torch.uint8).numpy())
+            return
+        source = read_range(files, verified)
+        for offsets, lengths, target in pieces:
+            target.copy_(_box(source, offsets, lengths))
+
+    with _Runner(threads) as run:
+        run(lambda n: copy(ranges[n]), len(ranges := list(by_range)))
+
+
+def read_range(files: ChunkFiles, verified: VerifiedRange) -> torch.Tensor:
+    """The verified tensor, read again from its file into new memory."""
+    if verified.nbytes == 0:
+        return torch.empty(verified.shape, dtype=verified.dtype)
+    data = numpy.empty(verified.nbytes, dtype=numpy.uint8)
+    _read_into(files, verified, data)
+    return tensor_view(data, verified.dtype, verified.shape)
+
+
+def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence[int], target: torch.Tensor) -> bool:
+    return (all(o == 0 for o in offsets) and tuple(lengths) == verified.shape and target.dtype == verified.dtype
+            and target.is_contiguous() and target.numel() == math.prod(verified.shape) and target.numel() > 0)
+
+
+def _box(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -> None:
+    fd = _descriptor(files.handle(verified.relative_path))
+    done = 0
+    with memoryview(out) as view:
+        while done < len(out):
+            try:
+                n = os.preadv(fd, [view[done:]], verified.offset + done)
+            except OSError as e:
+                raise CorruptCheckpointError(f"{files.path(verified.relative_path)}: cannot read bytes "
+                                             f"{verified.offset}..{verified.offset + len(out)} again ({e.strerror or e})") from None
+            if n == 0:
+                raise CorruptCheckpointError(f"{files.path(verified.relative_path)}: bytes {verified.offset}.."
+                                             f"{verified.offset + len(out)} are gone (the file shrank while it was being loaded)")
+            done += n
+
+
+def _descriptor(f: Any) -> int | None:
+    try:
+        return f.fileno()
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
+def _stamp(fd: int) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    return (st.st_size, st.st_ino, st.st_mtime_ns)
+
+
+def _arena(size: int) -> numpy.ndarray:
+    """Staging memory for verify_chunks, its pages populated in one call (page by page faults,
+    or huge pages the kernel may first compact memory for, cost more)."""
+    if size == 0:
+        return numpy.empty(0, dtype=numpy.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return numpy.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=numpy.uint8)
+
+
+def _readers(files: ChunkFiles, spans: list[Span]) -> dict[str, Callable[[int, numpy.ndarray], int]]:
     readers = {}
     for span in spans:
         if span.relative_path not in readers:
             readers[span.relative_path] = _range_reader(files.open(span.relative_path, span.chunks[0][0].fqn))
-    staging = [numpy.empty(span.end - span.start, dtype=numpy.uint8) for span in spans]
+    return readers
 
+
+class _Runner:
+    """``run(fn, n)``: ``fn(0) … fn(n - 1)``, on a pool of ``threads`` threads started on first
+    use (by the calling thread when ``threads`` <= 1 or ``n`` is 1)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> "_Runner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def __call__(self, fn: Callable[[int], None], n: int) -> None:
+        if self.threads <= 1 or n <= 1:
+            for i in range(n):
+                fn(i)
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="mfsdp-ckpt-read")
+        for future in [self.pool.submit(fn, i) for i in range(n)]:
+            future.result()
+
+
+def _read_spans(files: ChunkFiles, spans: list[Span], readers: dict[str, Callable[[int, numpy.ndarray], int]],
+                staging: list[numpy.ndarray], run: _Runner) -> tuple[dict[MetadataIndex, torch.Tensor | bytes], dict[MetadataIndex, int]]:
+    """Read ``spans`` into ``staging`` (one buffer per span) and verify every chunk as its last
+    block arrives: the payloads, and the absolute file offset of each plain record's tensor
+    bytes; raises the first fault in file order."""
     # blocks to read; each chunk waits for the blocks it overlaps
     blocks: list[tuple[int, int, int]] = []  # (span number, start, end) within the span's buffer
     waiting: dict[tuple[int, int], int] = {}  # (span number, chunk number) -> blocks still to arrive
@@ -128,6 +336,7 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
                 unblocked.append((s, c))
 
     payloads: dict[MetadataIndex, torch.Tensor | bytes] = {}
+    locations: dict[MetadataIndex, int] = {}
     faults: list[tuple[tuple[str, int], CorruptCheckpointError]] = []
     short: dict[int, int] = {}  # span number -> first offset (within the span) that could not be read
     lock = threading.Lock()
@@ -139,8 +348,8 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
         lo = info.offset - span.start
         available = min(info.length, short.get(s, info.length + lo) - lo)
         try:
-            payload = decode_record(staging[s][lo : lo + max(available, 0)], info, index, files.manifest_chunks,
-                                    files.shapes.get(index))
+            payload, raw_offset = decode_record_at(staging[s][lo : lo + max(available, 0)], info, index,
+                                                   files.manifest_chunks, files.shapes.get(index))
         except ChunkFault as e:
             error = CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}")
             with lock:
@@ -149,6 +358,8 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
             return
         with lock:
             payloads[index] = payload
+            if raw_offset is not None:
+                locations[index] = info.offset + raw_offset
 
     def read_block(b: int) -> None:
         if failed.is_set():
@@ -176,16 +387,13 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
         for c in ready:
             check(s, c)
 
-    if threads <= 1 or sum(end - start for _, start, end in blocks) <= BLOCK_BYTES:
-        # at most one block's worth: starting threads would cost more than they save
-        for b in range(len(blocks)):
+    if sum(end - start for _, start, end in blocks) <= BLOCK_BYTES:
+        for b in range(len(blocks)):  # one block's worth: starting threads would cost more than they save
             read_block(b)
     else:
-        with ThreadPoolExecutor(max_workers=min(threads, len(blocks)), thread_name_prefix="mfsdp-ckpt-read") as pool:
-            for future in [pool.submit(read_block, b) for b in range(len(blocks))]:
-                future.result()
+        run(read_block, len(blocks))
     for s, c in unblocked:
         check(s, c)
     if faults:
         raise min(faults, key=lambda fault: fault[0])[1]
-    return payloads
+    return payloads, locations

@@ -89,6 +89,33 @@ def test_truncated_data_file_names_file_and_key(ranks, ckpt):
     _check_failure(ranks, ckpt, CorruptCheckpointError, entry["file"], "truncated", "key '")
 
 
+def _load_while_files_change(path: str) -> dict:
+    """:func:`_load_expecting`, with every data file this rank reads given a new modification time
+    between the load's two passes (after every chunk was verified, before the first copy)."""
+    import mfsdp_ckpt.storage as storage
+
+    original = storage.read_verified
+
+    def touch_then_read(files, items, **kwargs):
+        for name in {verified.relative_path for verified, *_ in items}:
+            stat = os.stat(os.path.join(path, name))
+            os.utime(os.path.join(path, name), ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        return original(files, items, **kwargs)
+
+    storage.read_verified = touch_then_read
+    try:
+        return _load_expecting(path, CorruptCheckpointError)
+    finally:
+        storage.read_verified = original
+
+
+def test_a_data_file_changed_between_verifying_and_copying_changes_nothing(ranks, ckpt):
+    for r in ranks(_load_while_files_change, 2, ckpt, timeout=300):
+        assert r["message"] is not None and "\n" not in r["message"]
+        assert "changed while it was being loaded" in r["message"] and ".distcp" in r["message"], r["message"]
+        assert r["unchanged"], "the model changed although the load failed"
+
+
 def test_directory_without_manifest_is_refused(ranks, ckpt):
     os.remove(os.path.join(ckpt, "mfsdp.json"))
     _check_failure(ranks, ckpt, UncommittedCheckpointError, "no committed manifest")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from mfsdp_ckpt import staged_read
 from mfsdp_ckpt.chunks import ChunkFiles
 from mfsdp_ckpt.inspect import open_checkpoint
 from mfsdp_ckpt.records import locate_raw_tensor
-from mfsdp_ckpt.staged_read import plan_spans, read_chunks
+from mfsdp_ckpt.staged_read import VerifiedRange, plan_spans, read_chunks, read_verified, verify_chunks
 from mfsdp_ckpt.streaming import CheckpointBuilder
 
 
@@ -136,3 +137,94 @@ def test_read_chunks_reads_an_fsspec_url_by_ranges():
     metadata, payloads = _read_all(url, 2)
     index = next(i for i in payloads if i.fqn == "model.w" and i.offset is not None and i.offset[0] == 0)
     assert torch.equal(payloads[index], TENSORS["model.w"][: payloads[index].shape[0]])
+
+
+def _verify_all(path: str, threads: int, stage_bytes: int):
+    directory, manifest, metadata, reader = open_checkpoint(path)
+    files = ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes)
+    return files, metadata, verify_chunks(files, list(metadata.storage_data.items()), threads=threads, stage_bytes=stage_bytes)
+
+
+def _expected_piece(index, shape):
+    whole = TENSORS[index.fqn]
+    return whole[index.offset[0] : index.offset[0] + shape[0]] if whole.dim() else whole
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("stage_bytes", [1, 900, 1 << 20])  # a batch per chunk, several chunks per batch, one batch
+def test_verify_chunks_leaves_plain_records_in_their_files_and_reads_them_back_bitwise(tmp_path, monkeypatch, threads, stage_bytes):
+    """The first pass keeps only a verified file range for every plain record (fp8 records go
+    through torch.load and come back in memory, as does the object); the second pass reads each
+    range into its target -- whole into a contiguous target of its dtype, or a box of it through
+    new memory -- bitwise."""
+    monkeypatch.setattr(staged_read, "BLOCK_BYTES", 100)
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    files, metadata, out = _verify_all(path, threads, stage_bytes)
+    with files:
+        assert set(out) == set(metadata.storage_data)
+        ranges = {i: v for i, v in out.items() if isinstance(v, VerifiedRange)}
+        assert {i.fqn for i in ranges} == {"model.w", "model.h", "model.d", "model.i", "model.e"}
+        assert torch.load(io.BytesIO(out[next(i for i in out if i.offset is None)]), weights_only=True) == 7
+        fp8 = [v for i, v in out.items() if i.fqn == "model.f8"]
+        assert fp8 and all(isinstance(v, torch.Tensor) for v in fp8)
+        for v, index in zip(fp8, [i for i in out if i.fqn == "model.f8"]):
+            assert torch.equal(v.view(torch.uint8), _expected_piece(index, v.shape).contiguous().view(torch.uint8))
+        items, wants = [], []
+        for index, verified in ranges.items():
+            piece = _expected_piece(index, verified.shape)
+            whole = torch.zeros(verified.shape, dtype=verified.dtype)
+            items.append((verified, (0,) * len(verified.shape), verified.shape, whole))
+            wants.append((whole, piece))
+            if verified.shape and verified.shape[0] > 1:  # a box: rows 1.. into a target of another dtype
+                lengths = (verified.shape[0] - 1, *verified.shape[1:])
+                box = torch.zeros(lengths, dtype=torch.float64)
+                items.append((verified, (1,) + (0,) * (len(lengths) - 1), lengths, box))
+                wants.append((box, piece[1:].to(torch.float64)))
+        read_verified(files, items, threads=threads)
+        for got, want in wants:
+            assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_verify_chunks_finds_a_corrupt_chunk_in_a_later_batch(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    directory, manifest, metadata, reader = open_checkpoint(path)
+    last_index, last_info = max(((i, v) for i, v in metadata.storage_data.items() if i.fqn == "model.d"),
+                                key=lambda item: (item[1].relative_path, item[1].offset))
+    _flip_payload_byte(directory, last_info, torch.float64, int(torch.Size(reader.chunk_shapes[last_index][1]).numel()))
+    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+        with pytest.raises(CorruptCheckpointError, match=r"key 'model.d' chunk at \[[0-9]+\]: checksum mismatch"):
+            verify_chunks(files, list(metadata.storage_data.items()), stage_bytes=1)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "truncated", "replaced"])
+def test_read_verified_refuses_a_file_changed_after_the_first_pass_before_copying_anything(tmp_path, change):
+    """A data file rewritten in place (new modification time), truncated or replaced by another
+    file between the passes: one line naming it, and no target touched. (A replaced file is not
+    even read: the open descriptor still holds the old one.)"""
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    files, metadata, out = _verify_all(path, 2, 1 << 20)
+    with files:
+        ranges = [(v, (0,) * len(v.shape), v.shape, torch.full(v.shape, -1, dtype=v.dtype))
+                  for v in out.values() if isinstance(v, VerifiedRange)]
+        name = os.path.join(files.directory, "__1_0.distcp")
+        data = open(name, "rb").read()
+        time.sleep(0.01)  # a modification time the file system can tell apart
+        if change == "rewritten":
+            with open(name, "r+b") as f:
+                f.write(data[:1])
+        elif change == "truncated":
+            os.truncate(name, len(data) - 1)
+        else:
+            with open(name + ".new", "wb") as f:
+                f.write(data)
+            os.replace(name + ".new", name)
+        if change == "replaced":  # the descriptor is the verified file: reads go on, bitwise
+            read_verified(files, ranges)
+            assert all(not torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges if t.numel())
+            return
+        with pytest.raises(CorruptCheckpointError, match=rf"^{name}: changed while it was being loaded .*nothing was loaded$"):
+            read_verified(files, ranges)
+        assert all(torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges)
