@@ -215,8 +215,10 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
         for offsets, lengths, target in pieces:
             target.copy_(_box(source, offsets, lengths))
 
-    with _Runner(threads) as run:
-        run(lambda n: copy(ranges[n]), len(ranges := list(by_range)))
+    ranges = list(by_range)
+    # a small load copies in the calling thread: starting threads would cost more than they save
+    with _Runner(threads if sum(r.nbytes for r in ranges) > BLOCK_BYTES else 1) as run:
+        run(lambda n: copy(ranges[n]), len(ranges))
 
 
 def read_range(files: ChunkFiles, verified: VerifiedRange) -> torch.Tensor:
