@@ -16,12 +16,12 @@ import json
 import time
 from typing import Any, Callable
 
-import google_crc32c
 import torch
 
 from mfsdp_core.dtypes import dtype_name
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
+from .checksum import crc32c
 from . import fs
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 from .manifest_schema import check_manifest
@@ -114,7 +114,7 @@ def manifest_checksum(manifest: dict[str, Any]) -> int:
     """crc32c of the canonical JSON (sorted keys, no spaces, ASCII) of every field of ``manifest``
     except ``manifest_crc32c`` itself."""
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
-    return google_crc32c.value(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+    return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
 
 
 def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:
@@ -125,7 +125,7 @@ def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) 
     out.pop("metadata_crc32c", None)
     metadata = fs.join(directory, METADATA_NAME)
     if fs.isfile(metadata):
-        out["metadata_crc32c"] = google_crc32c.value(fs.read_bytes(metadata))
+        out["metadata_crc32c"] = crc32c(fs.read_bytes(metadata))
     out["format_version"] = FORMAT_VERSION  # the version that carries the checksums
     out["manifest_crc32c"] = manifest_checksum(out)
     text = json.dumps(out, indent=1, sort_keys=True) + "\n"
@@ -148,7 +148,7 @@ def metadata_checksum_problem(manifest: dict[str, Any] | None, data: bytes) -> s
     """Why the bytes ``data`` of ``.metadata`` are not the ones the manifest recorded (None: they
     are, or the manifest recorded none)."""
     expected = (manifest or {}).get("metadata_crc32c")
-    if expected is None or google_crc32c.value(data) == expected:
+    if expected is None or crc32c(data) == expected:
         return None
     return "checksum mismatch with the manifest's metadata_crc32c (.metadata was changed after the save)"
 

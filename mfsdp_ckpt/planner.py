@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import google_crc32c
 import numpy
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
 
+from .checksum import crc32c
 from .state import FlatEntry
 
 __all__ = ["MfsdpSavePlanner", "MfsdpLoadPlanner", "payload_crc32c", "chunk_id"]
@@ -39,13 +39,13 @@ def payload_crc32c(data: torch.Tensor | io.BytesIO | bytes | memoryview) -> int:
     if isinstance(data, torch.Tensor):
         flat = data.detach().contiguous().reshape(-1)
         if flat.numel() == 0:
-            return google_crc32c.value(b"")
-        return google_crc32c.value(flat.view(torch.uint8).numpy())
+            return crc32c(b"")
+        return crc32c(flat.view(torch.uint8).numpy())
     if isinstance(data, io.BytesIO):
         data = data.getbuffer()
-    if isinstance(data, memoryview):  # the C extension takes bytes or arrays, not memoryviews
+    if isinstance(data, memoryview):  # a uint8 view of any memoryview format
         data = numpy.frombuffer(data, dtype=numpy.uint8)
-    return google_crc32c.value(data)
+    return crc32c(data)
 
 
 def chunk_id(index: MetadataIndex) -> str:
