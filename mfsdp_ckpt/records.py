@@ -26,6 +26,63 @@ from .fs import FileSlice
 __all__ = ["RawTensorData", "locate_raw_tensor", "without_zip_crc"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
+_END_RECORD = struct.Struct("<4s4H2LH")  # end of central directory record, 22 bytes
+_CENTRAL_HEADER = struct.Struct("<4s6H3L5H2L")  # central directory file header, 46 bytes
+_MAX_CENTRAL_BYTES = 1 << 16  # a torch.save record's directory is a few hundred bytes
+
+
+@dataclass(frozen=True)
+class _Member:
+    """What :func:`locate_raw_tensor` reads of a zip member (named as ``zipfile.ZipInfo`` does)."""
+
+    filename: str
+    header_offset: int
+    compress_type: int
+    file_size: int
+
+
+def _plain_directory(f: io.BufferedReader, record_offset: int, length: int) -> list[_Member] | None:
+    """The members of the zip record, parsed directly when it has the shape ``torch.save`` gives
+    a record under 4 GiB (no archive comment, no zip64 values in the end record or the entries);
+    None for anything else, which ``zipfile`` then parses. Parsing a few hundred bytes by hand
+    costs a tenth of building a ``zipfile.ZipFile``, which counts when a load has many small
+    chunks; every value is bounds-checked, and the tensor bytes found are still checked against
+    their crc32c."""
+    if length < _END_RECORD.size:
+        return None
+    f.seek(record_offset + length - _END_RECORD.size)
+    end = f.read(_END_RECORD.size)
+    if len(end) != _END_RECORD.size:
+        return None
+    signature, disk, cd_disk, on_disk, entries, cd_size, cd_offset, comment = _END_RECORD.unpack(end)
+    if (signature != b"PK\x05\x06" or comment or disk or cd_disk or on_disk != entries or entries in (0, 0xFFFF)
+            or cd_size > _MAX_CENTRAL_BYTES or cd_offset + cd_size > length - _END_RECORD.size):
+        return None
+    f.seek(record_offset + cd_offset)
+    directory = f.read(cd_size)
+    if len(directory) != cd_size:
+        return None
+    members, at = [], 0
+    for _ in range(entries):
+        if at + _CENTRAL_HEADER.size > cd_size:
+            return None
+        fields = _CENTRAL_HEADER.unpack_from(directory, at)
+        if fields[0] != b"PK\x01\x02":
+            return None
+        compress_type, file_size, name_len, extra_len, comment_len, header_offset = (
+            fields[4], fields[9], fields[10], fields[11], fields[12], fields[16])
+        if 0xFFFFFFFF in (fields[8], file_size, header_offset) or header_offset >= length:
+            return None
+        name_at = at + _CENTRAL_HEADER.size
+        at = name_at + name_len + extra_len + comment_len
+        if at > cd_size:
+            return None
+        try:
+            name = directory[name_at : name_at + name_len].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        members.append(_Member(name, header_offset, compress_type, file_size))
+    return members
 
 
 @dataclass(frozen=True)
@@ -34,7 +91,7 @@ class RawTensorData:
     nbytes: int
 
 
-def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipInfo) -> int | None:
+def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipInfo | _Member) -> int | None:
     """Offset (within the record) of ``entry``'s first data byte, from its local file header."""
     f.seek(record_offset + entry.header_offset)
     header = f.read(_LOCAL_HEADER.size)
@@ -46,7 +103,7 @@ def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipIn
     return entry.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
 
 
-def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: zipfile.ZipInfo) -> bytes | None:
+def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: zipfile.ZipInfo | _Member) -> bytes | None:
     """A small stored member's bytes, read without the zip CRC check (records may skip the CRC)."""
     start = _member_start(f, record_offset, entry)
     if start is None or entry.compress_type != zipfile.ZIP_STORED or start + entry.file_size > length:
@@ -65,7 +122,9 @@ def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: tor
         return None
     name = storage.encode()
     try:
-        infos = zipfile.ZipFile(FileSlice(f, offset, length)).infolist()
+        infos = _plain_directory(f, offset, length)
+        if infos is None:
+            infos = zipfile.ZipFile(FileSlice(f, offset, length)).infolist()
         data = [i for i in infos if "/data/" in i.filename and not i.filename.endswith(".pkl")]
         pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
         order = [i for i in infos if i.filename.endswith("/byteorder")]

@@ -67,3 +67,39 @@ def test_fp8_records_fall_back_to_torch_load_bit_exact(tmp_path, dtype):
         assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
         assert torch.equal(reader.read_flat("mx.w", 70, 90).view(torch.uint8), t.reshape(-1)[70:90].view(torch.uint8))
     assert verify_checkpoint(path) == []
+
+
+def _with_comment(record: bytes, comment: bytes) -> bytes:
+    """The record with a zip archive comment: the end record's last field and the bytes after it."""
+    return record[:-2] + len(comment).to_bytes(2, "little") + comment
+
+
+@pytest.mark.parametrize("shape", [(13, 7), (0,), (5,)])
+def test_the_directly_parsed_directory_and_zipfile_agree(monkeypatch, shape):
+    """The hand parser of torch.save's directory (the fast path) finds the same bytes as
+    ``zipfile``; a record it does not take on (an archive comment) goes to ``zipfile`` and is
+    still found; with the hand parser made to decline everything, the results are the same."""
+    from mfsdp_ckpt import records
+
+    t = torch.randn(shape)
+    buf, offset, length = _record(t, crc=False)
+    fast = locate_raw_tensor(buf, offset, length, t.dtype, t.numel())
+    assert records._plain_directory(buf, offset, length) is not None
+    commented = io.BytesIO(_with_comment(buf.getvalue(), b"hello"))
+    assert records._plain_directory(commented, offset, length + 5) is None
+    assert locate_raw_tensor(commented, offset, length + 5, t.dtype, t.numel()) == fast
+    monkeypatch.setattr(records, "_plain_directory", lambda *a: None)
+    assert locate_raw_tensor(buf, offset, length, t.dtype, t.numel()) == fast
+
+
+@pytest.mark.parametrize("cut", [1, 22, 60, 200])
+def test_a_damaged_directory_is_declined_or_left_to_zipfile(cut):
+    """A record whose tail (end record, directory) is cut or overwritten is never located at a
+    wrong place: either declined or found where zipfile finds it."""
+    t = torch.randn(9, 3)
+    buf, offset, length = _record(t, crc=False)
+    data = bytearray(buf.getvalue())
+    data[-cut] ^= 0xFF
+    damaged = io.BytesIO(bytes(data))
+    got = locate_raw_tensor(damaged, offset, length, t.dtype, t.numel())
+    assert got is None or got == locate_raw_tensor(buf, offset, length, t.dtype, t.numel())
