@@ -192,8 +192,8 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
                   threads: int = DEFAULT_READ_THREADS) -> None:
     """The second pass: for each (range, offsets, lengths, target), the box ``offsets``/``lengths``
     of the range's tensor copied into ``target``, read from the range's file -- straight into
-    ``target``'s memory when the box is the whole tensor and ``target`` a contiguous tensor of its
-    dtype. Raises :class:`CorruptCheckpointError` before copying anything when a file changed since
+    ``target``'s memory when the box is the whole tensor and ``target`` a contiguous host tensor of
+    its dtype (through new memory and ``copy_`` otherwise, e.g. into GPU memory). Raises :class:`CorruptCheckpointError` before copying anything when a file changed since
     its ranges were verified; a read error after that (the disk failing in between) is raised
     too, but leaves the targets copied so far changed."""
     for relative_path in sorted({item[0].relative_path for item in items}):
@@ -231,8 +231,10 @@ def read_range(files: ChunkFiles, verified: VerifiedRange) -> torch.Tensor:
 
 
 def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence[int], target: torch.Tensor) -> bool:
+    """The read can land straight in ``target``: the whole tensor, into host memory of its dtype."""
     return (all(o == 0 for o in offsets) and tuple(lengths) == verified.shape and target.dtype == verified.dtype
-            and target.is_contiguous() and target.numel() == math.prod(verified.shape) and target.numel() > 0)
+            and target.device.type == "cpu" and target.is_contiguous() and target.numel() == math.prod(verified.shape)
+            and target.numel() > 0)
 
 
 def _box(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
