@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record_at, tensor_view
@@ -209,7 +210,11 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
     def copy(verified: VerifiedRange) -> None:
         pieces = by_range[verified]
         if len(pieces) == 1 and _is_whole(verified, *pieces[0]):
-            _read_into(files, verified, pieces[0][2].reshape(-1).view(torch.uint8).numpy())
+            target = pieces[0][2]
+            _read_into(files, verified, target.reshape(-1).view(torch.uint8).numpy())
+            # a write through numpy is invisible to torch's version counter, which caches keyed
+            # on it (the MXFP8 planes of a weight) rely on to see that the tensor changed
+            increment_version(target)
             return
         source = read_range(files, verified)
         for offsets, lengths, target in pieces:

@@ -4,6 +4,7 @@ each chunk verified as it arrives, tensors handed out as views of the staging me
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 from types import SimpleNamespace
@@ -228,3 +229,18 @@ def test_read_verified_refuses_a_file_changed_after_the_first_pass_before_copyin
         with pytest.raises(CorruptCheckpointError, match=rf"^{name}: changed while it was being loaded .*nothing was loaded$"):
             read_verified(files, ranges)
         assert all(torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges)
+
+
+def test_read_verified_bumps_the_version_of_a_target_it_reads_straight_into(tmp_path):
+    """A read straight into a target's memory goes around torch, so read_verified bumps the
+    version counter itself: caches keyed on it (the MXFP8 planes of a weight) must see the change."""
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    files, metadata, out = _verify_all(path, 1, 1 << 20)
+    with files:
+        verified = next(v for i, v in out.items() if isinstance(v, VerifiedRange) and i.fqn == "model.w")
+        base = torch.zeros(2 * math.prod(verified.shape), dtype=verified.dtype)
+        target = base[: math.prod(verified.shape)].view(verified.shape)  # a view, as the load's targets are
+        before = base._version
+        read_verified(files, [(verified, (0,) * len(verified.shape), verified.shape, target)])
+        assert base._version > before and target.abs().sum() > 0
