@@ -74,8 +74,16 @@ def _raise_on_rank_one() -> int:
     return dist.get_rank()
 
 
+def _announce(pid_dir: str) -> None:
+    """Write this rank's pid file whole: written under another name, then renamed, so that a
+    reader polling the directory never reads a file that is created but still empty."""
+    part = Path(pid_dir, f".part{dist.get_rank()}")
+    part.write_text(str(os.getpid()))
+    os.replace(part, Path(pid_dir, f"pid{dist.get_rank()}"))
+
+
 def _hang(pid_dir: str) -> None:
-    Path(pid_dir, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    _announce(pid_dir)
     if dist.get_rank() == 0:
         dist.barrier()  # waits for rank 1, which never comes
     else:
@@ -84,7 +92,7 @@ def _hang(pid_dir: str) -> None:
 
 
 def _sleep_forever(pid_dir: str) -> None:
-    Path(pid_dir, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    _announce(pid_dir)
     while True:
         time.sleep(60)
 
