@@ -71,3 +71,12 @@ def box_view(flat: torch.Tensor, flat_start: int, box: Box) -> torch.Tensor:
     covers, as a view shaped like the box."""
     lo = box.flat_start - flat_start
     return flat[lo : lo + box.numel].view(box.sizes)
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The box ``offsets``/``lengths`` of ``tensor``, as a view (dimensions it covers whole are
+    left alone)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor

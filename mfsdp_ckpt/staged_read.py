@@ -40,6 +40,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from .boxes import narrow
 from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record_at, tensor_view
 from .errors import CorruptCheckpointError
 
@@ -152,9 +153,8 @@ def verify_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]]
     Checkpoints on object stores are read by :func:`read_chunks` (a second pass would download
     everything again)."""
     chunks = sorted(chunks, key=lambda item: (item[1].relative_path, item[1].offset))
-    spans = plan_spans(chunks)
-    readers = _readers(files, spans)
-    if not all(fd is not None for fd in (_descriptor(files.handle(span.relative_path)) for span in spans)):
+    readers = _readers(files, plan_spans(chunks))
+    if any(_descriptor(files.handle(path)) is None for path in readers):
         return read_chunks(files, chunks, threads=threads)
     batches: list[list[Span]] = []
     batch: list[tuple[MetadataIndex, Any]] = []
@@ -197,10 +197,9 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
     its dtype (through new memory and ``copy_`` otherwise, e.g. into GPU memory). Raises :class:`CorruptCheckpointError` before copying anything when a file changed since
     its ranges were verified; a read error after that (the disk failing in between) is raised
     too, but leaves the targets copied so far changed."""
-    for relative_path in sorted({item[0].relative_path for item in items}):
-        stamp = _stamp(_descriptor(files.handle(relative_path)))
-        first = next(item[0] for item in items if item[0].relative_path == relative_path)
-        if stamp != first.stamp:
+    verified_stamps = {verified.relative_path: verified.stamp for verified, *_ in items}
+    for relative_path, verified_stamp in sorted(verified_stamps.items()):
+        if _stamp(_descriptor(files.handle(relative_path))) != verified_stamp:
             raise CorruptCheckpointError(f"{files.path(relative_path)}: changed while it was being loaded "
                                          f"(size, inode or modification time differ from when it was verified); nothing was loaded")
     by_range: dict[VerifiedRange, list[tuple[Sequence[int], Sequence[int], torch.Tensor]]] = {}
@@ -218,7 +217,7 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
             return
         source = read_range(files, verified)
         for offsets, lengths, target in pieces:
-            target.copy_(_box(source, offsets, lengths))
+            target.copy_(narrow(source, offsets, lengths))
 
     ranges = list(by_range)
     # a small load copies in the calling thread: starting threads would cost more than they save
@@ -240,12 +239,6 @@ def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence
     return (all(o == 0 for o in offsets) and tuple(lengths) == verified.shape and target.dtype == verified.dtype
             and target.device.type == "cpu" and target.is_contiguous() and target.numel() == math.prod(verified.shape)
             and target.numel() > 0)
-
-
-def _box(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-        tensor = tensor.narrow(dim, offset, length)
-    return tensor
 
 
 def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -> None:

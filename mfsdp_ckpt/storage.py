@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import fs
-from .boxes import box_view
+from .boxes import box_view, narrow
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST_NAME, METADATA_NAME, completed, metadata_checksum_problem, write_manifest
@@ -40,13 +40,6 @@ from .staging import commit_directory, fsync_dir
 from .write_errors import RecordingStream, reporting, write_failed
 
 __all__ = ["CommittingWriter", "VerifyingReader", "commit_directory", "fsync_dir"]
-
-
-def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-        if offset != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, offset, length)
-    return tensor
 
 
 class _RecordingStreams:
@@ -202,7 +195,7 @@ class VerifyingReader(FileSystemReader):
         if not isinstance(piece, _Deferred):
             return piece
         assert self.files is not None
-        return _narrow(read_range(self.files, piece.verified), piece.offsets, piece.lengths)
+        return narrow(read_range(self.files, piece.verified), piece.offsets, piece.lengths)
 
     def preview(self, fqn: str, target: torch.Tensor) -> torch.Tensor:
         """A copy of ``target`` (a whole-tensor target of key ``fqn``) holding what :meth:`apply`
@@ -210,7 +203,7 @@ class VerifyingReader(FileSystemReader):
         out = target.detach().clone()
         for req, piece in self.pending:
             if req.dest_index.fqn == fqn:
-                _narrow(out, req.dest_offsets, req.lengths).copy_(self._piece(piece))
+                narrow(out, req.dest_offsets, req.lengths).copy_(self._piece(piece))
         return out
 
     def preview_flat(self, key: str, entry: Any) -> torch.Tensor:
@@ -221,7 +214,7 @@ class VerifyingReader(FileSystemReader):
         for req, piece in self.pending:
             if req.dest_index.fqn == key:
                 view = box_view(out, entry.start, boxes[req.dest_index.index])
-                _narrow(view, req.dest_offsets, req.lengths).copy_(self._piece(piece))
+                narrow(view, req.dest_offsets, req.lengths).copy_(self._piece(piece))
         return out
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -281,7 +274,7 @@ class VerifyingReader(FileSystemReader):
             if isinstance(payload, VerifiedRange):
                 self.pending.append((req, _Deferred(payload, tuple(req.storage_offsets), tuple(req.lengths))))
                 continue
-            piece = _narrow(payload, req.storage_offsets, req.lengths)
+            piece = narrow(payload, req.storage_offsets, req.lengths)
             if tuple(piece.size()) != tuple(req.lengths):
                 raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
                                              f"{shape}, which does not fit the read")
