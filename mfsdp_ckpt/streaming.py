@@ -47,7 +47,7 @@ from .records import without_zip_crc
 from .lock import run_lock
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from .write_errors import RecordingStream, reporting
-from .writeback import start_writeback
+from .writeback import WritebackStream, start_writeback
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -352,7 +352,8 @@ class ChunkFileWriter:
         if f is None:
             self._index[name] = file
             with reporting(path):
-                f = self._files[file] = RecordingStream(fs.open_file(path, "wb"), path)
+                opened = fs.open_file(path, "wb")
+                f = self._files[file] = RecordingStream(WritebackStream(opened) if self.sync else opened, path)
         with reporting(path, [f]):
             offset = f.tell()
             if isinstance(payload, bytes):

@@ -34,7 +34,7 @@ from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 from ..errors import ConversionError
 from ..write_errors import reporting
-from ..writeback import start_writeback
+from ..writeback import SLICE_BYTES, start_writeback
 from .strided_io import pread_tensor, pwrite_tensor
 
 __all__ = [
@@ -113,6 +113,18 @@ def safetensors_layout(path: str, entries: list[tuple[str, torch.dtype, tuple[in
     return head, [len(head) + o for o in offsets], len(head) + offset
 
 
+def _row_slices(tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``tensor`` as consecutive blocks of whole rows of about :data:`SLICE_BYTES` each, with
+    each block's byte offset in the tensor's row-major bytes (the tensor itself when it is
+    smaller, or not a matrix): written one after the other, each block's write-back can start
+    while the next is being written."""
+    if tensor.dim() == 0 or tensor.shape[0] <= 1 or tensor.numel() * tensor.element_size() <= SLICE_BYTES:
+        return [(0, tensor)]
+    row = tensor[0].numel() * tensor.element_size()
+    step = max(1, SLICE_BYTES // row)
+    return [(r * row, tensor[r : r + step]) for r in range(0, tensor.shape[0], step)]
+
+
 class SafetensorsWriter:
     """Writes one safetensors file whose tensors (name, dtype, shape, in file order) are known in
     advance: the header at once, then each tensor at its own offset as :meth:`write` receives it,
@@ -152,9 +164,11 @@ class SafetensorsWriter:
             if name in self._written:
                 raise ConversionError(f"{self.path}: tensor '{name}' written twice")
             self._written.add(name)
-        with reporting(self.path):
-            nbytes = pwrite_tensor(self._fd, tensor.detach().cpu(), offset)
-        start_writeback(self._fd, offset, nbytes)  # the disk starts now; close()'s fsync waits for less
+        tensor = tensor.detach().cpu()
+        for start, piece in _row_slices(tensor):
+            with reporting(self.path):
+                nbytes = pwrite_tensor(self._fd, piece, offset + start)
+            start_writeback(self._fd, offset + start, nbytes)  # the disk starts now; close()'s fsync waits for less
 
     def close(self) -> None:
         """Check that every planned tensor was written, fsync and close (durable before the
