@@ -14,7 +14,7 @@ waits. :class:`WritebackStream` does this for a file object (``torch.save`` hand
 over in one write); the safetensors writer slices its tensors by rows. Measured on the
 development VM (2 CPUs; alternating runs, medians): HF export of 2.33 GB with 2 workers 1.7 s
 against 2.6 s with one start per tensor, and 2.4 s with none; HF import 2.6 s against 3.4 s;
-offline reshard (2.06 GiB, 4 to 3 ranks, 2 workers) 9.2 s against 10.1 s. ``mfsdp_ckpt.save``
+offline reshard (2.06 GiB, 4 to 3 ranks, 2 workers) 8.8-9.6 s against 9.3-10.6 s. ``mfsdp_ckpt.save``
 does not use it: its one writer thread per rank measured slower with it (1.90 s against
 1.43 s for 2 GB on 2 ranks; likely because a start can wait for the disk's queue while the
 thread has more to copy): writing everything to the page cache first and fsyncing once was faster.
