@@ -81,7 +81,9 @@ class WritebackStream:
         start = self._f.tell()
         for done in range(0, len(view), SLICE_BYTES):
             piece = view[done : done + SLICE_BYTES]
-            self._f.write(piece)
+            written = 0
+            while written < len(piece):  # an unbuffered file may take part of it
+                written += self._f.write(piece[written:])
             self._f.flush()
             start_writeback(self._fd, start + done, len(piece))
         return len(view)

@@ -55,6 +55,18 @@ def test_a_large_write_goes_out_in_started_slices_after_what_was_buffered(tmp_pa
     assert len(started) == 4
 
 
+def test_an_unbuffered_file_that_takes_part_of_a_write_gets_all_of_it(tmp_path, started):
+    class Short(io.FileIO):
+        def write(self, b):  # at most 1000 bytes per call, like a short write
+            return super().write(memoryview(b)[:1000])
+
+    data = os.urandom(2 * SLICE + 10)
+    with Short(tmp_path / "f", "wb") as f:
+        assert WritebackStream(f).write(data) == len(data)
+    assert (tmp_path / "f").read_bytes() == data
+    assert _covers(started, 0, len(data))
+
+
 def test_small_and_descriptorless_writes_pass_through(tmp_path, started):
     with open(tmp_path / "f", "wb") as f:
         WritebackStream(f).write(b"x" * (SLICE - 1))
