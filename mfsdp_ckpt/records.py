@@ -45,8 +45,8 @@ def _plain_directory(f: io.BufferedReader, record_offset: int, length: int) -> l
     """The members of the zip record, parsed directly when it has the shape ``torch.save`` gives
     a record under 4 GiB (no archive comment, no zip64 values in the end record or the entries);
     None for anything else, which ``zipfile`` then parses. Building a ``zipfile.ZipFile`` per
-    record cost a small load (86 records) about 4 of its 18 ms; every value is bounds-checked, and the tensor bytes found are still checked against
-    their crc32c."""
+    record cost a small load (86 records) about 4 of its 18 ms. Every value is bounds-checked,
+    and the tensor bytes found are still checked against their crc32c."""
     if length < _END_RECORD.size:
         return None
     f.seek(record_offset + length - _END_RECORD.size)

@@ -88,11 +88,5 @@ class WritebackStream:
             start_writeback(self._fd, start + done, len(piece))
         return len(view)
 
-    def __enter__(self) -> "WritebackStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
