@@ -3,7 +3,9 @@
 Compares, in one run and on the same disk: raw ``dd`` copying this rank's state bytes (write
 with fdatasync; cold read), stock DCP (``FileSystemWriter`` with default settings) on the same
 per-rank tensors, ``torch.save`` / ``torch.load`` of each rank's tensors, and
-``mfsdp_ckpt.save`` / ``load``. "Cold" means the files'
+``mfsdp_ckpt.save`` / ``load``, and a raw read of dd's file by ``--raw-threads`` threads of
+``os.preadv`` (no checks, no copies: the fastest any reader of these bytes can be on this disk,
+which says how far above stock DCP's cold read a load can possibly go). "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
 Then ``mfsdp_ckpt.async_save`` inside a training loop of the same model (``bench/async_train.py``
@@ -44,6 +46,9 @@ import re
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy
 
 import torch
 import torch.distributed as dist
@@ -125,6 +130,27 @@ def write_state_bytes(tensors: dict[str, torch.Tensor], path: str) -> None:
         os.fsync(f.fileno())
 
 
+def parallel_read(path: str, out: numpy.ndarray, threads: int, block: int = 8 << 20) -> None:
+    """Read ``path`` into ``out`` with ``threads`` threads of ``os.preadv`` in ``block``-byte
+    requests: the raw disk at a deeper queue than ``dd``'s one stream, no checks, no copies, so
+    the fastest any reader of these bytes can be on this disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with memoryview(out) as view:
+            def one(offset: int) -> None:
+                done, want = 0, min(block, len(out) - offset)
+                while done < want:
+                    n = os.preadv(fd, [view[offset + done : offset + want]], offset + done)
+                    if n == 0:
+                        raise EOFError(f"{path}: shorter than {len(out)} bytes")
+                    done += n
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(0, len(out), block)))
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/mfsdp_ckpt_bench")
@@ -132,6 +158,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="writer threads per rank for mfsdp_ckpt")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions; the median is reported")
+    parser.add_argument("--raw-threads", type=int, default=8,
+                        help="threads per rank of the raw parallel read (the disk's ceiling for any reader)")
     parser.add_argument("--s3", default=None, metavar="URL",
                         help="benchmark on this object-store prefix instead: mfsdp_ckpt vs plain s3fs put/get")
     args = parser.parse_args()
@@ -157,6 +185,7 @@ def main() -> None:
     ts_file = os.path.join(root, f"torch_save.{rank}.pt")
     write_state_bytes(tensors, dd_source)  # untimed; stays in the page cache
     targets = {k: torch.empty_like(v) for k, v in tensors.items()}
+    raw_target = numpy.ones(local_bytes, dtype=numpy.uint8)  # its pages touched once, outside the timing
 
     def clear(path: str) -> None:
         if rank == 0:
@@ -180,6 +209,9 @@ def main() -> None:
          lambda: subprocess.run(["dd", f"if={dd_source}", f"of={dd_file}", "bs=1M", "conv=fdatasync"], check=True, capture_output=True),
          lambda: cold(dd_file),
          lambda: subprocess.run(["dd", f"if={dd_file}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)),
+        # reads the file dd wrote (dd comes first in round 0, and its file stays); no write of its own
+        (f"raw preadv x{args.raw_threads}", lambda: None, None, lambda: cold(dd_file),
+         lambda: parallel_read(dd_file, raw_target, args.raw_threads)),
         ("torch.save/load", lambda: None, torch_save, lambda: cold(ts_file),
          lambda: torch.load(ts_file, weights_only=True)),
         ("stock DCP", lambda: clear(stock_dir),
@@ -195,7 +227,8 @@ def main() -> None:
     for r in range(args.rounds):  # rotate the order: the disk's speed drifts with what ran before
         for name, prepare, write, make_cold, read in pairs[r % len(pairs):] + pairs[: r % len(pairs)]:
             prepare()
-            times.setdefault(f"{name} write", []).append(timed(write))
+            if write is not None:
+                times.setdefault(f"{name} write", []).append(timed(write))
             make_cold()
             times.setdefault(f"{name} read (cold)", []).append(timed(read))
     results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
@@ -211,6 +244,9 @@ def main() -> None:
             kind = "read (cold)" if "read" in name else "write"
             gbs = total_bytes / seconds / 1e9
             print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
+        raw, dcp_read = results[f"raw preadv x{args.raw_threads} read (cold)"], results["stock DCP read (cold)"]
+        print(f"stock DCP's cold read takes {dcp_read / raw:.2f}x the raw {args.raw_threads}-thread read; a load 1.5x faster "
+              f"than it ({dcp_read / 1.5:.2f} s) would have to read {raw * 1.5 / dcp_read:.2f}x as fast as the raw read")
         from async_train import report  # bench/ (the script's directory)
 
         print(report(asynchronous, extra_ratio.item(), args.rounds, 2, mfsdp_ckpt_staging_bytes()))
@@ -251,7 +287,8 @@ def s3_main(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name, prepare, write, read in pairs[r % 2:] + pairs[: r % 2]:
             prepare()
-            times.setdefault(f"{name} write", []).append(timed(write))
+            if write is not None:
+                times.setdefault(f"{name} write", []).append(timed(write))
             times.setdefault(f"{name} read", []).append(timed(read))
     results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     if rank == 0:

@@ -19,7 +19,16 @@ RSS (``getrusage(RUSAGE_SELF).ru_maxrss``); each output is deleted after its pha
 4. ``transformers from_pretrained``: the import baseline (it maps the safetensors files and may
    leave weights unread until used);
 5. ``dd``: the physical reference, ``dd conv=fdatasync`` of the checkpoint's data file (the same
-   bytes read and durably written, as ours must before its commit).
+   bytes read and durably written, as ours must before its commit);
+6. ``transformers load + save + fsync``: phase 2, then every file it wrote fsynced: the same
+   durable result as ours export;
+7. ``transformers from_pretrained + DCP save``: phase 4, then stock ``dcp.save`` of the model's
+   state dict (``FileSystemWriter``, which fsyncs): the usual route from an HF directory to a
+   durable DCP checkpoint, the same work as ours import.
+
+Phases 2 and 4 are the peers the targets name; they write nothing durably (or nothing at all),
+so on a disk slower at durable writes than at reading they stay out of reach of any importer that
+commits its output. Phases 6 and 7 do the same work as ours, and their ratios are printed too.
 
 ``--rounds`` repetitions in rotated order (the disk's speed drifts with what ran before); the
 medians are reported, with the ratios (baseline time / ours: > 1 means ours is faster) and the
@@ -89,6 +98,37 @@ def phase_transformers(hf_dir: str, out: str) -> dict:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
+def phase_transformers_durable(hf_dir: str, out: str) -> dict:
+    info = phase_transformers(hf_dir, out)
+    for d, _, names in os.walk(out):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return info
+
+
+def phase_from_pretrained_dcp(hf_dir: str, out: str) -> dict:
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with warnings.catch_warnings():  # DCP's notice that it runs without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(out))
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
 def phase_ours_import(hf_dir: str, ckpt: str, workers: str) -> dict:
     from mfsdp_ckpt.hf import import_
 
@@ -116,7 +156,8 @@ def phase_dd(ckpt: str, out: str) -> dict:
 
 
 PHASES = {"make": phase_make, "dd": phase_dd, "ours_export": phase_ours_export, "transformers": phase_transformers,
-          "ours_import": phase_ours_import, "from_pretrained": phase_from_pretrained}
+          "ours_import": phase_ours_import, "from_pretrained": phase_from_pretrained,
+          "transformers_durable": phase_transformers_durable, "from_pretrained_dcp": phase_from_pretrained_dcp}
 
 
 def _warm(path: str) -> None:
@@ -174,11 +215,14 @@ def main() -> None:
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     ckpt, src, ours, theirs, back = (os.path.join(a.workdir, n) for n in ("ckpt", "hf_src", "hf_ours", "hf_transformers", "ckpt_back"))
-    copy = os.path.join(a.workdir, "dd_copy")
-    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None, "dd": copy}
-    inputs = {"ours_export": ckpt, "transformers": src, "ours_import": src, "from_pretrained": src, "dd": ckpt}
+    copy, theirs_dcp = os.path.join(a.workdir, "dd_copy"), os.path.join(a.workdir, "dcp_from_transformers")
+    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None, "dd": copy,
+               "transformers_durable": theirs, "from_pretrained_dcp": theirs_dcp}
+    inputs = {"ours_export": ckpt, "transformers": src, "ours_import": src, "from_pretrained": src, "dd": ckpt,
+              "transformers_durable": src, "from_pretrained_dcp": src}
     calls = {"ours_export": (ckpt, ours, str(a.workers)), "transformers": (src, theirs),
-             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,), "dd": (ckpt, copy)}
+             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,), "dd": (ckpt, copy),
+             "transformers_durable": (src, theirs), "from_pretrained_dcp": (src, theirs_dcp)}
     order = list(calls)
     times: dict[str, list[dict]] = {name: [] for name in order}
     identical = None
@@ -205,7 +249,9 @@ def main() -> None:
               "transformers": "transformers from_pretrained + save_pretrained",
               "ours_import": f"ours import (hf.import_, {a.workers} workers)",
               "from_pretrained": "transformers from_pretrained",
-              "dd": "dd copy of the data file, fdatasync (reference)"}
+              "dd": "dd copy of the data file, fdatasync (reference)",
+              "transformers_durable": "transformers load + save_pretrained + fsync",
+              "from_pretrained_dcp": "transformers from_pretrained + stock DCP save"}
     print(f"\n{'phase (median of ' + str(a.rounds) + ')':<50} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}  all rounds (s)")
     for name in order:
         secs = [r["seconds"] for r in times[name]]
@@ -216,6 +262,9 @@ def main() -> None:
           f"load + save_pretrained (target >= 1.5x)")
     print(f"import: {med('from_pretrained', 'seconds') / med('ours_import', 'seconds'):.2f}x the speed of transformers' "
           f"from_pretrained (target >= 1.5x)")
+    print(f"same durable work: export {med('transformers_durable', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed "
+          f"of transformers' load + save_pretrained + fsync, import {med('from_pretrained_dcp', 'seconds') / med('ours_import', 'seconds'):.2f}x "
+          f"that of from_pretrained + stock DCP save")
     for name in ("ours_export", "ours_import"):
         per = med(name, "peak_rss_mib") / a.workers
         print(f"{name.replace('_', ' ')}: peak RSS {med(name, 'peak_rss_mib'):,.0f} MiB = {per:,.0f} MiB per worker "
