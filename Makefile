@@ -22,8 +22,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 $(TRAIN) --resume
 
 # two pytest workers (pytest-xdist), each taking whole files so that a module's fixtures are built
-# once: the suite's ranks wait on the disk and on each other often enough that a second worker
-# fills the idle CPU (on 2 cores: 21.9 min against 32.4 min in one worker)
+# once; a one-worker run leaves much of the CPU idle (README, Tests, has the times)
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

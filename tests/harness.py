@@ -18,8 +18,8 @@ Design notes (the why):
   never run an op, so start-up is cheap and OpenMP (not fork-safe once used) is never forked
   mid-flight. Plain ``fork`` from a test process that already ran torch ops can deadlock;
   ``spawn`` re-imports torch per rank. Preloading more than torch cut a sample of 33 multi-rank
-  tests from 105-112 s to 38 s, mostly ``torch._dynamo``, which every rank's first optimizer
-  imports.
+  tests from 105-112 s to 38 s; of the imports added, ``torch._dynamo`` (which every rank's
+  first optimizer imports) took 1.27 s in a fresh process, DCP 0.04 s, our packages 0.11 s.
 * ``fn``, its args and kwargs are pickled by plain :mod:`pickle` in the parent and unpickled
   inside the child's error handling, so a function the child cannot import (wrong
   ``sys.path``, a lambda, a nested function) becomes a readable rank failure rather than a

@@ -250,3 +250,14 @@ def test_child_import_error_is_reported(tmp_path, monkeypatch):
         run_ranks(harness_unreachable_mod.rank_fn, 1)
     assert str(info.value).startswith(
         "rank 0 of 1 failed: ModuleNotFoundError: No module named 'harness_unreachable_mod'")
+
+
+def _missing_preloads() -> list[str]:
+    return [name for name in harness.PRELOAD if name not in sys.modules]
+
+
+def test_ranks_start_with_the_preloaded_modules(ranks):
+    """The forkserver ignores a preload that fails to import, and each rank would then pay for
+    it again (``torch._dynamo``: over a second per rank); neither this module nor the harness
+    imports these modules, so a rank has them only from the forkserver."""
+    assert ranks(_missing_preloads, 2) == [[], []]
