@@ -163,7 +163,7 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         notices.append(f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
                        f"{', ...' if len(dropped) > 3 else ''})")
     if assumed:
-        notices.append("assumed MCore's defaults for " + ", ".join(assumed) + " (pass --config to set them)")
+        notices.append("assumed MCore's defaults for " + ", ".join(assumed) + " (import-mcore --config, export-hf --mcore-config set them)")
 
     moe = cfg.num_experts > 0
     pieces = [p for k in model_keys for p in model_pieces(k, shape_of[k], moe)]
