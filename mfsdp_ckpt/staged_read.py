@@ -44,12 +44,13 @@ from .boxes import narrow
 from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record_at, tensor_view
 from .errors import CorruptCheckpointError
 
-__all__ = ["BLOCK_BYTES", "MAX_GAP", "STAGE_BYTES", "DEFAULT_READ_THREADS", "Span", "VerifiedRange", "plan_spans",
+__all__ = ["BLOCK_BYTES", "MAX_GAP", "STAGE_BYTES", "THREADED_COPY_BYTES", "DEFAULT_READ_THREADS", "Span", "VerifiedRange", "plan_spans",
            "read_chunks", "verify_chunks", "read_verified", "read_range"]
 
 BLOCK_BYTES = 8 << 20  # one read request; large enough for the disk, small enough to spread over threads
 MAX_GAP = 1 << 20  # unneeded bytes read (and dropped) rather than splitting a span
 STAGE_BYTES = 128 << 20  # verify_chunks' reused staging area (a larger chunk gets one of its size)
+THREADED_COPY_BYTES = 64 << 20  # read_verified copies less than this in the calling thread
 DEFAULT_READ_THREADS = 4
 
 
@@ -220,8 +221,9 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
             target.copy_(narrow(source, offsets, lengths))
 
     ranges = list(by_range)
-    # a small load copies in the calling thread: starting threads would cost more than they save
-    with _Runner(threads if sum(r.nbytes for r in ranges) > BLOCK_BYTES else 1) as run:
+    # a copy from the page cache runs at several GB/s: below THREADED_COPY_BYTES, handing hundreds of
+    # small ranges to threads (and their contention for the GIL) costs more than the copy itself
+    with _Runner(threads if sum(r.nbytes for r in ranges) >= THREADED_COPY_BYTES else 1) as run:
         run(lambda n: copy(ranges[n]), len(ranges))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -159,6 +160,7 @@ def test_verify_chunks_leaves_plain_records_in_their_files_and_reads_them_back_b
     range into its target -- whole into a contiguous target of its dtype, or a box of it through
     new memory -- bitwise."""
     monkeypatch.setattr(staged_read, "BLOCK_BYTES", 100)
+    monkeypatch.setattr(staged_read, "THREADED_COPY_BYTES", 100)  # the second pass on threads too
     path = str(tmp_path / "ckpt")
     _build(path)
     files, metadata, out = _verify_all(path, threads, stage_bytes)
@@ -229,6 +231,33 @@ def test_read_verified_refuses_a_file_changed_after_the_first_pass_before_copyin
         with pytest.raises(CorruptCheckpointError, match=rf"^{name}: changed while it was being loaded .*nothing was loaded$"):
             read_verified(files, ranges)
         assert all(torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges)
+
+
+@pytest.mark.parametrize("threshold, threaded", [(1, True), (1 << 40, False)])
+def test_read_verified_copies_a_small_load_in_the_calling_thread(tmp_path, monkeypatch, threshold, threaded):
+    """Below THREADED_COPY_BYTES every range is copied by the calling thread (handing small
+    ranges to threads costs more than copying them); at or above it, by the pool's threads."""
+    monkeypatch.setattr(staged_read, "THREADED_COPY_BYTES", threshold)
+    copied_by = []
+    original = staged_read._read_into
+
+    def recording(files, verified, out):
+        copied_by.append(threading.current_thread() is threading.main_thread())
+        original(files, verified, out)
+
+    monkeypatch.setattr(staged_read, "_read_into", recording)
+    path = str(tmp_path / "ckpt")
+    _build(path)
+    files, metadata, out = _verify_all(path, 3, 1 << 20)
+    with files:
+        items = [(v, (0,) * len(v.shape), v.shape, torch.zeros(v.shape, dtype=v.dtype))
+                 for v in out.values() if isinstance(v, VerifiedRange)]
+        read_verified(files, items, threads=3)
+    copies = sum(1 for verified, *_ in items if verified.nbytes)  # an empty range has nothing to read
+    assert len(copied_by) == copies > 1
+    assert copied_by == [not threaded] * copies
+    for verified, _, _, target in items:
+        assert torch.equal(target.view(-1).view(torch.uint8), staged_read.read_range(files, verified).view(-1).view(torch.uint8))
 
 
 def test_read_verified_bumps_the_version_of_a_target_it_reads_straight_into(tmp_path):
