@@ -129,7 +129,8 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
         channels = kv_total // (2 * groups)
     if not channels:
         raise ConversionError(f"{where}: num_attention_heads, num_query_groups or kv_channels is needed (the shapes of "
-                              f"'{QKV}' {list(qkv)} and '{PROJ}' {list(proj)} do not tell the head size): give the config (import-mcore --config, export-hf --mcore-config)")
+                              f"'{QKV}' {list(qkv)} and '{PROJ}' {list(proj)} do not tell the head size): "
+                              f"give the config (import-mcore --config, export-hf --mcore-config)")
     derived = {"kv_channels": channels, "num_attention_heads": cols // channels, "num_query_groups": kv_total // (2 * channels)}
     if cols % channels or kv_total % (2 * channels) or derived["num_query_groups"] <= 0:
         raise ConversionError(f"{where}: kv_channels={channels} does not divide '{PROJ}' {list(proj)} and "
