@@ -36,9 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 
 from mfsdp_ckpt.checksum import crc32c
+from mfsdp_ckpt.staged_read import BLOCK_BYTES as BLOCK
+from mfsdp_ckpt.staged_read import DEFAULT_READ_THREADS
+from mfsdp_ckpt.staged_read import STAGE_BYTES as STAGE
 
-BLOCK = 8 << 20  # the load's read request
-STAGE = 128 << 20  # the load's reused staging area
 WAYS = ["in place", "two passes", "undo log", "fresh memory", "fresh, huge pages"]
 
 
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/mfsdp_load_floor")
     parser.add_argument("--size-mib", type=int, default=1024, help="bytes per process (rank)")
     parser.add_argument("--procs", type=int, default=2, help="processes at once, one per rank")
-    parser.add_argument("--threads", type=int, default=4, help="threads per process (the load's default)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_READ_THREADS, help="threads per process (the load's default)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)

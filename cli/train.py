@@ -63,7 +63,8 @@ _LATEST = "<ckpt-dir>/latest"  # --resume without a path
 _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh start
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's command line (``parse_args`` parses with it)."""
     p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
     p.add_argument("--model", default=None,
                    help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
@@ -124,7 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fresh optimizer, step 0, any world size")
     p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
     p.add_argument("--log-every", type=int, default=1)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
