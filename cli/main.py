@@ -25,6 +25,7 @@ def main(debug: bool) -> None:
 def inspect(path: str, as_json: bool) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH."""
     from mfsdp_ckpt.inspect import GROUPS, compact_ranges, inspect_checkpoint
+    from mfsdp_ckpt.model_source import describe_source
 
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
@@ -49,6 +50,7 @@ def inspect(path: str, as_json: bool) -> None:
         click.echo(f"mx          {len(info.mx)} MXFP8 tensor(s), {', '.join(formats)}, 32-element blocks")
         for m in info.mx:
             click.echo(f"  {m.fqn} {'x'.join(map(str, m.shape))} {m.format}: {', '.join(m.planes)}")
+    click.echo(f"source      {describe_source(info.model_source)}")
     click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
     if info.unknown:
         click.echo(f"unknown     {', '.join(info.unknown)}")

@@ -395,6 +395,7 @@ def async_save(
     update_latest: bool = True,
     overwrite: bool = False,
     thread_count: int = 1,
+    model_source: dict[str, Any] | None = None,
 ) -> AsyncSaveHandle:
     """Start saving ``model`` (and ``optimizer``) to ``path`` and return; the copy of the state
     to host memory, the write, the commit, ``latest`` and pruning follow in a background thread.
@@ -427,7 +428,7 @@ def async_save(
     try:
         job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
                            step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock, run_config=run_config)
+                           thread_count=thread_count, lock=lock, run_config=run_config, model_source=model_source)
         staged = _checkpoint._agreed(lambda: _stage(job))
         fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:

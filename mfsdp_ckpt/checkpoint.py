@@ -35,6 +35,7 @@ from .experts import expert_count_problem, expert_counts, experts_entry, gather_
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
 from .metadata_check import entry_faults
+from .model_source import gpt_source
 from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
@@ -99,13 +100,16 @@ def save(
     overwrite: bool = False,
     thread_count: int = 1,
     run_config: dict[str, Any] | None = None,
+    model_source: dict[str, Any] | None = None,
 ) -> str:
     """Save ``model`` (and ``optimizer``, adapted by ``fully_shard_optimizer``) to the directory
     ``path``, atomically. Collective: every rank of the model's mesh calls it.
 
     ``extra``: JSON-like values saved as ``extra.<name>`` (taken from rank 0; loaded with
     ``weights_only=True``, so plain types and tensors only). Each rank's torch RNG state is saved
-    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_config``,
+    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_source``
+    (what the weights belong to and what rebuilds the model: :mod:`mfsdp_ckpt.model_source`;
+    without it, ``model_config`` is recorded as a reference ``GPTModel``'s), ``model_config``,
     ``step`` and ``run_config`` (the settings a resumed run must keep: a trainer compares them) go
     into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
     (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
@@ -125,7 +129,7 @@ def save(
     with contextlib.ExitStack() as lock:
         job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
                            step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock, run_config=run_config)
+                           thread_count=thread_count, lock=lock, run_config=run_config, model_source=model_source)
         write_and_commit(job, job.entries, MfsdpSavePlanner())
     return job.final
 
@@ -169,6 +173,7 @@ def prepare_save(
     thread_count: int,
     lock: contextlib.ExitStack,
     run_config: dict[str, Any] | None = None,
+    model_source: dict[str, Any] | None = None,
 ) -> PreparedSave:
     """Everything ``save`` does before writing: every refusal (on every rank alike), the
     destination's checks, the run directory's lock (entered into ``lock`` on rank 0; the caller
@@ -195,6 +200,7 @@ def prepare_save(
     manifest = {
         "writer": writer_layout(world, plan, experts),
         "model_config": model_config,
+        "model_source": model_source if model_source is not None else gpt_source(model_config) if model_config else None,
         **({"run_config": run_config} if run_config is not None else {}),
         "step": step,
         "include_grads": include_grads,

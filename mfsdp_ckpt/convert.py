@@ -79,7 +79,7 @@ def write_fsdp2(src: str, dst: str, *, key_map: Sequence[KeyRule] = (),
     with MappedReader(src) as reader:
         source = reader.manifest or {}
         manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": source.get("model_config"),
-                    "step": source.get("step"), "converted_from": src, "versions": versions(), "key_layout": "dcp-fsdp2"}
+                    "model_source": source.get("model_source"), "step": source.get("step"), "converted_from": src, "versions": versions(), "key_layout": "dcp-fsdp2"}
         with CheckpointBuilder(dst, manifest, sources=(src,)) as builder:
             return _write_fsdp2_entries(reader, builder, key_map, progress)
 

@@ -22,6 +22,7 @@ from .experts import ep_owner_ranks
 from .keys import GROUPS, group_of, mx_plane_of
 from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
 from .metadata_check import entry_faults, orphan_faults
+from .model_source import MEGATRON_CORE, model_source_of
 from .planner import chunk_id
 from .stock import uncommitted_reason
 from .storage import VerifyingReader
@@ -122,6 +123,7 @@ class CheckpointInfo:
     step: int | None
     writer: dict[str, Any] | None
     model_config: dict[str, Any] | None
+    model_source: dict[str, Any] | None = None  # what the weights belong to (mfsdp_ckpt.model_source)
     tensors: list[TensorInfo] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # what a stock checkpoint cannot tell
     experts: ExpertPlacement | None = None  # the writer's expert parallelism, if it had any
@@ -143,6 +145,7 @@ class CheckpointInfo:
             "step": self.step,
             "writer": self.writer,
             "model_config": self.model_config,
+            "model_source": self.model_source,
             "unknown": self.unknown,
             "experts": self.experts.to_json() if self.experts else None,
             "mx": [{"fqn": m.fqn, "shape": list(m.shape), "element": m.element, "rule": m.rule, "planes": list(m.planes)}
@@ -179,6 +182,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         step=(manifest or {}).get("step"),
         writer=(manifest or {}).get("writer"),
         model_config=(manifest or {}).get("model_config"),
+        model_source=model_source_of(manifest),
         experts=ExpertPlacement.of_writer((manifest or {}).get("writer")),
         mx=mx_tensors((manifest or {}).get("writer"), metadata.state_dict_metadata),
     )
@@ -193,6 +197,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         if mcore is not None:
             info.format, info.step = mcore["format"], mcore["step"] if info.step is None else info.step
             info.model_config = info.model_config or mcore["model_config"]
+            info.model_source = info.model_source or {"kind": MEGATRON_CORE}  # written by MCore itself
             info.unknown = [u for u in info.unknown if u not in ("model config", "step")] + mcore["unknown"]
     for key in sorted(metadata.state_dict_metadata):
         md = metadata.state_dict_metadata[key]

@@ -20,6 +20,7 @@ from mfsdp_core.strategy import parse_strategy
 
 from .errors import CorruptCheckpointError
 from .fs import member_name_problem, shown
+from .model_source import KINDS
 
 __all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT"]
 
@@ -172,6 +173,8 @@ def _choice(*allowed: str) -> Check:
     return check
 
 
+_MODEL_SOURCE = record(required={"kind": _choice(*KINDS)},
+                       optional={"class": line, "config": dict_of(anything), "args": dict_of(anything), "layer_spec": line})
 _MX = record(required={"element": _choice(*MX_ELEMENTS), "rule": _choice(*MX_RULES)})
 _BUFFER = record(
     required={"params": list_of(line), "shapes": list_of(list_of(integer())), "dtype": _DTYPE, "strategy": _STRATEGY,
@@ -230,6 +233,7 @@ MANIFEST = record(
         "total_bytes": integer(),
         "step": nullable(integer()),
         "model_config": nullable(dict_of(anything)),
+        "model_source": nullable(_MODEL_SOURCE),
         "run_config": dict_of(anything),
         "writer": _WRITER,
         "include_grads": boolean,

@@ -2,7 +2,7 @@
 optimizer adapter). It never imports the checkpoint layer."""
 
 from .collectives import count_comm
-from .fully_shard import fully_shard, plan_of
+from .fully_shard import fully_shard, plan_of, rename_params
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .optim import clip_grad_norm_, fully_shard_optimizer
@@ -21,6 +21,7 @@ __all__ = [
     "ModelPlan",
     "plan_model",
     "plan_of",
+    "rename_params",
     "Strategy",
     "parse_strategy",
     "Policy",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from .mixed_precision import MixedPrecision
 from .plan import DEFAULT_GROUP, DEFAULT_STRATEGY, ModelPlan, Placement, PlacementFn, add_owner_loads, placement_fn, plan_unit
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["fully_shard", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
+__all__ = ["fully_shard", "rename_params", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
 
 _UNIT_ATTR = "_mfsdp_unit"
 # On a sharded Parameter, both weak since the buffer and the unit hold the parameter (see
@@ -257,6 +257,27 @@ def fully_shard(
     under = {id(buf) for u in (unit, *inner_units) for buf in u.buffers}
     if inner_units and all(id(buf) in under for buf in list(_WHOLE_TENSOR_BUFFERS)):
         _WHOLE_TENSOR_BUFFERS.clear()
+    return module
+
+
+def rename_params(module: nn.Module, fn: Callable[[str], str]) -> nn.Module:
+    """Give every sharded parameter under ``module`` (the root, after its ``fully_shard``) the name
+    ``fn(fqn)`` in the plan and the shard description, and so in checkpoints (``model.<name>``).
+
+    For models whose module tree names a weight otherwise than its checkpoint does: Megatron-Core's
+    local layer spec keeps ``input_layernorm.weight`` where its checkpoints (and ours) say
+    ``self_attention.linear_qkv.layer_norm_weight``, and names experts by their local index. A name
+    must stay inside its unit (keep the unit's path as prefix) and the names must stay distinct;
+    ValueError naming the parameter otherwise. Module attributes are untouched. Returns ``module``."""
+    buffers = buffers_of(module)
+    renamed = [buf.spec.renamed(fn) for buf in buffers]
+    seen: dict[str, str] = {}
+    for old, new in zip((n for b in buffers for n in b.spec.fqns), (n for s in renamed for n in s.fqns)):
+        if new in seen:
+            raise ValueError(f"rename_params: '{old}' and '{seen[new]}' would both be named '{new}'")
+        seen[new] = old
+    for buf, spec in zip(buffers, renamed):
+        buf.spec = spec
     return module
 
 

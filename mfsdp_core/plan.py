@@ -268,6 +268,21 @@ class BufferSpec:
                 out.__dict__[key] = self.__dict__[key]
         return out
 
+    def renamed(self, fn: Callable[[str], str]) -> "BufferSpec":
+        """The same buffer with every parameter named ``fn(fqn)`` (its checkpoint name). The new
+        name must keep the unit's path as its prefix: a parameter stays in its unit."""
+        names = []
+        for fqn in self.fqns:
+            new = fn(fqn)
+            if not isinstance(new, str) or not new.startswith(self.prefix) or len(new) == len(self.prefix):
+                raise ValueError(f"rename of parameter '{fqn}' to {new!r} leaves its unit '{self.prefix[:-1]}'")
+            names.append(new[len(self.prefix):])
+        out = dataclasses.replace(self, names=tuple(names))
+        for key in ("layout", "companion_layouts"):
+            if key in self.__dict__:
+                out.__dict__[key] = self.__dict__[key]
+        return out
+
     def resized(self, group_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None,
                 group_sizes: Mapping[str, int] | None = None) -> "BufferSpec":
         """The same buffer in another layout: group size, and optionally strategy and policy;
