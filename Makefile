@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,mcore]'  # mcore: the Megatron-Core tests run in CI, not skip
 	$(PY) -m pip install --quiet --no-deps 'torchao==0.18.0'
 	touch $@
 

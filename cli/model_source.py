@@ -1,19 +1,127 @@
-"""Which model a training run builds: a preset (``--model``), a JSON file (``--model-config``), or,
-with neither, the model config recorded in the checkpoint the run starts from (``--init-from`` or
-``--resume``), so that a checkpoint of any shape (an ``import-hf`` output, say) trains without a
-matching preset."""
+"""Which model a training run builds.
+
+The families: the reference GPT (this module: a preset with ``--model``, a JSON file with
+``--model-config``) and Megatron-Core's ``GPTModel`` (``--mcore-config FILE.json``,
+:mod:`cli.mcore_source`). With none of these flags the run builds the model the checkpoint it starts
+from (``--init-from`` or ``--resume``) records in its manifest (``model_source``), so that a
+checkpoint of any shape (an ``import-hf`` output, say) trains without naming its model again."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Any
 
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, get_preset
+import torch
+from torch import nn
 
-__all__ = ["DEFAULT_PRESET", "model_of_run", "config_from_file", "config_of_checkpoint", "preset_name"]
+import mfsdp_ckpt
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.registry import architecture_of_hf_config
+from mfsdp_ckpt.manifest import read_manifest
+from mfsdp_ckpt.model_source import MEGATRON_CORE, MFSDP_GPT, gpt_source, model_source_of
+from mfsdp_core.expert_parallel import ExpertMesh
+from mfsdp_core.models import gpt
+from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
+
+from .mcore_source import McoreSource
+from .model_base import ModelSource
+
+__all__ = ["DEFAULT_PRESET", "GPTSource", "source_of_run", "model_of_run", "config_from_file", "preset_name", "MODEL_FLAGS"]
 
 DEFAULT_PRESET = "tiny"
+
+#: the flags that name a model, each excluding the others (argparse attribute -> flag)
+MODEL_FLAGS = {"model": "--model", "model_config": "--model-config", "mcore_config": "--mcore-config"}
+
+
+class GPTSource(ModelSource):
+    """The reference ``GPTModel`` (``mfsdp_core.models.gpt``) of ``config``."""
+
+    kind = MFSDP_GPT
+
+    def __init__(self, config: GPTConfig, name: str) -> None:
+        self.config, self.name = config, name
+        self.vocab_size, self.seq_length, self.num_experts = config.vocab_size, config.seq_length, config.num_experts
+
+    def record(self) -> dict[str, Any]:
+        return gpt_source(self.config.to_dict())
+
+    def model_config(self) -> dict[str, Any] | None:
+        return self.config.to_dict()
+
+    def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
+        record = model_source_of(manifest) or {}
+        if record.get("kind", MFSDP_GPT) != MFSDP_GPT:
+            return [f"kind={record.get('kind')!r} (this run: {MFSDP_GPT!r})"]
+        saved = record.get("config") or {}
+        try:
+            saved = GPTConfig.from_dict(saved).to_dict()  # fields an older manifest lacks count as their defaults
+        except (TypeError, ValueError):
+            pass  # not a config of ours: every field is reported
+        ours = self.config.to_dict()
+        return [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], where: str) -> "GPTSource":
+        try:
+            config = GPTConfig.from_dict(record.get("config") or {})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: its model config is not one this trainer builds: {e}") from None
+        return cls(config, preset_name(config) or "custom")
+
+    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+        torch.manual_seed(args.seed)
+        model = GPTModel(self.config)  # whole on every rank, so that each expert starts as in one process
+        return gpt.shard_experts(model, mesh) if mesh is not None else model
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return gpt.shard_units(model)
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(tokens)
+        return logits, model.aux_loss
+
+    def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
+        return gpt.linear_weights(model)
+
+    def n_params(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in GPTModel(self.config).parameters())
+
+
+#: kind -> the family that rebuilds a recorded model
+_FAMILIES: dict[str, type[ModelSource]] = {MFSDP_GPT: GPTSource, MEGATRON_CORE: McoreSource}
+
+
+def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) -> ModelSource:
+    """The model of the run: the one flag of :data:`MODEL_FLAGS` given, else the model the start
+    checkpoint records (``start_from``: ``(flag, checkpoint)``), else the ``tiny`` preset.
+    ValueError: one line naming the flag (and file) at fault."""
+    given = [(flag, getattr(args, attr, None)) for attr, flag in MODEL_FLAGS.items() if getattr(args, attr, None) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(f for f, _ in given)} exclude each other (name the model one way)")
+    if given:
+        flag, value = given[0]
+        if flag == "--mcore-config":
+            return McoreSource.from_file(value)
+    if given or start_from is None:
+        config, name = model_of_run(args.model, args.model_config)
+        return GPTSource(config, name)
+    flag, path = start_from
+    try:
+        resolved = mfsdp_ckpt.resolve_checkpoint(path)
+        record = model_source_of(read_manifest(resolved))
+    except mfsdp_ckpt.CheckpointError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    if record is None:
+        raise ValueError(f"{flag}: {resolved} records no model config; name the model with "
+                         f"{', '.join(MODEL_FLAGS.values())}")
+    family = _FAMILIES.get(record.get("kind"))
+    if family is None:
+        raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")
+    return family.from_record(record, f"{flag}: {resolved}")
 
 
 def preset_name(config: GPTConfig) -> str | None:
@@ -35,9 +143,6 @@ def config_from_file(path: str) -> GPTConfig:
     if not isinstance(d, dict):
         raise ValueError(f"--model-config {path}: expected a JSON object, got {type(d).__name__}")
     if "model_type" in d or "architectures" in d:  # a Hugging Face config.json
-        from mfsdp_ckpt.errors import ConversionError
-        from mfsdp_ckpt.hf.registry import architecture_of_hf_config
-
         try:
             return architecture_of_hf_config(d, path).from_hf_config(d, path)
         except ConversionError as e:
@@ -50,31 +155,9 @@ def config_from_file(path: str) -> GPTConfig:
         raise ValueError(f"--model-config {path}: not a model config: {e}") from None
 
 
-def config_of_checkpoint(path: str, flag: str) -> GPTConfig:
-    """The model config recorded in the manifest of the checkpoint ``path`` names (a directory or a
-    ``latest`` pointer). ValueError: one line naming the flag and the checkpoint."""
-    import mfsdp_ckpt
-    from mfsdp_ckpt.manifest import read_manifest
-
-    try:
-        resolved = mfsdp_ckpt.resolve_checkpoint(path)
-        saved = read_manifest(resolved).get("model_config")
-    except mfsdp_ckpt.CheckpointError as e:
-        raise ValueError(f"{flag}: {e}") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{flag}: {resolved} records no model config; name the model with --model or --model-config")
-    try:
-        return GPTConfig.from_dict(saved)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{flag}: {resolved}: its model config is not one this trainer builds: {e}") from None
-
-
-def model_of_run(model: str | None, model_config: str | None, start_from: tuple[str, str] | None) -> tuple[GPTConfig, str]:
-    """The run's model config and a name for it in logs and checkpoints.
-
-    ``start_from`` is ``(flag, checkpoint)`` of the checkpoint the run starts from, if any; its
-    recorded config is the model when neither ``--model`` nor ``--model-config`` is given (and is
-    compared with theirs when one is, by the caller). Without any, the ``tiny`` preset."""
+def model_of_run(model: str | None, model_config: str | None) -> tuple[GPTConfig, str]:
+    """The reference GPT's config of ``--model`` or ``--model-config`` and a name for it in logs
+    and checkpoints; with neither, the ``tiny`` preset."""
     if model is not None and model_config is not None:
         raise ValueError("--model and --model-config exclude each other (a preset, or a config file)")
     if model is not None:
@@ -82,8 +165,4 @@ def model_of_run(model: str | None, model_config: str | None, start_from: tuple[
     if model_config is not None:
         config = config_from_file(model_config)
         return config, preset_name(config) or os.path.basename(model_config)
-    if start_from is not None:
-        flag, path = start_from
-        config = config_of_checkpoint(path, flag)
-        return config, preset_name(config) or "custom"
     return PRESETS[DEFAULT_PRESET], DEFAULT_PRESET

@@ -1,4 +1,5 @@
-"""Resumable sharded training of the reference GPT models, launched by torchrun:
+"""Resumable sharded training, launched by torchrun, of the reference GPT or a Megatron-Core
+``GPTModel`` (``--mcore-config``):
 
     torchrun --standalone --nproc-per-node 2 -m cli.train --model tiny-moe --steps 60 \\
         --stop-at 30 --ckpt-dir ckpts/run1 --save-every 10
@@ -10,8 +11,9 @@
 Every decoder layer and then the root are ``fully_shard``-ed; AdamW (or Muon) steps on the local fp32
 shards. The data (a synthetic stream, or ``--data``: a memory-mapped token file) is deterministic and
 seekable, and its position is checkpointed, so a resumed run (at any world size) continues the same
-sample sequence; at the same world size it is bitwise identical to an uninterrupted run. The model is
-a preset, a ``--model-config`` file, or the config recorded in the checkpoint the run starts from. gloo on CPU by default; NCCL when CUDA is available.
+sample sequence; at the same world size it is bitwise identical to an uninterrupted run. The model
+(``cli.model_source``) is a preset, a ``--model-config`` file, an ``--mcore-config`` file, or the one recorded in the checkpoint the run starts from. gloo on CPU by
+default; NCCL when CUDA is available.
 
 This module is the application on top of both packages (the runtime ``mfsdp_core`` and the
 checkpoint layer ``mfsdp_ckpt``), which is why it lives next to the command line: neither package
@@ -43,15 +45,16 @@ from mfsdp_ckpt.manifest import read_manifest
 from mfsdp_core import MixedPrecision, clip_grad_norm_, fully_shard, fully_shard_optimizer
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import TOKEN_DTYPES, SyntheticText, TokenFile
-from mfsdp_core.expert_parallel import check_expert_parallel, expert_placement, init_expert_mesh
+from mfsdp_core.expert_parallel import init_expert_mesh
 from mfsdp_core.layout import parse_policy
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, linear_weights, shard_experts, shard_units
+from mfsdp_core.models.gpt import PRESETS
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
-from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked, placement_fn
+from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
-from .model_source import DEFAULT_PRESET, model_of_run
+from .model_base import ModelSource
+from .model_source import DEFAULT_PRESET, source_of_run
 from .run_config import allowed_changes, changed_settings, run_config
 
 
@@ -65,13 +68,17 @@ _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's command line (``parse_args`` parses with it)."""
-    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT model.")
+    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT or a "
+                                "Megatron-Core GPTModel.")
     p.add_argument("--model", default=None,
                    help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
                         f"checkpoint, else {DEFAULT_PRESET})")
     p.add_argument("--model-config", default=None, metavar="FILE.json",
                    help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
                         "Face config.json of a known architecture")
+    p.add_argument("--mcore-config", default=None, metavar="FILE.json",
+                   help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
+                        "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
     p.add_argument("--ep", type=int, default=1, metavar="E",
@@ -141,29 +148,30 @@ def _compute_dtype(name: str) -> str:
     return _DTYPE_NAMES[name]
 
 
-def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
-    """Validate flags before anything is built; returns the model config (``args.model`` becomes its
-    name: the preset's, the config file's, or ``custom``)."""
+def check_args(args: argparse.Namespace, world: int) -> ModelSource:
+    """Validate flags before anything is built; returns the model source (``args.model`` becomes its
+    name: the preset's, the config file's, the model class's, or ``custom``)."""
     if (args.resume in (_LATEST, _AUTO) or args.save_every) and not args.ckpt_dir:
         raise UsageError("--resume without a checkpoint path (or 'auto'), and --save-every, need --ckpt-dir")
     try:
-        config, args.model = model_of_run(args.model, args.model_config, start_checkpoint(args))
+        source = source_of_run(args, start_checkpoint(args))
+        args.model = source.name
         parse_strategy(args.strategy)
         parse_policy(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        check_expert_parallel(world, args.ep, config.num_experts)
+        source.check_parallel(world, args.ep)
     except ValueError as e:
         raise UsageError(f"--ep {args.ep}: {e}") from None
     if args.batch_size % (world * args.micro_batches):
         raise UsageError(
             f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
         )
-    if args.seq_len > config.seq_length:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {config.seq_length}")
+    if source.seq_length is not None and args.seq_len > source.seq_length:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {source.seq_length}")
     if args.data:
-        open_data(args, config)  # a missing, misshapen or too short file fails now
+        open_data(args, source)  # a missing, misshapen or too short file fails now
     try:
         allowed_changes(args.allow_change)
     except ValueError as e:
@@ -176,7 +184,7 @@ def check_args(args: argparse.Namespace, world: int) -> GPTConfig:
         raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
     if args.ckpt_dir:  # fail now, not at the first save after hours of training
         check_writable_dir(args.ckpt_dir, "--ckpt-dir")
-    return config
+    return source
 
 
 def check_writable_dir(path: str, flag: str) -> None:
@@ -208,12 +216,12 @@ def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
     return ("--resume", args.resume) if args.resume else None
 
 
-def open_data(args: argparse.Namespace, config: GPTConfig) -> SyntheticText | TokenFile:
+def open_data(args: argparse.Namespace, source: ModelSource) -> SyntheticText | TokenFile:
     """The run's samples: ``--data``'s token file, or the synthetic stream."""
     if not args.data:
-        return SyntheticText(config.vocab_size, args.seq_len, seed=args.seed)
+        return SyntheticText(source.vocab_size, args.seq_len, seed=args.seed)
     try:
-        return TokenFile(args.data, args.seq_len, config.vocab_size, dtype=args.data_dtype, seed=args.seed)
+        return TokenFile(args.data, args.seq_len, source.vocab_size, dtype=args.data_dtype, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -227,23 +235,25 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def build(config: GPTConfig, args: argparse.Namespace) -> tuple[GPTModel, torch.optim.Optimizer]:
-    mesh = init_expert_mesh(args.ep, config.num_experts) if args.ep > 1 else None
-    torch.manual_seed(args.seed)
-    model = GPTModel(config)  # whole on every rank, so that each expert starts as in one process
-    if mesh is not None:
-        shard_experts(model, mesh)
+def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The source's model, every unit ``fully_shard``-ed, and its sharded optimizer."""
+    mesh = init_expert_mesh(args.ep, source.num_experts) if args.ep > 1 else None
+    model = source.build(args, mesh)  # whole on every rank (same seed), so that each expert starts as in one process
     if torch.cuda.is_available():
         model = model.cuda()
-    place = placement_fn(None, args.policy) if mesh is None else expert_placement(args.policy)
+    place = source.placement(args.policy, mesh)
     if args.mxfp8:
-        place = mx_marked(place, dict.fromkeys(map(id, linear_weights(model)), MXFormat(args.mxfp8, args.mx_rule)))
+        weights = source.linear_weights(model)
+        if not weights:
+            raise UsageError(f"--mxfp8: not supported for {source.kind} models (docs/models.md)")
+        place = mx_marked(place, dict.fromkeys(map(id, weights), MXFormat(args.mxfp8, args.mx_rule)))
     mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
-    for unit in shard_units(model):
+    for unit in source.shard_units(model):
         try:
             fully_shard(unit, mesh=None if mesh is None else mesh.groups, strategy=args.strategy, placement=place, mixed_precision=mp)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    source.after_shard(model)
     if args.optimizer == "muon":
         return model, fully_shard_optimizer(build_muon(model, args))
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -268,16 +278,16 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
     ], ns_dtype=args.ns_dtype)
 
 
-def resume_point(args: argparse.Namespace, config: GPTConfig) -> str:
+def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
     """The checkpoint to resume from, after checking it was written for this model and with the
     settings of this run (:mod:`cli.run_config`; ``--allow-change`` lifts the check per flag)."""
     if args.resume != _LATEST:
-        path = checked_checkpoint(args.resume, config, "--resume")
+        path = checked_checkpoint(args.resume, source, "--resume")
     else:
         latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
         if not mfsdp_fs.exists(latest):
             raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
-        path = checked_checkpoint(latest, config, "--resume")
+        path = checked_checkpoint(latest, source, "--resume")
     saved = read_manifest(path).get("run_config")
     if saved is not None:  # a checkpoint from before settings were recorded has nothing to compare
         changed = changed_settings(saved, run_config(args), allowed_changes(args.allow_change))
@@ -294,20 +304,16 @@ def resolve_auto_resume(args: argparse.Namespace) -> str | None:
     return _LATEST if mfsdp_fs.exists(latest) else None
 
 
-def checked_checkpoint(where: str, config: GPTConfig, flag: str) -> str:
-    """The checkpoint directory ``where`` names, after checking its manifest's model config is
-    ``config`` (fields an older manifest lacks count as their defaults)."""
+def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
+    """The checkpoint directory ``where`` names, after checking that its manifest records the
+    model of ``source`` (for the reference GPT, fields an older manifest lacks count as their
+    defaults)."""
     try:
         path = mfsdp_ckpt.resolve_checkpoint(where)
-        saved = read_manifest(path).get("model_config") or {}
+        manifest = read_manifest(path)
     except mfsdp_ckpt.CheckpointError as e:
         raise UsageError(f"{flag}: {e}") from None
-    try:
-        saved = GPTConfig.from_dict(saved).to_dict()
-    except (TypeError, ValueError):
-        pass  # not a config of ours: every field is reported below
-    ours = config.to_dict()
-    diffs = [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+    diffs = source.describe_differences(manifest)
     if diffs:
         raise UsageError(f"{flag}: {path} was written for another model config: {', '.join(diffs)}")
     return path
@@ -345,24 +351,24 @@ def _refuse_held(args: argparse.Namespace) -> None:
                          "pass --resume to continue that run, or choose another directory")
 
 
-def train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
+def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int) -> None:
     if args.resume == _AUTO:
         args.resume = rank0_decides(resolve_auto_resume, args)
         if rank == 0 and args.resume is None:
             print(f"--resume auto: no checkpoint in {args.ckpt_dir}, starting fresh", flush=True)
     with contextlib.ExitStack() as run:
         rank0_decides(claim_run_dir, args, run)
-        _train(args, config, rank, world)
+        _train(args, source, rank, world)
 
 
-def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -> None:
+def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int) -> None:
     # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
     # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
-    resume_from = rank0_decides(resume_point, args, config) if args.resume else None
-    init_from = rank0_decides(checked_checkpoint, args.init_from, config, "--init-from") if args.init_from else None
-    model, optim = build(config, args)
+    resume_from = rank0_decides(resume_point, args, source) if args.resume else None
+    init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from") if args.init_from else None
+    model, optim = build(source, args)
     device = next(model.parameters()).device
-    data = open_data(args, config)
+    data = open_data(args, source)
     step, position = 0, 0
     if resume_from is not None:
         try:
@@ -383,16 +389,15 @@ def _train(args: argparse.Namespace, config: GPTConfig, rank: int, world: int) -
         if rank == 0:
             print(f"initialised from the weights of {init_from} (world size {world})", flush=True)
     if rank == 0:
-        with torch.device("meta"):  # the whole model's count, whichever experts this rank holds
-            n_params = sum(p.numel() for p in GPTModel(config).parameters())
         ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
-        print(f"model {args.model}, {n_params:,} parameters, "
+        kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
+        print(f"model {args.model}{kind}, {source.n_params():,} parameters, "
               f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}", flush=True)
     last = min(args.steps, args.stop_at or args.steps)
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if args.async_save else None
     try:
-        done = _loop(args, config, rank, world, model, optim, data, device, step, position, last, bar, saving)
+        done = _loop(args, source, rank, world, model, optim, data, device, step, position, last, bar, saving)
         if saving is not None:
             saving.finish()  # the last save is committed before the run ends (--stop-at included)
     finally:
@@ -415,7 +420,7 @@ def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
     return f"stopped at step {done} of {args.steps}: reached --stop-at {args.stop_at}; {how}"
 
 
-def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, model: GPTModel, optim: torch.optim.Optimizer,
+def _loop(args: argparse.Namespace, source: ModelSource, rank: int, world: int, model: torch.nn.Module, optim: torch.optim.Optimizer,
           data: SyntheticText | TokenFile, device: torch.device, step: int, position: int, last: int, bar: Any,
           saving: _AsyncSaves | None) -> int:
     """Train from ``step`` to ``last``; returns the last step done."""
@@ -434,9 +439,9 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
         position += args.batch_size
         loss_sum = torch.zeros((), device=device)
         for micro in tokens.chunk(args.micro_batches):
-            logits = model(micro[:, :-1])
+            logits, aux_loss = source.forward(model, micro[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
-            ((loss + model.aux_loss) / args.micro_batches).backward()
+            ((loss + aux_loss) / args.micro_batches).backward()
             loss_sum += loss.detach() / args.micro_batches
         grad_norm = clip_grad_norm_(optim, args.clip)
         optim.step()
@@ -456,8 +461,9 @@ def _loop(args: argparse.Namespace, config: GPTConfig, rank: int, world: int, mo
                     mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
                     model,
                     optim,
-                    extra={"step": step, "data_position": position, "model": args.model},
-                    model_config=config.to_dict(),
+                    extra={"step": step, "data_position": position, "model": args.model, **source.extra()},
+                    model_config=source.model_config(),
+                    model_source=source.record(),
                     run_config=run_config(args),
                     step=step,
                     keep=args.keep,
@@ -592,12 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = check_args(args, world)
+        source = check_args(args, world)
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        train(args, config, rank, world)
+        train(args, source, rank, world)
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

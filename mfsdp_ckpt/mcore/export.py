@@ -30,6 +30,7 @@ from ..errors import ConversionError
 from ..keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
 from ..manifest import versions
 from ..mapped import MappedReader
+from ..model_source import TRANSFORMERS, model_source_of
 from ..streaming import CheckpointBuilder
 from .config import to_mcore_args
 from .layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
@@ -76,6 +77,11 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
     norm_name = MOE_NORM_TE if moe_norm == "te" else MOE_NORM_LOCAL
     with MappedReader(src) as reader:
         saved = (reader.manifest or {}).get("model_config")
+        source = model_source_of(reader.manifest) or {}
+        if source.get("kind") == TRANSFORMERS:
+            raise ConversionError(f"{reader.directory}: holds a transformers model ({source.get('class')}), named as "
+                                  "transformers names it; export-mcore writes GPT models of our canonical names: run "
+                                  "export-hf, import-hf, then export-mcore")
         if not saved:
             raise ConversionError(f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)")
         try:

@@ -194,12 +194,12 @@ def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path, capsys):
           "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    got, name = model_of_run(None, str(tmp_path / "config.json"), None)
+    got, name = model_of_run(None, str(tmp_path / "config.json"))
     assert name == "config.json" and (got.vocab_size, got.hidden_size, got.num_query_groups, got.kv_channels,
                                       got.ffn_hidden_size, got.add_qkv_bias) == (64, 32, 2, 8, 48, True)
     (tmp_path / "mfsdp.json").write_text(json.dumps({"format_version": 2, "model_config": config.to_dict()}))
-    assert model_of_run(None, str(tmp_path / "mfsdp.json"), None)[0] == config
-    assert model_of_run(None, None, None)[1] == "tiny" and model_of_run("tiny-moe", None, None)[1] == "tiny-moe"
+    assert model_of_run(None, str(tmp_path / "mfsdp.json"))[0] == config
+    assert model_of_run(None, None)[1] == "tiny" and model_of_run("tiny-moe", None)[1] == "tiny-moe"
     for text, expected in ((None, "No such file"), ("{", "not a JSON file"), ("[1]", "expected a JSON object, got list"),
                            ('{"hidden": 3}', "not a model config: unknown GPTConfig key(s): hidden"),
                            ('{"model_type": "bert"}', "unknown architecture (model_type='bert'")):
@@ -207,11 +207,11 @@ def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path, capsys):
         if text is not None:
             path.write_text(text)
         with pytest.raises(ValueError) as e:
-            model_of_run(None, str(path), None)
+            model_of_run(None, str(path))
         assert str(e.value).startswith(f"--model-config {path}: ") and expected in str(e.value), str(e.value)
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="--model and --model-config exclude each other"):
-        model_of_run("tiny", str(tmp_path / "ours.json"), None)
+        model_of_run("tiny", str(tmp_path / "ours.json"))
     # through the trainer: one line, exit 1, nothing trained
     bad = run_train(None, "--model-config", str(tmp_path / "missing.json"), "--steps", "1")
     assert bad.returncode == 1 and bad.stderr == f"error: --model-config {tmp_path / 'missing.json'}: No such file or directory\n"

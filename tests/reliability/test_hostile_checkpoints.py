@@ -87,9 +87,10 @@ def _readers(ckpt: str, clean: str, tmp: str) -> dict[str, Callable[[], Any]]:
             mfsdp_ckpt.load(ckpt, model, optim)
 
     def resume() -> None:
+        from cli.model_source import GPTSource
         from cli.train import UsageError, checked_checkpoint
         try:
-            checked_checkpoint(ckpt, GPTConfig.from_dict(MODEL_CONFIG), "--resume")
+            checked_checkpoint(ckpt, GPTSource(GPTConfig.from_dict(MODEL_CONFIG), "custom"), "--resume")
         except UsageError as e:  # how the trainer reports a CheckpointError: one line, exit 1
             raise CheckpointError(str(e)) from None
 

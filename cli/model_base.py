@@ -1,0 +1,90 @@
+"""What the trainer needs of a model family: the interface each model source implements.
+
+The trainer (``cli.train``) is one loop for every family: it builds the model a source describes,
+shards the units the source names with the source's placement, runs ``forward`` for logits and the
+auxiliary loss, and saves the source's record in every checkpoint's manifest, from which the same
+source is rebuilt on ``--resume``. The families: the reference GPT (``cli.model_source``),
+Hugging Face ``transformers`` models (``cli.hf_source``) and Megatron-Core ``GPTModel``
+(``cli.mcore_source``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfsdp_core.expert_parallel import ExpertMesh, check_expert_parallel, expert_placement
+from mfsdp_core.plan import PlacementFn, placement_fn
+
+__all__ = ["ModelSource"]
+
+
+class ModelSource:
+    """One model the trainer can build, described by what rebuilds it. Subclasses set the
+    attributes in their constructor and implement the methods marked so."""
+
+    kind: str  # mfsdp_ckpt.model_source kind: "mfsdp-gpt", "transformers" or "megatron-core"
+    name: str  # shown in the run header and saved as ``extra.model``
+    vocab_size: int
+    seq_length: int | None  # the longest --seq-len it takes; None: no limit
+    num_experts: int  # 0 for a dense model
+
+    # ---- what a checkpoint records ---------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """The manifest's ``model_source``: the kind and what rebuilds the model."""
+        raise NotImplementedError
+
+    def model_config(self) -> dict[str, Any] | None:
+        """A ``GPTConfig.to_dict()`` when one describes the weights under our canonical names (the
+        reference GPT; Megatron-Core, whose keys are renamed to ours), else None."""
+        return None
+
+    def extra(self) -> dict[str, Any]:
+        """Entries saved as ``extra.<name>`` with every checkpoint (plain values and tensors)."""
+        return {}
+
+    def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
+        """Why the model a checkpoint's manifest records is not this one (``field=saved (this run:
+        ours)`` each); empty when it is the same model."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], where: str) -> "ModelSource":
+        """The source a manifest's record describes; ValueError naming ``where`` if it cannot be."""
+        raise NotImplementedError
+
+    # ---- building and training -------------------------------------------------------------
+    def check_parallel(self, world: int, ep: int) -> None:
+        """ValueError naming the numbers unless ``ep`` ranks can share the experts over ``world``."""
+        check_expert_parallel(world, ep, self.num_experts)
+
+    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+        """The whole model on this rank, seeded by ``args.seed``, expert parallelism applied when
+        ``mesh`` is given, on the CPU, not yet sharded."""
+        raise NotImplementedError
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules to ``fully_shard``, inner first, the root last."""
+        raise NotImplementedError
+
+    def placement(self, policy: str, mesh: ExpertMesh | None) -> PlacementFn:
+        """Every parameter's placement: experts over the expert-data-parallel group under EP."""
+        return placement_fn(None, policy) if mesh is None else expert_placement(policy)
+
+    def after_shard(self, model: nn.Module) -> None:
+        """Anything due once the root is sharded (e.g. checkpoint names: ``rename_params``)."""
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp32 logits [b, s, vocab], scalar auxiliary loss)`` of ``tokens [b, s]``."""
+        raise NotImplementedError
+
+    def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
+        """The transformer layers' linear weights, which ``--mxfp8`` stores as MXFP8 (empty: the
+        family does not support it)."""
+        return []
+
+    def n_params(self) -> int:
+        """The whole model's parameter count (whichever experts this rank holds)."""
+        raise NotImplementedError
