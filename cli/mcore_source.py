@@ -108,7 +108,6 @@ class McoreSource(ModelSource):
     def from_file(cls, path: str) -> "McoreSource":
         """The source of ``--mcore-config path``."""
         where = f"--mcore-config {path}"
-        _require_megatron(where)
         try:
             args = read_config_file(path)
         except ConversionError as e:
@@ -232,7 +231,7 @@ class McoreSource(ModelSource):
         if lost:
             raise ValueError(f"{self.where}: the model keeps state checkpoints do not carry: {', '.join(lost[:3])}"
                              + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else ""))
-        mcore.set_aux_loss_scale(1.0 / getattr(args, "micro_batches", 1))
+        mcore.set_aux_loss_scale(1.0 / args.micro_batches)
         return model
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch.distributed as dist
 from torch import nn
@@ -143,13 +143,16 @@ def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup | None
     return mine
 
 
-def expert_placement(policy: str | Policy = DEFAULT_POLICY) -> PlacementFn:
+def expert_placement(policy: str | Policy = DEFAULT_POLICY,
+                     is_expert: Callable[[str], bool] = lambda name: expert_index(name) is not None) -> PlacementFn:
     """Experts sharded over the expert-data-parallel group, their summed gradients divided by the
-    data-parallel size; every other parameter over ``"dp"``. One policy for both."""
+    data-parallel size; every other parameter over ``"dp"``. One policy for both. ``is_expert``
+    tells a routed expert's parameter by its name (default: ours, :func:`expert_index`; a model
+    family naming experts otherwise passes its own)."""
     pol = parse_policy(policy)
     expert = Placement(pol, group=EDP_GROUP, expert=True, grad_divisor=DEFAULT_GROUP)
     dense = Placement(pol)
-    return lambda name, param: expert if expert_index(name) is not None else dense
+    return lambda name, param: expert if is_expert(name) else dense
 
 
 def ep_rank_of(module: nn.Module) -> tuple[int, int]:

@@ -48,9 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..expert_parallel import EDP_GROUP, ExpertMesh
-from ..layout import parse_policy
-from ..plan import DEFAULT_GROUP, Placement, PlacementFn, placement_fn
+from ..expert_parallel import ExpertMesh, expert_placement
+from ..plan import Placement, PlacementFn, placement_fn
 
 __all__ = ["prepare_cpu", "init_parallel_state", "build_gpt", "shard_units", "placement", "canonical_names",
            "expert_param", "linear_weights", "forward", "unsaved_state", "set_aux_loss_scale"]
@@ -198,10 +197,7 @@ def placement(policy: str, mesh: ExpertMesh | None) -> PlacementFn:
             return base(name, param)
 
         return local
-    pol = parse_policy(policy)
-    expert = Placement(pol, group=EDP_GROUP, expert=True, grad_divisor=DEFAULT_GROUP)
-    dense = Placement(pol)
-    return lambda name, param: expert if expert_param(name) is not None else dense
+    return expert_placement(policy, lambda name: expert_param(name) is not None)
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:
