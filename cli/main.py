@@ -51,7 +51,12 @@ def inspect(path: str, as_json: bool) -> None:
         for m in info.mx:
             click.echo(f"  {m.fqn} {'x'.join(map(str, m.shape))} {m.format}: {', '.join(m.planes)}")
     click.echo(f"source      {describe_source(info.model_source)}")
-    click.echo(f"model       {json.dumps(info.model_config) if info.model_config else 'unknown'}")
+    if info.model_config:
+        click.echo(f"model       {json.dumps(info.model_config)}")
+    elif (info.model_source or {}).get("kind") == "transformers":
+        click.echo("model       the source's config.json (inspect --json: model_source.config)")
+    else:
+        click.echo("model       unknown")
     if info.unknown:
         click.echo(f"unknown     {', '.join(info.unknown)}")
     for group in (*GROUPS, "other"):

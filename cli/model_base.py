@@ -45,6 +45,10 @@ class ModelSource:
         """Entries saved as ``extra.<name>`` with every checkpoint (plain values and tensors)."""
         return {}
 
+    def resumed(self, extra: dict[str, Any]) -> None:
+        """Take what the source keeps in ``extra`` back from the checkpoint a run resumes from
+        (its ``extra.*`` values), so that the run's next checkpoints carry it again."""
+
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         """Why the model a checkpoint's manifest records is not this one (``field=saved (this run:
         ours)`` each); empty when it is the same model."""

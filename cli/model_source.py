@@ -1,7 +1,8 @@
 """Which model a training run builds.
 
 The families: the reference GPT (this module: a preset with ``--model``, a JSON file with
-``--model-config``) and Megatron-Core's ``GPTModel`` (``--mcore-config FILE.json``,
+``--model-config``), Hugging Face ``transformers`` causal LMs (``--hf-model DIR``,
+:mod:`cli.hf_source`) and Megatron-Core's ``GPTModel`` (``--mcore-config FILE.json``,
 :mod:`cli.mcore_source`). With none of these flags the run builds the model the checkpoint it starts
 from (``--init-from`` or ``--resume``) records in its manifest (``model_source``), so that a
 checkpoint of any shape (an ``import-hf`` output, say) trains without naming its model again."""
@@ -20,11 +21,12 @@ import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.registry import architecture_of_hf_config
 from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_ckpt.model_source import MEGATRON_CORE, MFSDP_GPT, gpt_source, model_source_of
+from mfsdp_ckpt.model_source import MEGATRON_CORE, MFSDP_GPT, TRANSFORMERS, gpt_source, model_source_of
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import gpt
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
 
+from .hf_source import HFSource
 from .mcore_source import McoreSource
 from .model_base import ModelSource
 
@@ -33,7 +35,7 @@ __all__ = ["DEFAULT_PRESET", "GPTSource", "source_of_run", "model_of_run", "conf
 DEFAULT_PRESET = "tiny"
 
 #: the flags that name a model, each excluding the others (argparse attribute -> flag)
-MODEL_FLAGS = {"model": "--model", "model_config": "--model-config", "mcore_config": "--mcore-config"}
+MODEL_FLAGS = {"model": "--model", "model_config": "--model-config", "hf_model": "--hf-model", "mcore_config": "--mcore-config"}
 
 
 class GPTSource(ModelSource):
@@ -92,7 +94,7 @@ class GPTSource(ModelSource):
 
 
 #: kind -> the family that rebuilds a recorded model
-_FAMILIES: dict[str, type[ModelSource]] = {MFSDP_GPT: GPTSource, MEGATRON_CORE: McoreSource}
+_FAMILIES: dict[str, type[ModelSource]] = {MFSDP_GPT: GPTSource, MEGATRON_CORE: McoreSource, TRANSFORMERS: HFSource}
 
 
 def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) -> ModelSource:
@@ -106,6 +108,8 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
         flag, value = given[0]
         if flag == "--mcore-config":
             return McoreSource.from_file(value)
+        if flag == "--hf-model":
+            return HFSource.from_dir(value)
     if given or start_from is None:
         config, name = model_of_run(args.model, args.model_config)
         return GPTSource(config, name)

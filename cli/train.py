@@ -1,5 +1,5 @@
-"""Resumable sharded training, launched by torchrun, of the reference GPT or a Megatron-Core
-``GPTModel`` (``--mcore-config``):
+"""Resumable sharded training, launched by torchrun, of the reference GPT, a Hugging Face
+``transformers`` causal LM (``--hf-model``) or a Megatron-Core ``GPTModel`` (``--mcore-config``):
 
     torchrun --standalone --nproc-per-node 2 -m cli.train --model tiny-moe --steps 60 \\
         --stop-at 30 --ckpt-dir ckpts/run1 --save-every 10
@@ -12,7 +12,8 @@ Every decoder layer and then the root are ``fully_shard``-ed; AdamW (or Muon) st
 shards. The data (a synthetic stream, or ``--data``: a memory-mapped token file) is deterministic and
 seekable, and its position is checkpointed, so a resumed run (at any world size) continues the same
 sample sequence; at the same world size it is bitwise identical to an uninterrupted run. The model
-(``cli.model_source``) is a preset, a ``--model-config`` file, an ``--mcore-config`` file, or the one recorded in the checkpoint the run starts from. gloo on CPU by
+(``cli.model_source``) is a preset, a ``--model-config`` file, an ``--hf-model`` directory, an
+``--mcore-config`` file, or the one recorded in the checkpoint the run starts from. gloo on CPU by
 default; NCCL when CUDA is available.
 
 This module is the application on top of both packages (the runtime ``mfsdp_core`` and the
@@ -68,14 +69,17 @@ _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's command line (``parse_args`` parses with it)."""
-    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT or a "
-                                "Megatron-Core GPTModel.")
+    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT, a "
+                                "Hugging Face transformers causal LM or a Megatron-Core GPTModel.")
     p.add_argument("--model", default=None,
                    help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
                         f"checkpoint, else {DEFAULT_PRESET})")
     p.add_argument("--model-config", default=None, metavar="FILE.json",
                    help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
                         "Face config.json of a known architecture")
+    p.add_argument("--hf-model", default=None, metavar="DIR",
+                   help="train the Hugging Face transformers causal LM of this model directory (config.json, with or "
+                        "without safetensors weights; weights are loaded when present); needs transformers")
     p.add_argument("--mcore-config", default=None, metavar="FILE.json",
                    help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
                         "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'")
@@ -379,6 +383,7 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
             raise UsageError(f"--resume: {resume_from} holds no trainer state (extra.step, extra.data_position); "
                              "it was not written by this trainer: start from its weights with --init-from instead")
         step, position = extra["step"], extra["data_position"]
+        source.resumed(extra)
         if rank == 0:
             print(f"resumed from {resume_from} at step {step} (world size {world})", flush=True)
     if init_from is not None:

@@ -34,7 +34,8 @@ from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
 from .. import fs
 from ..errors import CheckpointError, ConversionError, raise_key_problems
-from ..keys import MAIN_PARAM, fqn_of_model_key, group_of, optim_key
+from ..keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
+from ..model_source import TRANSFORMERS, model_source_of
 from ..lock import run_lock
 from ..staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from ..streaming import CheckpointReader
@@ -42,6 +43,7 @@ from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
 from .mx import E8M0, SCALE_SUFFIX, MXParam, check_rows_only, module_of, mx_params, quantization_config, scale_name, single_format, split_rows
 from .registry import get_architecture, infer_architecture
+from .transformers_layout import checked_carried_name, export_conversions
 from .workers import Staging, check_workers, run_tasks
 from ..progress import progress_adder
 
@@ -88,11 +90,22 @@ class _Item:
 
 @dataclass
 class _Plan:
-    arch: Architecture
-    config: GPTConfig
+    """An export: the architecture and our model config (canonical checkpoints), or, for a
+    ``transformers`` checkpoint, its recorded ``config.json`` (``hf_config``) and the files it
+    carries; the shard files' items; the dtype."""
+
+    arch: Architecture | None
+    config: GPTConfig | None
     shards: list[list[_Item]] = field(default_factory=list)
     dtype: torch.dtype = torch.float32
     quantization: dict[str, Any] | None = None  # config.json's quantization_config (MX exports)
+    hf_config: dict[str, Any] | None = None  # a transformers checkpoint's own config.json
+    carried: dict[str, bytes] = field(default_factory=dict)  # its generation config and tokenizer files
+    label: str = ""  # what the export is, for its result: the architecture's name, or the model's class
+
+    @property
+    def name(self) -> str:
+        return self.label or (self.arch.name if self.arch is not None else "")
 
 
 def _model_config(reader: CheckpointReader, source: str) -> GPTConfig:
@@ -123,7 +136,7 @@ def _mx_for_mode(reader: CheckpointReader, source: str, mode: str) -> dict[str, 
     return mx
 
 
-def _item(reader: CheckpointReader, keys: set[str], conv: Conversion, shape: torch.Size, cfg: GPTConfig,
+def _item(reader: CheckpointReader, keys: set[str], conv: Conversion, shape: torch.Size, cfg: GPTConfig | None,
           dtype: torch.dtype | None, mx: MXParam | None, mode: str, checked: set) -> _Item:
     """The plan of one conversion. The weights: the fp32 main params where the checkpoint holds
     them (``optim.<fqn>.main_param``: a model computing in bf16, MX ones included), else the
@@ -167,6 +180,9 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     """Everything an export will do, from metadata; raises naming every missing, unexpected or
     misshapen key (and, for MX modes, every MX parameter that cannot be exported) before anything
     is written."""
+    record = model_source_of(reader.manifest)
+    if record is not None and record.get("kind") == TRANSFORMERS:
+        return _transformers_plan(reader, source, record, arch_name, dtype, max_bytes, mode)
     cfg = _model_config(reader, source)
     arch = get_architecture(arch_name) if arch_name else infer_architecture(cfg, reader.manifest, source)
     problems = arch.unsupported(cfg)
@@ -194,6 +210,48 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     plan = _Plan(arch, cfg, dtype=dtype or Counter(reader.dtype(k) for k in plain).most_common(1)[0][0])
     if fmt is not None:
         plan.quantization = _quantization(items, fmt)
+    return _into_shards(plan, items, max_bytes, source, len(shapes))
+
+
+def _transformers_plan(reader: CheckpointReader, source: str, record: dict[str, Any], arch_name: str | None,
+                       dtype: torch.dtype | None, max_bytes: int, mode: str) -> _Plan:
+    """The export of a checkpoint of a ``transformers`` model (tensors under the model's own
+    names): each parameter as ``save_pretrained`` writes it (fused experts per expert), the
+    recorded ``config.json``, and the files the checkpoint carries (``extra.hf_files``)."""
+    config = record.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConversionError(f"{source}: model_source.config is not a transformers config.json (no model_type)")
+    model_type = config["model_type"]
+    if arch_name is not None and arch_name != model_type:
+        raise ConversionError(f"{source}: --arch {arch_name}: this checkpoint holds a transformers {record.get('class')} "
+                              f"({model_type}); it exports as that model")
+    if mode != "weights":
+        raise ConversionError(f"{source}: --{mode} is for checkpoints in our canonical layout; a transformers "
+                              "checkpoint exports its weights (the fp32 main params where it holds them)")
+    shapes = {k: reader.shape(k) for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
+    if not shapes:
+        raise ConversionError(f"{source}: no model tensors to export")
+    conversions = export_conversions(model_type, shapes, source)
+    keys = set(reader.keys())
+    items = [_item(reader, keys, conv, shapes[conv.ours], None, dtype, None, mode, set()) for conv in conversions]
+    carried: dict[str, bytes] = {}
+    files_key = extra_key("hf_files")
+    if files_key in keys:
+        files = reader.read(files_key)
+        if not isinstance(files, dict):
+            raise ConversionError(f"{source}: {files_key} is not a mapping of file names to bytes")
+        for name, blob in files.items():
+            if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.ndim != 1:
+                raise ConversionError(f"{source}: {files_key}[{name!r}] is not a byte tensor")
+            carried[checked_carried_name(name, f"{source}: {files_key}")] = blob.numpy().tobytes()
+    plan = _Plan(None, None, dtype=dtype or Counter(reader.dtype(k) for k in shapes).most_common(1)[0][0],
+                 hf_config=dict(config), carried=carried, label=str(record.get("class") or model_type))
+    return _into_shards(plan, items, max_bytes, source, len(shapes))
+
+
+def _into_shards(plan: _Plan, items: list[_Item], max_bytes: int, source: str, expected: int) -> _Plan:
+    """``plan`` with ``items`` cut into shard files of at most ``max_bytes`` (one conversion's
+    tensors stay in one file), after checking that ``expected`` items read and write each key once."""
     current: list[_Item] = []
     size = 0
     for item in items:  # greedy, in HF key order; one conversion's tensors stay in one file
@@ -207,7 +265,7 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     sources = Counter(src for shard in plan.shards for item in shard for src in item.sources)
     targets = Counter(name for shard in plan.shards for item in shard for name, _, _ in item.outputs)
     twice = sorted([k for k, n in sources.items() if n != 1] + [k for k, n in targets.items() if n != 1])
-    if twice or sum(1 for shard in plan.shards for _ in shard) != len(shapes):
+    if twice or sum(1 for shard in plan.shards for _ in shard) != expected:
         raise ConversionError(f"{source}: the export plan reads or writes these keys more than once: {', '.join(twice)}")
     return plan
 
@@ -224,7 +282,7 @@ def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], loc
         raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
 
 
-def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig) -> list[torch.Tensor]:
+def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None) -> list[torch.Tensor]:
     """The HF tensors of one item, in the order of its outputs (each read is crc32c-checked)."""
     if item.kind == PLAIN:
         return item.conv.rule.split(reader.read(item.sources[0]), cfg)
@@ -271,7 +329,7 @@ class _OpenShards:
             w.abort()
 
 
-def _convert(reader: CheckpointReader, item: _Item, cfg: GPTConfig, staging: Staging, casting: Staging,
+def _convert(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None, staging: Staging, casting: Staging,
              writer: SafetensorsWriter) -> None:
     """One item: read its source (crc32c-checked) into the worker's staging buffer, and write
     each HF tensor. Plain weights go out as views of the staged tensor (split without a copy);
@@ -332,6 +390,11 @@ def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, wo
 
 
 def _hf_config(plan: _Plan) -> dict[str, Any]:
+    if plan.hf_config is not None:  # a transformers model's own config, with the exported dtype
+        config = {**plan.hf_config, "dtype": dtype_name(plan.dtype)}
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype_name(plan.dtype)
+        return config
     quantization = {"quantization_config": plan.quantization} if plan.quantization is not None else {}
     return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype), **quantization}
 
@@ -353,6 +416,11 @@ def _finish(plan: _Plan, tmp: str) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+    for name, blob in plan.carried.items():  # generation config, tokenizer files
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
     fsync_dir(tmp)
 
 
@@ -371,7 +439,10 @@ def export(
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
-    ``config.json`` made from the manifest's ``model_config``.
+    ``config.json`` made from the manifest's ``model_config``. A checkpoint of a ``transformers``
+    model (``model_source`` kind ``transformers``: the trainer's ``--hf-model``) is written as
+    that model's ``save_pretrained`` writes it, under its own names (fused experts per expert),
+    with its recorded ``config.json`` and the generation config and tokenizer files it carries.
 
     ``arch``: an architecture name (``mfsdp_ckpt.hf.architectures()``); default: the one the
     checkpoint was imported from, else the only one that can express the model config. ``dtype``:
@@ -462,7 +533,7 @@ def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: boo
         raise
     n = len(plan.shards)
     return ExportResult(
-        path=final, architecture=plan.arch.name, files=[shard_name(s + 1, n) for s in range(n)],
+        path=final, architecture=plan.name, files=[shard_name(s + 1, n) for s in range(n)],
         tensors=sum(len(item.outputs) for shard in plan.shards for item in shard),
         bytes=sum(item.nbytes for shard in plan.shards for item in shard), seconds=time.perf_counter() - start,
     )

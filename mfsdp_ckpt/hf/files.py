@@ -40,7 +40,7 @@ from .strided_io import pread_tensor, pwrite_tensor
 __all__ = [
     "hf_safetensors_name", "hf_dtype_from_safetensors", "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter",
     "safetensors_layout",
-    "HFTensor", "HFDirectory", "read_json_file",
+    "HFTensor", "HFDirectory", "read_json_file", "read_regular_file",
     "check_shard_name", "parse_safetensors_header", "short_repr", "MAX_HEADER_BYTES", "MAX_JSON_BYTES",
 ]
 
@@ -290,6 +290,18 @@ def read_json_file(path: str, what: str) -> Any:
         return json.loads(blob.decode("utf-8-sig"), parse_int=json_int)
     except (ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: not valid JSON ({_reason(e)})") from None
+
+
+def read_regular_file(path: str, what: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit`` of them), or one
+    :class:`ConversionError` line naming it: missing, not a regular file, too large."""
+    fd, st = _open_regular(path, what)
+    try:
+        if st.st_size > limit:
+            raise ConversionError(f"{path}: {st.st_size} bytes, more than the {limit} a {what} may have")
+        return bytes(_read_exact(fd, 0, st.st_size, path, what))
+    finally:
+        os.close(fd)
 
 
 def check_shard_name(name: Any, index_path: str, key: str) -> str:

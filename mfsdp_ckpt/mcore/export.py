@@ -5,9 +5,11 @@ at layer 3 of ``decoder.layers.X``; expert ``e`` of layer ``l`` the chunk at ``(
 and written one at a time. Next to the DCP files: ``metadata.json`` and ``common.pt`` in the
 layout of megatron-core 0.16 (``"common_backend": "torch"``), which 0.16 and later both read,
 holding the checkpoint's ``extra.*`` values (``iteration`` …; per-rank RNG states are left
-out); and the ``_extra_state`` objects MCore's loader asks for, each ``[None]`` as MCore writes
-them without Transformer Engine. Optimizer state goes out in the ``fully_reshardable`` layout
-(``optimizer.state.<state>.<key>``, ``main_param`` as ``param``). The output is built in a hidden
+out, and so is a ``model`` / ``optimizer`` value that is not a dict, e.g. our trainer's model
+name: Megatron-LM loads its sharded state under those names); and the ``_extra_state`` objects
+MCore's loader asks for, each ``[None]`` as MCore writes them without Transformer Engine.
+Optimizer state goes out in the ``fully_reshardable`` layout (``optimizer.state.<state>.<key>``,
+``main_param`` as ``param``). The output is built in a hidden
 sibling and renamed into place when complete; it also carries our ``mfsdp.json`` (checksums of
 every chunk: ``mfsdp-ckpt verify`` checks it), which MCore ignores.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,6 +43,11 @@ __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 _STATE_NAMES = {MAIN_PARAM: "param"}
+#: the top-level names under which Megatron-LM's trainer asks for the sharded state (``model``,
+#: ``model<i>`` per virtual pipeline stage, ``optimizer``): ``dist_checkpointing.load`` merges
+#: ``common.pt`` into the loaded state, and a value there that is not a dict (e.g. our trainer's
+#: ``extra.model``, the model's name) makes that merge, hence the load, fail
+_SHARDED_CONTAINERS = re.compile(r"^(?:model\d*|optimizer)$")
 
 
 @dataclass
@@ -113,7 +121,10 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
         for key in keys:
             name = extra_name(key)
             if name is not None and not is_rng(key) and not reader.is_tensor(key):
-                common[name] = reader.read(key)
+                value = reader.read(key)
+                if _SHARDED_CONTAINERS.match(name) and not isinstance(value, dict):
+                    continue  # would collide with the sharded state Megatron-LM loads under that name
+                common[name] = value
         if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
             common["iteration"] = reader.manifest["step"]
         total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mfsdp_ckpt.manifest import read_manifest
 from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
 
@@ -55,3 +57,155 @@ def test_mcore_config_without_megatron_core_is_refused_in_one_line(tmp_path):
     assert out.stderr.strip() == (f"error: --mcore-config {config}: megatron-core is not installed "
                                   "(pip install 'mfsdp-ckpt[mcore]')"), out.stderr
     assert not (tmp_path / "ck").exists()
+
+
+# ---- a trained MCore model's exports: export-mcore into MCore itself, export-hf into transformers ------------------
+
+#: model -> (its MCore arguments, the trainer's ranks (None: one plain process) and extra flags, export-hf's
+#: --arch); both tied (MCore's default)
+KINDS = {"dense": ({k: v for k, v in ARGS.items() if not k.startswith(("num_experts", "moe_"))}, None, (), "llama"),
+         "moe_ep2": (ARGS, 2, ("--ep", "2"), "mixtral")}
+#: tokens of the logit comparison (seq 16 <= seq_length 32; the vocabulary is ARGS')
+TOKENS_SEED, BATCH, SEQ = 1234, 2, 16
+#: the freshly built MCore model's seed: other weights than the trained ones until the load
+FRESH_SEED = 99
+#: max |MCore - transformers| / max |transformers| over the logits (fp32)
+LOGIT_RTOL = 1e-4
+
+
+def _tokens():
+    import torch
+
+    return torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(TOKENS_SEED))
+
+
+def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
+    """Run in a process of its own (MCore on CPU patches ``torch.cuda`` and starts a gloo group);
+    for each ``(config, mcore_dir, out)``: build a fresh MCore ``GPTModel`` of ``config`` as the
+    trainer builds it (local spec, EP 1, seed FRESH_SEED), load ``mcore_dir`` into it with
+    ``megatron.core.dist_checkpointing.load``, the model's sharded state under ``"model"`` as
+    Megatron-LM's trainer asks for it (mismatched keys returned, not ignored), then
+    ``load_state_dict(strict=True)``; save to ``out`` the fp32 logits before and after the load,
+    the keys asked for, the mismatches and the common state's keys."""
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from cli.mcore_source import McoreSource
+    from mfsdp_core.models import mcore
+
+    for config, mcore_dir, out in jobs:
+        model = McoreSource.from_file(config).build(argparse.Namespace(seed=FRESH_SEED, micro_batches=1), None).eval()
+        tokens = _tokens()
+        with torch.no_grad():
+            before = mcore.forward(model, tokens)[0]
+        request = model.sharded_state_dict()
+        asked = {v.key: isinstance(v, ShardedObject) for v in nested_values(request) if hasattr(v, "key")}
+        state, missing, unexpected = dist_checkpointing.load({"model": request}, mcore_dir,
+                                                             strict=StrictHandling.RETURN_ALL)
+        model.load_state_dict(state["model"], strict=True)
+        with torch.no_grad():
+            after = mcore.forward(model, tokens)[0]
+        torch.save({"tokens": tokens, "before": before, "logits": after, "missing": sorted(missing),
+                    "unexpected": sorted(unexpected), "common": sorted(k for k in state if k != "model"),
+                    "tensors": sorted(k for k, obj in asked.items() if not obj),
+                    "objects": sorted(k for k, obj in asked.items() if obj)}, out)
+
+
+@pytest.fixture(scope="module")
+def mcore_exports(tmp_path_factory):
+    """kind -> its directory: each of KINDS trained by the trainer (2 steps, saved at step 2; the
+    MoE on 2 ranks with EP 2, the dense model on 1 to keep the time down), exported by the CLI
+    (``mc/``: export-mcore, ``hf/``: export-hf), and what MCore made of ``mc/`` (``megatron.pt``:
+    :func:`_megatron_load_and_logits`, one process for both)."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    dirs, jobs = {}, []
+    for kind, (args, nproc, extra, arch) in KINDS.items():
+        d = dirs[kind] = tmp_path_factory.mktemp(kind)
+        (d / "gpt.json").write_text(json.dumps(args))
+        run = run_train(nproc, "--mcore-config", str(d / "gpt.json"), *extra, "--steps", "2", "--batch-size", "4",
+                        "--seq-len", "16", "--log-every", "10", "--save-every", "2", "--ckpt-dir", str(d / "ckpt"))
+        assert run.returncode == 0, failure(run)
+        said = f"(megatron-core), {'33,184' if extra else '20,640'} parameters, world size {nproc or 1}"
+        assert said + (", EP 2" if extra else ", strategy") in run.stdout, run.stdout
+        # the trained model is MCore's local spec, which names the MoE pre-MLP norm mlp.linear_fc1.layer_norm_weight
+        norm = ["--moe-norm", "local"] if extra else []
+        for cmd in (["export-mcore", str(d / "ckpt" / "latest"), str(d / "mc"), *norm],
+                    ["export-hf", str(d / "ckpt" / "latest"), str(d / "hf"), "--arch", arch]):
+            res = CliRunner().invoke(main, cmd)
+            assert res.exit_code == 0, (cmd, res.output, res.exception)
+        jobs.append((str(d / "gpt.json"), str(d / "mc"), str(d / "megatron.pt")))
+    code = f"from tests.cli.test_train_mcore import _megatron_load_and_logits as f; f({jobs!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dirs
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transformers(kind, mcore_exports):
+    """The trainer's checkpoint of a genuine MCore ``GPTModel`` (dense: 1 rank; MoE: 2 ranks with EP
+    2; tied embeddings), through the CLI: ``export-mcore`` output loaded by MCore's own
+    ``dist_checkpointing.load`` into a freshly built ``GPTModel`` (every key MCore asks for is
+    there; the checkpoint holds nothing else but the AdamW state of those tensors), whose logits
+    equal those of ``transformers`` (fp32) on ``export-hf`` of the same checkpoint within
+    LOGIT_RTOL of the largest logit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = mcore_exports[kind]
+    assert read_manifest(str(d / "ckpt" / "step_000002"))["model_source"]["kind"] == "megatron-core"
+    got = torch.load(d / "megatron.pt", weights_only=True)
+    assert got["unexpected"] == [], got["unexpected"]  # MCore asked for nothing the export lacks
+    assert got["objects"]  # the _extra_state objects, found (no unexpected key)
+    assert "embedding.word_embeddings.weight" in got["tensors"] and "output_layer.weight" not in got["tensors"]  # tied
+    if KINDS[kind][2]:
+        experts = {"decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.router.weight"}
+        assert experts <= set(got["tensors"]), got["tensors"]
+    states: dict[str, set[str]] = {}  # what the checkpoint holds that MCore did not ask for: AdamW state alone
+    for key in got["missing"]:
+        assert key.startswith("optimizer.state."), key  # no model entry left unasked for
+        state, _, tensor = key[len("optimizer.state."):].partition(".")
+        states.setdefault(state, set()).add(tensor)
+    assert {"exp_avg", "exp_avg_sq"} <= set(states), sorted(states)
+    assert all(tensors == set(got["tensors"]) for tensors in states.values()), states
+    assert got["common"] == ["data_position", "iteration", "step"], got["common"]
+
+    hf = AutoModelForCausalLM.from_pretrained(str(d / "hf"), dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings and all(p.dtype == torch.float32 for p in hf.parameters())
+    with torch.no_grad():
+        theirs = hf(got["tokens"]).logits
+    assert got["logits"].shape == theirs.shape == (BATCH, SEQ, ARGS["vocab_size"])
+    scale = theirs.abs().max().item()
+    rel = (got["logits"] - theirs).abs().max().item() / scale
+    moved = (got["before"] - got["logits"]).abs().max().item() / scale
+    print(f"\n{kind}: MCore (export-mcore, dist_checkpointing.load) vs transformers (export-hf) logits: max |diff| / "
+          f"max |logit| = {rel:.3g} (max |logit| {scale:.3g}); the fresh model before the load: {moved:.3g}")
+    assert rel <= LOGIT_RTOL, rel
+    assert moved > 1e-2, moved  # the load replaced the fresh model's weights: the trained ones are compared
+
+
+@pytest.mark.parametrize("options", [("--mxfp8",), ("--optimizer", "muon", "--policy", "tensor")], ids=["mxfp8", "muon"])
+def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp_path):
+    config = tmp_path / "gpt.json"
+    config.write_text(json.dumps(ARGS))  # every linear has whole 32-element blocks
+    ckpt = tmp_path / "ckpt"
+    run = run_train(2, "--mcore-config", str(config), "--ep", "2", *options, *COMMON, "--stop-at", "2",
+                    "--ckpt-dir", str(ckpt), "--save-every", "2")
+    assert run.returncode == 0, failure(run)
+    resumed = run_train(1, *options, *COMMON, "--ckpt-dir", str(ckpt), "--resume")
+    assert resumed.returncode == 0, failure(resumed)
+    assert "finished: step 4 of 4" in resumed.stdout
+    if options == ("--mxfp8",):  # MX planes for MCore's linears (attention, dense MLP, each expert), under our names
+        from mfsdp_ckpt.streaming import CheckpointReader
+
+        with CheckpointReader(str(ckpt / "step_000004")) as reader:
+            mx = {k[len("mx."):].rsplit(".", 1)[0] for k in reader.keys() if k.startswith("mx.")}
+        assert mx and all(".linear_" in fqn for fqn in mx), sorted(mx)
+        assert any(".experts." in fqn for fqn in mx) and any("self_attention.linear_qkv" in fqn for fqn in mx), sorted(mx)

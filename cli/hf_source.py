@@ -1,0 +1,241 @@
+"""The trainer's Hugging Face family (``--hf-model DIR``): a genuine ``transformers`` causal LM
+trained under our ``fully_shard``.
+
+``DIR`` is a model directory with a ``config.json``, with or without weights. The class is the
+config's ``architectures[0]`` (a ``…ForCausalLM`` of transformers), else the causal LM transformers
+maps the ``model_type`` to. Without weights the model starts from transformers' own
+initialisation, seeded by ``--seed``; with safetensors weights (``model.safetensors``, or shards
+and their index) they are checked against the model the config builds (every tensor present, of
+the shape the config makes it) before anything else happens, then loaded bitwise.
+
+Checkpoints name the tensors as the model's ``named_parameters()`` does (tied embeddings once) and
+record the class and ``config.json`` (``model_source``, kind ``transformers``), so ``--resume``
+needs no ``--hf-model``; the directory's ``generation_config.json`` and tokenizer files travel in
+every checkpoint (``extra.hf_files``) and come out again with ``export-hf``.
+
+Units are the decoder layers and the root. Experts: transformers 5 fuses each MoE layer's
+experts into 3-D parameters (``mlp.experts.gate_up_proj``), which are sharded over all ranks like
+any parameter; ``--ep`` is refused (our expert parallelism places whole per-expert parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.files import HFDirectory, read_json_file
+from mfsdp_ckpt.hf.transformers_layout import (
+    DiskTensor, carried_files, check_weights, disk_layout, has_weights, is_fused_expert, load_weights,
+)
+from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
+from mfsdp_core.expert_parallel import ExpertMesh, check_expert_parallel
+from mfsdp_core.models import hf
+from mfsdp_core.plan import PlacementFn
+
+from .model_base import ModelSource
+
+__all__ = ["HFSource", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'mfsdp-ckpt[hf]'"
+#: config.json fields that say nothing about the model's math (ignored when comparing records)
+_VOLATILE = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "use_cache",
+             "_attn_implementation_autoset"}
+#: the key under which a checkpoint carries the directory's other files
+FILES_EXTRA = "hf_files"
+
+
+def _transformers(where: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{where}: transformers is not installed ({INSTALL_HINT})") from None
+    return transformers
+
+
+def _config_of(d: dict[str, Any], where: str) -> Any:
+    """transformers' config object of the ``config.json`` dict ``d``."""
+    transformers = _transformers(where)
+    model_type = d.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"{where}: no model_type field (a transformers config.json names its architecture there)")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ValueError(f"{where}: model_type {model_type!r} is not an architecture transformers "
+                         f"{transformers.__version__} knows") from None
+    try:
+        return config_class.from_dict(dict(d))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"{where}: transformers cannot build a {model_type} config from it: {e}") from None
+
+
+def _class_of(config: Any, d: dict[str, Any], where: str) -> type[nn.Module]:
+    """The causal-LM class: ``architectures[0]`` if it names one of transformers', else the
+    ``model_type``'s ``AutoModelForCausalLM`` class."""
+    transformers = _transformers(where)
+    archs = d.get("architectures")
+    if isinstance(archs, list) and archs:
+        name = archs[0]
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is None:
+            raise ValueError(f"{where}: architectures[0] {name!r} is not a class of transformers {transformers.__version__}")
+        if not name.endswith("ForCausalLM"):
+            raise ValueError(f"{where}: architectures[0] {name!r} is not a causal LM (a …ForCausalLM class)")
+        return cls
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ValueError(f"{where}: model_type {d.get('model_type')!r} has no causal-LM class in transformers") from None
+
+
+class HFSource(ModelSource):
+    """A transformers causal LM of the ``config.json`` dict ``config`` (read from ``where``, named
+    in errors); ``weights``: the model directory whose safetensors to load (checked here), or None;
+    ``files``: the directory's carried files (name -> bytes)."""
+
+    kind = TRANSFORMERS
+
+    def __init__(self, config: dict[str, Any], where: str, name: str, weights: str | None = None,
+                 files: dict[str, bytes] | None = None) -> None:
+        self.where, self.name, self.weights = where, name, weights
+        self.hf_config = _config_of(config, where)
+        self.cls = _class_of(self.hf_config, config, where)
+        self.config_dict = {**config, "architectures": [self.cls.__name__]}
+        self.model_type = self.hf_config.model_type
+        self.files = dict(files or {})
+        with torch.device("meta"):
+            meta = self._new_model()
+        try:
+            hf.decoder_layers(meta)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        self.shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+        self.fused = [n for n, s in self.shapes.items() if is_fused_expert(n, s)]
+        try:
+            self.layout: dict[str, list[DiskTensor]] = disk_layout(self.model_type, self.shapes, where)
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.seq_length = getattr(self.hf_config, "max_position_embeddings", None)
+        self.num_experts = int(getattr(self.hf_config, "num_local_experts", None) or getattr(self.hf_config, "num_experts", None) or 0)
+        if weights is not None:
+            self._check_weights()
+
+    def _new_model(self) -> nn.Module:
+        return self.cls(self.hf_config)
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str) -> "HFSource":
+        """The source of ``--hf-model path``: ValueError, one line naming the file and field at
+        fault, for a directory that is not an HF model, an architecture transformers does not
+        know, or weights that disagree with the config."""
+        flag = f"--hf-model {path}"
+        if not os.path.isdir(path):
+            raise ValueError(f"{flag}: not a directory")
+        config_path = os.path.join(path, "config.json")
+        if not os.path.lexists(config_path):
+            raise ValueError(f"{flag}: no config.json (not a Hugging Face model directory)")
+        try:
+            d = read_json_file(config_path, "config.json")
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{config_path}: not a JSON object ({type(d).__name__} at the top level)")
+        if not has_weights(path) and any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(path)):
+            raise ValueError(f"{path}: its weights are pickle files (.bin/.pt); only safetensors weights are read "
+                             "(convert them with transformers' save_pretrained)")
+        try:
+            files = carried_files(path)
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
+        name = os.path.basename(os.path.normpath(path)) or "hf-model"
+        return cls(d, config_path, name, weights=path if has_weights(path) else None, files=files)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], where: str) -> "HFSource":
+        config = record.get("config")
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: model_source.config is not a JSON object (a transformers config.json)")
+        return cls(config, f"{where}: model_source.config", str(record.get("name") or "hf-model"))
+
+    def _check_weights(self) -> None:
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        try:
+            with HFDirectory(self.weights) as directory:
+                check_weights(directory, self.layout, self.config_dict,
+                              ignorable=lambda n: (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"))
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
+
+    # ---- what a checkpoint records ---------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        return {"kind": TRANSFORMERS, "class": self.cls.__name__, "config": self.config_dict, "name": self.name,
+                "files": sorted(self.files)}
+
+    def extra(self) -> dict[str, Any]:
+        if not self.files:
+            return {}
+        return {FILES_EXTRA: {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+                              for n, b in self.files.items()}}
+
+    def resumed(self, extra: dict[str, Any]) -> None:
+        files = extra.get(FILES_EXTRA)
+        if isinstance(files, dict):
+            self.files = {str(n): bytes(t.numpy().tobytes()) for n, t in files.items() if isinstance(t, torch.Tensor)}
+
+    def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
+        record = model_source_of(manifest) or {}
+        if record.get("kind") != TRANSFORMERS:
+            return [f"kind={record.get('kind')!r} (this run: {TRANSFORMERS!r})"]
+        out = []
+        if record.get("class") != self.cls.__name__:
+            out.append(f"class={record.get('class')!r} (this run: {self.cls.__name__!r})")
+        try:
+            saved = _config_of(record.get("config") or {}, "saved").to_dict()
+        except ValueError:
+            saved = dict(record.get("config") or {})
+        ours = self.hf_config.to_dict()
+        keys = sorted((set(saved) | set(ours)) - _VOLATILE)
+        out += [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in keys if saved.get(k) != ours.get(k)]
+        return out
+
+    # ---- building and training -------------------------------------------------------------
+    def check_parallel(self, world: int, ep: int) -> None:
+        if ep > 1 and self.fused:
+            raise ValueError(f"{self.cls.__name__} keeps each MoE layer's experts fused in 3-D parameters ({self.fused[0]}); "
+                             "expert parallelism places whole per-expert parameters, so train it with --ep 1 (the "
+                             "experts are then sharded over all ranks)")
+        check_expert_parallel(world, ep, self.num_experts)
+
+    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+        torch.manual_seed(args.seed)
+        model = self._new_model()
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            model = model.float()  # main weights are fp32; --dtype bf16 computes in bf16
+        if self.weights is not None:
+            params = dict(model.named_parameters())
+            with torch.no_grad(), HFDirectory(self.weights) as directory:
+                load_weights(directory, self.layout, {n: p.data for n, p in params.items()})
+        model.train()
+        return model
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return hf.shard_units(model)
+
+    def placement(self, policy: str, mesh: ExpertMesh | None) -> PlacementFn:
+        return hf.placement(policy)
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hf.causal_lm_forward(model, tokens)
+
+    def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
+        return hf.linear_weights(model)
+
+    def n_params(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.shapes.values())
