@@ -35,7 +35,7 @@ from .experts import expert_count_problem, expert_counts, experts_entry, gather_
 from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
 from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
 from .metadata_check import entry_faults
-from .model_source import gpt_source
+from .model_source import gpt_source, transformers_source
 from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
 from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
@@ -109,7 +109,8 @@ def save(
     ``weights_only=True``, so plain types and tensors only). Each rank's torch RNG state is saved
     too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_source``
     (what the weights belong to and what rebuilds the model: :mod:`mfsdp_ckpt.model_source`;
-    without it, ``model_config`` is recorded as a reference ``GPTModel``'s), ``model_config``,
+    without it, ``model_config`` is recorded as a reference ``GPTModel``'s, and a ``transformers``
+    model records its class and config), ``model_config``,
     ``step`` and ``run_config`` (the settings a resumed run must keep: a trainer compares them) go
     into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
     (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
@@ -200,7 +201,8 @@ def prepare_save(
     manifest = {
         "writer": writer_layout(world, plan, experts),
         "model_config": model_config,
-        "model_source": model_source if model_source is not None else gpt_source(model_config) if model_config else None,
+        "model_source": (model_source if model_source is not None else gpt_source(model_config) if model_config
+                         else transformers_source(model)),
         **({"run_config": run_config} if run_config is not None else {}),
         "step": step,
         "include_grads": include_grads,

@@ -16,9 +16,11 @@ Manifests written before the record existed say only ``model_config`` (ours): th
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["MFSDP_GPT", "MEGATRON_CORE", "TRANSFORMERS", "KINDS", "gpt_source", "model_source_of", "describe_source"]
+__all__ = ["MFSDP_GPT", "MEGATRON_CORE", "TRANSFORMERS", "KINDS", "gpt_source", "transformers_source", "model_source_of",
+           "describe_source"]
 
 MFSDP_GPT = "mfsdp-gpt"
 MEGATRON_CORE = "megatron-core"
@@ -29,6 +31,21 @@ KINDS = (MFSDP_GPT, MEGATRON_CORE, TRANSFORMERS)
 def gpt_source(config: dict[str, Any]) -> dict[str, Any]:
     """The record of a reference ``GPTModel`` with this ``GPTConfig.to_dict()``."""
     return {"kind": MFSDP_GPT, "config": config}
+
+
+def transformers_source(model: Any) -> dict[str, Any] | None:
+    """The record of a ``transformers`` model (a class of the ``transformers`` package with a
+    ``config`` naming its ``model_type``), else None. Recognised without importing transformers,
+    so that ``save`` records what it can of any model it is given."""
+    config = getattr(model, "config", None)
+    if not type(model).__module__.startswith("transformers.") or not isinstance(getattr(config, "model_type", None), str):
+        return None
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    record = json.loads(to_json(use_diff=False))
+    record["architectures"] = [type(model).__name__]
+    return {"kind": TRANSFORMERS, "class": type(model).__name__, "config": record}
 
 
 def model_source_of(manifest: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -53,3 +53,22 @@ def test_older_manifests_and_unknown_kinds():
         check_manifest({**base, "model_source": {"kind": "keras"}}, "m")
     with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.kind': missing"):
         check_manifest({**base, "model_source": {"class": "X"}}, "m")
+
+
+def test_transformers_models_are_recognised_without_importing_transformers():
+    import torch
+    import transformers
+
+    from mfsdp_ckpt.model_source import transformers_source
+    from tests.hf_models import hf_config
+
+    assert transformers_source(torch.nn.Linear(2, 2)) is None
+    fake = torch.nn.Linear(2, 2)
+    fake.config = type("C", (), {"model_type": "llama"})()  # not a transformers class: not recorded
+    assert transformers_source(fake) is None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3"))
+    record = transformers_source(model)
+    assert record["kind"] == "transformers" and record["class"] == "Qwen3ForCausalLM"
+    assert record["config"]["architectures"] == ["Qwen3ForCausalLM"] and record["config"]["tie_word_embeddings"] is True
+    json.dumps(record)  # fit for the manifest
