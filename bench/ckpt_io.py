@@ -50,16 +50,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pagecache import (
+    drop_cache,  # bench/pagecache.py (the script's directory is on sys.path)
+)
 from torch import nn
 
 import mfsdp_ckpt
-from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
 from mfsdp_ckpt.async_save import staging_bytes as mfsdp_ckpt_staging_bytes
-from pagecache import drop_cache  # bench/pagecache.py (the script's directory is on sys.path)
+from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
 
 
 def timed(fn) -> float:

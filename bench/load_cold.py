@@ -21,11 +21,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from ckpt_io import build_state  # bench/ (the script's directory)
+from pagecache import drop_cache
 
 import mfsdp_ckpt
 import mfsdp_ckpt.storage as storage
-from ckpt_io import build_state  # bench/ (the script's directory)
-from pagecache import drop_cache
 
 
 def main() -> None:

@@ -44,7 +44,9 @@ def _fail(message: str, kind: str, code: int = 1) -> None:
 def _run(fn: Callable[[], Any]) -> Any:
     """The error boundary of every command: whatever goes wrong is one line on stderr and exit
     code 1 (130 when interrupted); ``--debug`` shows the traceback instead."""
-    from mfsdp_ckpt.errors import CheckpointError  # here, not at the top: ``--help`` imports no torch
+    from mfsdp_ckpt.errors import (
+        CheckpointError,  # here, not at the top: ``--help`` imports no torch
+    )
 
     try:
         return fn()

@@ -39,13 +39,18 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
     (safetensors shards, index, config.json), loadable by transformers. CKPT may be a
     Megatron-Core torch_dist checkpoint (with --mcore-config)."""
     from mfsdp_ckpt.hf import export
+    from mfsdp_ckpt.locate import is_mcore
+    from mfsdp_ckpt.mcore import export_hf_from_mcore
 
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
-    result = _run_with_progress("export-hf", lambda bar: export(
-        ckpt, out, arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=bar, mode=mode,
-        workers=workers, mcore_config=mcore_config))
+    options = dict(arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers)
+    if is_mcore(ckpt):  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
+        result = _run_with_progress("export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar,
+                                                                                  **options))
+    else:
+        result = _run_with_progress("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

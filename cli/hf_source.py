@@ -30,7 +30,13 @@ from torch import nn
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import HFDirectory, read_json_file
 from mfsdp_ckpt.hf.transformers_layout import (
-    DiskTensor, carried_files, check_weights, disk_layout, has_weights, is_fused_expert, load_weights,
+    DiskTensor,
+    carried_files,
+    check_weights,
+    disk_layout,
+    has_weights,
+    is_fused_expert,
+    load_weights,
 )
 from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
 from mfsdp_core.expert_parallel import ExpertMesh, check_expert_parallel

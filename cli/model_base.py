@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mfsdp_core.expert_parallel import ExpertMesh, check_expert_parallel, expert_placement
+from mfsdp_core.expert_parallel import (
+    ExpertMesh,
+    check_expert_parallel,
+    expert_placement,
+)
 from mfsdp_core.plan import PlacementFn, placement_fn
 
 __all__ = ["ModelSource"]

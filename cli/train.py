@@ -41,9 +41,14 @@ import torch.nn.functional as F
 import mfsdp_ckpt
 from mfsdp_ckpt import fs as mfsdp_fs
 from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.objstore import check_writable_prefix
 from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_core import MixedPrecision, clip_grad_norm_, fully_shard, fully_shard_optimizer
+from mfsdp_ckpt.objstore import check_writable_prefix
+from mfsdp_core import (
+    MixedPrecision,
+    clip_grad_norm_,
+    fully_shard,
+    fully_shard_optimizer,
+)
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import TOKEN_DTYPES, SyntheticText, TokenFile
 from mfsdp_core.expert_parallel import init_expert_mesh

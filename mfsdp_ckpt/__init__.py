@@ -4,9 +4,11 @@
 (world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
-from .checkpoint import LATEST_LINK_NAME, LATEST_NAME, load, resolve_checkpoint, save
+from mfsdp_ckpt.locate import resolve_checkpoint
+from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME
+
 from .async_save import AsyncSaveHandle, async_save
-from .lock import RunLockedError, run_lock
+from .checkpoint import load, save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -16,6 +18,7 @@ from .errors import (
     UncommittedCheckpointError,
     UnsafeCheckpointError,
 )
+from .lock import RunLockedError, run_lock
 
 __all__ = [
     "save",

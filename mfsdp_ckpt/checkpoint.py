@@ -20,8 +20,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
+from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME, MANIFEST_NAME, PARTIAL_MARK
 from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of
@@ -30,31 +35,63 @@ from mfsdp_core.plan import DEFAULT_GROUP
 
 from . import fs
 from .chunks import ChunkFiles, coverage_faults
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, StateMismatchError, raise_key_problems
-from .experts import expert_count_problem, expert_counts, experts_entry, gather_objects, merge_param_groups, merge_plans
-from .keys import MAIN_PARAM, PARAM_GROUPS, extra_key, extra_name, fqn_of_model_key, grad_key, model_key, optim_key, rng_key
-from .manifest import MANIFEST_NAME, is_committed, read_manifest, versions, writer_layout
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    raise_key_problems,
+)
+from .experts import (
+    expert_count_problem,
+    expert_counts,
+    experts_entry,
+    gather_objects,
+    merge_param_groups,
+    merge_plans,
+)
+from .keys import (
+    MAIN_PARAM,
+    PARAM_GROUPS,
+    extra_key,
+    extra_name,
+    fqn_of_model_key,
+    grad_key,
+    model_key,
+    optim_key,
+    rng_key,
+)
+from .locate import resolve_checkpoint
+from .lock import run_lock
+from .manifest import is_committed, read_manifest, versions, writer_layout
+from .mapped import map_reader_keys
 from .metadata_check import entry_faults
 from .model_source import gpt_source, transformers_source
 from .mx_load import check_planes, mx_targets, write_planes
 from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
-from .state import FlatEntry, load_targets, param_group_updates, param_groups_state, save_entries
-from .lock import run_lock
-from .mapped import map_reader_keys
-from .stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
-from .staging import PARTIAL_MARK, check_destination, fsync_dir, new_token, partial_path, remove_leftovers
 from .staged_read import DEFAULT_READ_THREADS
+from .staging import (
+    check_destination,
+    fsync_dir,
+    new_token,
+    partial_path,
+    remove_leftovers,
+)
+from .state import (
+    FlatEntry,
+    load_targets,
+    param_group_updates,
+    param_groups_state,
+    save_entries,
+)
+from .stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
 from .storage import CommittingWriter, VerifyingReader
 
-__all__ = ["save", "load", "resolve_checkpoint", "read_pointer", "LATEST_NAME", "LATEST_LINK_NAME", "PreparedSave", "check_save_arguments",
+__all__ = ["save", "load", "PreparedSave", "check_save_arguments",
            "prepare_save", "write_and_commit"]
 
 T = TypeVar("T")
 
-LATEST_NAME = "latest"
-# next to the pointer on local disks: a symlink to the same checkpoint, for tools that take only a
-# directory (stock DCP: ``FileSystemReader("<run>/latest-checkpoint")``)
-LATEST_LINK_NAME = "latest-checkpoint"
 
 
 def _global_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -263,7 +300,9 @@ def _prepare_remote(final: str, overwrite: bool) -> str:
     checkpoint at ``final`` is refused, or with ``overwrite`` un-committed (its ``mfsdp.json``
     deleted first, so that an interrupted overwrite leaves an uncommitted prefix, never a mix that
     looks complete) and removed. Returns ``final``: the files go straight there."""
-    from .objstore import check_bucket, remove_uncommitted, retrying
+    from mfsdp_ckpt.remote import retrying
+
+    from .objstore import check_bucket, remove_uncommitted
 
     check_bucket(final)
     parent = fs.dirname(final)
@@ -351,58 +390,6 @@ def _prune(parent: str, keep: int, protect: str) -> None:
                 with contextlib.suppress(Exception):
                     fs.remove_tree(fs.join(d, MANIFEST_NAME))  # no longer a checkpoint, even if the rest stays
             fs.remove_tree(d)
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """A checkpoint directory from ``path`` (a local path or an fsspec URL): the directory
-    itself, a ``latest`` pointer file, or a run directory holding one."""
-    path = fs.normalize(path)
-    if fs.isfile(path):
-        kind = _single_file_kind(path)
-        if kind is not None:
-            raise NotACheckpointError(f"{path}: {kind[0]}, not a checkpoint directory; {kind[1]}")
-        return fs.join(fs.dirname(path), read_pointer(path))
-    if not fs.isdir(path):
-        raise NotACheckpointError(f"{path}: no such checkpoint")
-    if not fs.exists(fs.join(path, ".metadata")) and fs.isfile(fs.join(path, LATEST_NAME)):
-        return resolve_checkpoint(fs.join(path, LATEST_NAME))
-    return path
-
-
-MAX_POINTER_BYTES = 4096
-
-
-def _single_file_kind(path: str) -> tuple[str, str] | None:
-    """What a file given where a checkpoint directory was expected is, and the command that
-    takes it, when it is a safetensors file or a ``torch.save`` file (by its first bytes); None
-    otherwise (a ``latest`` pointer, or something else the pointer reader refuses)."""
-    try:
-        with fs.open_regular(path) as f:
-            head = f.read(16)
-    except OSError:
-        return None
-    make = f"'mfsdp-ckpt convert --to dcp {path} DST' makes a checkpoint of it"
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        return "a torch.save file", make
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
-        return "a safetensors file", make + " ('mfsdp-ckpt import-hf' takes a Hugging Face model directory)"
-    return None
-
-
-def read_pointer(path: str) -> str:
-    """The checkpoint name a ``latest`` pointer file holds: one line naming a sibling directory
-    (no ``/``, not hidden, printable), read from a regular file only and at most
-    :data:`MAX_POINTER_BYTES` of it; :class:`NotACheckpointError` otherwise."""
-    try:
-        with fs.open_regular(path) as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
-    except OSError as e:
-        raise NotACheckpointError(f"{path}: unreadable '{LATEST_NAME}' pointer ({e.strerror or e})") from None
-    name = data.decode(errors="replace").strip()
-    if (len(data) > MAX_POINTER_BYTES or not name or "/" in name or "\\" in name or name.startswith(".")
-            or not name.isprintable()):
-        raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
-    return name
 
 
 def _unwrap(e: CheckpointException, rank: int | None = None) -> BaseException:

@@ -17,7 +17,11 @@ from typing import IO, Any, Iterable, Sequence
 
 import numpy
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from . import fs
 from .errors import CorruptCheckpointError, UnsafeCheckpointError

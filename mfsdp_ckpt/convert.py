@@ -29,7 +29,13 @@ from .keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from .manifest import versions, writer_layout
 from .mapped import MappedReader
 from .staging import check_destination
-from .stock import KeyRule, apply_key_map, fsdp2_param_group_entries, parse_key_map, to_fsdp2_key
+from .stock import (
+    KeyRule,
+    apply_key_map,
+    fsdp2_param_group_entries,
+    parse_key_map,
+    to_fsdp2_key,
+)
 from .streaming import CheckpointBuilder, CheckpointReader
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]

@@ -19,30 +19,19 @@ import stat
 from typing import IO, Any
 
 from .errors import UnsafeCheckpointError
+from .names import member_name_problem
+from .remote import filesystem, upload
 from .staging import write_file_atomic
 
 __all__ = ["is_url", "join", "dirname", "normalize", "exists", "lexists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
-           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice", "OutsideCheckpointError", "shown",
-           "member_name_problem", "member_path", "open_member", "read_member", "open_regular"]
+           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice", "OutsideCheckpointError",
+           "member_path", "open_member", "read_member", "open_regular"]
 
 
 def is_url(path: str | os.PathLike) -> bool:
     """True for an fsspec URL other than ``file://``."""
     p = os.fspath(path)
     return "://" in p and not p.startswith("file://")
-
-
-def _fs(url: str) -> tuple[Any, str]:
-    """The filesystem and its path for ``url``. fsspec shares one instance per configuration and
-    caches listings in it; another process may have changed the store since (a checkpoint being
-    committed or removed), so the listing cache is dropped before every use."""
-    from fsspec.core import url_to_fs
-
-    from .objstore import client_options
-
-    fs, path = url_to_fs(url, **client_options(url.partition("://")[0]))
-    fs.invalidate_cache()
-    return fs, path
 
 
 def normalize(path: str | os.PathLike) -> str:
@@ -64,7 +53,7 @@ def dirname(path: str) -> str:
 def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return fs.exists(p)
 
 
@@ -78,14 +67,14 @@ def lexists(path: str) -> bool:
 def isfile(path: str) -> bool:
     if not is_url(path):
         return os.path.isfile(path)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return fs.isfile(p)
 
 
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return fs.isdir(p)
 
 
@@ -93,7 +82,7 @@ def listdir(path: str) -> list[str]:
     """Names (not paths) directly under ``path``."""
     if not is_url(path):
         return os.listdir(path)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return sorted({posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)})
 
 
@@ -101,7 +90,7 @@ def open_file(path: str, mode: str = "rb") -> IO[bytes]:
     """A binary file object (``rb`` or ``wb``). Writing to an object store uploads on close."""
     if not is_url(path):
         return open(path, mode)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return fs.open(p, mode)
 
 
@@ -113,10 +102,8 @@ def read_bytes(path: str) -> bytes:
 def write_bytes(path: str, data: bytes, sync: bool = True) -> None:
     """Write a whole file, all or nothing: locally through a partial sibling and a rename
     (:func:`mfsdp_ckpt.staging.write_file_atomic`), on an object store as one upload (atomic
-    there), retried with backoff (:func:`mfsdp_ckpt.objstore.upload`)."""
+    there), retried with backoff (:func:`mfsdp_ckpt.remote.upload`)."""
     if is_url(path):
-        from .objstore import upload
-
         upload(path, bytes(data))
         return
     write_file_atomic(path, data, sync=sync)
@@ -140,7 +127,7 @@ def tree_size(path: str) -> int:
     """Bytes of every file under ``path``."""
     if not is_url(path):  # lstat: a dangling or looping symlink counts as itself, never raises
         return sum(_lsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     return int(fs.du(p, total=True))
 
 
@@ -155,7 +142,7 @@ def remove_tree(path: str) -> None:
     if not is_url(path):
         shutil.rmtree(path, ignore_errors=True)
         return
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     if fs.exists(p):
         fs.rm(p, recursive=True)
 
@@ -208,34 +195,6 @@ class OutsideCheckpointError(UnsafeCheckpointError):
         self.path, self.reason = path, reason
 
 
-def shown(value: object, limit: int = 80) -> str:
-    """``value`` for a one-line message: a plain short string as is, anything else (control
-    characters, other types, long strings) as a truncated ``repr``."""
-    if isinstance(value, str) and value.isprintable() and len(value) <= limit:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        text = f"<an integer of {value.bit_length()} bits>"  # repr of a huge int may itself fail
-    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
-        text = repr(value if not isinstance(value, (str, bytes)) else value[: limit + 1])
-    else:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def member_name_problem(name: object) -> str | None:
-    """Why ``name`` cannot name a file inside a checkpoint (None if it can): it must be a
-    non-empty relative path without ``..`` components, NUL or control characters."""
-    if not isinstance(name, str):
-        return f"a file name must be a string, not {type(name).__name__}"
-    if not name or not name.isprintable():
-        return f"file name {shown(name)} is empty or holds control characters"
-    if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
-        return f"file name {shown(name)} is absolute"
-    if ".." in name.replace("\\", "/").split("/"):
-        return f"file name {shown(name)} leads out of the checkpoint directory"
-    return None
-
-
 def member_path(directory: str, name: object) -> str:
     """The path of the file ``name`` that a checkpoint in ``directory`` names (local path or fsspec
     URL), for display and opening; an :class:`OutsideCheckpointError` when ``name`` would leave the
@@ -252,7 +211,7 @@ def open_regular(path: str) -> IO[bytes]:
     opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a FIFO or a device
     fails at once instead of blocking."""
     if is_url(path):
-        fs, p = _fs(path)
+        fs, p = filesystem(path)
         if not fs.isfile(p):
             raise FileNotFoundError(errno.ENOENT, "No such file", path)
         return fs.open(p, "rb")

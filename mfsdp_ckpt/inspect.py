@@ -13,19 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from . import fs
+from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME
+
 from .chunks import ChunkFiles, Fault
-from .errors import NotACheckpointError
 from .experts import ep_owner_ranks
 from .keys import GROUPS, group_of, mx_plane_of
-from .manifest import MANIFEST_NAME, METADATA_NAME, is_committed, is_protected, read_manifest
+from .locate import open_checkpoint
+from .manifest import is_protected
 from .metadata_check import entry_faults, orphan_faults
 from .model_source import MEGATRON_CORE, model_source_of
 from .planner import chunk_id
 from .stock import uncommitted_reason
-from .storage import VerifyingReader
 
 __all__ = ["TensorInfo", "CheckpointInfo", "ExpertPlacement", "compact_ranges", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
 
@@ -153,23 +157,6 @@ class CheckpointInfo:
             "totals": self.totals(),
             "tensors": [t.__dict__ for t in self.tensors],
         }
-
-
-def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, VerifyingReader]:
-    """(directory, manifest or None, DCP metadata read safely and checked, a verifying reader)
-    for ``path``; the manifest is checked against its checksum and schema, ``.metadata`` against
-    the manifest's checksum of it and :func:`~mfsdp_ckpt.metadata_check.checked_metadata`."""
-    from .checkpoint import resolve_checkpoint
-
-    directory = resolve_checkpoint(path)
-    if not fs.lexists(fs.join(directory, METADATA_NAME)):  # anything else there is refused when read
-        if fs.isdir(directory) and any(n.endswith(".distcp") for n in fs.listdir(directory)):
-            raise NotACheckpointError(f"{directory}: no .metadata: the save did not finish")
-        raise NotACheckpointError(f"{directory}: not a checkpoint (no .metadata)")
-    manifest = read_manifest(directory) if is_committed(directory) else None
-    reader = VerifyingReader(directory, manifest)
-    metadata = reader.read_metadata()
-    return directory, manifest, metadata, reader
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:

@@ -31,7 +31,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
     """Every checkpoint directory under ``root`` (committed, stock DCP ones without
     ``mfsdp.json``, and half-written ``.partial`` ones or ones whose manifest is refused), oldest
     step first."""
-    from .checkpoint import LATEST_NAME, read_pointer
+    from mfsdp_ckpt.locate import read_pointer
+    from mfsdp_ckpt.names import LATEST_NAME
 
     root = fs.normalize(root)
     if not fs.isdir(root):

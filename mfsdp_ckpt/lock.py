@@ -22,10 +22,10 @@ import time
 from typing import Any, Iterator
 
 from .errors import CheckpointError
+from .names import LOCK_NAME
 
-__all__ = ["LOCK_NAME", "RunLockedError", "run_lock", "holds_lock", "lock_holder"]
+__all__ = ["RunLockedError", "run_lock", "holds_lock", "lock_holder"]
 
-LOCK_NAME = ".mfsdp.lock"
 
 _held: dict[str, tuple[int, int]] = {}  # run directory -> (lock file descriptor, times held by this process)
 

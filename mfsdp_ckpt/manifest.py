@@ -21,17 +21,16 @@ import torch
 from mfsdp_core.dtypes import dtype_name
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
-from .checksum import crc32c
 from . import fs
+from .checksum import crc32c
 from .errors import CorruptCheckpointError, UncommittedCheckpointError
 from .manifest_schema import check_manifest
+from .names import MANIFEST_NAME, METADATA_NAME, shown
 
-__all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "completed", "versions",
+__all__ = ["FORMAT", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "completed", "versions",
            "writer_layout", "recorded_plan", "read_manifest", "write_manifest", "is_committed", "is_protected",
            "manifest_checksum", "metadata_checksum_problem"]
 
-MANIFEST_NAME = "mfsdp.json"
-METADATA_NAME = ".metadata"
 FORMAT = "mfsdp-ckpt"
 FORMAT_VERSION = 2  # 2: the manifest carries manifest_crc32c (and metadata_crc32c); 1: it does not
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest lists every chunk once (about 150 bytes each)
@@ -67,7 +66,7 @@ def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size
     except (KeyError, TypeError, ValueError) as e:
         field = "writer.plan" if "plan" in writer else "writer.groups"
         raise CorruptCheckpointError(f"{source}: field '{field}': not a placement plan "
-                                     f"({type(e).__name__}: {fs.shown(str(e), 160)})") from None
+                                     f"({type(e).__name__}: {shown(str(e), 160)})") from None
 
 
 def _recorded_plan(writer: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
@@ -168,7 +167,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: unreadable manifest ({e.strerror or e})") from None
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {fs.shown(str(e), 120)})") from None
+        raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {shown(str(e), 120)})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path}: not an {FORMAT} manifest")
     version = manifest.get("format_version", 0)

@@ -38,9 +38,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.names import member_name_problem, shown
+
 from .chunks import Fault, coverage_faults
 from .errors import CorruptCheckpointError
-from .fs import member_name_problem, shown
 
 __all__ = ["MAX_NDIM", "MAX_ELEMENTS", "checked_metadata", "stored_by_key", "entry_faults", "orphan_faults",
            "chunk_nbytes"]

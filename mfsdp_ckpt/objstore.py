@@ -22,94 +22,25 @@ errors here name objects and the store's reason, never the client's configuratio
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import posixpath
-import random
 import re
 import tempfile
-import time
 import uuid
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from . import fs
 from .errors import CheckpointError
+from .names import MANIFEST_NAME
+from .remote import SPOOL_BYTES, filesystem, reason, retrying, upload
 
-__all__ = ["PART_BYTES", "SPOOL_BYTES", "ATTEMPTS", "client_options", "upload", "RemoteFileSystem",
-           "check_writable_prefix", "bucket_of", "remove_uncommitted", "is_checkpoint_file"]
-
-PART_BYTES = 64 * 2**20  # multipart part size (and s3fs's read block size)
-SPOOL_BYTES = 256 * 2**20  # a data file larger than this is spooled to a local temporary file
-ATTEMPTS = 4  # whole-object upload attempts (each request inside also has botocore's own retries)
-BACKOFF_S = 0.5  # first wait between whole-object attempts; doubles each time, with jitter
-CLIENT_ATTEMPTS = 10  # botocore's attempts per request (adaptive mode)
+__all__ = ["RemoteFileSystem", "check_writable_prefix", "bucket_of", "remove_uncommitted", "is_checkpoint_file"]
 
 _BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")  # stores whose first path part is a bucket
 _DCP_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp)$")
-
-
-def client_options(protocol: str) -> dict[str, Any]:
-    """Extra fsspec options for ``protocol``: for S3, adaptive retries and the part size, under
-    the user's own settings (theirs win, key by key)."""
-    if protocol not in ("s3", "s3a"):
-        return {}
-    import fsspec.config
-
-    conf = fsspec.config.conf.get("s3", {}) or {}
-    config_kwargs = dict(conf.get("config_kwargs") or {})
-    config_kwargs.setdefault("retries", {"max_attempts": CLIENT_ATTEMPTS, "mode": "adaptive"})
-    options: dict[str, Any] = {"config_kwargs": config_kwargs}
-    if "default_block_size" not in conf:
-        options["default_block_size"] = PART_BYTES
-    return options
-
-
-def _reason(error: BaseException) -> str:
-    """The store's reason for ``error``, one short line (no request details)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return fs.shown(text, 160)
-
-
-def _permanent(error: BaseException) -> bool:
-    """Errors that another attempt cannot fix: a missing bucket, access denied."""
-    return isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
-
-
-def retrying(url: str, what: str, action: Callable[[], Any], attempts: int | None = None) -> Any:
-    """``action()``, repeated up to ``attempts`` (default :data:`ATTEMPTS`) times with exponential
-    backoff and jitter when it fails; a final failure is an ``OSError`` naming ``url`` and the last
-    reason."""
-    attempts = attempts or ATTEMPTS
-    last: BaseException | None = None
-    for attempt in range(attempts):
-        try:
-            return action()
-        except Exception as e:  # noqa: BLE001 - botocore, aiohttp and s3fs raise many kinds
-            last = e
-            if _permanent(e):
-                break
-            if attempt + 1 < attempts:
-                time.sleep(BACKOFF_S * 2**attempt * (0.5 + random.random()))
-    assert last is not None
-    n = attempt + 1
-    raise OSError(errno.EIO, f"{what} failed after {n} attempt{'s' if n > 1 else ''} ({_reason(last)})", url) from None
-
-
-def upload(url: str, data: bytes | str) -> None:
-    """Store ``data`` (bytes, or the path of a local file) as the object ``url``: one PUT, or a
-    parallel multipart upload of :data:`PART_BYTES` parts; retried whole (:func:`retrying`)."""
-
-    def put() -> None:
-        store, path = fs._fs(url)
-        if isinstance(data, str):
-            store.put_file(data, path, chunksize=PART_BYTES)
-        else:
-            store.pipe_file(path, data, chunksize=PART_BYTES)
-
-    retrying(url, "upload", put)
 
 
 class _UploadStream:
@@ -258,7 +189,7 @@ def check_bucket(url: str) -> None:
         found = fs.exists(bucket)
     except Exception as e:  # noqa: BLE001 - unreachable endpoint, bad credentials
         reason = missing_credentials(url)
-        raise CheckpointError(f"{url}: {reason or f'cannot reach {bucket} ({_reason(e)})'}") from None
+        raise CheckpointError(f"{url}: {reason or f'cannot reach {bucket} ({reason(e)})'}") from None
     if not found:
         reason = missing_credentials(url)
         if reason:
@@ -274,11 +205,11 @@ def check_writable_prefix(url: str) -> None:
     check_bucket(url)
     probe = fs.join(url, f".mfsdp-probe-{uuid.uuid4().hex}")
     try:
-        store, path = fs._fs(probe)
+        store, path = filesystem(probe)
         store.pipe_file(path, b"probe")
         store.rm_file(path)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{url}: cannot write objects there ({_reason(e)})") from None
+        raise CheckpointError(f"{url}: cannot write objects there ({reason(e)})") from None
 
 
 def is_checkpoint_file(name: str) -> bool:
@@ -290,8 +221,6 @@ def remove_uncommitted(parent: str, only: str | None = None) -> list[str]:
     """Remove the prefixes under ``parent`` (or just ``only``) that hold nothing but files a save
     writes and no ``mfsdp.json``: what a killed or failed save left behind. Anything else is left
     alone. Returns the prefixes removed."""
-    from .manifest import MANIFEST_NAME
-
     removed = []
     names = [posixpath.basename(only)] if only is not None else (fs.listdir(parent) if fs.isdir(parent) else [])
     for name in names:

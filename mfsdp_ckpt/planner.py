@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -26,7 +29,11 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_items,
+    _create_write_items,
+    create_read_items_for_chunk_list,
+)
 
 from .checksum import crc32c
 from .state import FlatEntry

@@ -25,21 +25,28 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mfsdp_ckpt.names import MANIFEST_NAME
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
-from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan, Placement, check_companions
+from mfsdp_core.plan import (
+    DEFAULT_GROUP,
+    BufferSpec,
+    ModelPlan,
+    Placement,
+    check_companions,
+)
 from mfsdp_core.strategy import parse_strategy
 
 from .boxes import box_view, flat_range_to_boxes
 from .errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
 from .experts import is_expert_buffer, num_experts_of, regroup_experts
 from .keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
-from .manifest import MANIFEST_NAME, recorded_plan, versions, writer_layout
+from .manifest import recorded_plan, versions, writer_layout
 from .mapped import MappedReader
+from .progress import progress_adder
 from .stock import KeyRule, parse_key_map, uncommitted_reason
 from .streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
-from .progress import progress_adder
 
 __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
 
@@ -389,7 +396,7 @@ def reshard(
             raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         cast = dtype_by_name(dtype)
     rules = parse_key_map(key_map)
-    from .mcore.source import is_mcore
+    from mfsdp_ckpt.locate import is_mcore
 
     if not rules and is_mcore(src):  # stacked layers: its keys are not canonical ones
         raise CheckpointError(f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "

@@ -41,7 +41,13 @@ from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .boxes import narrow
-from .chunks import ChunkFault, ChunkFiles, chunk_location, decode_record_at, tensor_view
+from .chunks import (
+    ChunkFault,
+    ChunkFiles,
+    chunk_location,
+    decode_record_at,
+    tensor_view,
+)
 from .errors import CorruptCheckpointError
 
 __all__ = ["BLOCK_BYTES", "MAX_GAP", "STAGE_BYTES", "THREADED_COPY_BYTES", "DEFAULT_READ_THREADS", "Span", "VerifiedRange", "plan_spans",

@@ -19,13 +19,12 @@ import time
 import uuid
 
 from .errors import CheckpointError, CheckpointExistsError
+from .names import PARTIAL_MARK, REPLACED_MARK
 from .write_errors import write_failed
 
-__all__ = ["PARTIAL_MARK", "REPLACED_MARK", "new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
+__all__ = ["new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
            "commit_directory", "write_file_atomic", "check_destination", "remove_leftovers"]
 
-PARTIAL_MARK = ".partial-"
-REPLACED_MARK = ".replaced-"
 
 
 def new_token() -> str:

@@ -12,30 +12,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 import io
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
+from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME
 
 from . import fs
 from .boxes import box_view, narrow
 from .chunks import ChunkFiles, chunk_location, chunk_shapes
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import MANIFEST_NAME, METADATA_NAME, completed, metadata_checksum_problem, write_manifest
+from .manifest import completed, metadata_checksum_problem, write_manifest
 from .metadata_check import checked_metadata, stored_by_key
 from .objstore import RemoteFileSystem
 from .planner import MfsdpSavePlanner, chunk_id
 from .records import without_zip_crc
 from .safety import safe_load_metadata
-from .staged_read import DEFAULT_READ_THREADS, VerifiedRange, read_range, read_verified, verify_chunks
+from .staged_read import (
+    DEFAULT_READ_THREADS,
+    VerifiedRange,
+    read_range,
+    read_verified,
+    verify_chunks,
+)
 from .staging import commit_directory, fsync_dir
 from .write_errors import RecordingStream, reporting, write_failed
 

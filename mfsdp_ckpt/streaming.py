@@ -38,13 +38,21 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import fs
-from .chunks import ChunkFault, ChunkFiles, MemoryFile, chunk_location, coverage_faults, read_chunk
+from .chunks import (
+    ChunkFault,
+    ChunkFiles,
+    MemoryFile,
+    chunk_location,
+    coverage_faults,
+    read_chunk,
+)
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .lock import run_lock
 from .manifest import completed, write_manifest
 from .metadata_check import entry_faults
+from .names import MANIFEST_NAME, shown
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
-from .lock import run_lock
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from .write_errors import RecordingStream, reporting
 from .writeback import WritebackStream, start_writeback
@@ -59,7 +67,7 @@ class CheckpointReader:
     (it keeps the data files open)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from .inspect import open_checkpoint
+        from mfsdp_ckpt.locate import open_checkpoint
 
         self.directory, self.manifest, self.metadata, verifying = open_checkpoint(os.fspath(path))
         self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = verifying.stored
@@ -150,12 +158,12 @@ class CheckpointReader:
         return), e.g. a view of a buffer the caller reuses for every tensor."""
         md = self.metadata.state_dict_metadata.get(key)
         if md is None:
-            raise CheckpointError(f"{self.directory}: no key '{fs.shown(key)}'")
+            raise CheckpointError(f"{self.directory}: no key '{shown(key)}'")
         self._check_entry(key, md)
         chunks = self._chunks_by_key.get(key, [])
         if not isinstance(md, TensorStorageMetadata):
             if out is not None:
-                raise CheckpointError(f"{self.directory}: key '{fs.shown(key)}' is an object, not a tensor to read into out")
+                raise CheckpointError(f"{self.directory}: key '{shown(key)}' is an object, not a tensor to read into out")
             data = self._payload(*chunks[0])
             try:
                 return torch.load(io.BytesIO(data), weights_only=True)
@@ -196,7 +204,7 @@ class CheckpointReader:
         chunk (or one coalesced range, at most :data:`COALESCE_BYTES`)."""
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"{self.directory}: no tensor '{fs.shown(key)}'")
+            raise CheckpointError(f"{self.directory}: no tensor '{shown(key)}'")
         if not 0 <= start <= end <= math.prod(md.size):
             raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) lie outside its {math.prod(md.size)}")
         self._check_entry(key, md)
@@ -461,7 +469,6 @@ class CheckpointBuilder:
         if self.remote:
             _check_remote_destination(self.final, overwrite=overwrite, sources=sources)
             if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
-                from .manifest import MANIFEST_NAME
 
                 if fs.exists(fs.join(self.final, MANIFEST_NAME)):
                     fs.remove_tree(fs.join(self.final, MANIFEST_NAME))
@@ -596,7 +603,6 @@ class CheckpointBuilder:
 def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
     """An object-store destination: never inside or around a source; replaced only when it is a
     committed checkpoint (the manifest is there) and ``overwrite`` asks for it."""
-    from .manifest import MANIFEST_NAME
 
     from .objstore import check_bucket
 

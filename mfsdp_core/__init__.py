@@ -2,11 +2,12 @@
 optimizer adapter). It never imports the checkpoint layer."""
 
 from .collectives import count_comm
+from .companion import Companion
 from .fully_shard import fully_shard, plan_of, rename_params
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .optim import clip_grad_norm_, fully_shard_optimizer
-from .plan import BufferSpec, Companion, ModelPlan, Placement, plan_model
+from .plan import BufferSpec, ModelPlan, Placement, plan_model
 from .shards import FlatShard, ParamShard, describe_shards, refresh_compute_params
 from .strategy import Strategy, parse_strategy
 

@@ -37,7 +37,16 @@ from . import collectives as C
 from .buffer import FlatParamBuffer
 from .layout import Policy
 from .mixed_precision import MixedPrecision
-from .plan import DEFAULT_GROUP, DEFAULT_STRATEGY, ModelPlan, Placement, PlacementFn, add_owner_loads, placement_fn, plan_unit
+from .plan import (
+    DEFAULT_GROUP,
+    DEFAULT_STRATEGY,
+    ModelPlan,
+    Placement,
+    PlacementFn,
+    add_owner_loads,
+    placement_fn,
+    plan_unit,
+)
 from .strategy import Strategy, parse_strategy
 
 __all__ = ["fully_shard", "rename_params", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]

@@ -60,6 +60,8 @@ from typing import Any
 
 import torch
 
+from . import mx_native  # importing it builds nothing: the kernel is built on first use
+
 __all__ = [
     "BLOCK", "MXFormat", "quantize", "quantize_reference", "dequantize", "MXNativeUnavailableWarning",
     "ELEMENTS", "RULES", "AXES", "BACKENDS",
@@ -214,8 +216,6 @@ def quantize(
     _check(x, fmt, axis)
     if backend == "reference":
         return quantize_reference(x, fmt, axis)
-    from . import mx_native  # imported late: loading it never builds anything by itself
-
     kernel = mx_native.load(x.device.type)
     if kernel is None:
         reason = mx_native.unavailable_reason(x.device.type) or "not loaded"
@@ -223,7 +223,7 @@ def quantize(
             raise RuntimeError(f"mx.quantize: native MXFP8 cast unavailable: {reason}")
         _fallback_notice(reason)
         return quantize_reference(x, fmt, axis)
-    return mx_native.quantize(kernel, x, fmt, axis)
+    return mx_native.quantize(kernel, x, fmt.element, fmt.rule, axis, fmt.dtype)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: str) -> torch.Tensor:

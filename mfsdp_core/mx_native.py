@@ -28,12 +28,8 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .mx import MXFormat
 
 __all__ = ["load", "unavailable_reason", "quantize", "build_dir", "rceil_table", "source_dir"]
 
@@ -184,10 +180,11 @@ def rceil_table(device: str = "cpu") -> torch.Tensor:
     return _tables[device]
 
 
-def quantize(kernel: ModuleType, x: torch.Tensor, fmt: MXFormat, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a loaded kernel; same contract as ``mfsdp_core.mx.quantize_reference`` (inputs checked there)."""
-    elem = 0 if fmt.element == "e4m3" else 1
-    rule = 0 if fmt.rule == "floor" else 1
+def quantize(kernel: ModuleType, x: torch.Tensor, element: str, rule: str, axis: str,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a loaded kernel on ``x`` for the MX format of ``element`` (``e4m3`` / ``e5m2``, stored
+    as ``dtype``) and scale ``rule`` (``floor`` / ``rceil``); same contract as
+    ``mfsdp_core.mx.quantize_reference`` (inputs checked there)."""
     thr = rceil_table(x.device.type)
-    data, scale = kernel.quantize(x, elem, rule, axis == "col", thr)
-    return data.view(fmt.dtype), scale.view(torch.float8_e8m0fnu)
+    data, scale = kernel.quantize(x, 0 if element == "e4m3" else 1, 0 if rule == "floor" else 1, axis == "col", thr)
+    return data.view(dtype), scale.view(torch.float8_e8m0fnu)

@@ -21,24 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
+from .companion import Companion, as_matrix
 from .dtypes import dtype_by_name, dtype_name
 from .layout import Layout, Policy, compute_layout, parse_policy
 from .mixed_precision import MixedPrecision
 from .mx import MXFormat
+from .mx_planes import mx_companions
 from .strategy import Strategy, parse_strategy
 
 __all__ = [
     "DEFAULT_GROUP",
     "DEFAULT_POLICY",
     "DEFAULT_STRATEGY",
-    "Companion",
     "Placement",
     "PlacementFn",
     "BufferSpec",
@@ -64,46 +65,6 @@ def default_is_expert(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Companion:
-    """A plane stored next to its parameter and laid out from the same rows, so that it shards,
-    gathers and checkpoints with them (e.g. an MXFP8 scale plane).
-
-    The parameter is seen as a matrix ``[rows, cols]`` (``rows = shape[0]``, ``cols`` the rest).
-    Companion row ``j`` covers parameter rows ``[j·row_divisor, (j+1)·row_divisor)`` and has
-    ``ceil(cols / col_divisor)`` elements. ``derive(rows_fp32) -> plane_rows`` computes a rank's
-    part from the main (fp32) values of the whole row blocks it owns; it is behaviour, not data, so
-    it is left out of comparisons and of the manifest."""
-
-    name: str
-    dtype: torch.dtype
-    row_divisor: int = 1
-    col_divisor: int = 1
-    derive: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.row_divisor < 1 or self.col_divisor < 1:
-            raise ValueError(f"companion '{self.name}': divisors must be >= 1")
-
-    def shape(self, param_shape: Sequence[int]) -> torch.Size:
-        rows, cols = _as_matrix(param_shape)
-        return torch.Size((-(-rows // self.row_divisor), -(-cols // self.col_divisor)))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": dtype_name(self.dtype), "row_divisor": self.row_divisor,
-                "col_divisor": self.col_divisor}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Companion":
-        return cls(d["name"], dtype_by_name(d["dtype"]), int(d["row_divisor"]), int(d["col_divisor"]))
-
-
-def _as_matrix(shape: Sequence[int]) -> tuple[int, int]:
-    if len(shape) == 0:
-        return 1, 1
-    return int(shape[0]), math.prod(shape[1:])
-
-
-@dataclass(frozen=True)
 class Placement:
     """How one parameter is placed. ``group`` names a process group given to ``fully_shard``;
     ``grad_divisor`` divides the gradients summed over the group: a number, the name of a group
@@ -121,8 +82,6 @@ class Placement:
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_policy(self.policy))
         if self.mx is not None and not self.companions:
-            from .mx_planes import mx_companions
-
             object.__setattr__(self, "companions", mx_companions(self.mx))
         d = self.grad_divisor
         if isinstance(d, bool) or not (d is None or isinstance(d, str) or (isinstance(d, int) and d >= 1)):
@@ -359,7 +318,7 @@ def _companion_layout(layout: Layout, comp: Companion) -> Layout:
         if at is None:  # at the end of the packed parameters
             bounds.append(pos)
             continue
-        _, cols = _as_matrix(layout.shapes[at])
+        _, cols = as_matrix(layout.shapes[at])
         row = (b - layout.packed_offsets[at]) // cols
         bounds.append(offsets[at] + -(-row // comp.row_divisor) * shapes[at][1])
     shard = max((bounds[r + 1] - bounds[r] for r in range(layout.group_size)), default=0)
@@ -373,7 +332,7 @@ def check_companions(name: str, shape: torch.Size, placement: Placement) -> None
         raise ValueError(f"parameter '{name}' of shape {tuple(shape)}: MXFP8 needs a 2-D weight whose dims are "
                          "both multiples of 32 (whole 32-element blocks in both orientations)")
     numel = math.prod(shape)
-    _, cols = _as_matrix(shape)
+    _, cols = as_matrix(shape)
     atom = placement.policy.atom(shape, name)
     if placement.mx is not None and numel and atom != numel and atom % (32 * cols):
         raise ValueError(f"parameter '{name}': policy {placement.policy} can split its 32-row blocks, which MXFP8 "

@@ -40,7 +40,11 @@ def make_hf_dir(path: str | os.PathLike, family: str, *, weights: bool = True, s
     ``save_pretrained`` (``weights=False``: only its config and generation config), and a
     word-level tokenizer saved by ``PreTrainedTokenizerFast.save_pretrained``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+    )
 
     path = os.fspath(path)
     config = hf_config(family, **changes)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mfsdp_ckpt.locate import is_mcore
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig
@@ -35,17 +36,28 @@ from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 from .. import fs
 from ..errors import CheckpointError, ConversionError, raise_key_problems
 from ..keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
-from ..model_source import TRANSFORMERS, model_source_of
 from ..lock import run_lock
+from ..model_source import TRANSFORMERS, model_source_of
+from ..progress import progress_adder
 from ..staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from ..streaming import CheckpointReader
 from .files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from .mapping import Architecture, Conversion, check_against, expand
-from .mx import E8M0, SCALE_SUFFIX, MXParam, check_rows_only, module_of, mx_params, quantization_config, scale_name, single_format, split_rows
+from .mx import (
+    E8M0,
+    SCALE_SUFFIX,
+    MXParam,
+    check_rows_only,
+    module_of,
+    mx_params,
+    quantization_config,
+    scale_name,
+    single_format,
+    split_rows,
+)
 from .registry import get_architecture, infer_architecture
 from .transformers_layout import checked_carried_name, export_conversions
 from .workers import Staging, check_workers, run_tasks
-from ..progress import progress_adder
 
 __all__ = ["export", "ExportResult", "MODES"]
 
@@ -435,7 +447,6 @@ def export(
     progress: Progress | None = None,
     mode: str = "weights",
     workers: int | None = None,
-    mcore_config: Any = None,
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
@@ -465,17 +476,10 @@ def export(
     each converts whole tensors into their planned places, so the files are the same bytes for
     any number. Each thread holds at most its largest tensor (plus, when casting, its largest
     cast piece).
-
-    ``checkpoint`` may also be a Megatron-Core ``torch_dist`` checkpoint (``mcore_config``: MCore's
-    arguments as for :func:`mfsdp_ckpt.mcore.import_mcore`); it is imported first, in one process.
     """
-    from ..mcore.source import is_mcore
-
-    if is_mcore(checkpoint):  # a Megatron-Core checkpoint: ``mcore_config`` holds MCore's arguments (docs/mcore.md)
-        from ..mcore.to_hf import export_hf_from_mcore
-
-        return export_hf_from_mcore(checkpoint, out, mcore_config, arch=arch, dtype=dtype, max_shard_size=max_shard_size,
-                                    overwrite=overwrite, progress=progress, mode=mode, workers=workers)
+    if is_mcore(checkpoint):
+        raise ConversionError(f"{os.fspath(checkpoint)}: a Megatron-Core checkpoint: export it with "
+                              "mfsdp_ckpt.mcore.export_hf_from_mcore (export-hf --mcore-config)")
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
     if fs.is_url(out):

@@ -26,20 +26,44 @@ from typing import Any, Callable
 import torch
 
 from mfsdp_core.models.gpt import GPTConfig
-from mfsdp_core.mx import BLOCK, MXFormat, MXNativeUnavailableWarning, dequantize, quantize
+from mfsdp_core.mx import (
+    BLOCK,
+    MXFormat,
+    MXNativeUnavailableWarning,
+    dequantize,
+    quantize,
+)
 from mfsdp_core.mx_planes import ORIENTATIONS
 
 from ..errors import ConversionError, raise_key_problems
 from ..manifest import versions, writer_layout
 from ..planner import payload_crc32c
+from ..progress import progress_adder
 from ..streaming import CheckpointBuilder
 from .config import model_type_of
 from .files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
-from .mapping import Architecture, Conversion, check_against, count_their_keys, default_plan, expand, indices_held, meta_model
-from .mx import E8M0, EXTENSION, fqn_of, module_of, mx_key, mx_plan, parse_quantization_config, scale_name
+from .mapping import (
+    Architecture,
+    Conversion,
+    check_against,
+    count_their_keys,
+    default_plan,
+    expand,
+    indices_held,
+    meta_model,
+)
+from .mx import (
+    E8M0,
+    EXTENSION,
+    fqn_of,
+    module_of,
+    mx_key,
+    mx_plan,
+    parse_quantization_config,
+    scale_name,
+)
 from .registry import architecture_of_hf_config, architectures, get_architecture
 from .workers import Staging, Turns, check_workers, run_tasks
-from ..progress import progress_adder
 
 __all__ = ["import_", "ImportResult"]
 

@@ -4,7 +4,10 @@
   stacked slice at a time);
 - :func:`export_mcore`: a canonical checkpoint → an MCore ``torch_dist`` checkpoint that
   ``megatron.core.dist_checkpointing.load`` reads (0.16 layout: ``common.pt``);
-- :func:`is_mcore`: whether a directory is an MCore checkpoint (for ``inspect`` / ``export-hf``).
+- :func:`export_hf_from_mcore`: an MCore checkpoint → a Hugging Face model directory (imported
+  first, in one process);
+
+Whether a directory is an MCore checkpoint: :func:`mfsdp_ckpt.locate.is_mcore`.
 
 Modules: ``layout`` (key names, pure), ``config`` (our config from shapes and MCore arguments),
 ``source`` (reading: backend, common state, slices), ``import_``, ``export``.
@@ -12,6 +15,6 @@ Modules: ``layout`` (key names, pure), ``config`` (our config from shapes and MC
 
 from .export import McoreExportResult, export_mcore
 from .import_ import McoreImportResult, import_mcore
-from .source import is_mcore
+from .to_hf import export_hf_from_mcore
 
-__all__ = ["import_mcore", "export_mcore", "is_mcore", "McoreImportResult", "McoreExportResult"]
+__all__ = ["import_mcore", "export_mcore", "export_hf_from_mcore", "McoreImportResult", "McoreExportResult"]

@@ -56,7 +56,7 @@ _ALIASES = {"layernorm_epsilon": "norm_epsilon", "padded_vocab_size": "vocab_siz
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of MCore arguments in ``path`` (a small local file)."""
-    from .source import _read_small
+    from mfsdp_ckpt.locate import _read_small
 
     text = _read_small(os.fspath(path), "config")
     try:

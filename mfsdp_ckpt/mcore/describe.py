@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mfsdp_ckpt.locate import is_mcore
+
 from ..errors import CheckpointError
-from .source import McoreSource, is_mcore
+from .source import McoreSource
 
 __all__ = ["describe_mcore"]
 

@@ -31,7 +31,15 @@ from ..hf.mapping import canonical_shapes, default_plan, meta_model
 from ..manifest import versions, writer_layout
 from ..streaming import CheckpointBuilder
 from .config import infer_config, read_config_file
-from .layout import COMMON_STATE, OPTIM_DISTRIBUTED, OPTIM_STATE, Piece, is_extra_state, model_pieces, optimizer_pieces
+from .layout import (
+    COMMON_STATE,
+    OPTIM_DISTRIBUTED,
+    OPTIM_STATE,
+    Piece,
+    is_extra_state,
+    model_pieces,
+    optimizer_pieces,
+)
 from .source import McoreSource
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]

@@ -31,55 +31,27 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import fs
 from ..errors import ConversionError, CorruptCheckpointError, NotACheckpointError
+from ..locate import read_small_file, resolve_checkpoint
+from ..names import MCORE_METADATA_NAME
 from ..records import locate_raw_tensor
 from ..streaming import CheckpointReader
 from .layout import COMMON_STATE
 
-__all__ = ["McoreSource", "is_mcore", "read_backend", "MAX_SMALL_FILE"]
+__all__ = ["McoreSource", "read_backend"]
 
-METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
-MAX_SMALL_FILE = 64 << 20  # metadata.json and common.pt: small files; refuse anything larger
-
-
-def _read_small(path: str, what: str) -> bytes:
-    try:
-        with fs.open_regular(path) as f:
-            data = f.read(MAX_SMALL_FILE + 1)
-    except OSError as e:
-        raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    if len(data) > MAX_SMALL_FILE:
-        raise ConversionError(f"{path}: {what} larger than {MAX_SMALL_FILE} bytes")
-    return data
 
 
 def _directory(path: str | os.PathLike) -> str:
-    from ..checkpoint import resolve_checkpoint
-
     return resolve_checkpoint(path)
-
-
-def is_mcore(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a Megatron-Core ``dist_checkpointing`` directory (it has a
-    ``metadata.json`` naming a ``sharded_backend``). Cheap; reads nothing else."""
-    try:
-        directory = fs.normalize(path)
-        if fs.is_url(directory) or not fs.isdir(directory):
-            return False
-        meta = fs.join(directory, METADATA_JSON)
-        if not fs.isfile(meta):
-            return False
-        return "sharded_backend" in json.loads(_read_small(meta, METADATA_JSON))
-    except (ConversionError, ValueError, OSError, TypeError):
-        return False
 
 
 def read_backend(directory: str) -> dict[str, Any]:
     """``metadata.json``, checked: a JSON object whose ``sharded_backend`` is ``torch_dist``
     (the only backend this reader knows; ``zarr`` and others are refused, naming it)."""
-    path = fs.join(directory, METADATA_JSON)
+    path = fs.join(directory, MCORE_METADATA_NAME)
     try:
-        meta = json.loads(_read_small(path, METADATA_JSON))
+        meta = json.loads(read_small_file(path, MCORE_METADATA_NAME))
     except ValueError as e:
         raise ConversionError(f"{path}: not JSON ({e})") from None
     if not isinstance(meta, dict):
@@ -110,8 +82,8 @@ class McoreSource:
     @classmethod
     def open(cls, path: str | os.PathLike) -> "McoreSource":
         directory = _directory(path)
-        if not fs.isfile(fs.join(directory, METADATA_JSON)):
-            raise NotACheckpointError(f"{directory}: not a Megatron-Core checkpoint (no {METADATA_JSON})")
+        if not fs.isfile(fs.join(directory, MCORE_METADATA_NAME)):
+            raise NotACheckpointError(f"{directory}: not a Megatron-Core checkpoint (no {MCORE_METADATA_NAME})")
         backend = read_backend(directory)
         reader = CheckpointReader(directory)
         source = cls(directory, backend, reader)
@@ -155,7 +127,7 @@ class McoreSource:
         out: dict[str, Any] = {}
         path = fs.join(self.directory, COMMON_PT)
         if fs.lexists(path):
-            data = _read_small(path, COMMON_PT)
+            data = read_small_file(path, COMMON_PT)
             try:
                 with torch.serialization.safe_globals([argparse.Namespace]):
                     value = torch.load(io.BytesIO(data), weights_only=True)

@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
+
 from .. import fs
 from ..errors import ConversionError
+from ..hf.export import export
 from ..staging import new_token, partial_path
+from .import_ import import_mcore
 
 __all__ = ["export_hf_from_mcore"]
 
@@ -17,11 +21,6 @@ __all__ = ["export_hf_from_mcore"]
 def export_hf_from_mcore(src: str | os.PathLike, out: str | os.PathLike, config: Any = None, **kwargs: Any) -> Any:
     """:func:`mfsdp_ckpt.hf.export` of the MCore checkpoint ``src`` (``config``: MCore's
     arguments, as for :func:`~mfsdp_ckpt.mcore.import_mcore`; ``kwargs``: the export's)."""
-    import torch.distributed as dist
-
-    from ..hf.export import export
-    from .import_ import import_mcore
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ConversionError(f"{os.fspath(src)}: exporting a Megatron-Core checkpoint runs in one process "
                               "(import-mcore it first for a collective export)")

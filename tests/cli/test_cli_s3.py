@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import fsspec
-import torch
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mfsdp_ckpt

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, run_train as _run, train_cmd
+from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, train_cmd
+from tests.torchrun import run_train as _run
 
 
 def _full_state(ckpt: str, out: str) -> dict:

@@ -15,7 +15,15 @@ import torch.nn.functional as F
 
 from mfsdp_core.data import SyntheticText, TokenFile
 from mfsdp_core.models.gpt import PRESETS, GPTConfig
-from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, run_train, train_cmd
+from tests.torchrun import (
+    ENV,
+    ROOT,
+    failure,
+    kill_past_step,
+    read_metrics,
+    run_train,
+    train_cmd,
+)
 
 VOCAB = PRESETS["tiny"].vocab_size
 

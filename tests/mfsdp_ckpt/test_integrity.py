@@ -279,7 +279,6 @@ def test_stock_dcp_reads_the_latest_checkpoint_link(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from mfsdp_ckpt.listing import list_checkpoints
-
     from tests.mfsdp_core.models import make_model, shard_model
 
     root = tmp_path / "run"

@@ -3,7 +3,6 @@ into a sharded model."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

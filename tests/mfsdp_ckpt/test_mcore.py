@@ -18,7 +18,8 @@ import shutil
 import pytest
 import torch
 
-from mfsdp_ckpt.mcore import export_mcore, import_mcore, is_mcore
+from mfsdp_ckpt.locate import is_mcore
+from mfsdp_ckpt.mcore import export_mcore, import_mcore
 from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
@@ -91,9 +92,9 @@ def test_import_at_world_size_3_one_file_per_rank(tmp_path):
 def test_export_hf_of_the_mcore_checkpoint_matches_in_transformers(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from mfsdp_ckpt import hf
+    from mfsdp_ckpt.mcore import export_hf_from_mcore
 
-    hf.export(fixture(name), tmp_path / "hf", arch=HF_ARCH[name], mcore_config=fixture(name) + ".config.json")
+    export_hf_from_mcore(fixture(name), tmp_path / "hf", fixture(name) + ".config.json", arch=HF_ARCH[name])
     rec = recorded(name)
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from mfsdp_ckpt.mcore import import_mcore
 from mfsdp_core.data import SyntheticText
-
 from tests.torchrun import failure, run_train
 
 from .test_mcore import fixture, our_model

@@ -5,7 +5,6 @@ back, online and offline, bitwise; a resumed run continues bitwise (real gloo pr
 from __future__ import annotations
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -10,7 +10,15 @@ import mfsdp_ckpt
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.reshard import reshard
 from mfsdp_ckpt.streaming import CheckpointReader
-from mfsdp_core import ModelPlan, Placement, compute_layout, describe_shards, fully_shard, fully_shard_optimizer, plan_of
+from mfsdp_core import (
+    ModelPlan,
+    Placement,
+    compute_layout,
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+    plan_of,
+)
 from mfsdp_core.fully_shard import buffers_of
 from tests.mfsdp_ckpt.util import train_steps
 from tests.mfsdp_core.models import make_adamw, make_model

@@ -122,11 +122,12 @@ def _save_one(path: str, endpoint: str) -> None:
 
 def _saves_through_proxy(url: str, proxy: str, attempts: int, n: int) -> list[str | None]:
     """``n`` saves through the proxy: None for a save that returned, else its error's text."""
-    from mfsdp_ckpt import objstore
+    from mfsdp_ckpt import remote
 
     use_endpoint(proxy)
-    objstore.ATTEMPTS = attempts
-    objstore.BACKOFF_S = 0.05
+    assert hasattr(remote, "ATTEMPTS") and hasattr(remote, "BACKOFF_S")  # a moved setting fails here, not unused
+    remote.ATTEMPTS = attempts
+    remote.BACKOFF_S = 0.05
     model, optim = build("optim_grads_params", "row")
     train_steps(model, optim, 0, 1)
     out: list[str | None] = []

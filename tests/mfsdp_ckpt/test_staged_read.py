@@ -14,12 +14,17 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from mfsdp_ckpt import CorruptCheckpointError
-from mfsdp_ckpt import staged_read
+from mfsdp_ckpt import CorruptCheckpointError, staged_read
 from mfsdp_ckpt.chunks import ChunkFiles
-from mfsdp_ckpt.inspect import open_checkpoint
+from mfsdp_ckpt.locate import open_checkpoint
 from mfsdp_ckpt.records import locate_raw_tensor
-from mfsdp_ckpt.staged_read import VerifiedRange, plan_spans, read_chunks, read_verified, verify_chunks
+from mfsdp_ckpt.staged_read import (
+    VerifiedRange,
+    plan_spans,
+    read_chunks,
+    read_verified,
+    verify_chunks,
+)
 from mfsdp_ckpt.streaming import CheckpointBuilder
 
 

@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mfsdp_core import clip_grad_norm_, count_comm, describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_core import (
+    clip_grad_norm_,
+    count_comm,
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+)
 from mfsdp_core.expert_parallel import (
     check_expert_parallel,
     expert_index,
@@ -40,7 +46,14 @@ from mfsdp_core.expert_parallel import (
     local_experts,
 )
 from mfsdp_core.fully_shard import buffers_of
-from mfsdp_core.models.gpt import GPTConfig, GPTModel, MoELayer, get_preset, shard_experts, shard_units
+from mfsdp_core.models.gpt import (
+    GPTConfig,
+    GPTModel,
+    MoELayer,
+    get_preset,
+    shard_experts,
+    shard_units,
+)
 from mfsdp_core.token_dispatch import dispatch_and_run
 
 REL_TOL = 1e-5

@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mfsdp_core import count_comm, describe_shards, fully_shard, fully_shard_optimizer, plan_model, plan_of
+from mfsdp_core import (
+    count_comm,
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+    plan_model,
+    plan_of,
+)
 from mfsdp_core.fully_shard import buffers_of
 from mfsdp_core.models.gpt import PRESETS, GPTModel, shard_units
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model

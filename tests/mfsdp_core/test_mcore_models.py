@@ -98,7 +98,10 @@ def _sharded_names(model, moe: bool) -> dict[str, str]:
     """``{module fqn: canonical name}`` as MCore's own ``sharded_state_dict`` says: its stacked key
     (the local spec's keys map applied) at the global offset of the layer (and expert), turned
     into a canonical name by ``import-mcore``'s key layout."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     from mfsdp_ckpt.mcore.layout import model_pieces
 

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 
 from mfsdp_core import count_comm, describe_shards, fully_shard, fully_shard_optimizer
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_units
-from mfsdp_core.muon import Muon, muon_owners, muon_param_groups, newton_schulz5, uses_muon
+from mfsdp_core.muon import (
+    Muon,
+    muon_owners,
+    muon_param_groups,
+    newton_schulz5,
+    uses_muon,
+)
 
 CONFIG = get_preset("tiny")
 STEPS = 10

@@ -12,7 +12,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mfsdp_core import MixedPrecision, Placement, count_comm, describe_shards, fully_shard, fully_shard_optimizer
+from mfsdp_core import (
+    MixedPrecision,
+    Placement,
+    count_comm,
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+)
 from mfsdp_core.fully_shard import buffers_of
 from mfsdp_core.models.gpt import GPTModel, get_preset, linear_weights, shard_units
 from mfsdp_core.mx import MXFormat, dequantize, quantize

@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from mfsdp_core import describe_shards, fully_shard_optimizer
 from mfsdp_core.layout import POLICY_NAMES  # noqa: F401  (documents the policy set)
-from tests.mfsdp_core.models import OPTIMIZERS, batch, loss_fn, make_adamw, make_model, reference_run, shard_model
+from tests.mfsdp_core.models import (
+    OPTIMIZERS,
+    batch,
+    loss_fn,
+    make_adamw,
+    make_model,
+    reference_run,
+    shard_model,
+)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 POLICIES = ["even", "row", "block(32)", "tensor"]

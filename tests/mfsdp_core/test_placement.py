@@ -15,11 +15,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mfsdp_core import (Companion, Placement, clip_grad_norm_, count_comm, describe_shards, fully_shard,
-                        fully_shard_optimizer)
+from mfsdp_core import (
+    Companion,
+    Placement,
+    clip_grad_norm_,
+    count_comm,
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+)
 from mfsdp_core.fully_shard import buffers_of
-from tests.mfsdp_core.models import (IN_FEATURES, OUT_FEATURES, batch, loss_fn, make_adamw, make_model,
-                                     set_data_parallel_grads, shard_model, train_steps)
+from tests.mfsdp_core.models import (
+    IN_FEATURES,
+    OUT_FEATURES,
+    batch,
+    loss_fn,
+    make_adamw,
+    make_model,
+    set_data_parallel_grads,
+    shard_model,
+    train_steps,
+)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 REL_TOL = 1e-6  # sharded optimizer steps on pieces: see test_parity.py

@@ -53,8 +53,8 @@ def main() -> None:
     import torch.distributed as dist
 
     import mfsdp_ckpt
-    from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
     from mfsdp_core import fully_shard_optimizer
+    from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
 
     run, step = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")

@@ -29,9 +29,14 @@ from mfsdp_ckpt.hf.files import INDEX_NAME, HFDirectory
 from mfsdp_core.dtypes import DTYPES
 
 from .test_hostile_hf_helpers import (
-    Outcome, assert_correct_import, make_hf_dir, nothing_at, read_raw, run_guarded, write_raw,
+    Outcome,
+    assert_correct_import,
+    make_hf_dir,
+    nothing_at,
+    read_raw,
+    run_guarded,
+    write_raw,
 )
-
 
 #: the module (``mfsdp_ckpt.hf.import_`` the attribute is the function of that name)
 import_module = importlib.import_module("mfsdp_ckpt.hf.import_")

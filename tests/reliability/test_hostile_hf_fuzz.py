@@ -38,7 +38,14 @@ from mfsdp_ckpt import hf
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.hf.files import INDEX_NAME
 
-from .test_hostile_hf_helpers import CONFIGS, Outcome, assert_correct_import, make_hf_dir, nothing_at, run_guarded
+from .test_hostile_hf_helpers import (
+    CONFIGS,
+    Outcome,
+    assert_correct_import,
+    make_hf_dir,
+    nothing_at,
+    run_guarded,
+)
 
 ARCHS = sorted(CONFIGS)
 LIMIT_S = 10.0  # per case; a normal case takes well under a second

@@ -15,8 +15,8 @@ import pytest
 import mfsdp_ckpt
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.listing import list_checkpoints
-from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
 from mfsdp_core import fully_shard_optimizer
+from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
 from tests.torchrun import ENV, ROOT
 
 SCRIPT = os.path.join(ROOT, "tests", "reliability", "kill_during_save.py")

@@ -17,7 +17,7 @@ import mfsdp_ckpt
 from cli.main import main
 from mfsdp_ckpt import CheckpointError, RunLockedError
 from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.lock import LOCK_NAME
+from mfsdp_ckpt.names import LOCK_NAME
 from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, train_steps
 from tests.torchrun import ENV, ROOT, failure, run_train

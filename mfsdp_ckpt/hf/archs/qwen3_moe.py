@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from mfsdp_core.models.gpt import GPTConfig
 
-from ..config import MAX_COUNT, HFConfigReader, common_from_hf, common_to_hf, model_config
+from ..config import (
+    MAX_COUNT,
+    HFConfigReader,
+    common_from_hf,
+    common_to_hf,
+    model_config,
+)
 from ..files import short_repr
 from ..mapping import Architecture
 from ._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems

@@ -14,7 +14,12 @@ from safetensors import safe_open
 
 import mfsdp_ckpt
 from mfsdp_ckpt import hf
-from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer, refresh_compute_params
+from mfsdp_core import (
+    describe_shards,
+    fully_shard,
+    fully_shard_optimizer,
+    refresh_compute_params,
+)
 from mfsdp_core.expert_parallel import expert_index, expert_placement, init_expert_mesh
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_units
 

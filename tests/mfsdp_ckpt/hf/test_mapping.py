@@ -9,10 +9,24 @@ import pytest
 import torch
 
 from mfsdp_ckpt.errors import ConversionError
-from mfsdp_ckpt.hf import Architecture, Direct, FusedQKV, GatedMLP, architectures, get_architecture, register
+from mfsdp_ckpt.hf import (
+    Architecture,
+    Direct,
+    FusedQKV,
+    GatedMLP,
+    architectures,
+    get_architecture,
+    register,
+)
 from mfsdp_ckpt.hf.archs._common import H, L
 from mfsdp_ckpt.hf.files import parse_size
-from mfsdp_ckpt.hf.mapping import canonical_shapes, check_against, expand, shared_expert, untied
+from mfsdp_ckpt.hf.mapping import (
+    canonical_shapes,
+    check_against,
+    expand,
+    shared_expert,
+    untied,
+)
 from mfsdp_ckpt.hf.registry import infer_architecture
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, MoELayer
 

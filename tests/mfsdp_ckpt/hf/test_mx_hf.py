@@ -24,7 +24,13 @@ from mfsdp_ckpt.hf.mx import check_rows_only, split_rows
 from mfsdp_ckpt.manifest import writer_layout
 from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 from mfsdp_core.mixed_precision import MixedPrecision
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, linear_weights, shard_units
+from mfsdp_core.models.gpt import (
+    PRESETS,
+    GPTConfig,
+    GPTModel,
+    linear_weights,
+    shard_units,
+)
 from mfsdp_core.mx import MXFormat, dequantize, quantize
 from mfsdp_core.plan import mx_marked, placement_fn, plan_model
 

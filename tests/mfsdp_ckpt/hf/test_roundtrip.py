@@ -24,7 +24,14 @@ from mfsdp_ckpt.streaming import CheckpointReader  # noqa: E402
 from mfsdp_core import ModelPlan  # noqa: E402
 from mfsdp_core.models.gpt import GPTConfig  # noqa: E402
 
-from .util import hf_config, hf_tensors, random_hf_model, reference_model, save_hf, tokens  # noqa: E402
+from .util import (  # noqa: E402
+    hf_config,
+    hf_tensors,
+    random_hf_model,
+    reference_model,
+    save_hf,
+    tokens,
+)
 
 LOGIT_ATOL = 1e-5
 

@@ -18,7 +18,6 @@ pytest.importorskip("transformers")
 from mfsdp_ckpt import hf  # noqa: E402
 from mfsdp_ckpt.reshard import reshard  # noqa: E402
 from mfsdp_core.data import SyntheticText  # noqa: E402
-
 from tests.torchrun import failure, run_train  # noqa: E402
 
 from .util import reference_model  # noqa: E402

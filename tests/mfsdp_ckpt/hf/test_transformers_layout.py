@@ -11,7 +11,12 @@ import transformers
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import HFDirectory
-from mfsdp_ckpt.hf.transformers_layout import check_weights, disk_layout, export_conversions, load_weights
+from mfsdp_ckpt.hf.transformers_layout import (
+    check_weights,
+    disk_layout,
+    export_conversions,
+    load_weights,
+)
 from tests.hf_models import CONFIGS, hf_config
 
 

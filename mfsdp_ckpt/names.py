@@ -1,0 +1,52 @@
+"""The names of a checkpoint's files and markers, and what a name may be: one place for every
+layer (the storage below the format, the readers and writers above it).
+
+A committed checkpoint directory holds DCP's ``.metadata`` and data files and our manifest
+``mfsdp.json`` (written last: its presence marks the commit). A run directory holds checkpoint
+directories, ``latest`` (the newest committed one's name), a ``latest-checkpoint`` link for
+people, the writer lock, and partial directories (``<name>.partial-<id>``) while saves run.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["MANIFEST_NAME", "METADATA_NAME", "LATEST_NAME", "LATEST_LINK_NAME", "LOCK_NAME", "PARTIAL_MARK", "REPLACED_MARK", "MCORE_METADATA_NAME",
+           "shown", "member_name_problem"]
+
+MANIFEST_NAME = "mfsdp.json"
+METADATA_NAME = ".metadata"
+LATEST_NAME = "latest"
+LATEST_LINK_NAME = "latest-checkpoint"
+LOCK_NAME = ".mfsdp.lock"
+PARTIAL_MARK = ".partial-"
+REPLACED_MARK = ".replaced-"
+MCORE_METADATA_NAME = "metadata.json"  # what marks a Megatron-Core dist_checkpointing directory
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` for a one-line message: a plain short string as is, anything else (control
+    characters, other types, long strings) as a truncated ``repr``."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= limit:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        text = f"<an integer of {value.bit_length()} bits>"  # repr of a huge int may itself fail
+    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
+        text = repr(value if not isinstance(value, (str, bytes)) else value[: limit + 1])
+    else:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def member_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a file inside a checkpoint (None if it can): it must be a
+    non-empty relative path without ``..`` components, NUL or control characters."""
+    if not isinstance(name, str):
+        return f"a file name must be a string, not {type(name).__name__}"
+    if not name or not name.isprintable():
+        return f"file name {shown(name)} is empty or holds control characters"
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
+        return f"file name {shown(name)} is absolute"
+    if ".." in name.replace("\\", "/").split("/"):
+        return f"file name {shown(name)} leads out of the checkpoint directory"
+    return None

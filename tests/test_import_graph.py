@@ -1,0 +1,133 @@
+"""The import graph of the project's packages has no cycle and points one way.
+
+Every ``import`` counts, at module level or inside a function (a function-level import hides a
+cycle; it does not remove it), except those under ``if TYPE_CHECKING:``, which never run. Importing
+``a.b.c`` also imports the packages ``a`` and ``a.b`` (their ``__init__``), so those are edges too,
+unless the importer is inside them (they are then already being imported). The directions:
+the runtime (``mfsdp_core``) imports neither the checkpoint layer nor the command line, and the
+checkpoint layer (``mfsdp_ckpt``) does not import the command line."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("mfsdp_core", "mfsdp_ckpt", "cli")
+#: package -> the packages it must never import
+FORBIDDEN = {"mfsdp_core": ("mfsdp_ckpt", "cli"), "mfsdp_ckpt": ("cli",)}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file, for every module of :data:`PACKAGES`."""
+    out = {}
+    for package in PACKAGES:
+        for directory, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    parts = os.path.relpath(os.path.join(directory, name), ROOT)[:-3].split(os.sep)
+                    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(directory, name)
+    return out
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the import nodes under ``if TYPE_CHECKING:``."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules importing it imports (see the module docstring)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        skipped = _type_checking_only(tree)
+        package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                graph[module].update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    graph[module].add(sub if sub in modules else target)
+    for module, targets in graph.items():
+        for target in list(targets):
+            parts = target.split(".")
+            for i in range(1, len(parts)):
+                parent = ".".join(parts[:i])
+                if parent in modules and not (module == parent or module.startswith(parent + ".")):
+                    targets.add(parent)
+        targets &= set(modules)
+        targets.discard(module)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+    return out
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(group) for group in found)
+
+
+def test_imports_point_one_way():
+    wrong = sorted(f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
+                   if any(target.split(".")[0] == banned for banned in FORBIDDEN.get(module.split(".")[0], ())))
+    assert not wrong, "; ".join(wrong)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"x": {"y"}, "y": set()}) == []
