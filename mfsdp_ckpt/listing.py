@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from . import fs
 from .errors import CheckpointError, NotACheckpointError
 from .manifest import is_committed, read_manifest
+from .names import METADATA_NAME
 from .staging import is_partial_name
 
 __all__ = ["CheckpointEntry", "list_checkpoints"]
@@ -60,7 +61,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
                 committed, kind = True, "mfsdp"
             except CheckpointError:
                 pass
-        elif not (is_partial_name(name) or fs.isfile(fs.join(d, ".metadata"))):
+        elif not (is_partial_name(name) or fs.isfile(fs.join(d, METADATA_NAME))):
             continue  # not a checkpoint at all
         elif not is_partial_name(name) and _stock(d):
             kind = "stock DCP"  # DCP's own save writes .metadata last: complete, but nothing to commit or checksum
@@ -76,9 +77,9 @@ def _stock(directory: str) -> bool:
     from .safety import safe_load_metadata
     from .stock import uncommitted_reason
 
-    path = fs.join(directory, ".metadata")
+    path = fs.join(directory, METADATA_NAME)
     try:
-        metadata = checked_metadata(safe_load_metadata(fs.read_member(directory, ".metadata"), path), path)
+        metadata = checked_metadata(safe_load_metadata(fs.read_member(directory, METADATA_NAME), path), path)
     except (OSError, CheckpointError):
         return False  # unreadable: listed as not committed
     return uncommitted_reason(directory, metadata) is None

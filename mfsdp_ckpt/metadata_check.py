@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.names import member_name_problem, shown
+from mfsdp_ckpt.names import METADATA_NAME, member_name_problem, shown
 
 from .chunks import Fault, coverage_faults
 from .errors import CorruptCheckpointError
@@ -217,7 +217,7 @@ def chunk_nbytes(dtype: torch.dtype, sizes: Iterable[int]) -> int:
     return math.prod(sizes) * dtype.itemsize
 
 
-def entry_faults(key: str, md: Any, stored: Stored, source: str = ".metadata") -> list[Fault]:
+def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME) -> list[Fault]:
     """What is wrong with entry ``key`` of checked metadata (``md`` its storage metadata,
     ``stored`` its stored chunks), in this order: chunks not covering the tensor exactly once
     (:func:`~mfsdp_ckpt.chunks.coverage_faults`, file None), then, in ``source``: stored chunks
@@ -250,7 +250,7 @@ def entry_faults(key: str, md: Any, stored: Stored, source: str = ".metadata") -
     return faults
 
 
-def orphan_faults(metadata: Metadata, source: str = ".metadata") -> list[Fault]:
+def orphan_faults(metadata: Metadata, source: str = METADATA_NAME) -> list[Fault]:
     """Stored chunks of keys the metadata does not list at all."""
     return [Fault(source, index.fqn, tuple(index.offset) if index.offset is not None else None,
                   "stored, but the metadata lists no such key")

@@ -19,7 +19,13 @@ import time
 import uuid
 
 from .errors import CheckpointError, CheckpointExistsError
-from .names import PARTIAL_MARK, REPLACED_MARK
+from .names import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    PARTIAL_MARK,
+    REPLACED_MARK,
+)
 from .write_errors import write_failed
 
 __all__ = ["new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
@@ -103,7 +109,7 @@ def write_file_atomic(path: str, data: bytes | bytearray | memoryview, *, sync: 
 
 
 def _is_checkpoint_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "mfsdp.json")) or os.path.isfile(os.path.join(path, ".metadata"))
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME)) or os.path.isfile(os.path.join(path, METADATA_NAME))
 
 
 def _is_hf_dir(path: str) -> bool:
@@ -147,7 +153,7 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
         return  # an empty directory: nothing to lose
     if os.path.isdir(final):
         others = sorted(n for n in os.listdir(final) if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n)))
-        if others or os.path.isfile(os.path.join(final, "latest")):
+        if others or os.path.isfile(os.path.join(final, LATEST_NAME)):
             held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
             raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
     if not os.path.isdir(final) or not (_is_checkpoint_dir(final) if kind == "checkpoint" else _is_hf_dir(final)):

@@ -142,7 +142,7 @@ class CommittingWriter(FileSystemWriter):
                 }
                 plain_rank.append(dataclasses.replace(wr, storage_data=info))
             plain.append(plain_rank)
-        with reporting(fs.join(self.tmp_dir, ".metadata"), self.fs.streams):
+        with reporting(fs.join(self.tmp_dir, METADATA_NAME), self.fs.streams):
             super().finish(metadata, plain)
         with reporting(fs.join(self.tmp_dir, MANIFEST_NAME)) if self.remote else contextlib.nullcontext():
             write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)

@@ -50,7 +50,7 @@ from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointErr
 from .lock import run_lock
 from .manifest import completed, write_manifest
 from .metadata_check import entry_faults
-from .names import MANIFEST_NAME, shown
+from .names import MANIFEST_NAME, METADATA_NAME, shown
 from .planner import chunk_id, payload_crc32c
 from .records import without_zip_crc
 from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
@@ -581,7 +581,7 @@ class CheckpointBuilder:
             storage_meta=StorageMeta(checkpoint_id=self.final, save_id=save_id),
             version=CURRENT_DCP_VERSION,
         )
-        fs.write_bytes(fs.join(self.tmp, ".metadata"), pickle.dumps(metadata), sync=self.sync)
+        fs.write_bytes(fs.join(self.tmp, METADATA_NAME), pickle.dumps(metadata), sync=self.sync)
         write_manifest(self.tmp, completed(self.manifest, save_id, self._chunks), sync=self.sync)  # object store: the commit
         if not self.remote:
             if self.sync:
