@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test clean
+.PHONY: demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 $(TRAIN) --resume
+
+# the linter and the formatter's check (ruff, configured in pyproject.toml); `make format` applies it
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # two pytest workers (pytest-xdist), each taking whole files so that a module's fixtures are built
 # once; a one-worker run leaves much of the CPU idle (README, Tests, has the times)

@@ -53,8 +53,13 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) 
     optim.zero_grad()
 
 
-def _window(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps: int,
-            save: Callable[[], mfsdp_ckpt.AsyncSaveHandle] | None) -> tuple[float, mfsdp_ckpt.AsyncSaveHandle | None]:
+def _window(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    x: torch.Tensor,
+    steps: int,
+    save: Callable[[], mfsdp_ckpt.AsyncSaveHandle] | None,
+) -> tuple[float, mfsdp_ckpt.AsyncSaveHandle | None]:
     """Seconds of ``save()`` (if any), ``steps`` training steps and waiting for the save's commit."""
     dist.barrier()
     start = time.perf_counter()
@@ -70,8 +75,17 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(path: str, model: nn.Module, optim: torch.optim.Optimizer, *, rounds: int, steps: int, batch: int,
-            threads: int, clear: Callable[[str], None]) -> dict[str, float]:
+def measure(
+    path: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    rounds: int,
+    steps: int,
+    batch: int,
+    threads: int,
+    clear: Callable[[str], None],
+) -> dict[str, float]:
     """The numbers above (seconds; ``peak_extra``: bytes of this rank), saving to a fresh ``path``
     each time. ``clear(directory)`` empties the run directory (collective)."""
     dim = next(model.parameters()).shape[-1]
@@ -92,10 +106,12 @@ def measure(path: str, model: nn.Module, optim: torch.optim.Optimizer, *, rounds
     out: dict[str, list[float]] = {}
     for r in range(rounds):
         parts = ["sync", "without", "with"]
-        for part in parts[r % 3:] + parts[: r % 3]:  # rotate: the disk's and the CPUs' speed drift
+        for part in parts[r % 3 :] + parts[: r % 3]:  # rotate: the disk's and the CPUs' speed drift
             clear(run)
             if part == "sync":
-                out.setdefault("sync", []).append(timed(lambda: mfsdp_ckpt.save(path, model, optim, thread_count=threads)))
+                out.setdefault("sync", []).append(
+                    timed(lambda: mfsdp_ckpt.save(path, model, optim, thread_count=threads))
+                )
             elif part == "without":
                 seconds, _ = _window(model, optim, x, steps, None)
                 out.setdefault("without", []).append(slowest(seconds))
@@ -103,14 +119,25 @@ def measure(path: str, model: nn.Module, optim: torch.optim.Optimizer, *, rounds
                 reset_peak_rss()
                 seconds, h = _window(model, optim, x, steps, save)
                 peak = max(peak, rss_kib("VmHWM") - base_peak)
-                for name, value in (("with", seconds), ("call", h.call_s), ("fence", h.fence_s),
-                                    ("blocked", h.blocked_s), ("staged", h.staged_s), ("total", h.total_s)):
+                for name, value in (
+                    ("with", seconds),
+                    ("call", h.call_s),
+                    ("fence", h.fence_s),
+                    ("blocked", h.blocked_s),
+                    ("staged", h.staged_s),
+                    ("total", h.total_s),
+                ):
                     out.setdefault(name, []).append(slowest(value))
     result = {name: median(values) for name, values in out.items()}
     result["slowdown"] = median([w - wo for w, wo in zip(out["with"], out["without"])])
     result["without_min"], result["without_max"] = min(out["without"]), max(out["without"])
-    result.update(step=slowest(base_s) / steps, first_call=slowest(first.call_s), first_fence=slowest(first.fence_s),
-                  first_slowdown=slowest(first_s) - result["without"], peak_extra=peak * 1024.0)
+    result.update(
+        step=slowest(base_s) / steps,
+        first_call=slowest(first.call_s),
+        first_fence=slowest(first.fence_s),
+        first_slowdown=slowest(first_s) - result["without"],
+        peak_extra=peak * 1024.0,
+    )
     return result
 
 
@@ -122,21 +149,31 @@ def report(a: dict[str, float], ratio: float, rounds: int, steps: int, staging: 
         return f"{x:.3f} s = {x / sync:5.1%}"
 
     met = "met" if a["blocked"] <= 0.05 * sync else "NOT met"
-    return "\n".join([
-        (f"async_save in a training loop, median of {rounds} rounds, the slowest rank; a window = async_save + "
-        f"{steps} training steps (one step: {a['step']:.2f} s) + waiting for the commit; against sync save {sync:.2f} s:"),
-        f"  (a) call (checks; blocks the caller)          {pct(a['call'])}",
-        f"  (b) fence (the optimizer step waited)        {pct(a['fence'])}",
-        f"  (a)+(b) blocked training                    {pct(a['blocked'])}  (target <= 5%: {met})",
-        (f"  (c) slowdown of the window vs no save        {pct(a['slowdown'])}  "
-        f"(median of the rounds' differences; windows {a['with']:.2f} s with vs {a['without']:.2f} s without a save, "
-        f"which ranged {a['without_min']:.2f}-{a['without_max']:.2f} s: the noise; the background copy and write "
-        f"compete with training for the cores)"),
-        (f"  copy done {a['staged']:.2f} s, commit {a['total']:.2f} s after the call; first save (allocates the "
-        f"buffer): call {a['first_call']:.3f} s, fence {a['first_fence']:.3f} s, slowdown {a['first_slowdown']:.2f} s"),
-        (f"  peak extra host memory {ratio:.2f}x the rank's state bytes (target <= 1.1x: "
-        f"{'met' if ratio <= 1.1 else 'NOT met'}; staging buffer {staging / 1e9:.2f} GB per rank)"),
-    ])
+    return "\n".join(
+        [
+            (
+                f"async_save in a training loop, median of {rounds} rounds, the slowest rank; a window = async_save + "
+                f"{steps} training steps (one step: {a['step']:.2f} s) + waiting for the commit; against sync save {sync:.2f} s:"
+            ),
+            f"  (a) call (checks; blocks the caller)          {pct(a['call'])}",
+            f"  (b) fence (the optimizer step waited)        {pct(a['fence'])}",
+            f"  (a)+(b) blocked training                    {pct(a['blocked'])}  (target <= 5%: {met})",
+            (
+                f"  (c) slowdown of the window vs no save        {pct(a['slowdown'])}  "
+                f"(median of the rounds' differences; windows {a['with']:.2f} s with vs {a['without']:.2f} s without a save, "
+                f"which ranged {a['without_min']:.2f}-{a['without_max']:.2f} s: the noise; the background copy and write "
+                f"compete with training for the cores)"
+            ),
+            (
+                f"  copy done {a['staged']:.2f} s, commit {a['total']:.2f} s after the call; first save (allocates the "
+                f"buffer): call {a['first_call']:.3f} s, fence {a['first_fence']:.3f} s, slowdown {a['first_slowdown']:.2f} s"
+            ),
+            (
+                f"  peak extra host memory {ratio:.2f}x the rank's state bytes (target <= 1.1x: "
+                f"{'met' if ratio <= 1.1 else 'NOT met'}; staging buffer {staging / 1e9:.2f} GB per rank)"
+            ),
+        ]
+    )
 
 
 def main() -> None:
@@ -163,15 +200,25 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
 
-    a = measure(os.path.join(args.dir, "run", "step_1"), model, optim, rounds=args.rounds, steps=args.window,
-                batch=args.batch, threads=args.threads, clear=clear)
+    a = measure(
+        os.path.join(args.dir, "run", "step_1"),
+        model,
+        optim,
+        rounds=args.rounds,
+        steps=args.window,
+        batch=args.batch,
+        threads=args.threads,
+        clear=clear,
+    )
     ratio = torch.tensor([a["peak_extra"] / local_bytes], dtype=torch.float64)
     dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
     total = torch.tensor([local_bytes], dtype=torch.float64)
     dist.all_reduce(total)
     if rank == 0:
-        print(f"state: {total.item() / 1e9:.2f} GB over {dist.get_world_size()} ranks ({args.layers} x "
-              f"Linear({args.dim},{args.dim}) + AdamW, ZeRO-3), batch {args.batch} rows per rank")
+        print(
+            f"state: {total.item() / 1e9:.2f} GB over {dist.get_world_size()} ranks ({args.layers} x "
+            f"Linear({args.dim},{args.dim}) + AdamW, ZeRO-3), batch {args.batch} rows per rank"
+        )
         print(report(a, ratio.item(), args.rounds, args.window, staging_bytes()))
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()

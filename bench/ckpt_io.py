@@ -139,6 +139,7 @@ def parallel_read(path: str, out: numpy.ndarray, threads: int, block: int = 8 <<
     fd = os.open(path, os.O_RDONLY)
     try:
         with memoryview(out) as view:
+
             def one(offset: int) -> None:
                 done, want = 0, min(block, len(out) - offset)
                 while done < want:
@@ -160,10 +161,18 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="writer threads per rank for mfsdp_ckpt")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions; the median is reported")
-    parser.add_argument("--raw-threads", type=int, default=8,
-                        help="threads per rank of the raw parallel read (no checks, no second copy)")
-    parser.add_argument("--s3", default=None, metavar="URL",
-                        help="benchmark on this object-store prefix instead: mfsdp_ckpt vs plain s3fs put/get")
+    parser.add_argument(
+        "--raw-threads",
+        type=int,
+        default=8,
+        help="threads per rank of the raw parallel read (no checks, no second copy)",
+    )
+    parser.add_argument(
+        "--s3",
+        default=None,
+        metavar="URL",
+        help="benchmark on this object-store prefix instead: mfsdp_ckpt vs plain s3fs put/get",
+    )
     args = parser.parse_args()
     if args.s3:
         return s3_main(args)
@@ -207,27 +216,48 @@ def main() -> None:
 
     # (name, prepare, timed action); each write is followed by its cold read
     pairs = [
-        ("dd", lambda: None,
-         lambda: subprocess.run(["dd", f"if={dd_source}", f"of={dd_file}", "bs=1M", "conv=fdatasync"], check=True, capture_output=True),
-         lambda: cold(dd_file),
-         lambda: subprocess.run(["dd", f"if={dd_file}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)),
+        (
+            "dd",
+            lambda: None,
+            lambda: subprocess.run(
+                ["dd", f"if={dd_source}", f"of={dd_file}", "bs=1M", "conv=fdatasync"], check=True, capture_output=True
+            ),
+            lambda: cold(dd_file),
+            lambda: subprocess.run(["dd", f"if={dd_file}", "of=/dev/null", "bs=1M"], check=True, capture_output=True),
+        ),
         # reads the file dd wrote (dd comes first in round 0, and its file stays); no write of its own
-        (f"raw preadv x{args.raw_threads}", lambda: None, None, lambda: cold(dd_file),
-         lambda: parallel_read(dd_file, raw_target, args.raw_threads)),
-        ("torch.save/load", lambda: None, torch_save, lambda: cold(ts_file),
-         lambda: torch.load(ts_file, weights_only=True)),
-        ("stock DCP", lambda: clear(stock_dir),
-         lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(stock_dir)),
-         lambda: cold(stock_dir),
-         lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(stock_dir))),
-        ("mfsdp_ckpt", lambda: clear(os.path.dirname(ours_dir)),
-         lambda: mfsdp_ckpt.save(ours_dir, model, optim, thread_count=args.threads),
-         lambda: cold(ours_dir),
-         lambda: mfsdp_ckpt.load(ours_dir, model, optim)),
+        (
+            f"raw preadv x{args.raw_threads}",
+            lambda: None,
+            None,
+            lambda: cold(dd_file),
+            lambda: parallel_read(dd_file, raw_target, args.raw_threads),
+        ),
+        (
+            "torch.save/load",
+            lambda: None,
+            torch_save,
+            lambda: cold(ts_file),
+            lambda: torch.load(ts_file, weights_only=True),
+        ),
+        (
+            "stock DCP",
+            lambda: clear(stock_dir),
+            lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(stock_dir)),
+            lambda: cold(stock_dir),
+            lambda: dcp.load(targets, storage_reader=dcp.FileSystemReader(stock_dir)),
+        ),
+        (
+            "mfsdp_ckpt",
+            lambda: clear(os.path.dirname(ours_dir)),
+            lambda: mfsdp_ckpt.save(ours_dir, model, optim, thread_count=args.threads),
+            lambda: cold(ours_dir),
+            lambda: mfsdp_ckpt.load(ours_dir, model, optim),
+        ),
     ]
     times: dict[str, list[float]] = {}
     for r in range(args.rounds):  # rotate the order: the disk's speed drifts with what ran before
-        for name, prepare, write, make_cold, read in pairs[r % len(pairs):] + pairs[: r % len(pairs)]:
+        for name, prepare, write, make_cold, read in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
             prepare()
             if write is not None:
                 times.setdefault(f"{name} write", []).append(timed(write))
@@ -239,17 +269,23 @@ def main() -> None:
     dist.all_reduce(extra_ratio, op=dist.ReduceOp.MAX)
 
     if rank == 0:
-        print(f"state: {total_bytes / 1e9:.2f} GB over {world} ranks ({args.layers} x Linear({args.dim},{args.dim}) + AdamW), "
-              f"median of {args.rounds} rounds; dd write uses fdatasync, reads are cold")
+        print(
+            f"state: {total_bytes / 1e9:.2f} GB over {world} ranks ({args.layers} x Linear({args.dim},{args.dim}) + AdamW), "
+            f"median of {args.rounds} rounds; dd write uses fdatasync, reads are cold"
+        )
         print(f"{'what':28s} {'seconds':>8s} {'GB/s':>7s} {'vs dd':>6s} {'vs DCP':>7s}")
         for name, seconds in results.items():
             kind = "read (cold)" if "read" in name else "write"
             gbs = total_bytes / seconds / 1e9
-            print(f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}")
+            print(
+                f"{name:28s} {seconds:8.2f} {gbs:7.2f} {results['dd ' + kind] / seconds:6.2f} {results['stock DCP ' + kind] / seconds:7.2f}"
+            )
         raw = min(results["dd read (cold)"], results[f"raw preadv x{args.raw_threads} read (cold)"])
         dcp_read = results["stock DCP read (cold)"]
-        print(f"stock DCP's cold read takes {dcp_read / raw:.2f}x the faster raw read ({raw:.2f} s); a load 1.5x faster "
-              f"than DCP ({dcp_read / 1.5:.2f} s) would have to read {raw * 1.5 / dcp_read:.2f}x as fast as it")
+        print(
+            f"stock DCP's cold read takes {dcp_read / raw:.2f}x the faster raw read ({raw:.2f} s); a load 1.5x faster "
+            f"than DCP ({dcp_read / 1.5:.2f} s) would have to read {raw * 1.5 / dcp_read:.2f}x as fast as it"
+        )
         from async_train import report  # bench/ (the script's directory)
 
         print(report(asynchronous, extra_ratio.item(), args.rounds, 2, mfsdp_ckpt_staging_bytes()))
@@ -288,18 +324,22 @@ def s3_main(args: argparse.Namespace) -> None:
     ]
     times: dict[str, list[float]] = {}
     for r in range(args.rounds):
-        for name, prepare, write, read in pairs[r % 2:] + pairs[: r % 2]:
+        for name, prepare, write, read in pairs[r % 2 :] + pairs[: r % 2]:
             prepare()
             times.setdefault(f"{name} write", []).append(timed(write))
             times.setdefault(f"{name} read", []).append(timed(read))
     results = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     if rank == 0:
-        print(f"state: {total.item() / 1e9:.3f} GB over {world} ranks on {args.s3} ({args.layers} x Linear({args.dim},{args.dim}) "
-              f"+ AdamW), median of {args.rounds} rounds; measures the client path, not the store")
+        print(
+            f"state: {total.item() / 1e9:.3f} GB over {world} ranks on {args.s3} ({args.layers} x Linear({args.dim},{args.dim}) "
+            f"+ AdamW), median of {args.rounds} rounds; measures the client path, not the store"
+        )
         print(f"{'what':22s} {'seconds':>8s} {'GB/s':>7s} {'vs s3fs':>8s}")
         for name, seconds in results.items():
             kind = "read" if name.endswith("read") else "write"
-            print(f"{name:22s} {seconds:8.2f} {total.item() / seconds / 1e9:7.3f} {results['s3fs put/get ' + kind] / seconds:8.2f}")
+            print(
+                f"{name:22s} {seconds:8.2f} {total.item() / seconds / 1e9:7.3f} {results['s3fs put/get ' + kind] / seconds:8.2f}"
+            )
         fs.remove_tree(root)
     dist.destroy_process_group()
 

@@ -67,10 +67,24 @@ def phase_make(ckpt: str, layers: str) -> dict:
     from mfsdp_ckpt.streaming import CheckpointBuilder
     from mfsdp_core.models.gpt import GPTConfig
 
-    config = GPTConfig(vocab_size=32000, hidden_size=2048, num_layers=int(layers), num_attention_heads=16,
-                       num_query_groups=4, kv_channels=128, ffn_hidden_size=5632, seq_length=2048)
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": config.to_dict(),
-                "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
+    config = GPTConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=int(layers),
+        num_attention_heads=16,
+        num_query_groups=4,
+        kv_channels=128,
+        ffn_hidden_size=5632,
+        seq_length=2048,
+    )
+    manifest = {
+        "writer": {"world_size": 1, "buffers": [], "groups": []},
+        "model_config": config.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     torch.manual_seed(0)
     total = largest = 0
     with CheckpointBuilder(ckpt, manifest, sync=False) as builder:
@@ -153,14 +167,24 @@ def phase_dd(ckpt: str, out: str) -> dict:
     os.makedirs(out)
     for n in sorted(os.listdir(ckpt)):
         if n.endswith(".distcp"):
-            subprocess.run(["dd", f"if={os.path.join(ckpt, n)}", f"of={os.path.join(out, n)}", "bs=16M", "conv=fdatasync"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["dd", f"if={os.path.join(ckpt, n)}", f"of={os.path.join(out, n)}", "bs=16M", "conv=fdatasync"],
+                check=True,
+                capture_output=True,
+            )
     return {}
 
 
-PHASES = {"make": phase_make, "dd": phase_dd, "ours_export": phase_ours_export, "transformers": phase_transformers,
-          "ours_import": phase_ours_import, "from_pretrained": phase_from_pretrained,
-          "transformers_durable": phase_transformers_durable, "from_pretrained_dcp": phase_from_pretrained_dcp}
+PHASES = {
+    "make": phase_make,
+    "dd": phase_dd,
+    "ours_export": phase_ours_export,
+    "transformers": phase_transformers,
+    "ours_import": phase_ours_import,
+    "from_pretrained": phase_from_pretrained,
+    "transformers_durable": phase_transformers_durable,
+    "from_pretrained_dcp": phase_from_pretrained_dcp,
+}
 
 
 def _warm(path: str) -> None:
@@ -192,8 +216,9 @@ def _child(name: str, *args: str, warm: str | None = None) -> dict:
 
 def _same_files(a: str, b: str) -> bool:
     names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
-                                                  for n in names)
+    return names == sorted(os.listdir(b)) and all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
 
 
 def main() -> None:
@@ -213,29 +238,55 @@ def main() -> None:
         print(json.dumps(info))
         return
     if a.workers is None:
-        a.workers = max(1, min(4, os.cpu_count() or 1))  # mfsdp_ckpt.hf.workers.default_workers, without importing torch here
+        a.workers = max(
+            1, min(4, os.cpu_count() or 1)
+        )  # mfsdp_ckpt.hf.workers.default_workers, without importing torch here
 
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
-    ckpt, src, ours, theirs, back = (os.path.join(a.workdir, n) for n in ("ckpt", "hf_src", "hf_ours", "hf_transformers", "ckpt_back"))
+    ckpt, src, ours, theirs, back = (
+        os.path.join(a.workdir, n) for n in ("ckpt", "hf_src", "hf_ours", "hf_transformers", "ckpt_back")
+    )
     copy, theirs_dcp = os.path.join(a.workdir, "dd_copy"), os.path.join(a.workdir, "dcp_from_transformers")
-    outputs = {"ours_export": ours, "transformers": theirs, "ours_import": back, "from_pretrained": None, "dd": copy,
-               "transformers_durable": theirs, "from_pretrained_dcp": theirs_dcp}
-    inputs = {"ours_export": ckpt, "transformers": src, "ours_import": src, "from_pretrained": src, "dd": ckpt,
-              "transformers_durable": src, "from_pretrained_dcp": src}
-    calls = {"ours_export": (ckpt, ours, str(a.workers)), "transformers": (src, theirs),
-             "ours_import": (src, back, str(a.workers)), "from_pretrained": (src,), "dd": (ckpt, copy),
-             "transformers_durable": (src, theirs), "from_pretrained_dcp": (src, theirs_dcp)}
+    outputs = {
+        "ours_export": ours,
+        "transformers": theirs,
+        "ours_import": back,
+        "from_pretrained": None,
+        "dd": copy,
+        "transformers_durable": theirs,
+        "from_pretrained_dcp": theirs_dcp,
+    }
+    inputs = {
+        "ours_export": ckpt,
+        "transformers": src,
+        "ours_import": src,
+        "from_pretrained": src,
+        "dd": ckpt,
+        "transformers_durable": src,
+        "from_pretrained_dcp": src,
+    }
+    calls = {
+        "ours_export": (ckpt, ours, str(a.workers)),
+        "transformers": (src, theirs),
+        "ours_import": (src, back, str(a.workers)),
+        "from_pretrained": (src,),
+        "dd": (ckpt, copy),
+        "transformers_durable": (src, theirs),
+        "from_pretrained_dcp": (src, theirs_dcp),
+    }
     order = list(calls)
     times: dict[str, list[dict]] = {name: [] for name in order}
     identical = None
     try:
         made = _child("make", ckpt, str(a.layers))
         _child("ours_export", ckpt, src, "1")  # the common HF input, and the reference bytes
-        print(f"checkpoint: {made['bytes'] / 1e9:.2f} GB ({made['bytes'] / 2**30:.2f} GiB) fp32, Llama-style, {a.layers} layers, "
-              f"largest tensor {made['largest'] / MiB:,.0f} MiB; ours with {a.workers} worker(s); {a.rounds} round(s)")
+        print(
+            f"checkpoint: {made['bytes'] / 1e9:.2f} GB ({made['bytes'] / 2**30:.2f} GiB) fp32, Llama-style, {a.layers} layers, "
+            f"largest tensor {made['largest'] / MiB:,.0f} MiB; ours with {a.workers} worker(s); {a.rounds} round(s)"
+        )
         for r in range(a.rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 times[name].append(_child(name, *calls[name], warm=inputs[name]))
                 if name == "ours_export" and identical is None:
                     identical = _same_files(src, ours)
@@ -248,33 +299,49 @@ def main() -> None:
     def med(name: str, field: str) -> float:
         return statistics.median(r[field] for r in times[name])
 
-    labels = {"ours_export": f"ours export (hf.export, {a.workers} workers)",
-              "transformers": "transformers from_pretrained + save_pretrained",
-              "ours_import": f"ours import (hf.import_, {a.workers} workers)",
-              "from_pretrained": "transformers from_pretrained",
-              "dd": "dd copy of the data file, fdatasync (reference)",
-              "transformers_durable": "transformers load + save_pretrained + fsync",
-              "from_pretrained_dcp": "transformers from_pretrained + stock DCP save"}
-    print(f"\n{'phase (median of ' + str(a.rounds) + ')':<50} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}  all rounds (s)")
+    labels = {
+        "ours_export": f"ours export (hf.export, {a.workers} workers)",
+        "transformers": "transformers from_pretrained + save_pretrained",
+        "ours_import": f"ours import (hf.import_, {a.workers} workers)",
+        "from_pretrained": "transformers from_pretrained",
+        "dd": "dd copy of the data file, fdatasync (reference)",
+        "transformers_durable": "transformers load + save_pretrained + fsync",
+        "from_pretrained_dcp": "transformers from_pretrained + stock DCP save",
+    }
+    print(
+        f"\n{'phase (median of ' + str(a.rounds) + ')':<50} {'wall s':>8} {'GB/s':>6} {'peak RSS MiB':>13}  all rounds (s)"
+    )
     for name in order:
         secs = [r["seconds"] for r in times[name]]
-        print(f"{labels[name]:<50} {med(name, 'seconds'):8.2f} {made['bytes'] / 1e9 / med(name, 'seconds'):6.2f} "
-              f"{med(name, 'peak_rss_mib'):13,.0f}  {', '.join(f'{s:.2f}' for s in secs)}")
+        print(
+            f"{labels[name]:<50} {med(name, 'seconds'):8.2f} {made['bytes'] / 1e9 / med(name, 'seconds'):6.2f} "
+            f"{med(name, 'peak_rss_mib'):13,.0f}  {', '.join(f'{s:.2f}' for s in secs)}"
+        )
     bound = made["largest"] / MiB + 512
-    print(f"\nexport: {med('transformers', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed of transformers' "
-          f"load + save_pretrained (target >= 1.5x)")
-    print(f"import: {med('from_pretrained', 'seconds') / med('ours_import', 'seconds'):.2f}x the speed of transformers' "
-          f"from_pretrained (target >= 1.5x)")
-    print(f"same durable work: export {med('transformers_durable', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed "
-          f"of transformers' load + save_pretrained + fsync, import {med('from_pretrained_dcp', 'seconds') / med('ours_import', 'seconds'):.2f}x "
-          f"that of from_pretrained + stock DCP save")
+    print(
+        f"\nexport: {med('transformers', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed of transformers' "
+        f"load + save_pretrained (target >= 1.5x)"
+    )
+    print(
+        f"import: {med('from_pretrained', 'seconds') / med('ours_import', 'seconds'):.2f}x the speed of transformers' "
+        f"from_pretrained (target >= 1.5x)"
+    )
+    print(
+        f"same durable work: export {med('transformers_durable', 'seconds') / med('ours_export', 'seconds'):.2f}x the speed "
+        f"of transformers' load + save_pretrained + fsync, import {med('from_pretrained_dcp', 'seconds') / med('ours_import', 'seconds'):.2f}x "
+        f"that of from_pretrained + stock DCP save"
+    )
     for name in ("ours_export", "ours_import"):
         per = med(name, "peak_rss_mib") / a.workers
-        print(f"{name.replace('_', ' ')}: peak RSS {med(name, 'peak_rss_mib'):,.0f} MiB = {per:,.0f} MiB per worker "
-              f"(bound: largest tensor + 512 MiB = {bound:,.0f} MiB per worker: {'met' if per <= bound else 'MISSED'})")
+        print(
+            f"{name.replace('_', ' ')}: peak RSS {med(name, 'peak_rss_mib'):,.0f} MiB = {per:,.0f} MiB per worker "
+            f"(bound: largest tensor + 512 MiB = {bound:,.0f} MiB per worker: {'met' if per <= bound else 'MISSED'})"
+        )
     dd = med("dd", "seconds")
-    print(f"against dd's durable copy of the same bytes ({dd:.2f} s): export {med('ours_export', 'seconds') / dd:.2f}x "
-          f"dd's time, import {med('ours_import', 'seconds') / dd:.2f}x (ours includes starting Python and torch)")
+    print(
+        f"against dd's durable copy of the same bytes ({dd:.2f} s): export {med('ours_export', 'seconds') / dd:.2f}x "
+        f"dd's time, import {med('ours_import', 'seconds') / dd:.2f}x (ours includes starting Python and torch)"
+    )
     print(f"export with {a.workers} worker(s) byte-identical to the 1-worker export: {'yes' if identical else 'NO'}")
 
 

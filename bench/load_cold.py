@@ -56,6 +56,7 @@ def main() -> None:
                 return _original(*a, **k)
             finally:
                 passes[_name] += time.perf_counter() - start
+
         setattr(storage, fn, functools.wraps(original)(timed_pass))
 
     def cold() -> None:
@@ -79,14 +80,16 @@ def main() -> None:
 
     times: dict[str, list[float]] = {"dd": [], "load": []}
     for r in range(args.rounds):
-        for name, fn in ((("dd", dd), ("load", load)) if r % 2 == 0 else (("load", load), ("dd", dd))):
+        for name, fn in (("dd", dd), ("load", load)) if r % 2 == 0 else (("load", load), ("dd", dd)):
             times[name].append(fn())
     if rank == 0:
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         for k, v in times.items():
             print(f"{k:5s} median {med[k]:.2f} s   rounds: {' '.join(f'{x:.2f}' for x in v)}")
-        print(f"load vs dd: {med['dd'] / med['load']:.2f}x (>1: faster); rank 0 per load: "
-              f"verify {passes['verify'] / args.rounds:.2f} s, copy into place {passes['copy'] / args.rounds:.2f} s")
+        print(
+            f"load vs dd: {med['dd'] / med['load']:.2f}x (>1: faster); rank 0 per load: "
+            f"verify {passes['verify'] / args.rounds:.2f} s, copy into place {passes['copy'] / args.rounds:.2f} s"
+        )
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()
 

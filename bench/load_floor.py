@@ -73,9 +73,11 @@ def _one_way(way: str, path: str, threads: int) -> float:
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
             if way == "in place":
+
                 def block(o: int) -> None:
-                    _read(fd, destination[o:o + BLOCK], o)
-                    crc32c(destination[o:o + BLOCK])
+                    _read(fd, destination[o : o + BLOCK], o)
+                    crc32c(destination[o : o + BLOCK])
+
                 list(pool.map(block, offsets))
             elif way == "two passes":
                 stage = _populated(min(STAGE, size))
@@ -83,25 +85,28 @@ def _one_way(way: str, path: str, threads: int) -> float:
 
                 def check(o: int) -> None:
                     slot = (o // BLOCK) % slots * BLOCK
-                    buf = stage[slot:slot + min(BLOCK, size - o)]
+                    buf = stage[slot : slot + min(BLOCK, size - o)]
                     _read(fd, buf, o)
                     crc32c(buf)
+
                 list(pool.map(check, offsets))
-                list(pool.map(lambda o: _read(fd, destination[o:o + BLOCK], o), offsets))
+                list(pool.map(lambda o: _read(fd, destination[o : o + BLOCK], o), offsets))
             elif way == "undo log":
                 log = _populated(size)
 
                 def logged(o: int) -> None:
-                    numpy.copyto(log[o:o + BLOCK], destination[o:o + BLOCK])
-                    _read(fd, destination[o:o + BLOCK], o)
-                    crc32c(destination[o:o + BLOCK])
+                    numpy.copyto(log[o : o + BLOCK], destination[o : o + BLOCK])
+                    _read(fd, destination[o : o + BLOCK], o)
+                    crc32c(destination[o : o + BLOCK])
+
                 list(pool.map(logged, offsets))
             else:
                 fresh = _populated(size, huge=way == "fresh, huge pages", populate=False)
 
                 def into_fresh(o: int) -> None:
-                    _read(fd, fresh[o:o + BLOCK], o)
-                    crc32c(fresh[o:o + BLOCK])
+                    _read(fd, fresh[o : o + BLOCK], o)
+                    crc32c(fresh[o : o + BLOCK])
+
                 list(pool.map(into_fresh, offsets))
             return time.perf_counter() - start
     finally:
@@ -118,7 +123,9 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/mfsdp_load_floor")
     parser.add_argument("--size-mib", type=int, default=1024, help="bytes per process (rank)")
     parser.add_argument("--procs", type=int, default=2, help="processes at once, one per rank")
-    parser.add_argument("--threads", type=int, default=DEFAULT_READ_THREADS, help="threads per process (the load's default)")
+    parser.add_argument(
+        "--threads", type=int, default=DEFAULT_READ_THREADS, help="threads per process (the load's default)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -137,7 +144,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     seconds: dict[str, list[float]] = {way: [] for way in WAYS}
     for r in range(args.rounds):
-        for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
+        for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
             barrier, results = ctx.Barrier(args.procs), ctx.Queue()
             procs = [ctx.Process(target=_worker, args=(way, p, args.threads, barrier, results)) for p in paths]
             for p in procs:
@@ -147,8 +154,10 @@ def main() -> None:
                 p.join()
             seconds[way].append(max(times))
     base = statistics.median(seconds["in place"])
-    print(f"{args.procs} processes x {args.size_mib} MiB from the page cache, {args.threads} threads each, "
-          f"{os.cpu_count()} CPUs; slowest process, median of {args.rounds} rounds")
+    print(
+        f"{args.procs} processes x {args.size_mib} MiB from the page cache, {args.threads} threads each, "
+        f"{os.cpu_count()} CPUs; slowest process, median of {args.rounds} rounds"
+    )
     print(f"{'way':20s} {'seconds':>8s} {'vs in place':>12s}   all rounds")
     for way in WAYS:
         m = statistics.median(seconds[way])

@@ -80,7 +80,7 @@ def main() -> None:
         mfsdp_ckpt.load(source, *targets[name])
         owned[name] = sum(hi - lo for ps in describe_shards(*targets[name]) for lo, hi in [ps.owned])
     for r in range(args.rounds):  # rotate the order each round
-        for name, source in runs[r % len(runs):] + runs[: r % len(runs)]:
+        for name, source in runs[r % len(runs) :] + runs[: r % len(runs)]:
             dist.barrier()
             start = time.perf_counter()
             mfsdp_ckpt.load(source, *targets[name])
@@ -89,14 +89,20 @@ def main() -> None:
     dist.all_gather_object(counts, owned)
     if rank == 0:
         reference = statistics.median(times[(next(iter(targets)), path)])
-        print(f"{args.layers} x Linear({args.dim},{args.dim}) + AdamW on {dist.get_world_size()} ranks; warm loads, "
-              f"median of {args.rounds}; 'own' = a checkpoint saved in the target's layout")
-        print(f"{'target layout':24s} {'from even/ZeRO-3':>17s} {'vs same layout':>15s} {'from own':>9s} {'reshard vs own':>15s}  "
-              "elements owned per rank")
+        print(
+            f"{args.layers} x Linear({args.dim},{args.dim}) + AdamW on {dist.get_world_size()} ranks; warm loads, "
+            f"median of {args.rounds}; 'own' = a checkpoint saved in the target's layout"
+        )
+        print(
+            f"{'target layout':24s} {'from even/ZeRO-3':>17s} {'vs same layout':>15s} {'from own':>9s} {'reshard vs own':>15s}  "
+            "elements owned per rank"
+        )
         for name in targets:
             t = statistics.median(times[(name, path)])
             t_own = statistics.median(times[(name, own[name])])
-            print(f"{name:24s} {t:17.3f} {t / reference:15.2f} {t_own:9.3f} {t / t_own:15.2f}  {[c[name] for c in counts]}")
+            print(
+                f"{name:24s} {t:17.3f} {t / reference:15.2f} {t_own:9.3f} {t / t_own:15.2f}  {[c[name] for c in counts]}"
+            )
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()
 

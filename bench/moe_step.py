@@ -58,9 +58,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     base = get_preset("mixtral-like-small")
-    config = dataclasses.replace(base, hidden_size=args.hidden, num_layers=args.layers, num_experts=args.experts,
-                                 moe_ffn_hidden_size=args.ffn, num_attention_heads=8, num_query_groups=2,
-                                 kv_channels=args.hidden // 8, seq_length=args.seq_len)
+    config = dataclasses.replace(
+        base,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        moe_ffn_hidden_size=args.ffn,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=args.hidden // 8,
+        seq_length=args.seq_len,
+    )
     sizes = [ep for ep in (1, 2, 4) if world % ep == 0 and args.experts % ep == 0]
     runs = {ep: build(config, ep) for ep in sizes}
     gen = torch.Generator().manual_seed(rank)
@@ -74,7 +82,7 @@ def main() -> None:
             step(model, optim, batch())
         comm[ep] = (counter.total_bytes("all_to_all"), counter.total_bytes("all_gather"))
     for r in range(args.rounds):
-        order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
+        order = sizes[r % len(sizes) :] + sizes[: r % len(sizes)]
         for ep in order:
             model, optim = runs[ep]
             dist.barrier()
@@ -84,14 +92,22 @@ def main() -> None:
             dist.barrier()
             times[ep].append((time.perf_counter() - start) / args.steps)
     if rank == 0:
-        experts = {ep: sum(p.numel() for n, p in runs[ep][0].named_parameters() if expert_index(n) is not None) for ep in sizes}
-        print(f"W={world}, {args.experts} experts x {args.layers} layers (hidden {args.hidden}, expert ffn {args.ffn}), "
-              f"{args.seqs}x{args.seq_len} tokens per rank, ZeRO-3, gloo on CPU; median of {args.rounds} rounds x {args.steps} steps")
-        print(f"{'EP':>3} {'step ms':>9} {'vs EP=1':>8} {'all-to-all MB/step':>19} {'all-gather MB/step':>19} {'expert params/rank':>19}")
+        experts = {
+            ep: sum(p.numel() for n, p in runs[ep][0].named_parameters() if expert_index(n) is not None) for ep in sizes
+        }
+        print(
+            f"W={world}, {args.experts} experts x {args.layers} layers (hidden {args.hidden}, expert ffn {args.ffn}), "
+            f"{args.seqs}x{args.seq_len} tokens per rank, ZeRO-3, gloo on CPU; median of {args.rounds} rounds x {args.steps} steps"
+        )
+        print(
+            f"{'EP':>3} {'step ms':>9} {'vs EP=1':>8} {'all-to-all MB/step':>19} {'all-gather MB/step':>19} {'expert params/rank':>19}"
+        )
         ref = statistics.median(times[sizes[0]])
         for ep in sizes:
             t = statistics.median(times[ep])
-            print(f"{ep:>3} {t * 1e3:>9.1f} {ref / t:>8.2f} {comm[ep][0] / 1e6:>19.2f} {comm[ep][1] / 1e6:>19.2f} {experts[ep]:>19,}")
+            print(
+                f"{ep:>3} {t * 1e3:>9.1f} {ref / t:>8.2f} {comm[ep][0] / 1e6:>19.2f} {comm[ep][1] / 1e6:>19.2f} {experts[ep]:>19,}"
+            )
     runs.clear()
     dist.destroy_process_group()
 

@@ -79,9 +79,20 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = dataclasses.replace(get_preset("llama-like-small"), hidden_size=args.hidden, num_layers=args.layers,
-                                 ffn_hidden_size=args.ffn, num_attention_heads=8, num_query_groups=4, kv_channels=args.hidden // 8)
-    modes = {"gather-all": build(config, "even"), "owner-compute": build(config, "even"), "tensor": build(config, "tensor")}
+    config = dataclasses.replace(
+        get_preset("llama-like-small"),
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=args.hidden // 8,
+    )
+    modes = {
+        "gather-all": build(config, "even"),
+        "owner-compute": build(config, "even"),
+        "tensor": build(config, "tensor"),
+    }
     tokens = torch.randint(0, config.vocab_size, (2, 65), generator=torch.Generator().manual_seed(rank))
     for model, _ in modes.values():  # gradients to step on (kept: the steps below do not zero them)
         logits = model(tokens[:, :-1])
@@ -103,7 +114,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in modes}
     names = list(modes)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -112,8 +123,10 @@ def main() -> None:
             times[name].append((time.perf_counter() - start) / args.steps)
     if rank == 0:
         matrices = sum(1 for g in modes["tensor"][1].param_groups if g["use_muon"] for _ in g["params"])
-        print(f"W={world}, {matrices} Muon matrices (hidden {args.hidden}, {args.layers} layers, FFN {args.ffn}), ZeRO-3, "
-              f"bf16 Newton-Schulz, gloo on CPU; median of {args.rounds} rounds x {args.steps} steps")
+        print(
+            f"W={world}, {matrices} Muon matrices (hidden {args.hidden}, {args.layers} layers, FFN {args.ffn}), ZeRO-3, "
+            f"bf16 Newton-Schulz, gloo on CPU; median of {args.rounds} rounds x {args.steps} steps"
+        )
         print(f"{'mode':<14} {'step ms':>9} {'vs gather-all':>14} {'rank 0 comm MB/step':>20}")
         ref = statistics.median(times["gather-all"])
         for name in modes:

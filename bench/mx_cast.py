@@ -49,8 +49,10 @@ def main() -> None:
     t = time.perf_counter()
     if mx_native.load("cpu") is None:
         sys.exit(f"native kernel unavailable: {mx_native.unavailable_reason('cpu')}")
-    print(f"native kernel ready in {time.perf_counter() - t:.1f} s ({mx_native.build_dir('cpu')}); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"native kernel ready in {time.perf_counter() - t:.1f} s ({mx_native.build_dir('cpu')}); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"{'shape':>11} {'format':>17} {'axis':>4} {'reference GB/s':>15} {'native GB/s':>12} {'native/ref':>11}")
     torch.manual_seed(0)
     for size in args.sizes.split(","):
@@ -62,11 +64,15 @@ def main() -> None:
             for axis in mx.AXES:
                 ref = mx.quantize_reference(x, fmt, axis)
                 nat = mx.quantize(x, fmt, axis, backend="native")
-                assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, nat)), "bytes differ"
+                assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, nat)), (
+                    "bytes differ"
+                )
                 del ref, nat
-                t_ref = _best(lambda: mx.quantize_reference(x, fmt, axis), args.repeat)
-                t_nat = _best(lambda: mx.quantize(x, fmt, axis, backend="native"), args.repeat)
-                print(f"{size:>11} {str(fmt):>17} {axis:>4} {gb / t_ref:>15.2f} {gb / t_nat:>12.2f} {t_ref / t_nat:>10.1f}x")
+                t_ref = _best(lambda x=x, fmt=fmt, axis=axis: mx.quantize_reference(x, fmt, axis), args.repeat)
+                t_nat = _best(lambda x=x, fmt=fmt, axis=axis: mx.quantize(x, fmt, axis, backend="native"), args.repeat)
+                print(
+                    f"{size:>11} {str(fmt):>17} {axis:>4} {gb / t_ref:>15.2f} {gb / t_nat:>12.2f} {t_ref / t_nat:>10.1f}x"
+                )
 
 
 if __name__ == "__main__":

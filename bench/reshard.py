@@ -78,9 +78,24 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     src = os.path.join(args.dir, "src")
     if not os.path.exists(src):
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                        os.path.abspath(__file__), "--make-source", src, "--layers", str(args.layers), "--dim", str(args.dim)],
-                       check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=4",
+                os.path.abspath(__file__),
+                "--make-source",
+                src,
+                "--layers",
+                str(args.layers),
+                "--dim",
+                str(args.dim),
+            ],
+            check=True,
+            cwd=ROOT,
+        )
     total = sum(os.path.getsize(f) for f in data_files(src))
     largest_mib = args.dim * args.dim * 4 / 2**20
 
@@ -92,8 +107,11 @@ def main() -> None:
         drop_cache(src)
         start = time.perf_counter()
         for f in data_files(src):
-            subprocess.run(["dd", f"if={f}", f"of={os.path.join(out, os.path.basename(f))}", "bs=16M", "conv=fdatasync"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["dd", f"if={f}", f"of={os.path.join(out, os.path.basename(f))}", "bs=16M", "conv=fdatasync"],
+                check=True,
+                capture_output=True,
+            )
         wall = time.perf_counter() - start
         shutil.rmtree(out)
         return wall, float("nan")
@@ -102,8 +120,20 @@ def main() -> None:
         dst = os.path.join(args.dir, f"w{workers}")
         shutil.rmtree(dst, ignore_errors=True)
         drop_cache(src)
-        result = run_child([sys.executable, "-m", "cli.main", "reshard", src, dst,
-                            "--world-size", str(args.target_world_size), "--workers", str(workers)])
+        result = run_child(
+            [
+                sys.executable,
+                "-m",
+                "cli.main",
+                "reshard",
+                src,
+                dst,
+                "--world-size",
+                str(args.target_world_size),
+                "--workers",
+                str(workers),
+            ]
+        )
         shutil.rmtree(dst)
         return result
 
@@ -112,7 +142,7 @@ def main() -> None:
     rss: dict[str, list[float]] = {k: [] for k in cases}
     names = list(cases)
     for r in range(args.rounds):  # rotate the order: the disk here is noisy and drifts
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             wall, peak = cases[name]()
             times[name].append(wall)
             rss[name].append(peak)
@@ -121,16 +151,23 @@ def main() -> None:
     rows = [(1, med["reshard1"], max(rss["reshard1"])), (2, med["reshard2"], max(rss["reshard2"]))]
 
     baseline_rss = run_child([sys.executable, "-c", "import torch, mfsdp_ckpt.reshard"])[1]
-    print(f"\nreshard {total / 2**30:.2f} GiB, 4 -> {args.target_world_size} ranks; largest tensor {largest_mib:.0f} MiB; "
-          f"{os.cpu_count()} CPUs; median of {args.rounds} rounds (order rotated)")
+    print(
+        f"\nreshard {total / 2**30:.2f} GiB, 4 -> {args.target_world_size} ranks; largest tensor {largest_mib:.0f} MiB; "
+        f"{os.cpu_count()} CPUs; median of {args.rounds} rounds (order rotated)"
+    )
     print(f"{'':30s} {'wall s':>8s} {'GB/s':>6s} {'dd/ours':>8s} {'peak RSS MiB':>13s}")
     print(f"{'dd read+write (fdatasync)':30s} {dd_wall:8.2f} {total / dd_wall / 1e9:6.2f} {1.0:8.2f} {'-':>13s}")
     for workers, wall, peak in rows:
-        print(f"{f'mfsdp-ckpt reshard --workers {workers}':30s} {wall:8.2f} {total / wall / 1e9:6.2f} {dd_wall / wall:8.2f} {peak:13.0f}")
-    print(f"\ntarget wall <= 1.5x dd: ours/dd = {rows[0][1] / dd_wall:.2f} (1 worker), {rows[1][1] / dd_wall:.2f} (2 workers)")
-    print(f"target peak RSS <= largest tensor + 512 MiB = {largest_mib + 512:.0f} MiB: measured {rows[0][2]:.0f} MiB "
-          f"(python + torch + mfsdp_ckpt alone: {baseline_rss:.0f} MiB)")
-
+        print(
+            f"{f'mfsdp-ckpt reshard --workers {workers}':30s} {wall:8.2f} {total / wall / 1e9:6.2f} {dd_wall / wall:8.2f} {peak:13.0f}"
+        )
+    print(
+        f"\ntarget wall <= 1.5x dd: ours/dd = {rows[0][1] / dd_wall:.2f} (1 worker), {rows[1][1] / dd_wall:.2f} (2 workers)"
+    )
+    print(
+        f"target peak RSS <= largest tensor + 512 MiB = {largest_mib + 512:.0f} MiB: measured {rows[0][2]:.0f} MiB "
+        f"(python + torch + mfsdp_ckpt alone: {baseline_rss:.0f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,10 @@ def _run(fn: Callable[[], Any]) -> Any:
         elif isinstance(e, OSError):
             _fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or text}", type(e).__name__)
         else:
-            _fail(f"{type(e).__name__}: {text[:300]} (an internal error: run with --debug for the traceback)", type(e).__name__)
+            _fail(
+                f"{type(e).__name__}: {text[:300]} (an internal error: run with --debug for the traceback)",
+                type(e).__name__,
+            )
 
 
 class LazyChoice(click.Choice):
@@ -105,8 +108,16 @@ class _Progress:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=self.unit == "B", unit_divisor=1024,
-                            dynamic_ncols=True, leave=False, file=sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                desc=self.desc,
+                unit=self.unit,
+                unit_scale=self.unit == "B",
+                unit_divisor=1024,
+                dynamic_ncols=True,
+                leave=False,
+                file=sys.stderr,
+            )
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:

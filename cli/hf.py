@@ -10,31 +10,67 @@ import click
 from .common import LazyChoice, _human, _run_with_progress, cast_choices
 
 #: ``--workers``: threads converting at once (the bridge's default when not given: min(4, CPUs))
-_WORKERS = click.option("--workers", type=click.IntRange(min=1), default=None,
-                        help="threads converting and writing at once (default: min(4, CPUs)); the output is the "
-                             "same bytes for any number")
+_WORKERS = click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="threads converting and writing at once (default: min(4, CPUs)); the output is the same bytes for any number",
+)
 
 
 @click.command(name="export-hf", short_help="Export a checkpoint's model weights as a Hugging Face model directory.")
 @click.argument("ckpt")
 @click.argument("out")
-@click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest")
-@click.option("--dtype", type=LazyChoice(cast_choices), default=None,
-              help="dtype of the exported tensors; default: the checkpoint's")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)")
-@click.option("--from-mx", "from_mx", is_flag=True,
-              help="MXFP8 checkpoints: export the MX weights as their dequantized rowwise planes (what the model "
-                   "computed with) instead of the fp32 main params")
-@click.option("--mx", "mx", is_flag=True,
-              help="MXFP8 checkpoints: export the MX weights raw (weight F8_E4M3/F8_E5M2 + weight_scale_inv F8_E8M0, "
-                   "transformers' mxfp8 quantization_config); other tensors as usual")
+@click.option(
+    "--arch",
+    default=None,
+    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest",
+)
+@click.option(
+    "--dtype",
+    type=LazyChoice(cast_choices),
+    default=None,
+    help="dtype of the exported tensors; default: the checkpoint's",
+)
+@click.option(
+    "--max-shard-size", default="5GB", show_default=True, help="largest safetensors file (5GB, 500MB, 2GiB, bytes)"
+)
+@click.option(
+    "--from-mx",
+    "from_mx",
+    is_flag=True,
+    help="MXFP8 checkpoints: export the MX weights as their dequantized rowwise planes (what the model "
+    "computed with) instead of the fp32 main params",
+)
+@click.option(
+    "--mx",
+    "mx",
+    is_flag=True,
+    help="MXFP8 checkpoints: export the MX weights raw (weight F8_E4M3/F8_E5M2 + weight_scale_inv F8_E8M0, "
+    "transformers' mxfp8 quantization_config); other tensors as usual",
+)
 @_WORKERS
-@click.option("--mcore-config", default=None, metavar="FILE.json",
-              help="CKPT is a Megatron-Core checkpoint: MCore's arguments as JSON (see import-mcore --config)")
+@click.option(
+    "--mcore-config",
+    default=None,
+    metavar="FILE.json",
+    help="CKPT is a Megatron-Core checkpoint: MCore's arguments as JSON (see import-mcore --config)",
+)
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shard_size: str, from_mx: bool, mx: bool,
-              workers: int | None, mcore_config: str | None, overwrite: bool, as_json: bool) -> None:
+def export_hf(
+    ckpt: str,
+    out: str,
+    arch: str | None,
+    dtype: str | None,
+    max_shard_size: str,
+    from_mx: bool,
+    mx: bool,
+    workers: int | None,
+    mcore_config: str | None,
+    overwrite: bool,
+    as_json: bool,
+) -> None:
     """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
     (safetensors shards, index, config.json), loadable by transformers. CKPT may be a
     Megatron-Core torch_dist checkpoint (with --mcore-config)."""
@@ -45,23 +81,32 @@ def export_hf(ckpt: str, out: str, arch: str | None, dtype: str | None, max_shar
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
-    options = dict(arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers)
+    options = dict(
+        arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers
+    )
     if is_mcore(ckpt):  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
-        result = _run_with_progress("export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar,
-                                                                                  **options))
+        result = _run_with_progress(
+            "export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar, **options)
+        )
     else:
         result = _run_with_progress("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
-        click.echo(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
-                   f"in {len(result.files)} file(s), {result.seconds:.1f} s")
+        click.echo(
+            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
+            f"in {len(result.files)} file(s), {result.seconds:.1f} s"
+        )
 
 
 @click.command(name="import-hf", short_help="Make a checkpoint of a Hugging Face model directory.")
 @click.argument("hf_dir")
 @click.argument("ckpt")
-@click.option("--arch", default=None, help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type")
+@click.option(
+    "--arch",
+    default=None,
+    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type",
+)
 @_WORKERS
 @click.option("--overwrite", is_flag=True, help="replace CKPT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -70,10 +115,13 @@ def import_hf(hf_dir: str, ckpt: str, arch: str | None, workers: int | None, ove
     checkpoint CKPT with the model weights and config (train from it with --init-from)."""
     from mfsdp_ckpt.hf import import_
 
-    result = _run_with_progress("import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar,
-                                                                               workers=workers))
+    result = _run_with_progress(
+        "import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar, workers=workers)
+    )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
-        click.echo(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
-                   f"{result.seconds:.1f} s")
+        click.echo(
+            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
+            f"{result.seconds:.1f} s"
+        )

@@ -49,8 +49,15 @@ __all__ = ["HFSource", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'mfsdp-ckpt[hf]'"
 #: config.json fields that say nothing about the model's math (ignored when comparing records)
-_VOLATILE = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "use_cache",
-             "_attn_implementation_autoset"}
+_VOLATILE = {
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "architectures",
+    "use_cache",
+    "_attn_implementation_autoset",
+}
 #: the key under which a checkpoint carries the directory's other files
 FILES_EXTRA = "hf_files"
 
@@ -72,8 +79,9 @@ def _config_of(d: dict[str, Any], where: str) -> Any:
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
     except KeyError:
-        raise ValueError(f"{where}: model_type {model_type!r} is not an architecture transformers "
-                         f"{transformers.__version__} knows") from None
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not an architecture transformers {transformers.__version__} knows"
+        ) from None
     try:
         return config_class.from_dict(dict(d))
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -89,14 +97,18 @@ def _class_of(config: Any, d: dict[str, Any], where: str) -> type[nn.Module]:
         name = archs[0]
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if cls is None:
-            raise ValueError(f"{where}: architectures[0] {name!r} is not a class of transformers {transformers.__version__}")
+            raise ValueError(
+                f"{where}: architectures[0] {name!r} is not a class of transformers {transformers.__version__}"
+            )
         if not name.endswith("ForCausalLM"):
             raise ValueError(f"{where}: architectures[0] {name!r} is not a causal LM (a …ForCausalLM class)")
         return cls
     try:
         return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        raise ValueError(f"{where}: model_type {d.get('model_type')!r} has no causal-LM class in transformers") from None
+        raise ValueError(
+            f"{where}: model_type {d.get('model_type')!r} has no causal-LM class in transformers"
+        ) from None
 
 
 class HFSource(ModelSource):
@@ -106,8 +118,14 @@ class HFSource(ModelSource):
 
     kind = TRANSFORMERS
 
-    def __init__(self, config: dict[str, Any], where: str, name: str, weights: str | None = None,
-                 files: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        where: str,
+        name: str,
+        weights: str | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> None:
         self.where, self.name, self.weights = where, name, weights
         self.hf_config = _config_of(config, where)
         self.cls = _class_of(self.hf_config, config, where)
@@ -128,7 +146,9 @@ class HFSource(ModelSource):
             raise ValueError(str(e)) from None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_length = getattr(self.hf_config, "max_position_embeddings", None)
-        self.num_experts = int(getattr(self.hf_config, "num_local_experts", None) or getattr(self.hf_config, "num_experts", None) or 0)
+        self.num_experts = int(
+            getattr(self.hf_config, "num_local_experts", None) or getattr(self.hf_config, "num_experts", None) or 0
+        )
         if weights is not None:
             self._check_weights()
 
@@ -154,8 +174,10 @@ class HFSource(ModelSource):
         if not isinstance(d, dict):
             raise ValueError(f"{config_path}: not a JSON object ({type(d).__name__} at the top level)")
         if not has_weights(path) and any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(path)):
-            raise ValueError(f"{path}: its weights are pickle files (.bin/.pt); only safetensors weights are read "
-                             "(convert them with transformers' save_pretrained)")
+            raise ValueError(
+                f"{path}: its weights are pickle files (.bin/.pt); only safetensors weights are read "
+                "(convert them with transformers' save_pretrained)"
+            )
         try:
             files = carried_files(path)
         except ConversionError as e:
@@ -174,21 +196,34 @@ class HFSource(ModelSource):
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         try:
             with HFDirectory(self.weights) as directory:
-                check_weights(directory, self.layout, self.config_dict,
-                              ignorable=lambda n: (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"))
+                check_weights(
+                    directory,
+                    self.layout,
+                    self.config_dict,
+                    ignorable=lambda n: (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"),
+                )
         except ConversionError as e:
             raise ValueError(str(e)) from None
 
     # ---- what a checkpoint records ---------------------------------------------------------
     def record(self) -> dict[str, Any]:
-        return {"kind": TRANSFORMERS, "class": self.cls.__name__, "config": self.config_dict, "name": self.name,
-                "files": sorted(self.files)}
+        return {
+            "kind": TRANSFORMERS,
+            "class": self.cls.__name__,
+            "config": self.config_dict,
+            "name": self.name,
+            "files": sorted(self.files),
+        }
 
     def extra(self) -> dict[str, Any]:
         if not self.files:
             return {}
-        return {FILES_EXTRA: {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-                              for n, b in self.files.items()}}
+        return {
+            FILES_EXTRA: {
+                n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+                for n, b in self.files.items()
+            }
+        }
 
     def resumed(self, extra: dict[str, Any]) -> None:
         files = extra.get(FILES_EXTRA)
@@ -214,9 +249,11 @@ class HFSource(ModelSource):
     # ---- building and training -------------------------------------------------------------
     def check_parallel(self, world: int, ep: int) -> None:
         if ep > 1 and self.fused:
-            raise ValueError(f"{self.cls.__name__} keeps each MoE layer's experts fused in 3-D parameters ({self.fused[0]}); "
-                             "expert parallelism places whole per-expert parameters, so train it with --ep 1 (the "
-                             "experts are then sharded over all ranks)")
+            raise ValueError(
+                f"{self.cls.__name__} keeps each MoE layer's experts fused in 3-D parameters ({self.fused[0]}); "
+                "expert parallelism places whole per-expert parameters, so train it with --ep 1 (the "
+                "experts are then sharded over all ranks)"
+            )
         check_expert_parallel(world, ep, self.num_experts)
 
     def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:

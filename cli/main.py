@@ -35,9 +35,11 @@ def inspect(path: str, as_json: bool) -> None:
     click.echo(f"format      {info.format}{'' if info.committed else ' (no mfsdp.json)'}")
     click.echo(f"step        {info.step if info.step is not None else 'unknown'}")
     if info.writer:
-        layouts = ", ".join(f"{b['strategy']}/{b['policy']} over {b['group_size']}"
-                            + (f" ({b['group']})" if b.get("group", "dp") != "dp" else "")
-                            for b in info.writer.get("buffers", []))
+        layouts = ", ".join(
+            f"{b['strategy']}/{b['policy']} over {b['group_size']}"
+            + (f" ({b['group']})" if b.get("group", "dp") != "dp" else "")
+            for b in info.writer.get("buffers", [])
+        )
         click.echo(f"writer      world size {info.writer.get('world_size')}; {layouts}")
     if info.experts:
         x = info.experts
@@ -67,7 +69,9 @@ def inspect(path: str, as_json: bool) -> None:
         width = max(len(t.key) for t in rows)
         for t in rows:
             shape = "object" if t.shape is None else "x".join(map(str, t.shape)) or "scalar"
-            click.echo(f"  {t.key:<{width}}  {t.dtype or '-':<9} {shape:<14} {_human(t.bytes):>10}  {t.chunks} chunk(s)")
+            click.echo(
+                f"  {t.key:<{width}}  {t.dtype or '-':<9} {shape:<14} {_human(t.bytes):>10}  {t.chunks} chunk(s)"
+            )
     click.echo("")
     for group, total in info.totals().items():
         click.echo(f"total {group:<6} {total['tensors']:5d} entries {_human(total['bytes']):>10}")
@@ -83,8 +87,17 @@ def verify(path: str, as_json: bool) -> None:
 
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
-        click.echo(json.dumps({"path": path, "ok": not faults, "faults": [f.__dict__ for f in faults],
-                               "notes": list(getattr(faults, "notes", []))}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "path": path,
+                    "ok": not faults,
+                    "faults": [f.__dict__ for f in faults],
+                    "notes": list(getattr(faults, "notes", [])),
+                },
+                indent=1,
+            )
+        )
         sys.exit(1 if faults else 0)
     for note in getattr(faults, "notes", []):
         click.echo(f"NOTE {note}")
@@ -102,21 +115,31 @@ def verify(path: str, as_json: bool) -> None:
 @click.argument("b")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="absolute tolerance")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="relative tolerance")
-@click.option("--key-map-a", "key_map_a", multiple=True, metavar="OLD=NEW",
-              help="rename A's key prefix OLD to NEW before comparing (repeatable; '=model.' for torchtitan's bare FQNs)")
+@click.option(
+    "--key-map-a",
+    "key_map_a",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="rename A's key prefix OLD to NEW before comparing (repeatable; '=model.' for torchtitan's bare FQNs)",
+)
 @click.option("--key-map-b", "key_map_b", multiple=True, metavar="OLD=NEW", help="the same for B")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def diff(a: str, b: str, atol: float, rtol: float, key_map_a: tuple[str, ...], key_map_b: tuple[str, ...],
-         as_json: bool) -> None:
+def diff(
+    a: str, b: str, atol: float, rtol: float, key_map_a: tuple[str, ...], key_map_b: tuple[str, ...], as_json: bool
+) -> None:
     """Compare checkpoints A and B logically, whatever their layouts; exit 1 when they differ.
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
     is read through its key layout. (Per-rank RNG states are not compared: they depend on the
     world size.)"""
     from mfsdp_ckpt.diff import diff_checkpoints
 
-    result = _run_with_progress("diff", lambda bar: diff_checkpoints(a, b, atol=atol, rtol=rtol, progress=bar,
-                                                                     key_map_a=key_map_a, key_map_b=key_map_b),
-                                unit="entries")
+    result = _run_with_progress(
+        "diff",
+        lambda bar: diff_checkpoints(
+            a, b, atol=atol, rtol=rtol, progress=bar, key_map_a=key_map_a, key_map_b=key_map_b
+        ),
+        unit="entries",
+    )
     if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name
         click.echo(json.dumps({"a": a, "b": b, "ok": result.equal, **result.to_json()}, indent=1))
     else:
@@ -133,18 +156,30 @@ def diff(a: str, b: str, atol: float, rtol: float, key_map_a: tuple[str, ...], k
 @main.command(short_help="Convert between a checkpoint and one .pt or .safetensors file, or FSDP2's key layout.")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]), required=True,
-              help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file; "
-                   "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict)")
-@click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
-              help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
-                   "e.g. 'model.=' for torchtitan's bare FQNs")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]),
+    required=True,
+    help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file; "
+    "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict)",
+)
+@click.option(
+    "--key-map",
+    "key_map",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
+    "e.g. 'model.=' for torchtitan's bare FQNs",
+)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
     from mfsdp_ckpt.convert import convert as run_convert
 
-    out = _run_with_progress("read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries")
+    out = _run_with_progress(
+        "read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries"
+    )
     click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
 
 
@@ -152,38 +187,85 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool
 @click.argument("src")
 @click.argument("dst")
 @click.option("--world-size", type=int, required=True, help="ranks of the target job")
-@click.option("--ep", type=int, default=None,
-              help="expert-parallel size of the target job (default: the writer's; 1 without expert parallelism)")
-@click.option("--strategy", default=None, help="no_shard, optim, optim_grads or optim_grads_params (default: the writer's)")
+@click.option(
+    "--ep",
+    type=int,
+    default=None,
+    help="expert-parallel size of the target job (default: the writer's; 1 without expert parallelism)",
+)
+@click.option(
+    "--strategy", default=None, help="no_shard, optim, optim_grads or optim_grads_params (default: the writer's)"
+)
 @click.option("--policy", default=None, help="even, row, block(N) or tensor (default: the writer's)")
-@click.option("--plan-from", default=None, metavar="CKPT",
-              help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none")
+@click.option(
+    "--plan-from",
+    default=None,
+    metavar="CKPT",
+    help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none",
+)
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
 @click.option("--dtype", type=LazyChoice(cast_choices), default=None, help="cast the model weights")
 @click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
-@click.option("--key-map", "key_map", multiple=True, metavar="OLD=NEW",
-              help="rename the key prefix OLD to NEW before anything else (repeatable, first match wins): "
-                   "'=model.' adds 'model.' (torchtitan's bare FQNs), 'model.=' strips it")
+@click.option(
+    "--key-map",
+    "key_map",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="rename the key prefix OLD to NEW before anything else (repeatable, first match wins): "
+    "'=model.' adds 'model.' (torchtitan's bare FQNs), 'model.=' strips it",
+)
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def reshard(src: str, dst: str, world_size: int, ep: int | None, strategy: str | None, policy: str | None, plan_from: str | None,
-            model_only: bool, dtype: str | None, workers: int, key_map: tuple[str, ...], overwrite: bool, as_json: bool) -> None:
+def reshard(
+    src: str,
+    dst: str,
+    world_size: int,
+    ep: int | None,
+    strategy: str | None,
+    policy: str | None,
+    plan_from: str | None,
+    model_only: bool,
+    dtype: str | None,
+    workers: int,
+    key_map: tuple[str, ...],
+    overwrite: bool,
+    as_json: bool,
+) -> None:
     """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
     exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
     a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
     committed canonical checkpoint."""
     from mfsdp_ckpt.reshard import reshard as run_reshard
 
-    result = _run_with_progress("reshard", lambda bar: run_reshard(
-        src, dst, world_size=world_size, ep=ep, strategy=strategy, policy=policy, plan_from=plan_from, model_only=model_only, dtype=dtype,
-        workers=workers, overwrite=overwrite, key_map=key_map, progress=bar))
+    result = _run_with_progress(
+        "reshard",
+        lambda bar: run_reshard(
+            src,
+            dst,
+            world_size=world_size,
+            ep=ep,
+            strategy=strategy,
+            policy=policy,
+            plan_from=plan_from,
+            model_only=model_only,
+            dtype=dtype,
+            workers=workers,
+            overwrite=overwrite,
+            key_map=key_map,
+            progress=bar,
+        ),
+    )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
         return
-    click.echo(f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
-               f"file(s) for world size {result.world_size}" + (f", EP size {result.ep_size}" if result.ep_size else ""))
+    click.echo(
+        f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
+        f"file(s) for world size {result.world_size}" + (f", EP size {result.ep_size}" if result.ep_size else "")
+    )
     if result.dropped:
-        click.echo(f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})")
+        click.echo(
+            f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})"
+        )
 
 
 @main.command(name="ls", short_help="List the checkpoints of a run directory and which is latest.")

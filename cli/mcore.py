@@ -13,12 +13,22 @@ from .common import _human, _run_with_progress
 @click.command(name="import-mcore", short_help="Make a checkpoint of a Megatron-Core torch_dist checkpoint.")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="lay the checkpoint out for this many ranks (one data file per rank)")
-@click.option("--config", "config", default=None, metavar="FILE.json",
-              help="MCore's arguments as JSON (num_attention_heads / num_query_groups / kv_channels, rotary_base, "
-                   "norm_epsilon, moe_router_topk, ...): what the stored shapes do not tell; default: SRC/mcore_args.json "
-                   "if present")
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="lay the checkpoint out for this many ranks (one data file per rank)",
+)
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    metavar="FILE.json",
+    help="MCore's arguments as JSON (num_attention_heads / num_query_groups / kv_channels, rotary_base, "
+    "norm_epsilon, moe_router_topk, ...): what the stored shapes do not tell; default: SRC/mcore_args.json "
+    "if present",
+)
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwrite: bool, as_json: bool) -> None:
@@ -27,23 +37,33 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     one layer slice at a time."""
     from mfsdp_ckpt.mcore import import_mcore as run
 
-    result = _run_with_progress("import-mcore", lambda bar: run(src, dst, world_size=world_size, config=config,
-                                                                overwrite=overwrite, progress=bar))
+    result = _run_with_progress(
+        "import-mcore",
+        lambda bar: run(src, dst, world_size=world_size, config=config, overwrite=overwrite, progress=bar),
+    )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
         return
     for notice in result.notices:
         click.echo(f"note: {notice}", err=True)
-    click.echo(f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} for world size {result.world_size}"
-               + (f", iteration {result.step}" if result.step is not None else "") + f", {result.seconds:.1f} s")
+    click.echo(
+        f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} for world size {result.world_size}"
+        + (f", iteration {result.step}" if result.step is not None else "")
+        + f", {result.seconds:.1f} s"
+    )
 
 
 @click.command(name="export-mcore", short_help="Write a checkpoint as a Megatron-Core torch_dist checkpoint.")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--moe-norm", type=click.Choice(["te", "local"]), default="te", show_default=True,
-              help="name of the MoE pre-MLP norm: te = pre_mlp_layernorm.weight (Transformer Engine layer spec), "
-                   "local = mlp.linear_fc1.layer_norm_weight (MCore's local spec)")
+@click.option(
+    "--moe-norm",
+    type=click.Choice(["te", "local"]),
+    default="te",
+    show_default=True,
+    help="name of the MoE pre-MLP norm: te = pre_mlp_layernorm.weight (Transformer Engine layer spec), "
+    "local = mlp.linear_fc1.layer_norm_weight (MCore's local spec)",
+)
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def export_mcore(src: str, dst: str, moe_norm: str, overwrite: bool, as_json: bool) -> None:
@@ -51,7 +71,9 @@ def export_mcore(src: str, dst: str, moe_norm: str, overwrite: bool, as_json: bo
     (layer-stacked keys, metadata.json, common.pt), which megatron.core.dist_checkpointing.load reads."""
     from mfsdp_ckpt.mcore import export_mcore as run
 
-    result = _run_with_progress("export-mcore", lambda bar: run(src, dst, overwrite=overwrite, moe_norm=moe_norm, progress=bar))
+    result = _run_with_progress(
+        "export-mcore", lambda bar: run(src, dst, overwrite=overwrite, moe_norm=moe_norm, progress=bar)
+    )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:

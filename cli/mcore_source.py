@@ -47,15 +47,33 @@ INSTALL_HINT = "pip install 'mfsdp-ckpt[mcore]'"
 SPECS = ("local", "transformer_engine")
 
 #: Megatron-LM argument -> TransformerConfig field, where they differ
-_TC_NAMES = {"norm_epsilon": "layernorm_epsilon", "num_experts": "num_moe_experts",
-             "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
+_TC_NAMES = {
+    "norm_epsilon": "layernorm_epsilon",
+    "num_experts": "num_moe_experts",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+}
 #: parallel sizes this family runs with 1 only (the ranks are data and expert parallel)
-_MUST_BE_ONE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
+_MUST_BE_ONE = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_tensor_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
 #: TransformerConfig fields set here from the model's arguments or fixed, never taken as given
-_OURS = {"expert_model_parallel_size", "params_dtype", "pipeline_dtype", "use_cpu_initialization", "activation_func",
-         "gated_linear_unit", "bias_activation_fusion", "normalization", "add_bias_linear", "moe_grouped_gemm",
-         "perform_initialization"}
+_OURS = {
+    "expert_model_parallel_size",
+    "params_dtype",
+    "pipeline_dtype",
+    "use_cpu_initialization",
+    "activation_func",
+    "gated_linear_unit",
+    "bias_activation_fusion",
+    "normalization",
+    "add_bias_linear",
+    "moe_grouped_gemm",
+    "perform_initialization",
+}
 
 
 def _require_megatron(where: str) -> None:
@@ -81,7 +99,9 @@ class McoreSource(ModelSource):
 
     kind = MEGATRON_CORE
 
-    def __init__(self, args: dict[str, Any], where: str, layer_spec: str | None = None, name: str = "megatron-core") -> None:
+    def __init__(
+        self, args: dict[str, Any], where: str, layer_spec: str | None = None, name: str = "megatron-core"
+    ) -> None:
         _require_megatron(where)
         self.args, self.where, self.name = dict(args), where, name
         spec = layer_spec or self.args.get("transformer_impl") or _default_spec()
@@ -91,17 +111,27 @@ class McoreSource(ModelSource):
             try:
                 import transformer_engine  # noqa: F401
             except ImportError:
-                raise ValueError(f"{where}: transformer_impl='transformer_engine' but Transformer Engine is not installed") from None
+                raise ValueError(
+                    f"{where}: transformer_impl='transformer_engine' but Transformer Engine is not installed"
+                ) from None
         self.layer_spec = spec
         for key in _MUST_BE_ONE:
             if self.args.get(key) not in (None, 1):
-                raise ValueError(f"{where}: {key}={self.args[key]!r}: only 1 is supported (ranks are data and expert "
-                                 "parallel; use --ep for experts)")
+                raise ValueError(
+                    f"{where}: {key}={self.args[key]!r}: only 1 is supported (ranks are data and expert "
+                    "parallel; use --ep for experts)"
+                )
         if self.args.get("moe_grouped_gemm") and spec == "local":
-            raise ValueError(f"{where}: moe_grouped_gemm=true needs the transformer_engine spec (the local spec's legacy "
-                             "GroupedMLP has no per-expert weights)")
+            raise ValueError(
+                f"{where}: moe_grouped_gemm=true needs the transformer_engine spec (the local spec's legacy "
+                "GroupedMLP has no per-expert weights)"
+            )
         self.config = self._gpt_config()
-        self.vocab_size, self.seq_length, self.num_experts = self.config.vocab_size, self.config.seq_length, self.config.num_experts
+        self.vocab_size, self.seq_length, self.num_experts = (
+            self.config.vocab_size,
+            self.config.seq_length,
+            self.config.num_experts,
+        )
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -134,8 +164,12 @@ class McoreSource(ModelSource):
         given.setdefault("untie_embeddings_and_output_weights", False)  # MCore's default: tied
         layers, hidden, vocab = a("num_layers"), a("hidden_size"), a("padded_vocab_size", "vocab_size")
         heads = a("num_attention_heads")
-        for name, value in (("num_layers", layers), ("hidden_size", hidden), ("vocab_size", vocab),
-                            ("num_attention_heads", heads)):
+        for name, value in (
+            ("num_layers", layers),
+            ("hidden_size", hidden),
+            ("vocab_size", vocab),
+            ("num_attention_heads", heads),
+        ):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.where}: {name} is needed (a positive integer), got {value!r}")
         groups = heads if a("group_query_attention") is False else a("num_query_groups", default=heads)
@@ -180,17 +214,34 @@ class McoreSource(ModelSource):
         kwargs: dict[str, Any] = dict(hidden_dropout=0.0, attention_dropout=0.0)
         kwargs.update(passed)
         kwargs.update(
-            num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-            num_query_groups=c.num_query_groups, kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size,
-            layernorm_epsilon=c.norm_epsilon, qk_layernorm=c.qk_layernorm, add_qkv_bias=c.add_qkv_bias,
-            normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            bias_activation_fusion=False, add_bias_linear=False, use_cpu_initialization=True,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32, moe_grouped_gemm=bool(self.args.get("moe_grouped_gemm", False)),
+            num_layers=c.num_layers,
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            num_query_groups=c.num_query_groups,
+            kv_channels=c.kv_channels,
+            ffn_hidden_size=c.ffn_hidden_size,
+            layernorm_epsilon=c.norm_epsilon,
+            qk_layernorm=c.qk_layernorm,
+            add_qkv_bias=c.add_qkv_bias,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            bias_activation_fusion=False,
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            moe_grouped_gemm=bool(self.args.get("moe_grouped_gemm", False)),
         )
         if c.num_experts:
-            kwargs.update(num_moe_experts=c.num_experts, moe_router_topk=c.moe_router_topk,
-                          moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_router_pre_softmax=c.moe_router_pre_softmax,
-                          moe_router_score_function=c.moe_score_func, moe_aux_loss_coeff=c.moe_aux_loss_coeff)
+            kwargs.update(
+                num_moe_experts=c.num_experts,
+                moe_router_topk=c.moe_router_topk,
+                moe_ffn_hidden_size=c.moe_ffn_hidden_size,
+                moe_router_pre_softmax=c.moe_router_pre_softmax,
+                moe_router_score_function=c.moe_score_func,
+                moe_aux_loss_coeff=c.moe_aux_loss_coeff,
+            )
             kwargs.setdefault("moe_token_dispatcher_type", "allgather")
             if c.moe_shared_expert_ffn_hidden_size:
                 kwargs["moe_shared_expert_intermediate_size"] = c.moe_shared_expert_ffn_hidden_size
@@ -218,19 +269,31 @@ class McoreSource(ModelSource):
         except ValueError:
             saved = {}
         ours = self.config.to_dict()
-        out += [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+        out += [
+            f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})"
+            for k in sorted(set(saved) | set(ours))
+            if saved.get(k) != ours.get(k)
+        ]
         return out
 
     # ---- building and training -------------------------------------------------------------
     def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
-        model = mcore.build_gpt(self.transformer_config(), vocab_size=self.config.vocab_size,
-                                max_sequence_length=self.config.seq_length, tied=self.config.tie_embeddings,
-                                rotary_base=self.config.rotary_base, layer_spec=self.layer_spec,
-                                ep_size=mesh.ep_size if mesh is not None else 1, seed=args.seed)
+        model = mcore.build_gpt(
+            self.transformer_config(),
+            vocab_size=self.config.vocab_size,
+            max_sequence_length=self.config.seq_length,
+            tied=self.config.tie_embeddings,
+            rotary_base=self.config.rotary_base,
+            layer_spec=self.layer_spec,
+            ep_size=mesh.ep_size if mesh is not None else 1,
+            seed=args.seed,
+        )
         lost = mcore.unsaved_state(model)
         if lost:
-            raise ValueError(f"{self.where}: the model keeps state checkpoints do not carry: {', '.join(lost[:3])}"
-                             + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else ""))
+            raise ValueError(
+                f"{self.where}: the model keeps state checkpoints do not carry: {', '.join(lost[:3])}"
+                + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else "")
+            )
         mcore.set_aux_loss_scale(1.0 / args.micro_batches)
         return model
 

@@ -36,12 +36,25 @@ from .hf_source import HFSource
 from .mcore_source import McoreSource
 from .model_base import ModelSource
 
-__all__ = ["DEFAULT_PRESET", "GPTSource", "source_of_run", "model_of_run", "config_from_file", "preset_name", "MODEL_FLAGS"]
+__all__ = [
+    "DEFAULT_PRESET",
+    "GPTSource",
+    "source_of_run",
+    "model_of_run",
+    "config_from_file",
+    "preset_name",
+    "MODEL_FLAGS",
+]
 
 DEFAULT_PRESET = "tiny"
 
 #: the flags that name a model, each excluding the others (argparse attribute -> flag)
-MODEL_FLAGS = {"model": "--model", "model_config": "--model-config", "hf_model": "--hf-model", "mcore_config": "--mcore-config"}
+MODEL_FLAGS = {
+    "model": "--model",
+    "model_config": "--model-config",
+    "hf_model": "--hf-model",
+    "mcore_config": "--mcore-config",
+}
 
 
 class GPTSource(ModelSource):
@@ -69,7 +82,11 @@ class GPTSource(ModelSource):
         except (TypeError, ValueError):
             pass  # not a config of ours: every field is reported
         ours = self.config.to_dict()
-        return [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+        return [
+            f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})"
+            for k in sorted(set(saved) | set(ours))
+            if saved.get(k) != ours.get(k)
+        ]
 
     @classmethod
     def from_record(cls, record: dict[str, Any], where: str) -> "GPTSource":
@@ -107,7 +124,9 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     """The model of the run: the one flag of :data:`MODEL_FLAGS` given, else the model the start
     checkpoint records (``start_from``: ``(flag, checkpoint)``), else the ``tiny`` preset.
     ValueError: one line naming the flag (and file) at fault."""
-    given = [(flag, getattr(args, attr, None)) for attr, flag in MODEL_FLAGS.items() if getattr(args, attr, None) is not None]
+    given = [
+        (flag, getattr(args, attr, None)) for attr, flag in MODEL_FLAGS.items() if getattr(args, attr, None) is not None
+    ]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(f for f, _ in given)} exclude each other (name the model one way)")
     if given:
@@ -126,8 +145,9 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     except mfsdp_ckpt.CheckpointError as e:
         raise ValueError(f"{flag}: {e}") from None
     if record is None:
-        raise ValueError(f"{flag}: {resolved} records no model config; name the model with "
-                         f"{', '.join(MODEL_FLAGS.values())}")
+        raise ValueError(
+            f"{flag}: {resolved} records no model config; name the model with {', '.join(MODEL_FLAGS.values())}"
+        )
     family = _FAMILIES.get(record.get("kind"))
     if family is None:
         raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")

@@ -74,40 +74,89 @@ _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's command line (``parse_args`` parses with it)."""
-    p = argparse.ArgumentParser(prog="mfsdp-train", description="Resumable sharded training of a reference GPT, a "
-                                "Hugging Face transformers causal LM or a Megatron-Core GPTModel.")
-    p.add_argument("--model", default=None,
-                   help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
-                        f"checkpoint, else {DEFAULT_PRESET})")
-    p.add_argument("--model-config", default=None, metavar="FILE.json",
-                   help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
-                        "Face config.json of a known architecture")
-    p.add_argument("--hf-model", default=None, metavar="DIR",
-                   help="train the Hugging Face transformers causal LM of this model directory (config.json, with or "
-                        "without safetensors weights; weights are loaded when present); needs transformers")
-    p.add_argument("--mcore-config", default=None, metavar="FILE.json",
-                   help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
-                        "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'")
+    p = argparse.ArgumentParser(
+        prog="mfsdp-train",
+        description="Resumable sharded training of a reference GPT, a "
+        "Hugging Face transformers causal LM or a Megatron-Core GPTModel.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model preset: {', '.join(PRESETS)} (default: the config recorded in the --init-from or --resume "
+        f"checkpoint, else {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="FILE.json",
+        help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
+        "Face config.json of a known architecture",
+    )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        metavar="DIR",
+        help="train the Hugging Face transformers causal LM of this model directory (config.json, with or "
+        "without safetensors weights; weights are loaded when present); needs transformers",
+    )
+    p.add_argument(
+        "--mcore-config",
+        default=None,
+        metavar="FILE.json",
+        help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
+        "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'",
+    )
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
-    p.add_argument("--ep", type=int, default=1, metavar="E",
-                   help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
-                        "the expert count); experts are sharded over the world size / E ranks holding the same ones")
-    p.add_argument("--mxfp8", nargs="?", const="e4m3", default=None, choices=["e4m3", "e5m2"], metavar="ELEMENT",
-                   help="store the transformer layers' linear weights as MXFP8 (elements e4m3, the default, or e5m2): "
-                        "sharded on whole 32-row blocks, quantized locally after each step, gathered as MX planes")
-    p.add_argument("--mx-rule", default="floor", choices=["floor", "rceil"],
-                   help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil")
-    p.add_argument("--dtype", "--param-dtype", dest="param_dtype", default="float32", type=_compute_dtype,
-                   metavar="{fp32,bf16}", help="dtype the model computes in: fp32, or bf16 for mixed precision "
-                                               "(main params, optimizer state and gradient reduction stay fp32)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="adamw, or muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
-                        "under flat policies) and AdamW for embeddings, output layer and vectors")
-    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="E",
+        help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
+        "the expert count); experts are sharded over the world size / E ranks holding the same ones",
+    )
+    p.add_argument(
+        "--mxfp8",
+        nargs="?",
+        const="e4m3",
+        default=None,
+        choices=["e4m3", "e5m2"],
+        metavar="ELEMENT",
+        help="store the transformer layers' linear weights as MXFP8 (elements e4m3, the default, or e5m2): "
+        "sharded on whole 32-row blocks, quantized locally after each step, gathered as MX planes",
+    )
+    p.add_argument(
+        "--mx-rule",
+        default="floor",
+        choices=["floor", "rceil"],
+        help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil",
+    )
+    p.add_argument(
+        "--dtype",
+        "--param-dtype",
+        dest="param_dtype",
+        default="float32",
+        type=_compute_dtype,
+        metavar="{fp32,bf16}",
+        help="dtype the model computes in: fp32, or bf16 for mixed precision "
+        "(main params, optimizer state and gradient reduction stay fp32)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "muon"],
+        help="adamw, or muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
+        "under flat policies) and AdamW for embeddings, output layer and vectors",
+    )
+    p.add_argument(
+        "--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)"
+    )
     p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Muon's Newton-Schulz dtype")
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
-    p.add_argument("--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)")
+    p.add_argument(
+        "--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)"
+    )
     p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -117,28 +166,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="train on a tokenized corpus: one flat binary file of token ids, no header (nanoGPT's train.bin, "
-                        "the .bin of Megatron's preprocessing), memory-mapped and cut into --seq-len windows shuffled "
-                        "per epoch by --seed; the position is checkpointed (default: a synthetic token stream)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="train on a tokenized corpus: one flat binary file of token ids, no header (nanoGPT's train.bin, "
+        "the .bin of Megatron's preprocessing), memory-mapped and cut into --seq-len windows shuffled "
+        "per epoch by --seed; the position is checkpointed (default: a synthetic token stream)",
+    )
     p.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES), help="the token id type of --data")
-    p.add_argument("--ckpt-dir", default=None,
-                   help="checkpoint directory: a local path, or an object-store URL such as s3://bucket/run "
-                        "(endpoint and credentials from the environment: FSSPEC_S3_ENDPOINT_URL, AWS_*)")
-    p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
+    p.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="checkpoint directory: a local path, or an object-store URL such as s3://bucket/run "
+        "(endpoint and credentials from the environment: FSSPEC_S3_ENDPOINT_URL, AWS_*)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set"
+    )
     p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints")
-    p.add_argument("--async-save", action="store_true",
-                   help="save asynchronously: go on training while the state is copied to host memory and written "
-                        "(at most one save in flight; logs each save's blocking and total seconds)")
-    p.add_argument("--resume", nargs="?", const=_LATEST, default=None, metavar="CKPT",
-                   help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
-                        "<ckpt-dir>/latest; 'auto': from <ckpt-dir>/latest when it exists, else start fresh; at any "
-                        "world size. Refused when a flag that changes the samples or the math differs from the run's")
-    p.add_argument("--allow-change", action="append", default=[], metavar="FLAG",
-                   help="with --resume: accept a new value of this recorded flag (e.g. lr); repeatable")
-    p.add_argument("--init-from", default=None, metavar="CKPT",
-                   help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
-                        "fresh optimizer, step 0, any world size")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="save asynchronously: go on training while the state is copied to host memory and written "
+        "(at most one save in flight; logs each save's blocking and total seconds)",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=_LATEST,
+        default=None,
+        metavar="CKPT",
+        help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
+        "<ckpt-dir>/latest; 'auto': from <ckpt-dir>/latest when it exists, else start fresh; at any "
+        "world size. Refused when a flag that changes the samples or the math differs from the run's",
+    )
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="with --resume: accept a new value of this recorded flag (e.g. lr); repeatable",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CKPT",
+        help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
+        "fresh optimizer, step 0, any world size",
+    )
     p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
     p.add_argument("--log-every", type=int, default=1)
     return p
@@ -190,7 +266,9 @@ def check_args(args: argparse.Namespace, world: int) -> ModelSource:
     if args.async_save and not args.ckpt_dir:
         raise UsageError("--async-save needs --ckpt-dir")
     if args.resume and args.init_from:
-        raise UsageError("--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)")
+        raise UsageError(
+            "--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)"
+        )
     if args.ckpt_dir:  # fail now, not at the first save after hours of training
         check_writable_dir(args.ckpt_dir, "--ckpt-dir")
     return source
@@ -259,7 +337,13 @@ def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Modul
     mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
     for unit in source.shard_units(model):
         try:
-            fully_shard(unit, mesh=None if mesh is None else mesh.groups, strategy=args.strategy, placement=place, mixed_precision=mp)
+            fully_shard(
+                unit,
+                mesh=None if mesh is None else mesh.groups,
+                strategy=args.strategy,
+                placement=place,
+                mixed_precision=mp,
+            )
         except ValueError as e:
             raise UsageError(str(e)) from None
     source.after_shard(model)
@@ -280,11 +364,20 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
     muon, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
         (muon if uses_muon(name, p) else decay if p.ndim >= 2 else no_decay).append(p)
-    return Muon([
-        {"params": muon, "use_muon": True, "lr": args.muon_lr, "lr_ratio": args.muon_lr / args.lr, "weight_decay": args.weight_decay},
-        {"params": decay, "use_muon": False, "lr": args.lr, "weight_decay": args.weight_decay},
-        {"params": no_decay, "use_muon": False, "lr": args.lr, "weight_decay": 0.0},
-    ], ns_dtype=args.ns_dtype)
+    return Muon(
+        [
+            {
+                "params": muon,
+                "use_muon": True,
+                "lr": args.muon_lr,
+                "lr_ratio": args.muon_lr / args.lr,
+                "weight_decay": args.weight_decay,
+            },
+            {"params": decay, "use_muon": False, "lr": args.lr, "weight_decay": args.weight_decay},
+            {"params": no_decay, "use_muon": False, "lr": args.lr, "weight_decay": 0.0},
+        ],
+        ns_dtype=args.ns_dtype,
+    )
 
 
 def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
@@ -302,8 +395,10 @@ def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
         changed = changed_settings(saved, run_config(args), allowed_changes(args.allow_change))
         if changed:
             flags = " ".join(f"--allow-change {c.split()[0].lstrip('-')}" for c in changed)
-            raise UsageError(f"--resume: {path} was written with other settings: {', '.join(changed)}; "
-                             f"pass {flags} to resume with this run's values")
+            raise UsageError(
+                f"--resume: {path} was written with other settings: {', '.join(changed)}; "
+                f"pass {flags} to resume with this run's values"
+            )
     return path
 
 
@@ -356,8 +451,10 @@ def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
 def _refuse_held(args: argparse.Namespace) -> None:
     held = [e.name for e in list_checkpoints(args.ckpt_dir) if e.committed]
     if held:
-        raise UsageError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({', '.join(held[-3:])}); "
-                         "pass --resume to continue that run, or choose another directory")
+        raise UsageError(
+            f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({', '.join(held[-3:])}); "
+            "pass --resume to continue that run, or choose another directory"
+        )
 
 
 def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int) -> None:
@@ -385,8 +482,10 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
-            raise UsageError(f"--resume: {resume_from} holds no trainer state (extra.step, extra.data_position); "
-                             "it was not written by this trainer: start from its weights with --init-from instead")
+            raise UsageError(
+                f"--resume: {resume_from} holds no trainer state (extra.step, extra.data_position); "
+                "it was not written by this trainer: start from its weights with --init-from instead"
+            )
         step, position = extra["step"], extra["data_position"]
         source.resumed(extra)
         if rank == 0:
@@ -401,8 +500,11 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
     if rank == 0:
         ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
         kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
-        print(f"model {args.model}{kind}, {source.n_params():,} parameters, "
-              f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}", flush=True)
+        print(
+            f"model {args.model}{kind}, {source.n_params():,} parameters, "
+            f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}",
+            flush=True,
+        )
     last = min(args.steps, args.stop_at or args.steps)
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if args.async_save else None
@@ -422,7 +524,11 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
 def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
     """The run's last line: why it stopped, and how to go on when it can."""
     if done == first:
-        limit = f"--stop-at {args.stop_at}" if args.stop_at is not None and args.stop_at < args.steps else f"--steps {args.steps}"
+        limit = (
+            f"--stop-at {args.stop_at}"
+            if args.stop_at is not None and args.stop_at < args.steps
+            else f"--steps {args.steps}"
+        )
         return f"nothing to do: the run is already at step {first} ({limit})"
     if done >= args.steps:
         return f"finished: step {done} of {args.steps}"
@@ -430,9 +536,21 @@ def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
     return f"stopped at step {done} of {args.steps}: reached --stop-at {args.stop_at}; {how}"
 
 
-def _loop(args: argparse.Namespace, source: ModelSource, rank: int, world: int, model: torch.nn.Module, optim: torch.optim.Optimizer,
-          data: SyntheticText | TokenFile, device: torch.device, step: int, position: int, last: int, bar: Any,
-          saving: _AsyncSaves | None) -> int:
+def _loop(
+    args: argparse.Namespace,
+    source: ModelSource,
+    rank: int,
+    world: int,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    data: SyntheticText | TokenFile,
+    device: torch.device,
+    step: int,
+    position: int,
+    last: int,
+    bar: Any,
+    saving: _AsyncSaves | None,
+) -> int:
     """Train from ``step`` to ``last``; returns the last step done."""
     per_rank = args.batch_size // world
     window = _StepTimes()
@@ -568,9 +686,12 @@ class _AsyncSaves:
             return
         self.logged = True
         h = self.handle
-        _log(self.bar, f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s "
-                       f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s; "
-                       f"{_written(h.path)} to {h.path}")
+        _log(
+            self.bar,
+            f"saved {os.path.basename(h.path)} (async): blocked {h.blocked_s:.3f} s "
+            f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s; "
+            f"{_written(h.path)} to {h.path}",
+        )
 
 
 def _progress(rank: int, step: int, steps: int) -> Any:
@@ -581,16 +702,27 @@ def _progress(rank: int, step: int, steps: int) -> Any:
     return tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
 
-def _report(args: argparse.Namespace, bar: Any, step: int, last: int, loss: float, lr: float, grad_norm: float,
-            window: _StepTimes) -> None:
+def _report(
+    args: argparse.Namespace,
+    bar: Any,
+    step: int,
+    last: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    window: _StepTimes,
+) -> None:
     if args.metrics:
         with open(args.metrics, "a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}) + "\n")
     if step % args.log_every == 0 or step == last:
         mean = window.take()
-        _log(bar, f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
-                  f"{mean * 1e3:,.1f} ms/step | {args.batch_size * args.seq_len / mean:,.0f} tok/s | "
-                  f"peak-rss {memory_mib():,.0f} MiB")
+        _log(
+            bar,
+            f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
+            f"{mean * 1e3:,.1f} ms/step | {args.batch_size * args.seq_len / mean:,.0f} tok/s | "
+            f"peak-rss {memory_mib():,.0f} MiB",
+        )
     if bar is not None:
         bar.update(1)
 

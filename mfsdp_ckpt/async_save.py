@@ -421,14 +421,29 @@ def async_save(
         _state.in_flight = None
         if previous._error is not None and not previous._reported:
             previous._reported = True
-            raise CheckpointError(f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
-                                  f"{os.path.abspath(os.fspath(path))} was not started (call async_save again)")
+            raise CheckpointError(
+                f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
+                f"{os.path.abspath(os.fspath(path))} was not started (call async_save again)"
+            )
     waited = time.perf_counter() - started
     lock = contextlib.ExitStack()  # rank 0: the run directory's lock, released after the commit
     try:
-        job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
-                           step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock, run_config=run_config, model_source=model_source)
+        job = prepare_save(
+            path,
+            model,
+            optimizer,
+            extra=extra,
+            include_grads=include_grads,
+            model_config=model_config,
+            step=step,
+            keep=keep,
+            update_latest=update_latest,
+            overwrite=overwrite,
+            thread_count=thread_count,
+            lock=lock,
+            run_config=run_config,
+            model_source=model_source,
+        )
         staged = _checkpoint._agreed(lambda: _stage(job))
         fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:
@@ -498,4 +513,6 @@ def _stage(job: Any) -> _Staged:
     except (RuntimeError, MemoryError) as e:
         _state.staging = HostStaging()  # a half-built buffer is not reused
         text = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{job.final}: cannot copy the state to host memory ({type(e).__name__}: {text})") from None
+        raise CheckpointError(
+            f"{job.final}: cannot copy the state to host memory ({type(e).__name__}: {text})"
+        ) from None

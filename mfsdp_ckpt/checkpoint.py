@@ -87,15 +87,14 @@ from .state import (
 from .stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
 from .storage import CommittingWriter, VerifyingReader
 
-__all__ = ["save", "load", "PreparedSave", "check_save_arguments",
-           "prepare_save", "write_and_commit"]
+__all__ = ["save", "load", "PreparedSave", "check_save_arguments", "prepare_save", "write_and_commit"]
 
 T = TypeVar("T")
 
 
-
-def _global_plan(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 shards: list) -> tuple[ModelPlan, dict[str, Any] | None, list[dict[str, Any]] | None]:
+def _global_plan(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, shards: list
+) -> tuple[ModelPlan, dict[str, Any] | None, list[dict[str, Any]] | None]:
     """The plan of the whole model, the manifest's ``writer.experts`` entry (None without expert
     parallelism) and, when the ranks hold different parameters, the optimizer's groups naming the
     parameters of every rank (None: this rank's own are complete).
@@ -165,9 +164,22 @@ def save(
     for wait in _before_save:
         wait()
     with contextlib.ExitStack() as lock:
-        job = prepare_save(path, model, optimizer, extra=extra, include_grads=include_grads, model_config=model_config,
-                           step=step, keep=keep, update_latest=update_latest, overwrite=overwrite,
-                           thread_count=thread_count, lock=lock, run_config=run_config, model_source=model_source)
+        job = prepare_save(
+            path,
+            model,
+            optimizer,
+            extra=extra,
+            include_grads=include_grads,
+            model_config=model_config,
+            step=step,
+            keep=keep,
+            update_latest=update_latest,
+            overwrite=overwrite,
+            thread_count=thread_count,
+            lock=lock,
+            run_config=run_config,
+            model_source=model_source,
+        )
         write_and_commit(job, job.entries, MfsdpSavePlanner())
     return job.final
 
@@ -238,8 +250,13 @@ def prepare_save(
     manifest = {
         "writer": writer_layout(world, plan, experts),
         "model_config": model_config,
-        "model_source": (model_source if model_source is not None else gpt_source(model_config) if model_config
-                         else transformers_source(model)),
+        "model_source": (
+            model_source
+            if model_source is not None
+            else gpt_source(model_config)
+            if model_config
+            else transformers_source(model)
+        ),
         **({"run_config": run_config} if run_config is not None else {}),
         "step": step,
         "include_grads": include_grads,
@@ -264,8 +281,13 @@ def write_and_commit(
     gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
     rank, _ = rank_and_world()
     try:
-        dcp.save(entries, storage_writer=job.writer, planner=planner, process_group=process_group,
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            entries,
+            storage_writer=job.writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
     except CheckpointException as e:
         if rank == 0:
             _discard(job.tmp)
@@ -353,7 +375,9 @@ def _link_latest(parent: str, name: str) -> None:
     pointer file is already written)."""
     link = os.path.join(parent, LATEST_LINK_NAME)
     if os.path.lexists(link) and not os.path.islink(link):
-        warnings.warn(f"{link}: not a symlink (a copy of the run?); left as it is; '{LATEST_NAME}' names the latest", stacklevel=2)
+        warnings.warn(
+            f"{link}: not a symlink (a copy of the run?); left as it is; '{LATEST_NAME}' names the latest", stacklevel=2
+        )
         return
     tmp = os.path.join(parent, f".{LATEST_LINK_NAME}{PARTIAL_MARK}{os.getpid()}")
     try:
@@ -365,7 +389,9 @@ def _link_latest(parent: str, name: str) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        warnings.warn(f"{link}: cannot link the latest checkpoint ({e.strerror or e}); '{LATEST_NAME}' names it", stacklevel=2)
+        warnings.warn(
+            f"{link}: cannot link the latest checkpoint ({e.strerror or e}); '{LATEST_NAME}' names it", stacklevel=2
+        )
 
 
 def _prune(parent: str, keep: int, protect: str) -> None:
@@ -478,7 +504,9 @@ def load(
             optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
             _ensure_optimizer_state(optimizer)
         shards = describe_shards(model, optimizer)
-        targets_by_key, scalar_objects, found = _plan_targets(load_targets(shards, optimizer), metadata, optimizer is not None)
+        targets_by_key, scalar_objects, found = _plan_targets(
+            load_targets(shards, optimizer), metadata, optimizer is not None
+        )
         mx, mx_problems = mx_targets(shards, saved)
         found.shape_errors.extend(mx_problems)
         found.claimed.update(group_parts)
@@ -493,14 +521,29 @@ def load(
         groups = optimizer is not None and (PARAM_GROUPS in saved or bool(group_parts))
 
         def check_before_reading() -> None:
-            if restore and not (isinstance(saved[my_rng], TensorStorageMetadata) and tuple(saved[my_rng].size) == tuple(rng_state.shape)
-                                and saved[my_rng].properties.dtype == rng_state.dtype):
-                raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)")
+            if restore and not (
+                isinstance(saved[my_rng], TensorStorageMetadata)
+                and tuple(saved[my_rng].size) == tuple(rng_state.shape)
+                and saved[my_rng].properties.dtype == rng_state.dtype
+            ):
+                raise CorruptCheckpointError(
+                    f"{directory}: key '{my_rng}': not a {tuple(rng_state.shape)} uint8 tensor (a torch RNG state)"
+                )
             if groups and not isinstance(saved.get(PARAM_GROUPS, BytesStorageMetadata()), BytesStorageMetadata):
-                raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups")
+                raise CorruptCheckpointError(
+                    f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups"
+                )
             # every entry to read is sound and its bytes are present: checked before allocating anything
-            _check_entries(reader, directory, [*targets_by_key, *extra_keys, *([my_rng] if restore else []),
-                                               *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else [])])
+            _check_entries(
+                reader,
+                directory,
+                [
+                    *targets_by_key,
+                    *extra_keys,
+                    *([my_rng] if restore else []),
+                    *(([PARAM_GROUPS] if PARAM_GROUPS in saved else group_parts) if groups else []),
+                ],
+            )
 
         # one gather for both: the key problems of every rank (raised first, the same on all), then
         # the first failure of the entry checks
@@ -509,11 +552,17 @@ def load(
         if failure is not None:
             raise failure
         if not strict:
-            _report_not_found(not_found, optimizer is not None and not any(
-                k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved), directory)
+            _report_not_found(
+                not_found,
+                optimizer is not None
+                and not any(k.startswith("optim.") and k != PARAM_GROUPS and k in targets_by_key for k in saved),
+                directory,
+            )
         for key in extra_keys:
             md = saved[key]
-            targets_by_key[key] = None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
+            targets_by_key[key] = (
+                None if isinstance(md, BytesStorageMetadata) else torch.empty(md.size, dtype=md.properties.dtype)
+            )
         if restore:
             targets_by_key[my_rng] = torch.empty_like(rng_state)
         if groups:
@@ -536,7 +585,9 @@ def load(
                 try:
                     torch.Generator().set_state(reader.preview(my_rng, targets_by_key[my_rng]))
                 except (RuntimeError, ValueError, TypeError) as e:
-                    raise CorruptCheckpointError(f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})") from None
+                    raise CorruptCheckpointError(
+                        f"{directory}: key '{my_rng}': not a valid torch RNG state ({type(e).__name__})"
+                    ) from None
             if not groups:
                 return None
             if PARAM_GROUPS not in saved:  # a stock checkpoint's entries, one per (group, hyper-parameter)
@@ -587,12 +638,16 @@ def _check_param_groups(groups: Any, directory: str) -> None:
     """The saved optimizer groups have the shape ``apply_param_groups`` reads: a list of dicts
     with string keys, each naming its parameters in a list of strings."""
     ok = isinstance(groups, list) and all(
-        isinstance(g, dict) and all(isinstance(k, str) for k in g)
-        and isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"])
+        isinstance(g, dict)
+        and all(isinstance(k, str) for k in g)
+        and isinstance(g.get("params"), list)
+        and all(isinstance(n, str) for n in g["params"])
         for g in groups
     )
     if not ok:
-        raise CorruptCheckpointError(f"{directory}: key '{PARAM_GROUPS}': not a list of parameter groups naming their parameters")
+        raise CorruptCheckpointError(
+            f"{directory}: key '{PARAM_GROUPS}': not a list of parameter groups naming their parameters"
+        )
 
 
 def _plan_targets(
@@ -674,11 +729,21 @@ class _KeyProblems:
 def _key_view(found: _KeyProblems, saved: dict[str, Any]) -> tuple[list[str], list[str], list[str], bytes]:
     """What one rank tells the others about the keys (:func:`_agree_on_keys`): its problems, and
     which of the checkpoint's keys (in sorted order) it claims, one byte each."""
-    return found.missing, found.shape_errors, found.coverage_errors, bytes(key in found.claimed for key in sorted(saved))
+    return (
+        found.missing,
+        found.shape_errors,
+        found.coverage_errors,
+        bytes(key in found.claimed for key in sorted(saved)),
+    )
 
 
-def _agree_on_keys(views: list[tuple[list[str], list[str], list[str], bytes]], saved: dict[str, Any], with_optimizer: bool,
-                   strict: bool, source: str) -> list[str]:
+def _agree_on_keys(
+    views: list[tuple[list[str], list[str], list[str], bytes]],
+    saved: dict[str, Any],
+    with_optimizer: bool,
+    strict: bool,
+    source: str,
+) -> list[str]:
     """Raise the same :class:`StateMismatchError` on every rank, or none, from every rank's
     :func:`_key_view`. A checkpoint key is unexpected only when no rank claims it: under expert
     parallelism each rank wants only its own experts. Returns the keys some rank wants that the
@@ -689,12 +754,16 @@ def _agree_on_keys(views: list[tuple[list[str], list[str], list[str], bytes]], s
     if strict:
         prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
         unexpected = [k for k, c in zip(keys, anyone) if k.startswith(prefixes) and not c and k != PARAM_GROUPS]
-    raise_key_problems(source, [
-        ("missing from the checkpoint", sorted(missing) if strict else []),
-        ("not in the model/optimizer", unexpected),
-        ("shape mismatch", sorted({e for v in views for e in v[1]})),
-        ("chunks do not cover the tensor exactly", sorted({k for v in views for k in v[2]})),
-    ], StateMismatchError)
+    raise_key_problems(
+        source,
+        [
+            ("missing from the checkpoint", sorted(missing) if strict else []),
+            ("not in the model/optimizer", unexpected),
+            ("shape mismatch", sorted({e for v in views for e in v[1]})),
+            ("chunks do not cover the tensor exactly", sorted({k for v in views for k in v[2]})),
+        ],
+        StateMismatchError,
+    )
     return sorted(missing)
 
 

@@ -30,8 +30,19 @@ from .planner import chunk_id, payload_crc32c
 from .records import locate_raw_tensor
 
 __all__ = [
-    "FileSlice", "ChunkFault", "ChunkFiles", "Fault", "chunk_shapes", "chunk_location", "missing_bytes", "read_chunk",
-    "expected_crc", "decode_record", "decode_record_at", "tensor_view", "MemoryFile",
+    "FileSlice",
+    "ChunkFault",
+    "ChunkFiles",
+    "Fault",
+    "chunk_shapes",
+    "chunk_location",
+    "missing_bytes",
+    "read_chunk",
+    "expected_crc",
+    "decode_record",
+    "decode_record_at",
+    "tensor_view",
+    "MemoryFile",
     "coverage_faults",
 ]
 
@@ -90,16 +101,20 @@ def expected_crc(info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any
     if entry is None:
         raise ChunkFault("not listed in the manifest")
     if (entry["file"], entry["offset"], entry["length"]) != (info.relative_path, info.offset, info.length):
-        raise ChunkFault(f"the manifest places it at {entry['file']} bytes {entry['offset']}+{entry['length']}, "
-                         f".metadata at {info.relative_path} bytes {info.offset}+{info.length}")
+        raise ChunkFault(
+            f"the manifest places it at {entry['file']} bytes {entry['offset']}+{entry['length']}, "
+            f".metadata at {info.relative_path} bytes {info.offset}+{info.length}"
+        )
     return entry["crc32c"]
 
 
 def _check_fits(index: MetadataIndex, info: Any, expect: tuple[torch.dtype, Sequence[int]] | None) -> None:
     """Before allocating anything: the expected elements fit in the chunk's stored bytes."""
     if index.offset is not None and expect is not None and math.prod(expect[1]) * expect[0].itemsize > info.length:
-        raise ChunkFault(f"{math.prod(expect[1])} {str(expect[0]).replace('torch.', '')} elements do not fit in "
-                         f"its {info.length} stored bytes")
+        raise ChunkFault(
+            f"{math.prod(expect[1])} {str(expect[0]).replace('torch.', '')} elements do not fit in "
+            f"its {info.length} stored bytes"
+        )
 
 
 def _loaded_tensor(stream: IO[bytes], expect: tuple[torch.dtype, Sequence[int]] | None) -> torch.Tensor:
@@ -112,8 +127,10 @@ def _loaded_tensor(stream: IO[bytes], expect: tuple[torch.dtype, Sequence[int]] 
     if not isinstance(payload, torch.Tensor):
         raise ChunkFault("chunk does not hold a tensor")
     if expect is not None and (payload.dtype != expect[0] or tuple(payload.shape) != tuple(expect[1])):
-        raise ChunkFault(f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata "
-                         f"({expect[0]} {tuple(expect[1])})")
+        raise ChunkFault(
+            f"holds {payload.dtype} {tuple(payload.shape)}, which does not fit its metadata "
+            f"({expect[0]} {tuple(expect[1])})"
+        )
     return payload
 
 
@@ -122,9 +139,14 @@ def _check_crc(payload: torch.Tensor | bytes | numpy.ndarray, expected: int | No
         raise ChunkFault("checksum mismatch")
 
 
-def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
-               expect: tuple[torch.dtype, Sequence[int]] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor | bytes:
+def read_chunk(
+    f: IO[bytes],
+    info: Any,
+    index: MetadataIndex,
+    manifest_chunks: dict[str, Any] | None,
+    expect: tuple[torch.dtype, Sequence[int]] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | bytes:
     """One chunk's payload: a tensor, or the bytes of a serialized object (``index.offset`` is
     None). Checks that it is complete, readable, listed in the manifest at the same place and
     matches its crc32c (when there is a manifest), and, before allocating anything, that its
@@ -162,23 +184,35 @@ def read_chunk(f: IO[bytes], info: Any, index: MetadataIndex, manifest_chunks: d
     return payload
 
 
-def decode_record(record: numpy.ndarray, info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
-                  expect: tuple[torch.dtype, Sequence[int]] | None) -> torch.Tensor | bytes:
+def decode_record(
+    record: numpy.ndarray,
+    info: Any,
+    index: MetadataIndex,
+    manifest_chunks: dict[str, Any] | None,
+    expect: tuple[torch.dtype, Sequence[int]] | None,
+) -> torch.Tensor | bytes:
     """:func:`read_chunk` for a chunk whose ``info.length`` stored bytes are already in memory
     (``record``, a uint8 array): the same checks, and a plain record's tensor is a view of
     ``record`` (no copy; possibly not aligned to its element size, which torch's copies accept)."""
     return decode_record_at(record, info, index, manifest_chunks, expect)[0]
 
 
-def decode_record_at(record: numpy.ndarray, info: Any, index: MetadataIndex, manifest_chunks: dict[str, Any] | None,
-                     expect: tuple[torch.dtype, Sequence[int]] | None) -> tuple[torch.Tensor | bytes, int | None]:
+def decode_record_at(
+    record: numpy.ndarray,
+    info: Any,
+    index: MetadataIndex,
+    manifest_chunks: dict[str, Any] | None,
+    expect: tuple[torch.dtype, Sequence[int]] | None,
+) -> tuple[torch.Tensor | bytes, int | None]:
     """:func:`decode_record`, and where a plain record's tensor bytes start within ``record``
     (None for an object or a record read through ``torch.load``): the verified bytes can then be
     read again straight from the file into their destination."""
     expected = expected_crc(info, index, manifest_chunks)
     if len(record) < info.length:
-        raise ChunkFault(f"truncated (needs bytes {info.offset}..{info.offset + info.length}, "
-                         f"the file has {info.offset + len(record)})")
+        raise ChunkFault(
+            f"truncated (needs bytes {info.offset}..{info.offset + info.length}, "
+            f"the file has {info.offset + len(record)})"
+        )
     _check_fits(index, info, expect)
     if index.offset is None:
         payload = bytes(record)
@@ -253,8 +287,12 @@ class ChunkFiles:
     check the payloads against). ``shapes``: :func:`chunk_shapes` of the metadata, so that plain
     records are read without ``torch.load``. Use as a context manager."""
 
-    def __init__(self, directory: str, manifest_chunks: dict[str, Any] | None,
-                 shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        manifest_chunks: dict[str, Any] | None,
+        shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+    ) -> None:
         self.directory = directory
         self.manifest_chunks = manifest_chunks
         self.shapes = shapes or {}
@@ -297,7 +335,11 @@ class ChunkFiles:
         cannot be opened."""
         problem = self._unopenable(relative_path)
         if problem is not None:
-            error = UnsafeCheckpointError if isinstance(self._open[relative_path], fs.OutsideCheckpointError) else CorruptCheckpointError
+            error = (
+                UnsafeCheckpointError
+                if isinstance(self._open[relative_path], fs.OutsideCheckpointError)
+                else CorruptCheckpointError
+            )
             raise error(f"{self.path(relative_path)}: {problem}, needed for key '{key}'")
         return self.handle(relative_path)
 
@@ -388,7 +430,9 @@ def _overlapping_pairs(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> 
     if ndim == 0 or any(len(off) != len(sz) for off, sz in boxes):  # 0-d (or malformed): nothing to sweep along
         pairs = []
         for i in range(len(boxes)):
-            pairs += [(i, j) for j in range(i + 1, len(boxes)) if _overlaps(boxes[i], boxes[j])][: MAX_OVERLAPS - len(pairs)]
+            pairs += [(i, j) for j in range(i + 1, len(boxes)) if _overlaps(boxes[i], boxes[j])][
+                : MAX_OVERLAPS - len(pairs)
+            ]
             if len(pairs) >= MAX_OVERLAPS:
                 break
         return pairs

@@ -62,8 +62,13 @@ def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None
 def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
     """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
     may be an fsspec URL)."""
-    manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": None, "step": None,
-                "converted_from": source, "versions": versions()}
+    manifest = {
+        "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
+        "model_config": None,
+        "step": None,
+        "converted_from": source,
+        "versions": versions(),
+    }
     with CheckpointBuilder(path, manifest, sources=(source,) if source else ()) as builder:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
@@ -73,8 +78,9 @@ def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | N
         return builder.commit()
 
 
-def write_fsdp2(src: str, dst: str, *, key_map: Sequence[KeyRule] = (),
-                progress: Callable[[int, int], None] | None = None) -> str:
+def write_fsdp2(
+    src: str, dst: str, *, key_map: Sequence[KeyRule] = (), progress: Callable[[int, int], None] | None = None
+) -> str:
     """Write the checkpoint ``src`` as ``dst`` in the key layout of ``get_state_dict`` saved as
     ``{"model": msd, "optim": osd}`` (:func:`~mfsdp_ckpt.stock.to_fsdp2_key`), one entry at a
     time, committed and checksummed like every checkpoint we write (stock DCP ignores
@@ -84,14 +90,25 @@ def write_fsdp2(src: str, dst: str, *, key_map: Sequence[KeyRule] = (),
     ``'model.='`` for torchtitan's bare FQNs)."""
     with MappedReader(src) as reader:
         source = reader.manifest or {}
-        manifest = {"writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())), "model_config": source.get("model_config"),
-                    "model_source": source.get("model_source"), "step": source.get("step"), "converted_from": src, "versions": versions(), "key_layout": "dcp-fsdp2"}
+        manifest = {
+            "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
+            "model_config": source.get("model_config"),
+            "model_source": source.get("model_source"),
+            "step": source.get("step"),
+            "converted_from": src,
+            "versions": versions(),
+            "key_layout": "dcp-fsdp2",
+        }
         with CheckpointBuilder(dst, manifest, sources=(src,)) as builder:
             return _write_fsdp2_entries(reader, builder, key_map, progress)
 
 
-def _write_fsdp2_entries(reader: MappedReader, builder: CheckpointBuilder, key_map: Sequence[KeyRule],
-                         progress: Callable[[int, int], None] | None) -> str:
+def _write_fsdp2_entries(
+    reader: MappedReader,
+    builder: CheckpointBuilder,
+    key_map: Sequence[KeyRule],
+    progress: Callable[[int, int], None] | None,
+) -> str:
     """Every entry of ``reader`` under its FSDP2 key into ``builder``, then the commit."""
     keys = reader.keys()
     mains = {k for k in keys if k.startswith("optim.") and k.endswith("." + MAIN_PARAM)}
@@ -155,8 +172,13 @@ def _read_single_file(src: str) -> dict[str, Any]:
     return state
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str,
-            progress: Callable[[int, int], None] | None = None, key_map: Sequence[str | KeyRule] = ()) -> str:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str,
+    progress: Callable[[int, int], None] | None = None,
+    key_map: Sequence[str | KeyRule] = (),
+) -> str:
     """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
     ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file;
     ``dcp-fsdp2`` writes a DCP checkpoint in FSDP2's ``get_state_dict`` key layout

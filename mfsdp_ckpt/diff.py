@@ -47,10 +47,17 @@ class CheckpointDiff:
         }
 
 
-def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-                     ignore: tuple[str, ...] = (RNG_PREFIX,),
-                     progress: Callable[[int, int], None] | None = None,
-                     key_map_a: Sequence[str] = (), key_map_b: Sequence[str] = ()) -> CheckpointDiff:
+def diff_checkpoints(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    ignore: tuple[str, ...] = (RNG_PREFIX,),
+    progress: Callable[[int, int], None] | None = None,
+    key_map_a: Sequence[str] = (),
+    key_map_b: Sequence[str] = (),
+) -> CheckpointDiff:
     """Keys only in one checkpoint, shape / dtype changes, and tensors whose values differ by more
     than ``atol + rtol * |b|`` anywhere (reporting max |a - b|; NaNs in the same places are equal).
     Keys starting with a prefix in ``ignore`` are skipped (by default the per-rank RNG states,
@@ -106,7 +113,9 @@ def _compare(ra: Any, rb: Any, key: str, atol: float, rtol: float) -> TensorDiff
     score = torch.where(mismatch, torch.nan_to_num(delta, nan=math.inf), torch.zeros_like(delta))
     at = [int(i) for i in torch.unravel_index(torch.argmax(score), va.shape)] if va.dim() else []
     a_at, b_at = (va[tuple(at)], vb[tuple(at)]) if at else (va, vb)
-    return TensorDiff(key, "values", f"max |a - b| = {max_abs:.6g} at {at}: a = {a_at.item()!r}, b = {b_at.item()!r}", max_abs)
+    return TensorDiff(
+        key, "values", f"max |a - b| = {max_abs:.6g} at {at}: a = {a_at.item()!r}, b = {b_at.item()!r}", max_abs
+    )
 
 
 def _same_object(a: Any, b: Any) -> bool:
@@ -115,8 +124,13 @@ def _same_object(a: Any, b: Any) -> bool:
     objects that cannot be compared (too deep, comparison raising) count as different."""
     try:
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                    and a.shape == b.shape and torch.equal(a, b))
+            return (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a, b)
+            )
         if isinstance(a, dict) and isinstance(b, dict):
             return a.keys() == b.keys() and all(_same_object(a[k], b[k]) for k in a)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -40,8 +40,9 @@ class ConversionError(CheckpointError):
     tensor, a shape mismatch."""
 
 
-def raise_key_problems(source: str, problems: Sequence[tuple[str, Sequence[str]]],
-                       error: type[CheckpointError] = CheckpointError) -> None:
+def raise_key_problems(
+    source: str, problems: Sequence[tuple[str, Sequence[str]]], error: type[CheckpointError] = CheckpointError
+) -> None:
     """Raise one ``error`` naming every key of every non-empty problem (``label: k1, k2; …``), or
     nothing when all lists are empty: a mismatch is reported whole, on one line."""
     parts = [f"{label}: {', '.join(keys)}" for label, keys in problems if keys]

@@ -27,8 +27,15 @@ from mfsdp_core.strategy import Strategy
 from .errors import CheckpointError
 
 __all__ = [
-    "gather_objects", "merge_plans", "experts_entry", "merge_param_groups", "expert_counts", "expert_count_problem",
-    "is_expert_buffer", "regroup_experts", "ep_owner_ranks",
+    "gather_objects",
+    "merge_plans",
+    "experts_entry",
+    "merge_param_groups",
+    "expert_counts",
+    "expert_count_problem",
+    "is_expert_buffer",
+    "regroup_experts",
+    "ep_owner_ranks",
 ]
 
 
@@ -43,6 +50,7 @@ def gather_objects(value: Any) -> list[Any]:
 
 
 # ---- save: the global plan -------------------------------------------------------------------
+
 
 def merge_plans(plans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One plan (``ModelPlan.to_dict()`` form) from every rank's, in rank order: each buffer
@@ -68,7 +76,8 @@ def merge_plans(plans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if over is not None:
             raise CheckpointError(
                 f"save: '{over}' is placed over group '{group}' ({sizes[group]} of {dp} ranks), whose instances are "
-                "different parameters under the same names; a canonical checkpoint cannot hold them (give them distinct names)")
+                "different parameters under the same names; a canonical checkpoint cannot hold them (give them distinct names)"
+            )
     return {"group_sizes": sizes, "buffers": buffers}
 
 
@@ -94,11 +103,17 @@ def ep_owner_ranks(ep_rank: int, ep_size: int, world_size: int) -> list[int]:
 
 # ---- save: optimizer groups of every rank ----------------------------------------------------
 
+
 def _same(a: Any, b: Any) -> bool:
     """Hyper-parameter equality (tensors compared by value, bitwise)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
@@ -112,18 +127,26 @@ def merge_param_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[st
     first = per_rank[0]
     for rank, groups in enumerate(per_rank[1:], start=1):
         if len(groups) != len(first):
-            raise CheckpointError(f"save: the optimizer has {len(first)} parameter group(s) on rank 0 but {len(groups)} "
-                                  f"on rank {rank}; expert-parallel ranks need the same groups")
+            raise CheckpointError(
+                f"save: the optimizer has {len(first)} parameter group(s) on rank 0 but {len(groups)} "
+                f"on rank {rank}; expert-parallel ranks need the same groups"
+            )
         for g, (a, b) in enumerate(zip(first, groups)):
             keys = sorted((set(a) | set(b)) - {"params"})
             differ = [k for k in keys if not (k in a and k in b and _same(a[k], b[k]))]
             if differ:
-                raise CheckpointError(f"save: optimizer param_groups[{g}] differs between rank 0 and rank {rank} "
-                                      f"in {', '.join(differ)}; expert-parallel ranks need the same hyper-parameters")
+                raise CheckpointError(
+                    f"save: optimizer param_groups[{g}] differs between rank 0 and rank {rank} "
+                    f"in {', '.join(differ)}; expert-parallel ranks need the same hyper-parameters"
+                )
     merged = []
     for g, group in enumerate(first):
-        merged.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": _model_order([groups[g]["params"] for groups in per_rank])})
+        merged.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": _model_order([groups[g]["params"] for groups in per_rank]),
+            }
+        )
     return merged
 
 
@@ -147,6 +170,7 @@ def _model_order(lists: Sequence[Sequence[str]]) -> list[str]:
 
 # ---- load: expert counts ---------------------------------------------------------------------
 
+
 def expert_counts(names: Iterable[str]) -> dict[str, set[int]]:
     """Global expert indices per template (``…experts.linear_fc1.weight`` -> {0, 1, …}) among
     parameter names."""
@@ -163,12 +187,15 @@ def expert_count_problem(checkpoint: Mapping[str, set[int]], model: Mapping[str,
     template both have), naming both counts and the template."""
     for template in sorted(set(checkpoint) & set(model)):
         if len(checkpoint[template]) != len(model[template]):
-            return (f"the checkpoint has {len(checkpoint[template])} experts in '{template}{{e}}', the model "
-                    f"{len(model[template])}; a checkpoint loads only into a model with as many experts")
+            return (
+                f"the checkpoint has {len(checkpoint[template])} experts in '{template}{{e}}', the model "
+                f"{len(model[template])}; a checkpoint loads only into a model with as many experts"
+            )
     return None
 
 
 # ---- reshard: expert buffers for another EP size ---------------------------------------------
+
 
 def is_expert_buffer(spec: BufferSpec) -> bool:
     """An expert buffer of expert parallelism: experts sharded over the expert-data-parallel group."""
@@ -191,8 +218,9 @@ def num_experts_of(specs: Iterable[BufferSpec]) -> int:
     return sizes.pop() if sizes else 0
 
 
-def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int, *, strategy: Strategy | None = None,
-                    policy: Policy | None = None) -> list[tuple[BufferSpec, tuple[int, ...]]]:
+def regroup_experts(
+    plan: ModelPlan, world_size: int, ep_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None
+) -> list[tuple[BufferSpec, tuple[int, ...]]]:
     """Every buffer of ``plan`` as the runtime at (``world_size``, ``ep_size``) builds it, each with
     the global rank of each of its shard ranks: dense buffers over all ranks (shard rank r is
     rank r); per unit, the expert buffers (one per source EP rank) become ``ep_size`` buffers, EP
@@ -215,18 +243,26 @@ def regroup_experts(plan: ModelPlan, world_size: int, ep_size: int, *, strategy:
         placed = False
         for spec in specs:
             if id(spec) not in expert_ids:
-                out.append((spec.resized(world_size, strategy=strategy, policy=policy, group_sizes=sizes), tuple(range(world_size))))
+                out.append(
+                    (
+                        spec.resized(world_size, strategy=strategy, policy=policy, group_sizes=sizes),
+                        tuple(range(world_size)),
+                    )
+                )
             elif not placed:  # where the unit's expert buffers begin
-                out.extend((spec.resized(edp, strategy=strategy, policy=policy, group_sizes=sizes), ranks)
-                           for spec, ranks in _expert_buffers(experts, num, ep_size, edp, sizes))
+                out.extend(
+                    (spec.resized(edp, strategy=strategy, policy=policy, group_sizes=sizes), ranks)
+                    for spec, ranks in _expert_buffers(experts, num, ep_size, edp, sizes)
+                )
                 placed = True
     return out
 
 
 def _subset(spec: BufferSpec, keep: Sequence[int], **changes: Any) -> BufferSpec:
     """``spec`` with only the parameters at ``keep`` (and ``changes``)."""
-    return dataclasses.replace(spec, names=tuple(spec.names[i] for i in keep), shapes=tuple(spec.shapes[i] for i in keep),
-                               **changes)
+    return dataclasses.replace(
+        spec, names=tuple(spec.names[i] for i in keep), shapes=tuple(spec.shapes[i] for i in keep), **changes
+    )
 
 
 def _without_ep(specs: list[BufferSpec]) -> list[BufferSpec]:
@@ -245,18 +281,21 @@ def _without_ep(specs: list[BufferSpec]) -> list[BufferSpec]:
         if not rest:
             continue
         at = out.index(spec)
-        out[at:at + 1] = [_subset(spec, routed)] if routed else []
+        out[at : at + 1] = [_subset(spec, routed)] if routed else []
         dense = _subset(spec, rest, placement=dataclasses.replace(spec.placement, expert=False))
         same = next((i for i, s in enumerate(out) if not s.is_expert and _kind(s) == _kind(dense)), None)
         if same is None:
             out.insert(at, dense)
         else:
-            out[same] = dataclasses.replace(out[same], names=out[same].names + dense.names, shapes=out[same].shapes + dense.shapes)
+            out[same] = dataclasses.replace(
+                out[same], names=out[same].names + dense.names, shapes=out[same].shapes + dense.shapes
+            )
     return out
 
 
-def _expert_buffers(experts: list[BufferSpec], num: int, ep_size: int, edp: int,
-                    sizes: Mapping[str, int]) -> list[tuple[BufferSpec, tuple[int, ...]]]:
+def _expert_buffers(
+    experts: list[BufferSpec], num: int, ep_size: int, edp: int, sizes: Mapping[str, int]
+) -> list[tuple[BufferSpec, tuple[int, ...]]]:
     """The ``ep_size`` (times kinds) target buffers of one unit's expert buffers."""
     kinds: dict[tuple, list[BufferSpec]] = {}
     for spec in experts:
@@ -271,8 +310,10 @@ def _expert_buffers(experts: list[BufferSpec], num: int, ep_size: int, edp: int,
                 for name, shape in zip(spec.names, spec.shapes):
                     parsed = expert_index(name)
                     if parsed is None:
-                        raise CheckpointError(f"reshard: '{spec.prefix}{name}' is in an expert buffer but is not named "
-                                              "by a global expert index (…experts.<name><index>)")
+                        raise CheckpointError(
+                            f"reshard: '{spec.prefix}{name}' is in an expert buffer but is not named "
+                            "by a global expert index (…experts.<name><index>)"
+                        )
                     templates.setdefault(parsed[0], None)
                     shape_of[parsed] = shape
             keys = [(t, e) for t in templates for e in sorted(mine) if (t, e) in shape_of]
@@ -281,8 +322,13 @@ def _expert_buffers(experts: list[BufferSpec], num: int, ep_size: int, edp: int,
             if placement.group != EDP_GROUP:
                 placement = dataclasses.replace(placement, group=EDP_GROUP, grad_divisor=DEFAULT_GROUP)
             spec = dataclasses.replace(
-                base, names=tuple(f"{t}{e}" for t, e in keys), shapes=tuple(shape_of[k] for k in keys),
-                placement=placement, group_size=edp, divisor_size=sizes[DEFAULT_GROUP])
+                base,
+                names=tuple(f"{t}{e}" for t, e in keys),
+                shapes=tuple(shape_of[k] for k in keys),
+                placement=placement,
+                group_size=edp,
+                divisor_size=sizes[DEFAULT_GROUP],
+            )
             spec = spec.resized(edp, group_sizes=sizes)
             out.append((spec, tuple(k * ep_size + p for k in range(edp))))
     return out

@@ -23,9 +23,29 @@ from .names import member_name_problem
 from .remote import filesystem, upload
 from .staging import write_file_atomic
 
-__all__ = ["is_url", "join", "dirname", "normalize", "exists", "lexists", "isfile", "isdir", "listdir", "open_file", "read_bytes",
-           "write_bytes", "file_size", "tree_size", "remove_tree", "FileSlice", "OutsideCheckpointError",
-           "member_path", "open_member", "read_member", "open_regular"]
+__all__ = [
+    "is_url",
+    "join",
+    "dirname",
+    "normalize",
+    "exists",
+    "lexists",
+    "isfile",
+    "isdir",
+    "listdir",
+    "open_file",
+    "read_bytes",
+    "write_bytes",
+    "file_size",
+    "tree_size",
+    "remove_tree",
+    "FileSlice",
+    "OutsideCheckpointError",
+    "member_path",
+    "open_member",
+    "read_member",
+    "open_regular",
+]
 
 
 def is_url(path: str | os.PathLike) -> bool:

@@ -31,7 +31,17 @@ from .model_source import MEGATRON_CORE, model_source_of
 from .planner import chunk_id
 from .stock import uncommitted_reason
 
-__all__ = ["TensorInfo", "CheckpointInfo", "ExpertPlacement", "compact_ranges", "Fault", "Faults", "inspect_checkpoint", "verify_checkpoint", "GROUPS"]
+__all__ = [
+    "TensorInfo",
+    "CheckpointInfo",
+    "ExpertPlacement",
+    "compact_ranges",
+    "Fault",
+    "Faults",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+    "GROUPS",
+]
 
 
 @dataclass(frozen=True)
@@ -60,12 +70,21 @@ class ExpertPlacement:
         if not entry:
             return None
         size, world = entry["ep_size"], (writer or {}).get("world_size") or entry["ep_size"]
-        return cls(size, sum(len(o) for o in entry["owners"]), [ep_owner_ranks(p, size, world) for p in range(size)],
-                   [list(o) for o in entry["owners"]])
+        return cls(
+            size,
+            sum(len(o) for o in entry["owners"]),
+            [ep_owner_ranks(p, size, world) for p in range(size)],
+            [list(o) for o in entry["owners"]],
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"ep_size": self.ep_size, "num_experts": self.num_experts,
-                "placement": [{"ep_rank": p, "ranks": r, "experts": e} for p, (r, e) in enumerate(zip(self.ranks, self.experts))]}
+        return {
+            "ep_size": self.ep_size,
+            "num_experts": self.num_experts,
+            "placement": [
+                {"ep_rank": p, "ranks": r, "experts": e} for p, (r, e) in enumerate(zip(self.ranks, self.experts))
+            ],
+        }
 
 
 def compact_ranges(values: list[int]) -> str:
@@ -152,8 +171,10 @@ class CheckpointInfo:
             "model_source": self.model_source,
             "unknown": self.unknown,
             "experts": self.experts.to_json() if self.experts else None,
-            "mx": [{"fqn": m.fqn, "shape": list(m.shape), "element": m.element, "rule": m.rule, "planes": list(m.planes)}
-                   for m in self.mx],
+            "mx": [
+                {"fqn": m.fqn, "shape": list(m.shape), "element": m.element, "rule": m.rule, "planes": list(m.planes)}
+                for m in self.mx
+            ],
             "totals": self.totals(),
             "tensors": [t.__dict__ for t in self.tensors],
         }
@@ -191,8 +212,14 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         if isinstance(md, TensorStorageMetadata):
             numel = math.prod(md.size)
             info.tensors.append(
-                TensorInfo(key, group_of(key), str(md.properties.dtype).replace("torch.", ""), tuple(md.size),
-                           numel * md.properties.dtype.itemsize, len(md.chunks))
+                TensorInfo(
+                    key,
+                    group_of(key),
+                    str(md.properties.dtype).replace("torch.", ""),
+                    tuple(md.size),
+                    numel * md.properties.dtype.itemsize,
+                    len(md.chunks),
+                )
             )
         else:
             length = sum(v.length for _, v in reader.stored.get(key, []))
@@ -230,11 +257,19 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     faults: list[Fault] = []
     notes: list[str] = []
     if manifest is None and (mark := uncommitted_reason(directory, metadata)) is not None:
-        faults.append(Fault(MANIFEST_NAME, "-", None, f"missing ({mark}): a save that never committed, or a deleted "
-                            "manifest; no checksums to verify"))
+        faults.append(
+            Fault(
+                MANIFEST_NAME,
+                "-",
+                None,
+                f"missing ({mark}): a save that never committed, or a deleted manifest; no checksums to verify",
+            )
+        )
     elif manifest is None:
-        notes.append(f"{MANIFEST_NAME}: absent (a stock DCP checkpoint): checksums are not available; coverage and every "
-                     "chunk's bytes (present, inside its file, readable) are checked")
+        notes.append(
+            f"{MANIFEST_NAME}: absent (a stock DCP checkpoint): checksums are not available; coverage and every "
+            "chunk's bytes (present, inside its file, readable) are checked"
+        )
     else:
         if not is_protected(manifest):
             notes.append(f"{MANIFEST_NAME}: unprotected: {UNPROTECTED}")
@@ -283,8 +318,13 @@ def _manifest_chunk_faults(manifest: dict[str, Any], metadata: Metadata) -> list
             listed.add(key)
     stored = {chunk_id(index) for index in metadata.storage_data}
     table = manifest["chunks"]
-    faults = [Fault(METADATA_NAME, cid, None, "in the metadata's chunk list, but not in the manifest")
-              for cid in sorted(listed - set(table)) if cid not in stored]
-    faults += [Fault(MANIFEST_NAME, cid, None, "listed in the manifest but not in .metadata")
-               for cid in sorted(set(table) - (listed & stored))]
+    faults = [
+        Fault(METADATA_NAME, cid, None, "in the metadata's chunk list, but not in the manifest")
+        for cid in sorted(listed - set(table))
+        if cid not in stored
+    ]
+    faults += [
+        Fault(MANIFEST_NAME, cid, None, "listed in the manifest but not in .metadata")
+        for cid in sorted(set(table) - (listed & stored))
+    ]
     return faults

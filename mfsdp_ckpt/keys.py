@@ -16,8 +16,22 @@ from __future__ import annotations
 from typing import Container
 
 __all__ = [
-    "GROUPS", "PARAM_GROUPS", "MAIN_PARAM", "RNG_PREFIX", "model_key", "optim_key", "grad_key", "extra_key",
-    "rng_key", "group_of", "is_rng", "param_of", "extra_name", "fqn_of_model_key", "mx_key", "mx_plane_of",
+    "GROUPS",
+    "PARAM_GROUPS",
+    "MAIN_PARAM",
+    "RNG_PREFIX",
+    "model_key",
+    "optim_key",
+    "grad_key",
+    "extra_key",
+    "rng_key",
+    "group_of",
+    "is_rng",
+    "param_of",
+    "extra_name",
+    "fqn_of_model_key",
+    "mx_key",
+    "mx_plane_of",
 ]
 
 GROUPS = ("model", "optim", "grad", "mx", "extra")

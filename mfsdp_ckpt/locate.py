@@ -16,8 +16,15 @@ from .manifest import is_committed, read_manifest
 from .names import LATEST_NAME, MCORE_METADATA_NAME, METADATA_NAME
 from .storage import VerifyingReader
 
-__all__ = ["resolve_checkpoint", "read_pointer", "open_checkpoint", "is_mcore", "read_small_file", "MAX_POINTER_BYTES",
-           "MAX_SMALL_FILE"]
+__all__ = [
+    "resolve_checkpoint",
+    "read_pointer",
+    "open_checkpoint",
+    "is_mcore",
+    "read_small_file",
+    "MAX_POINTER_BYTES",
+    "MAX_SMALL_FILE",
+]
 
 MAX_SMALL_FILE = 64 << 20  # an MCore checkpoint's metadata.json and common.pt: small files; refuse anything larger
 
@@ -68,8 +75,14 @@ def read_pointer(path: str) -> str:
     except OSError as e:
         raise NotACheckpointError(f"{path}: unreadable '{LATEST_NAME}' pointer ({e.strerror or e})") from None
     name = data.decode(errors="replace").strip()
-    if (len(data) > MAX_POINTER_BYTES or not name or "/" in name or "\\" in name or name.startswith(".")
-            or not name.isprintable()):
+    if (
+        len(data) > MAX_POINTER_BYTES
+        or not name
+        or "/" in name
+        or "\\" in name
+        or name.startswith(".")
+        or not name.isprintable()
+    ):
         raise NotACheckpointError(f"{path}: not a valid '{LATEST_NAME}' pointer")
     return name
 

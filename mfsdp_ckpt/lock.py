@@ -61,13 +61,17 @@ def _acquire(run_dir: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise CheckpointError(f"{run_dir}: cannot write there ({e.strerror}; the writer lock {LOCK_NAME} "
-                                  "is created in the destination's directory)") from None
+            raise CheckpointError(
+                f"{run_dir}: cannot write there ({e.strerror}; the writer lock {LOCK_NAME} "
+                "is created in the destination's directory)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunLockedError(f"{run_dir}: another job is writing checkpoints here ({_describe(lock_holder(run_dir))})") from None
+            raise RunLockedError(
+                f"{run_dir}: another job is writing checkpoints here ({_describe(lock_holder(run_dir))})"
+            ) from None
         except OSError as e:
             os.close(fd)
             raise CheckpointError(f"{path}: cannot lock ({e.strerror})") from None
@@ -107,7 +111,9 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
         try:
             os.makedirs(run_dir, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"{run_dir}: cannot create the directory ({_blocker(run_dir) or e.strerror})") from None
+            raise CheckpointError(
+                f"{run_dir}: cannot create the directory ({_blocker(run_dir) or e.strerror})"
+            ) from None
         _held[run_dir] = (_acquire(run_dir), 0)
     fd, count = _held[run_dir]
     _held[run_dir] = (fd, count + 1)

@@ -27,9 +27,21 @@ from .errors import CorruptCheckpointError, UncommittedCheckpointError
 from .manifest_schema import check_manifest
 from .names import MANIFEST_NAME, METADATA_NAME, shown
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "completed", "versions",
-           "writer_layout", "recorded_plan", "read_manifest", "write_manifest", "is_committed", "is_protected",
-           "manifest_checksum", "metadata_checksum_problem"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "completed",
+    "versions",
+    "writer_layout",
+    "recorded_plan",
+    "read_manifest",
+    "write_manifest",
+    "is_committed",
+    "is_protected",
+    "manifest_checksum",
+    "metadata_checksum_problem",
+]
 
 FORMAT = "mfsdp-ckpt"
 FORMAT_VERSION = 2  # 2: the manifest carries manifest_crc32c (and metadata_crc32c); 1: it does not
@@ -53,8 +65,12 @@ def writer_layout(world_size: int, plan: ModelPlan, experts: dict[str, Any] | No
     return out
 
 
-def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
-                  dtype_of: Callable[[str], torch.dtype | None], source: str = MANIFEST_NAME) -> ModelPlan | None:
+def recorded_plan(
+    manifest: dict[str, Any],
+    shape_of: Callable[[str], torch.Size | None],
+    dtype_of: Callable[[str], torch.dtype | None],
+    source: str = MANIFEST_NAME,
+) -> ModelPlan | None:
     """The placement plan the writer recorded, or None when it recorded none. Manifests written
     before the plan existed list ``writer.groups`` (parameters, strategy, policy, group size);
     their shapes and dtypes come from the checkpoint's tensors (``shape_of`` / ``dtype_of`` of a
@@ -65,12 +81,14 @@ def recorded_plan(manifest: dict[str, Any], shape_of: Callable[[str], torch.Size
         return _recorded_plan(writer, shape_of, dtype_of)
     except (KeyError, TypeError, ValueError) as e:
         field = "writer.plan" if "plan" in writer else "writer.groups"
-        raise CorruptCheckpointError(f"{source}: field '{field}': not a placement plan "
-                                     f"({type(e).__name__}: {shown(str(e), 160)})") from None
+        raise CorruptCheckpointError(
+            f"{source}: field '{field}': not a placement plan ({type(e).__name__}: {shown(str(e), 160)})"
+        ) from None
 
 
-def _recorded_plan(writer: dict[str, Any], shape_of: Callable[[str], torch.Size | None],
-                   dtype_of: Callable[[str], torch.dtype | None]) -> ModelPlan | None:
+def _recorded_plan(
+    writer: dict[str, Any], shape_of: Callable[[str], torch.Size | None], dtype_of: Callable[[str], torch.dtype | None]
+) -> ModelPlan | None:
     if "plan" in writer:
         return ModelPlan.from_dict(writer["plan"])
     groups = writer.get("groups")
@@ -83,9 +101,17 @@ def _recorded_plan(writer: dict[str, Any], shape_of: Callable[[str], torch.Size 
         shapes = [shape_of(n) for n in names]
         dtype = next((d for d in map(dtype_of, names) if d is not None), torch.float32)
         shards = g["strategy"] != "no_shard"
-        buffers.append({"params": names, "shapes": [list(s) if s is not None else None for s in shapes],
-                        "dtype": dtype_name(dtype), "strategy": g["strategy"], "policy": g["policy"],
-                        "group_size": g["group_size"] if shards else world, "is_expert": g.get("is_expert", False)})
+        buffers.append(
+            {
+                "params": names,
+                "shapes": [list(s) if s is not None else None for s in shapes],
+                "dtype": dtype_name(dtype),
+                "strategy": g["strategy"],
+                "policy": g["policy"],
+                "group_size": g["group_size"] if shards else world,
+                "is_expert": g.get("is_expert", False),
+            }
+        )
     return ModelPlan.from_dict({"group_sizes": {DEFAULT_GROUP: world}, "buffers": buffers})
 
 
@@ -105,8 +131,15 @@ def versions() -> dict[str, str]:
 def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """``manifest`` plus what every committed checkpoint's manifest holds: format and version, the
     save id ``.metadata`` carries too, the time, every chunk's place and crc32c, total bytes."""
-    return {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "save_id": save_id,
-            "created_unix": time.time(), "chunks": chunks, "total_bytes": sum(c["length"] for c in chunks.values())}
+    return {
+        **manifest,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "save_id": save_id,
+        "created_unix": time.time(),
+        "chunks": chunks,
+        "total_bytes": sum(c["length"] for c in chunks.values()),
+    }
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> int:
@@ -167,7 +200,9 @@ def read_manifest(directory: str) -> dict[str, Any]:
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: unreadable manifest ({e.strerror or e})") from None
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {shown(str(e), 120)})") from None
+        raise CorruptCheckpointError(
+            f"{path}: unreadable manifest ({type(e).__name__}: {shown(str(e), 120)})"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path}: not an {FORMAT} manifest")
     version = manifest.get("format_version", 0)
@@ -182,6 +217,8 @@ def read_manifest(directory: str) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{path}: unreadable manifest ({type(e).__name__})") from None
         if manifest.get("manifest_crc32c") != actual:
             what = "missing" if "manifest_crc32c" not in manifest else "does not match its contents"
-            raise CorruptCheckpointError(f"{path}: field 'manifest_crc32c': {what} (the manifest was changed after the save)")
+            raise CorruptCheckpointError(
+                f"{path}: field 'manifest_crc32c': {what} (the manifest was changed after the save)"
+            )
     check_manifest(manifest, path)
     return manifest

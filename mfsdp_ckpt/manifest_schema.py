@@ -38,8 +38,15 @@ class _Invalid(Exception):
 
 
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def integer(lo: int = 0, hi: int = MAX_INT) -> Check:
@@ -48,6 +55,7 @@ def integer(lo: int = 0, hi: int = MAX_INT) -> Check:
             raise _Invalid(at, f"expected an integer, got {_kind(v)}")
         if not lo <= v <= hi:
             raise _Invalid(at, f"{shown(v)} is outside [{lo}, {hi}]")
+
     return check
 
 
@@ -81,17 +89,20 @@ def nullable(check: Check) -> Check:
     def inner(v: Any, at: str) -> None:
         if v is not None:
             check(v, at)
+
     return inner
 
 
 def parsed(parse: Callable[[str], Any], what: str) -> Check:
     """A string that ``parse`` accepts (a dtype name, a strategy, a policy)."""
+
     def check(v: Any, at: str) -> None:
         line(v, at)
         try:
             parse(v)
         except (ValueError, KeyError):
             raise _Invalid(at, f"{shown(v)} is not a known {what}") from None
+
     return check
 
 
@@ -107,6 +118,7 @@ def list_of(item: Check) -> Check:
             raise _Invalid(at, f"expected a list, got {_kind(v)}")
         for i, x in enumerate(v):
             item(x, f"{at}[{i}]")
+
     return check
 
 
@@ -117,13 +129,18 @@ def dict_of(value: Check, key: Check = line) -> Check:
         for k, x in v.items():
             key(k, f"{at} key {shown(k)}")
             value(x, f"{at}[{shown(k)}]" if at else shown(k))
+
     return check
 
 
-def record(required: Mapping[str, Check] = {}, optional: Mapping[str, Check] = {},  # noqa: B006 - read only
-           then: Callable[[dict, str], None] | None = None) -> Check:
+def record(
+    required: Mapping[str, Check] = {},
+    optional: Mapping[str, Check] = {},  # noqa: B006 - read only
+    then: Callable[[dict, str], None] | None = None,
+) -> Check:
     """An object with these fields (others allowed and not checked); ``then`` checks relations
     between the fields once each is valid."""
+
     def check(v: Any, at: str) -> None:
         if type(v) is not dict:
             raise _Invalid(at or "(top level)", f"expected an object, got {_kind(v)}")
@@ -136,6 +153,7 @@ def record(required: Mapping[str, Check] = {}, optional: Mapping[str, Check] = {
                 field_check(v[name], _join(at, name))
         if then is not None:
             then(v, at)
+
     return check
 
 
@@ -147,6 +165,7 @@ def _same_length(a: str, b: str) -> Callable[[dict, str], None]:
     def then(v: dict, at: str) -> None:
         if len(v[a]) != len(v[b]):
             raise _Invalid(_join(at, b), f"{len(v[b])} entries for {len(v[a])} {a}")
+
     return then
 
 
@@ -171,17 +190,36 @@ def _choice(*allowed: str) -> Check:
         line(v, at)
         if v not in allowed:
             raise _Invalid(at, f"{shown(v)} is not one of {', '.join(allowed)}")
+
     return check
 
 
-_MODEL_SOURCE = record(required={"kind": _choice(*KINDS)},
-                       optional={"class": line, "config": dict_of(anything), "args": dict_of(anything), "layer_spec": line})
+_MODEL_SOURCE = record(
+    required={"kind": _choice(*KINDS)},
+    optional={"class": line, "config": dict_of(anything), "args": dict_of(anything), "layer_spec": line},
+)
 _MX = record(required={"element": _choice(*MX_ELEMENTS), "rule": _choice(*MX_RULES)})
 _BUFFER = record(
-    required={"params": list_of(line), "shapes": list_of(list_of(integer())), "dtype": _DTYPE, "strategy": _STRATEGY,
-              "policy": _POLICY, "group_size": _COUNT},
-    optional={"unit": nullable(line), "param_dtype": _DTYPE, "main_dtype": _DTYPE, "requires_grad": boolean,
-              "group": line, "grad_divisor": _divisor, "divisor_size": _COUNT, "is_expert": boolean, "companions": list_of(_COMPANION), "mx": _MX},
+    required={
+        "params": list_of(line),
+        "shapes": list_of(list_of(integer())),
+        "dtype": _DTYPE,
+        "strategy": _STRATEGY,
+        "policy": _POLICY,
+        "group_size": _COUNT,
+    },
+    optional={
+        "unit": nullable(line),
+        "param_dtype": _DTYPE,
+        "main_dtype": _DTYPE,
+        "requires_grad": boolean,
+        "group": line,
+        "grad_divisor": _divisor,
+        "divisor_size": _COUNT,
+        "is_expert": boolean,
+        "companions": list_of(_COMPANION),
+        "mx": _MX,
+    },
     then=_same_length("params", "shapes"),
 )
 
@@ -193,12 +231,16 @@ def _groups_named(v: dict, at: str) -> None:
             raise _Invalid(f"{_join(at, 'buffers')}[{i}].group", f"names group {shown(group)}, which group_sizes lacks")
         divisor = b.get("grad_divisor")
         if isinstance(divisor, str) and "divisor_size" not in b:
-            raise _Invalid(f"{_join(at, 'buffers')}[{i}].divisor_size", f"missing: grad_divisor names group {shown(divisor)}")
+            raise _Invalid(
+                f"{_join(at, 'buffers')}[{i}].divisor_size", f"missing: grad_divisor names group {shown(divisor)}"
+            )
 
 
 _PLAN = record(required={"group_sizes": dict_of(_COUNT), "buffers": list_of(_BUFFER)}, then=_groups_named)
-_LEGACY_GROUP = record(required={"params": list_of(line), "strategy": _STRATEGY, "policy": _POLICY, "group_size": _COUNT},
-                       optional={"is_expert": boolean})
+_LEGACY_GROUP = record(
+    required={"params": list_of(line), "strategy": _STRATEGY, "policy": _POLICY, "group_size": _COUNT},
+    optional={"is_expert": boolean},
+)
 MAX_EP_SIZE = 1 << 16  # as many EP ranks as a job has ranks (reshard's --world-size bound)
 MAX_EXPERT = 1 << 24  # a global expert index
 
@@ -215,11 +257,20 @@ def _experts_placed_once(v: dict, at: str) -> None:
             seen.add(e)
 
 
-_EXPERTS = record(required={"ep_size": integer(1, MAX_EP_SIZE), "owners": list_of(list_of(integer(0, MAX_EXPERT)))},
-                  then=_experts_placed_once)
+_EXPERTS = record(
+    required={"ep_size": integer(1, MAX_EP_SIZE), "owners": list_of(list_of(integer(0, MAX_EXPERT)))},
+    then=_experts_placed_once,
+)
 _SUMMARY = record(required={"strategy": line, "policy": line, "group_size": _COUNT}, optional={"group": line})
-_WRITER = record(optional={"world_size": _COUNT, "buffers": list_of(_SUMMARY), "plan": _PLAN, "groups": list_of(_LEGACY_GROUP),
-                           "experts": _EXPERTS})
+_WRITER = record(
+    optional={
+        "world_size": _COUNT,
+        "buffers": list_of(_SUMMARY),
+        "plan": _PLAN,
+        "groups": list_of(_LEGACY_GROUP),
+        "experts": _EXPERTS,
+    }
+)
 _CHUNK = record(required={"file": file_name, "offset": integer(), "length": integer(), "crc32c": integer(0, 2**32 - 1)})
 _CRC = integer(0, 2**32 - 1)
 

@@ -35,7 +35,9 @@ class MappedReader:
         self.directory, self.manifest, self.metadata = self.raw.directory, self.raw.manifest, self.raw.metadata
         self.key_map = tuple(key_map)
         try:
-            self.names = canonical_names(self.metadata.state_dict_metadata, self.key_map, stock_layout=is_stock(self.manifest))
+            self.names = canonical_names(
+                self.metadata.state_dict_metadata, self.key_map, stock_layout=is_stock(self.manifest)
+            )
         except CheckpointError as e:
             self.close()
             raise CheckpointError(f"{self.directory}: {e}") from None
@@ -108,15 +110,20 @@ def map_reader_keys(reader: Any, key_map: Sequence[KeyRule], manifest: dict[str,
     md = Metadata(
         state_dict_metadata={renamed.get(k, k): v for k, v in metadata.state_dict_metadata.items()},
         planner_data=metadata.planner_data,
-        storage_data={MetadataIndex(renamed.get(i.fqn, i.fqn), i.offset, i.index): info
-                      for i, info in metadata.storage_data.items()},
+        storage_data={
+            MetadataIndex(renamed.get(i.fqn, i.fqn), i.offset, i.index): info
+            for i, info in metadata.storage_data.items()
+        },
         storage_meta=metadata.storage_meta,
         version=metadata.version,
     )
     if reader.manifest_chunks is not None:  # the checksums follow their chunks to the new names
         table = reader.manifest_chunks
-        moved = {chunk_id(old): chunk_id(MetadataIndex(renamed[old.fqn], old.offset, old.index))
-                 for old in metadata.storage_data if old.fqn in renamed}
+        moved = {
+            chunk_id(old): chunk_id(MetadataIndex(renamed[old.fqn], old.offset, old.index))
+            for old in metadata.storage_data
+            if old.fqn in renamed
+        }
         reader.manifest_chunks = {moved.get(cid, cid): entry for cid, entry in table.items()}
     reader._metadata, reader.chunk_shapes, reader.stored = md, chunk_shapes(md), stored_by_key(md)
     return names.group_parts

@@ -43,8 +43,15 @@ from mfsdp_ckpt.names import METADATA_NAME, member_name_problem, shown
 from .chunks import Fault, coverage_faults
 from .errors import CorruptCheckpointError
 
-__all__ = ["MAX_NDIM", "MAX_ELEMENTS", "checked_metadata", "stored_by_key", "entry_faults", "orphan_faults",
-           "chunk_nbytes"]
+__all__ = [
+    "MAX_NDIM",
+    "MAX_ELEMENTS",
+    "checked_metadata",
+    "stored_by_key",
+    "entry_faults",
+    "orphan_faults",
+    "chunk_nbytes",
+]
 
 MAX_NDIM = 64  # torch's own limit on dimensions
 MAX_ELEMENTS = 2**62  # more elements than any file holds
@@ -135,8 +142,9 @@ def _check_info(info: Any) -> None:
     _count(_field(info, "offset"), "offset", 2**63 - 1)
     _count(_field(info, "length"), "length", 2**63 - 1)
     transforms = getattr(info, "transform_descriptors", None)
-    if transforms is not None and (not isinstance(transforms, (list, tuple))
-                                   or not all(isinstance(t, str) and t.isprintable() for t in transforms)):
+    if transforms is not None and (
+        not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) and t.isprintable() for t in transforms)
+    ):
         raise _Bad("transform_descriptors: expected a list of strings")
 
 
@@ -201,7 +209,9 @@ def _check_disjoint(storage: dict[MetadataIndex, _StorageInfo]) -> None:
         ranges.sort(key=lambda r: (r[0], r[1]))
         for (_, end_a, a), (start_b, _, b) in zip(ranges, ranges[1:]):
             if start_b < end_a:
-                raise _Bad(f"storage_data {_where(b.fqn, b.offset)} shares bytes of {shown(name)} with {_where(a.fqn, a.offset)}")
+                raise _Bad(
+                    f"storage_data {_where(b.fqn, b.offset)} shares bytes of {shown(name)} with {_where(a.fqn, a.offset)}"
+                )
 
 
 def stored_by_key(metadata: Metadata) -> dict[str, list[tuple[MetadataIndex, _StorageInfo]]]:
@@ -225,8 +235,11 @@ def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME)
     their stored bytes; for an object, anything but one stored record. Empty: sound."""
     if isinstance(md, BytesStorageMetadata):
         records = [index for index, _ in stored if index.offset is None]
-        faults = [Fault(source, key, tuple(index.offset), "stored as a tensor chunk of an object entry")
-                  for index, _ in stored if index.offset is not None]
+        faults = [
+            Fault(source, key, tuple(index.offset), "stored as a tensor chunk of an object entry")
+            for index, _ in stored
+            if index.offset is not None
+        ]
         if len(records) != 1:
             faults.append(Fault(source, key, None, "nothing stored" if not records else f"stored {len(records)} times"))
         return faults
@@ -241,9 +254,15 @@ def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME)
         offsets.add(tuple(index.offset))
         need = chunk_nbytes(md.properties.dtype, listed[tuple(index.offset)])
         if need > info.length:
-            faults.append(Fault(source, key, tuple(index.offset),
-                                f"its {need} bytes of {str(md.properties.dtype).replace('torch.', '')} elements "
-                                f"do not fit in its {info.length} stored bytes"))
+            faults.append(
+                Fault(
+                    source,
+                    key,
+                    tuple(index.offset),
+                    f"its {need} bytes of {str(md.properties.dtype).replace('torch.', '')} elements "
+                    f"do not fit in its {info.length} stored bytes",
+                )
+            )
     for off in listed:
         if off not in offsets:
             faults.append(Fault(source, key, off, "listed in the metadata, but not stored"))
@@ -252,6 +271,13 @@ def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME)
 
 def orphan_faults(metadata: Metadata, source: str = METADATA_NAME) -> list[Fault]:
     """Stored chunks of keys the metadata does not list at all."""
-    return [Fault(source, index.fqn, tuple(index.offset) if index.offset is not None else None,
-                  "stored, but the metadata lists no such key")
-            for index in metadata.storage_data if index.fqn not in metadata.state_dict_metadata]
+    return [
+        Fault(
+            source,
+            index.fqn,
+            tuple(index.offset) if index.offset is not None else None,
+            "stored, but the metadata lists no such key",
+        )
+        for index in metadata.storage_data
+        if index.fqn not in metadata.state_dict_metadata
+    ]

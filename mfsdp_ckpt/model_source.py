@@ -19,8 +19,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["MFSDP_GPT", "MEGATRON_CORE", "TRANSFORMERS", "KINDS", "gpt_source", "transformers_source", "model_source_of",
-           "describe_source"]
+__all__ = [
+    "MFSDP_GPT",
+    "MEGATRON_CORE",
+    "TRANSFORMERS",
+    "KINDS",
+    "gpt_source",
+    "transformers_source",
+    "model_source_of",
+    "describe_source",
+]
 
 MFSDP_GPT = "mfsdp-gpt"
 MEGATRON_CORE = "megatron-core"
@@ -38,7 +46,9 @@ def transformers_source(model: Any) -> dict[str, Any] | None:
     ``config`` naming its ``model_type``), else None. Recognised without importing transformers,
     so that ``save`` records what it can of any model it is given."""
     config = getattr(model, "config", None)
-    if not type(model).__module__.startswith("transformers.") or not isinstance(getattr(config, "model_type", None), str):
+    if not type(model).__module__.startswith("transformers.") or not isinstance(
+        getattr(config, "model_type", None), str
+    ):
         return None
     to_json = getattr(config, "to_json_string", None)
     if not callable(to_json):
@@ -67,12 +77,17 @@ def describe_source(record: dict[str, Any] | None) -> str:
     kind = record.get("kind")
     if kind == TRANSFORMERS:
         config = record.get("config") or {}
-        shape = _shape(config.get("num_hidden_layers"), config.get("hidden_size"), config.get("num_local_experts")
-                       or config.get("num_experts"))
+        shape = _shape(
+            config.get("num_hidden_layers"),
+            config.get("hidden_size"),
+            config.get("num_local_experts") or config.get("num_experts"),
+        )
         return f"transformers {record.get('class')} ({config.get('model_type')}{shape})"
     if kind == MEGATRON_CORE:
         args = record.get("args") or {}
-        shape = _shape(args.get("num_layers"), args.get("hidden_size"), args.get("num_experts") or args.get("num_moe_experts"))
+        shape = _shape(
+            args.get("num_layers"), args.get("hidden_size"), args.get("num_experts") or args.get("num_moe_experts")
+        )
         return f"megatron-core GPTModel ({record.get('layer_spec', 'local')} spec{shape})"
     config = record.get("config") or {}
     shape = _shape(config.get("num_layers"), config.get("hidden_size"), config.get("num_experts"))
@@ -80,5 +95,9 @@ def describe_source(record: dict[str, Any] | None) -> str:
 
 
 def _shape(layers: Any, hidden: Any, experts: Any) -> str:
-    parts = [f"{layers} layers" if layers else "", f"hidden {hidden}" if hidden else "", f"{experts} experts" if experts else ""]
+    parts = [
+        f"{layers} layers" if layers else "",
+        f"hidden {hidden}" if hidden else "",
+        f"{experts} experts" if experts else "",
+    ]
     return "".join(f", {p}" for p in parts if p)

@@ -61,8 +61,16 @@ def mx_targets(shards: Sequence[ParamShard], saved: dict[str, Any]) -> tuple[lis
             if md is None:
                 continue
             dtype = owned.tensor.dtype
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape) or md.properties.dtype != dtype:
-                found = f"{tuple(md.size)} {md.properties.dtype}" if isinstance(md, TensorStorageMetadata) else "not a tensor"
+            if (
+                not isinstance(md, TensorStorageMetadata)
+                or tuple(md.size) != tuple(shape)
+                or md.properties.dtype != dtype
+            ):
+                found = (
+                    f"{tuple(md.size)} {md.properties.dtype}"
+                    if isinstance(md, TensorStorageMetadata)
+                    else "not a tensor"
+                )
                 problems.append(f"{key} (checkpoint {found}, model {tuple(shape)} {dtype})")
                 continue
             target.planes[name] = (key, FlatEntry(shape, owned.start, owned.end, torch.empty_like(owned.tensor)))
@@ -97,7 +105,8 @@ def check_planes(targets: Sequence[MXTarget], reader: Any, main_entries: dict[st
                 raise CorruptCheckpointError(
                     f"{source}: key '{key}': the saved plane differs from the one derived from the main params "
                     f"('{t.main_key}') at {_block(name, entry.start + j, shape)} "
-                    f"(saved byte 0x{int(saved_bytes[j]):02x}, derived 0x{int(ours[j]):02x})")
+                    f"(saved byte 0x{int(saved_bytes[j]):02x}, derived 0x{int(ours[j]):02x})"
+                )
 
 
 def _block(plane: str, index: int, shape: torch.Size) -> str:

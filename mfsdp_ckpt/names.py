@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MANIFEST_NAME", "METADATA_NAME", "LATEST_NAME", "LATEST_LINK_NAME", "LOCK_NAME", "PARTIAL_MARK", "REPLACED_MARK", "MCORE_METADATA_NAME",
-           "shown", "member_name_problem"]
+__all__ = [
+    "MANIFEST_NAME",
+    "METADATA_NAME",
+    "LATEST_NAME",
+    "LATEST_LINK_NAME",
+    "LOCK_NAME",
+    "PARTIAL_MARK",
+    "REPLACED_MARK",
+    "MCORE_METADATA_NAME",
+    "shown",
+    "member_name_problem",
+]
 
 MANIFEST_NAME = "mfsdp.json"
 METADATA_NAME = ".metadata"

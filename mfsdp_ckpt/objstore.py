@@ -154,8 +154,10 @@ def bucket_of(url: str) -> str | None:
     return f"{scheme}://{rest.split('/', 1)[0]}" if scheme in _BUCKET_SCHEMES else None
 
 
-NO_CREDENTIALS = ("no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in "
-                  "the environment, or FSSPEC_S3_ANON=true for a public bucket")
+NO_CREDENTIALS = (
+    "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in "
+    "the environment, or FSSPEC_S3_ANON=true for a public bucket"
+)
 
 
 def missing_credentials(url: str) -> str | None:
@@ -194,8 +196,10 @@ def check_bucket(url: str) -> None:
         reason = missing_credentials(url)
         if reason:
             raise CheckpointError(f"{url}: {reason}")
-        raise CheckpointError(f"{url}: {bucket} does not exist or cannot be reached (create the bucket first; "
-                              "check the endpoint and credentials in the environment)")
+        raise CheckpointError(
+            f"{url}: {bucket} does not exist or cannot be reached (create the bucket first; "
+            "check the endpoint and credentials in the environment)"
+        )
 
 
 def check_writable_prefix(url: str) -> None:

@@ -117,7 +117,9 @@ class MfsdpLoadPlanner(DefaultLoadPlanner):
         self._targets: dict[tuple[str, int], torch.Tensor] = {}
         self.objects: dict[str, Any] = {}
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         self.state_dict = state_dict
         self.original_state_dict = state_dict
         self.metadata = metadata

@@ -54,8 +54,16 @@ def _plain_directory(f: io.BufferedReader, record_offset: int, length: int) -> l
     if len(end) != _END_RECORD.size:
         return None
     signature, disk, cd_disk, on_disk, entries, cd_size, cd_offset, comment = _END_RECORD.unpack(end)
-    if (signature != b"PK\x05\x06" or comment or disk or cd_disk or on_disk != entries or entries in (0, 0xFFFF)
-            or cd_size > _MAX_CENTRAL_BYTES or cd_offset + cd_size > length - _END_RECORD.size):
+    if (
+        signature != b"PK\x05\x06"
+        or comment
+        or disk
+        or cd_disk
+        or on_disk != entries
+        or entries in (0, 0xFFFF)
+        or cd_size > _MAX_CENTRAL_BYTES
+        or cd_offset + cd_size > length - _END_RECORD.size
+    ):
         return None
     f.seek(record_offset + cd_offset)
     directory = f.read(cd_size)
@@ -69,7 +77,13 @@ def _plain_directory(f: io.BufferedReader, record_offset: int, length: int) -> l
         if fields[0] != b"PK\x01\x02":
             return None
         compress_type, file_size, name_len, extra_len, comment_len, header_offset = (
-            fields[4], fields[9], fields[10], fields[11], fields[12], fields[16])
+            fields[4],
+            fields[9],
+            fields[10],
+            fields[11],
+            fields[12],
+            fields[16],
+        )
         if 0xFFFFFFFF in (fields[8], file_size, header_offset) or header_offset >= length:
             return None
         name_at = at + _CENTRAL_HEADER.size
@@ -102,7 +116,9 @@ def _member_start(f: io.BufferedReader, record_offset: int, entry: zipfile.ZipIn
     return entry.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
 
 
-def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: zipfile.ZipInfo | _Member) -> bytes | None:
+def _member_bytes(
+    f: io.BufferedReader, record_offset: int, length: int, entry: zipfile.ZipInfo | _Member
+) -> bytes | None:
     """A small stored member's bytes, read without the zip CRC check (records may skip the CRC)."""
     start = _member_start(f, record_offset, entry)
     if start is None or entry.compress_type != zipfile.ZIP_STORED or start + entry.file_size > length:
@@ -112,7 +128,9 @@ def _member_bytes(f: io.BufferedReader, record_offset: int, length: int, entry: 
     return data if len(data) == entry.file_size else None
 
 
-def locate_raw_tensor(f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int) -> RawTensorData | None:
+def locate_raw_tensor(
+    f: io.BufferedReader, offset: int, length: int, dtype: torch.dtype, numel: int
+) -> RawTensorData | None:
     """The raw data of the record ``[offset, offset + length)`` of ``f``, if it is a plain record
     of ``numel`` elements of ``dtype`` (see module docstring); else None."""
 

@@ -21,8 +21,18 @@ from typing import Any, Callable
 
 from .names import shown
 
-__all__ = ["PART_BYTES", "SPOOL_BYTES", "ATTEMPTS", "BACKOFF_S", "CLIENT_ATTEMPTS", "client_options", "filesystem",
-           "retrying", "upload", "reason"]
+__all__ = [
+    "PART_BYTES",
+    "SPOOL_BYTES",
+    "ATTEMPTS",
+    "BACKOFF_S",
+    "CLIENT_ATTEMPTS",
+    "client_options",
+    "filesystem",
+    "retrying",
+    "upload",
+    "reason",
+]
 
 PART_BYTES = 64 * 2**20  # multipart part size (and s3fs's read block size)
 SPOOL_BYTES = 256 * 2**20  # a data file larger than this is spooled to a local temporary file
@@ -101,5 +111,3 @@ def filesystem(url: str) -> tuple[Any, str]:
     fs, path = url_to_fs(url, **client_options(url.partition("://")[0]))
     fs.invalidate_cache()
     return fs, path
-
-

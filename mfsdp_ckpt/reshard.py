@@ -53,7 +53,6 @@ __all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
 MAX_WORLD_SIZE = 1 << 16  # planning is linear in it; a typo of a few zeros must not run for hours
 
 
-
 @dataclass(frozen=True)
 class ReshardResult:
     path: str
@@ -95,18 +94,31 @@ def _stock_plan(reader: MappedReader) -> ModelPlan:
         name = fqn_of_model_key(key)
         if name is not None and reader.is_tensor(key) and reader.dtype(key).is_floating_point:
             by_dtype.setdefault(reader.dtype(key), []).append((name, reader.shape(key)))
-    buffers = tuple(BufferSpec(names=tuple(n for n, _ in params), shapes=tuple(s for _, s in params), dtype=dtype,
-                               requires_grad=True, strategy=parse_strategy("optim_grads_params"),
-                               placement=Placement("even"), group_size=1)
-                    for dtype, params in by_dtype.items())
+    buffers = tuple(
+        BufferSpec(
+            names=tuple(n for n, _ in params),
+            shapes=tuple(s for _, s in params),
+            dtype=dtype,
+            requires_grad=True,
+            strategy=parse_strategy("optim_grads_params"),
+            placement=Placement("even"),
+            group_size=1,
+        )
+        for dtype, params in by_dtype.items()
+    )
     return ModelPlan({DEFAULT_GROUP: 1}, buffers)
 
 
 def _stock_manifest(reader: MappedReader) -> dict[str, Any]:
     """The manifest fields ``save`` writes, for a source that has no manifest."""
     groups = {group_of(k) for k in reader.keys()}
-    return {"model_config": None, "step": None, "include_grads": "grad" in groups, "has_optimizer": "optim" in groups,
-            "versions": versions()}
+    return {
+        "model_config": None,
+        "step": None,
+        "include_grads": "grad" in groups,
+        "has_optimizer": "optim" in groups,
+        "versions": versions(),
+    }
 
 
 def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None) -> ModelPlan:
@@ -120,8 +132,11 @@ def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None)
         if plan_source.manifest is None:
             raise UncommittedCheckpointError(f"--plan-from {plan_from}: no mfsdp.json, so no plan")
 
-    tensors = {n: md for k, md in plan_source.metadata.state_dict_metadata.items()
-               if (n := fqn_of_model_key(k)) is not None and isinstance(md, TensorStorageMetadata)}
+    tensors = {
+        n: md
+        for k, md in plan_source.metadata.state_dict_metadata.items()
+        if (n := fqn_of_model_key(k)) is not None and isinstance(md, TensorStorageMetadata)
+    }
 
     def shape_of(name: str) -> torch.Size | None:
         return torch.Size(tensors[name].size) if name in tensors else None
@@ -133,24 +148,39 @@ def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None)
     try:
         plan = recorded_plan(plan_source.manifest, shape_of, dtype_of, f"{where}/{MANIFEST_NAME}")
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: the manifest's placement plan is malformed ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{where}: the manifest's placement plan is malformed ({type(e).__name__}: {e})"
+        ) from None
     if plan is None:
-        raise CheckpointError(f"{where}: the manifest records no placement plan (written by an older mfsdp-ckpt); "
-                              "pass --plan-from CKPT naming a checkpoint of the same model that records one, "
-                              "or load it at the target world size and save it")
+        raise CheckpointError(
+            f"{where}: the manifest records no placement plan (written by an older mfsdp-ckpt); "
+            "pass --plan-from CKPT naming a checkpoint of the same model that records one, "
+            "or load it at the target world size and save it"
+        )
     ours = {n: reader.shape(k) for k in reader.keys() if (n := fqn_of_model_key(k)) is not None and reader.is_tensor(k)}
     planned = plan.params()
     missing = sorted(n for n in planned if n not in ours)
-    misshapen = sorted(f"{n} (plan {tuple(spec.shapes[i])}, checkpoint {tuple(ours[n])})"
-                       for n, (spec, i) in planned.items() if n in ours and tuple(spec.shapes[i]) != tuple(ours[n]))
-    raise_key_problems(f"{source}: the placement plan of {where} does not fit", [
-        ("parameters with no 'model.' tensor", missing), ("shape mismatch", misshapen)])
+    misshapen = sorted(
+        f"{n} (plan {tuple(spec.shapes[i])}, checkpoint {tuple(ours[n])})"
+        for n, (spec, i) in planned.items()
+        if n in ours and tuple(spec.shapes[i]) != tuple(ours[n])
+    )
+    raise_key_problems(
+        f"{source}: the placement plan of {where} does not fit",
+        [("parameters with no 'model.' tensor", missing), ("shape mismatch", misshapen)],
+    )
     return plan
 
 
-def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy: str | None,
-                 cast: torch.dtype | None, ep: int | None = None, source_ep: int | None = None,
-                 ) -> tuple[ModelPlan, dict[str, tuple[Layout, int, tuple[int, ...]]], dict[str, Any] | None]:
+def _target_plan(
+    plan: ModelPlan,
+    world_size: int,
+    strategy: str | None,
+    policy: str | None,
+    cast: torch.dtype | None,
+    ep: int | None = None,
+    source_ep: int | None = None,
+) -> tuple[ModelPlan, dict[str, tuple[Layout, int, tuple[int, ...]]], dict[str, Any] | None]:
     """The source plan laid out for ``world_size`` ranks (and the strategy / policy asked), every
     parameter's target layout, index there and the global rank of each of its shard ranks, and
     the target's ``writer.experts`` (None without expert parallelism).
@@ -159,11 +189,16 @@ def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy:
     ``ep`` > 1, is laid out as the runtime at (``world_size``, ``ep``) builds it
     (:func:`~mfsdp_ckpt.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
     EP size. Any other group than ``dp`` and the experts' ``edp`` is refused."""
-    others = sorted(g for g in {spec.placement.group for spec in plan.buffers}
-                    if g != DEFAULT_GROUP and not all(is_expert_buffer(s) for s in plan.buffers if s.placement.group == g))
+    others = sorted(
+        g
+        for g in {spec.placement.group for spec in plan.buffers}
+        if g != DEFAULT_GROUP and not all(is_expert_buffer(s) for s in plan.buffers if s.placement.group == g)
+    )
     if others:
-        raise CheckpointError(f"reshard: the plan places buffers over group(s) {', '.join(others)} besides "
-                              f"'{DEFAULT_GROUP}'; resharding such plans needs their target sizes, which reshard does not take yet")
+        raise CheckpointError(
+            f"reshard: the plan places buffers over group(s) {', '.join(others)} besides "
+            f"'{DEFAULT_GROUP}'; resharding such plans needs their target sizes, which reshard does not take yet"
+        )
     strat = parse_strategy(strategy) if strategy else None
     pol = parse_policy(policy) if policy else None
     expert_parallel = any(is_expert_buffer(s) for s in plan.buffers)
@@ -175,7 +210,9 @@ def _target_plan(plan: ModelPlan, world_size: int, strategy: str | None, policy:
         sizes = {DEFAULT_GROUP: world_size, EP_GROUP: target_ep, EDP_GROUP: world_size // target_ep}
         experts = {"ep_size": target_ep, "owners": [list(local_experts(num, target_ep, p)) for p in range(target_ep)]}
     else:
-        placed = [(spec.resized(world_size, strategy=strat, policy=pol), tuple(range(world_size))) for spec in plan.buffers]
+        placed = [
+            (spec.resized(world_size, strategy=strat, policy=pol), tuple(range(world_size))) for spec in plan.buffers
+        ]
         sizes, experts = {DEFAULT_GROUP: world_size}, None
     buffers, where = [], {}
     for target, ranks in placed:
@@ -216,8 +253,14 @@ def _check_ep(plan: ModelPlan, world_size: int, ep: int, given: bool) -> int:
     return num
 
 
-def _plan_jobs(reader: MappedReader, params: dict[str, tuple[Layout, int, tuple[int, ...]]], *, model_only: bool,
-               cast: torch.dtype | None, keep_rng: bool) -> tuple[list[_Job], list[str]]:
+def _plan_jobs(
+    reader: MappedReader,
+    params: dict[str, tuple[Layout, int, tuple[int, ...]]],
+    *,
+    model_only: bool,
+    cast: torch.dtype | None,
+    keep_rng: bool,
+) -> tuple[list[_Job], list[str]]:
     """Every write: each parameter-shaped tensor cut by its target layout, shard rank r's piece
     into the file of the global rank holding it; everything else whole into file 0."""
     jobs, dropped = [], []
@@ -231,7 +274,9 @@ def _plan_jobs(reader: MappedReader, params: dict[str, tuple[Layout, int, tuple[
         if not reader.is_tensor(key):
             jobs.append(_Job(key, 0))
             continue
-        key_cast = cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
+        key_cast = (
+            cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
+        )
         itemsize = (key_cast or reader.dtype(key)).itemsize
         name = param_of(key, params)
         placed = params[name] if name is not None else params.get(key) if mx_plane_of(key) else None
@@ -246,8 +291,9 @@ def _plan_jobs(reader: MappedReader, params: dict[str, tuple[Layout, int, tuple[
     return jobs, dropped
 
 
-def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None],
-              key_map: Sequence[KeyRule] = ()) -> list[ChunkRecord]:
+def _run_jobs(
+    src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
+) -> list[ChunkRecord]:
     """Carry out ``jobs`` (all of them for a set of files that no other worker writes); keys are
     canonical, read through ``key_map`` and the source's key layout (:class:`MappedReader`)."""
     records: list[ChunkRecord] = []
@@ -269,7 +315,9 @@ def _run_jobs(src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], 
                         flat = flat.to(job.cast)
                     shape = reader.shape(job.key)
                     for box in flat_range_to_boxes(shape, job.start, job.end):
-                        records.append(writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file))
+                        records.append(
+                            writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file)
+                        )
                     del flat
                 report(job.nbytes)
                 if after is None or after.file != job.file:
@@ -287,7 +335,9 @@ def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any, key_ma
         results.put(("error", wid, str(e)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         traceback.print_exc()  # the details, on the worker's stderr; the parent raises one line
-        results.put(("error", wid, f"reshard worker {wid}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        results.put(
+            ("error", wid, f"reshard worker {wid}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        )
 
 
 def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
@@ -305,12 +355,15 @@ def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     return [w for w in out if w]
 
 
-def _run_parallel(src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None],
-                  key_map: Sequence[KeyRule] = ()) -> list[ChunkRecord]:
+def _run_parallel(
+    src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
+) -> list[ChunkRecord]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
-             for w, jobs in enumerate(assignments)]
+    procs = [
+        ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
+        for w, jobs in enumerate(assignments)
+    ]
     for p in procs:
         p.start()
     records: list[ChunkRecord] = []
@@ -322,7 +375,9 @@ def _run_parallel(src: str, tmp: str, assignments: list[list[_Job]], report: Cal
             except queue.Empty:
                 dead = [w for w in pending if not procs[w].is_alive()]
                 if dead:
-                    raise CheckpointError(f"reshard: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                    raise CheckpointError(
+                        f"reshard: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                    ) from None
                 continue
             if kind == "progress":
                 report(payload)
@@ -399,13 +454,16 @@ def reshard(
     from mfsdp_ckpt.locate import is_mcore
 
     if not rules and is_mcore(src):  # stacked layers: its keys are not canonical ones
-        raise CheckpointError(f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "
-                              f"{world_size}' lays it out for {world_size} ranks")
+        raise CheckpointError(
+            f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "
+            f"{world_size}' lays it out for {world_size} ranks"
+        )
     with MappedReader(src, rules) as reader:
         mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
         if mark is not None:
-            raise UncommittedCheckpointError(f"{reader.directory}: no mfsdp.json, but {mark}: a save that never "
-                                             "committed, or a deleted manifest")
+            raise UncommittedCheckpointError(
+                f"{reader.directory}: no mfsdp.json, but {mark}: a save that never committed, or a deleted manifest"
+            )
         stock = reader.manifest is None
         manifest = reader.manifest if not stock else _stock_manifest(reader)
         source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
@@ -413,20 +471,33 @@ def reshard(
             source_plan = _stock_plan(reader)
         else:
             source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
-        plan, params, experts = _target_plan(source_plan, world_size, strategy, policy, cast, ep,
-                                             source_ep or source_plan.group_sizes.get(EP_GROUP))
+        plan, params, experts = _target_plan(
+            source_plan, world_size, strategy, policy, cast, ep, source_ep or source_plan.group_sizes.get(EP_GROUP)
+        )
         source_world = manifest.get("writer", {}).get("world_size")
-        jobs, dropped = _plan_jobs(reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size)
+        jobs, dropped = _plan_jobs(
+            reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size
+        )
         src_dir = reader.directory
     files = max([j.file for j in jobs], default=0) + 1
-    out_manifest = {k: v for k, v in manifest.items() if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")}
+    out_manifest = {
+        k: v
+        for k, v in manifest.items()
+        if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")
+    }
     out_manifest["writer"] = writer_layout(world_size, plan, experts)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
-    out_manifest["resharded_from"] = {"path": src_dir, "save_id": manifest.get("save_id"), "world_size": source_world,
-                                      "ep_size": source_ep,
-                                      "model_only": model_only, "dtype": dtype,
-                                      "format": "stock DCP" if stock else "mfsdp", "key_map": [str(r) for r in rules]}
+    out_manifest["resharded_from"] = {
+        "path": src_dir,
+        "save_id": manifest.get("save_id"),
+        "world_size": source_world,
+        "ep_size": source_ep,
+        "model_only": model_only,
+        "dtype": dtype,
+        "format": "stock DCP" if stock else "mfsdp",
+        "key_map": [str(r) for r in rules],
+    }
     total = sum(j.nbytes for j in jobs)
     report = progress_adder(progress, total)
 
@@ -439,5 +510,6 @@ def reshard(
         builder.add_records(records)
         path = builder.commit()
         written = builder.bytes_written
-    return ReshardResult(path, world_size, files, len({j.key for j in jobs}), written, dropped,
-                         experts["ep_size"] if experts else None)
+    return ReshardResult(
+        path, world_size, files, len({j.key for j in jobs}), written, dropped, experts["ep_size"] if experts else None
+    )

@@ -50,8 +50,20 @@ from .chunks import (
 )
 from .errors import CorruptCheckpointError
 
-__all__ = ["BLOCK_BYTES", "MAX_GAP", "STAGE_BYTES", "THREADED_COPY_BYTES", "DEFAULT_READ_THREADS", "Span", "VerifiedRange", "plan_spans",
-           "read_chunks", "verify_chunks", "read_verified", "read_range"]
+__all__ = [
+    "BLOCK_BYTES",
+    "MAX_GAP",
+    "STAGE_BYTES",
+    "THREADED_COPY_BYTES",
+    "DEFAULT_READ_THREADS",
+    "Span",
+    "VerifiedRange",
+    "plan_spans",
+    "read_chunks",
+    "verify_chunks",
+    "read_verified",
+    "read_range",
+]
 
 BLOCK_BYTES = 8 << 20  # one read request; large enough for the disk, small enough to spread over threads
 MAX_GAP = 1 << 20  # unneeded bytes read (and dropped) rather than splitting a span
@@ -99,6 +111,7 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
         fd = None
     if fd is not None:
+
         def read_local(offset: int, out: numpy.ndarray) -> int:
             done = 0
             with memoryview(out) as view:
@@ -108,6 +121,7 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
                         break
                     done += n
             return done
+
         return read_local
 
     store, path = f.fs, f.path
@@ -116,6 +130,7 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
         data = store.cat_file(path, start=offset, end=offset + len(out))
         out[: len(data)] = numpy.frombuffer(data, dtype=numpy.uint8)
         return len(data)
+
     return read_remote
 
 
@@ -136,8 +151,9 @@ class VerifiedRange:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *,
-                threads: int = DEFAULT_READ_THREADS) -> dict[MetadataIndex, torch.Tensor | bytes]:
+def read_chunks(
+    files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *, threads: int = DEFAULT_READ_THREADS
+) -> dict[MetadataIndex, torch.Tensor | bytes]:
     """Every chunk's verified payload (see :func:`~mfsdp_ckpt.chunks.decode_record`), read as
     spans by ``threads`` threads (by the calling thread when there is at most one block to read)
     into staging memory of the spans' size. Raises one :class:`CorruptCheckpointError` (the first
@@ -151,9 +167,13 @@ def read_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], 
     return payloads
 
 
-def verify_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]], *,
-                  threads: int = DEFAULT_READ_THREADS,
-                  stage_bytes: int = STAGE_BYTES) -> dict[MetadataIndex, torch.Tensor | bytes | VerifiedRange]:
+def verify_chunks(
+    files: ChunkFiles,
+    chunks: Iterable[tuple[MetadataIndex, Any]],
+    *,
+    threads: int = DEFAULT_READ_THREADS,
+    stage_bytes: int = STAGE_BYTES,
+) -> dict[MetadataIndex, torch.Tensor | bytes | VerifiedRange]:
     """Every chunk read and verified as :func:`read_chunks` does, in batches of at most
     ``stage_bytes`` through one reused staging area; a plain record of a local file comes back as
     a :class:`VerifiedRange` (for :func:`read_verified`), any other payload in memory of its own.
@@ -189,15 +209,24 @@ def verify_chunks(files: ChunkFiles, chunks: Iterable[tuple[MetadataIndex, Any]]
                 for index, _ in span.chunks:
                     payload = payloads[index]
                     if index in locations:
-                        out[index] = VerifiedRange(span.relative_path, locations[index], payload.dtype,
-                                                   tuple(payload.shape), stamps[span.relative_path])
+                        out[index] = VerifiedRange(
+                            span.relative_path,
+                            locations[index],
+                            payload.dtype,
+                            tuple(payload.shape),
+                            stamps[span.relative_path],
+                        )
                     else:  # its memory is the staging area, which the next batch reuses
                         out[index] = payload.clone() if isinstance(payload, torch.Tensor) else payload
     return out
 
 
-def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequence[int], Sequence[int], torch.Tensor]], *,
-                  threads: int = DEFAULT_READ_THREADS) -> None:
+def read_verified(
+    files: ChunkFiles,
+    items: Sequence[tuple[VerifiedRange, Sequence[int], Sequence[int], torch.Tensor]],
+    *,
+    threads: int = DEFAULT_READ_THREADS,
+) -> None:
     """The second pass: for each (range, offsets, lengths, target), the box ``offsets``/``lengths``
     of the range's tensor copied into ``target``, read from the range's file -- straight into
     ``target``'s memory when the box is the whole tensor and ``target`` a contiguous host tensor of
@@ -207,8 +236,10 @@ def read_verified(files: ChunkFiles, items: Sequence[tuple[VerifiedRange, Sequen
     verified_stamps = {verified.relative_path: verified.stamp for verified, *_ in items}
     for relative_path, verified_stamp in sorted(verified_stamps.items()):
         if _stamp(_descriptor(files.handle(relative_path))) != verified_stamp:
-            raise CorruptCheckpointError(f"{files.path(relative_path)}: changed while it was being loaded "
-                                         f"(size, inode or modification time differ from when it was verified); nothing was loaded")
+            raise CorruptCheckpointError(
+                f"{files.path(relative_path)}: changed while it was being loaded "
+                f"(size, inode or modification time differ from when it was verified); nothing was loaded"
+            )
     by_range: dict[VerifiedRange, list[tuple[Sequence[int], Sequence[int], torch.Tensor]]] = {}
     for verified, offsets, lengths, target in items:
         by_range.setdefault(verified, []).append((offsets, lengths, target))
@@ -244,9 +275,15 @@ def read_range(files: ChunkFiles, verified: VerifiedRange) -> torch.Tensor:
 
 def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence[int], target: torch.Tensor) -> bool:
     """The read can land straight in ``target``: the whole tensor, into host memory of its dtype."""
-    return (all(o == 0 for o in offsets) and tuple(lengths) == verified.shape and target.dtype == verified.dtype
-            and target.device.type == "cpu" and target.is_contiguous() and target.numel() == math.prod(verified.shape)
-            and target.numel() > 0)
+    return (
+        all(o == 0 for o in offsets)
+        and tuple(lengths) == verified.shape
+        and target.dtype == verified.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.numel() == math.prod(verified.shape)
+        and target.numel() > 0
+    )
 
 
 def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -> None:
@@ -257,11 +294,15 @@ def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -
             try:
                 n = os.preadv(fd, [view[done:]], verified.offset + done)
             except OSError as e:
-                raise CorruptCheckpointError(f"{files.path(verified.relative_path)}: cannot read bytes "
-                                             f"{verified.offset}..{verified.offset + len(out)} again ({e.strerror or e})") from None
+                raise CorruptCheckpointError(
+                    f"{files.path(verified.relative_path)}: cannot read bytes "
+                    f"{verified.offset}..{verified.offset + len(out)} again ({e.strerror or e})"
+                ) from None
             if n == 0:
-                raise CorruptCheckpointError(f"{files.path(verified.relative_path)}: bytes {verified.offset}.."
-                                             f"{verified.offset + len(out)} are gone (the file shrank while it was being loaded)")
+                raise CorruptCheckpointError(
+                    f"{files.path(verified.relative_path)}: bytes {verified.offset}.."
+                    f"{verified.offset + len(out)} are gone (the file shrank while it was being loaded)"
+                )
             done += n
 
 
@@ -320,8 +361,13 @@ class _Runner:
             future.result()
 
 
-def _read_spans(files: ChunkFiles, spans: list[Span], readers: dict[str, Callable[[int, numpy.ndarray], int]],
-                staging: list[numpy.ndarray], run: _Runner) -> tuple[dict[MetadataIndex, torch.Tensor | bytes], dict[MetadataIndex, int]]:
+def _read_spans(
+    files: ChunkFiles,
+    spans: list[Span],
+    readers: dict[str, Callable[[int, numpy.ndarray], int]],
+    staging: list[numpy.ndarray],
+    run: _Runner,
+) -> tuple[dict[MetadataIndex, torch.Tensor | bytes], dict[MetadataIndex, int]]:
     """Read ``spans`` into ``staging`` (one buffer per span) and verify every chunk as its last
     block arrives: the payloads, and the absolute file offset of each plain record's tensor
     bytes; raises the first fault in file order."""
@@ -358,8 +404,9 @@ def _read_spans(files: ChunkFiles, spans: list[Span], readers: dict[str, Callabl
         lo = info.offset - span.start
         available = min(info.length, short.get(s, info.length + lo) - lo)
         try:
-            payload, raw_offset = decode_record_at(staging[s][lo : lo + max(available, 0)], info, index,
-                                                   files.manifest_chunks, files.shapes.get(index))
+            payload, raw_offset = decode_record_at(
+                staging[s][lo : lo + max(available, 0)], info, index, files.manifest_chunks, files.shapes.get(index)
+            )
         except ChunkFault as e:
             error = CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}")
             with lock:
@@ -380,8 +427,9 @@ def _read_spans(files: ChunkFiles, spans: list[Span], readers: dict[str, Callabl
             got = readers[span.relative_path](span.start + start, staging[s][start:end])
         except OSError as e:
             index = next((span.chunks[c][0] for c in overlapping[b]), span.chunks[0][0])
-            error = CorruptCheckpointError(f"{chunk_location(files.path(span.relative_path), index)}: cannot read "
-                                           f"({e.strerror or e})")
+            error = CorruptCheckpointError(
+                f"{chunk_location(files.path(span.relative_path), index)}: cannot read ({e.strerror or e})"
+            )
             with lock:
                 faults.append(((span.relative_path, span.start + start), error))
             failed.set()

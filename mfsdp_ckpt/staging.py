@@ -28,9 +28,17 @@ from .names import (
 )
 from .write_errors import write_failed
 
-__all__ = ["new_token", "partial_path", "is_partial_name", "make_partial_dir", "fsync_dir",
-           "commit_directory", "write_file_atomic", "check_destination", "remove_leftovers"]
-
+__all__ = [
+    "new_token",
+    "partial_path",
+    "is_partial_name",
+    "make_partial_dir",
+    "fsync_dir",
+    "commit_directory",
+    "write_file_atomic",
+    "check_destination",
+    "remove_leftovers",
+]
 
 
 def new_token() -> str:
@@ -139,7 +147,9 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
             raise CheckpointError(f"{final}: lies inside the source {src}; write it elsewhere")
     if not os.path.lexists(final):
         return
-    what = {"checkpoint": "a checkpoint directory", "hf": "a Hugging Face model directory", "file": "a regular file"}[kind]
+    what = {"checkpoint": "a checkpoint directory", "hf": "a Hugging Face model directory", "file": "a regular file"}[
+        kind
+    ]
     if os.path.islink(final):
         raise CheckpointError(f"{final}: is a symbolic link; refusing to replace it (give the path it points to)")
     for src in sources:
@@ -152,7 +162,11 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
     if os.path.isdir(final) and not os.listdir(final):
         return  # an empty directory: nothing to lose
     if os.path.isdir(final):
-        others = sorted(n for n in os.listdir(final) if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n)))
+        others = sorted(
+            n
+            for n in os.listdir(final)
+            if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n))
+        )
         if others or os.path.isfile(os.path.join(final, LATEST_NAME)):
             held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
             raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")

@@ -22,8 +22,16 @@ from mfsdp_core import ParamShard
 from .boxes import Box, box_view, flat_range_to_boxes
 from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, mx_key, optim_key
 
-__all__ = ["FlatEntry", "ParamTargets", "mx_planes", "save_entries", "load_targets", "param_groups_state", "param_group_updates",
-           "apply_param_groups"]
+__all__ = [
+    "FlatEntry",
+    "ParamTargets",
+    "mx_planes",
+    "save_entries",
+    "load_targets",
+    "param_groups_state",
+    "param_group_updates",
+    "apply_param_groups",
+]
 
 
 @dataclass
@@ -51,7 +59,9 @@ def _owned_slice(ps: ParamShard, shard) -> torch.Tensor:
     return shard.tensor[lo - shard.start : hi - shard.start]
 
 
-def save_entries(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer | None, include_grads: bool) -> dict[str, Any]:
+def save_entries(
+    shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer | None, include_grads: bool
+) -> dict[str, Any]:
     """What this rank writes, from the shard description: each rank writes the range it owns of
     each tensor, so replicated state (whole weights under ZeRO-1/2) is still written once, in
     parallel."""
@@ -128,8 +138,9 @@ def param_groups_state(shards: Sequence[ParamShard], optimizer: torch.optim.Opti
     return groups
 
 
-def param_group_updates(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]],
-                        source: str) -> list[dict[str, Any]]:
+def param_group_updates(
+    shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str
+) -> list[dict[str, Any]]:
     """For each of the optimizer's groups, the hyper-parameters of the saved group holding its
     parameters (by name); :class:`StateMismatchError` when a group's parameters are in no saved
     group or in several. Changes nothing."""
@@ -145,14 +156,23 @@ def param_group_updates(shards: Sequence[ParamShard], optimizer: torch.optim.Opt
             missing = [f for f in fqns if f not in group_of]
             raise StateMismatchError(
                 f"{source}: optimizer param_groups[{g}] does not match a saved group"
-                + (f" (not in any saved group: {', '.join(missing)})" if missing else " (its parameters are split across saved groups)")
+                + (
+                    f" (not in any saved group: {', '.join(missing)})"
+                    if missing
+                    else " (its parameters are split across saved groups)"
+                )
             )
         updates.append({k: v for k, v in saved[found.pop()].items() if k != "params"})
     return updates
 
 
-def apply_param_groups(shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], source: str,
-                       updates: list[dict[str, Any]] | None = None) -> None:
+def apply_param_groups(
+    shards: Sequence[ParamShard],
+    optimizer: torch.optim.Optimizer,
+    saved: list[dict[str, Any]],
+    source: str,
+    updates: list[dict[str, Any]] | None = None,
+) -> None:
     """Set each group's hyper-parameters from the saved group holding its parameters
     (``updates``: what :func:`param_group_updates` already computed from ``saved``)."""
     if updates is None:

@@ -24,8 +24,19 @@ from typing import Any, Callable, Iterable, Sequence
 from .errors import CheckpointError
 from .keys import MAIN_PARAM, PARAM_GROUPS, model_key
 
-__all__ = ["KeyRule", "parse_key_map", "apply_key_map", "StockNames", "canonical_names", "stock_param_groups",
-           "to_fsdp2_key", "fsdp2_param_group_entries", "missing_summary", "STOCK_STATE", "STOCK_GROUPS"]
+__all__ = [
+    "KeyRule",
+    "parse_key_map",
+    "apply_key_map",
+    "StockNames",
+    "canonical_names",
+    "stock_param_groups",
+    "to_fsdp2_key",
+    "fsdp2_param_group_entries",
+    "missing_summary",
+    "STOCK_STATE",
+    "STOCK_GROUPS",
+]
 
 STOCK_STATE = "optim.state."  # get_state_dict's per-parameter optimizer state, under "optim"
 STOCK_GROUPS = "optim.param_groups."  # get_state_dict's hyper-parameters, one entry per (group, hp)
@@ -52,8 +63,9 @@ def parse_key_map(specs: Iterable[str] | None) -> tuple[KeyRule, ...]:
             rules.append(spec)
             continue
         if not isinstance(spec, str) or "=" not in spec:
-            raise CheckpointError(f"--key-map {spec!r}: expected OLD=NEW (a prefix rename: '=model.' adds 'model.', "
-                                  "'model.=' strips it)")
+            raise CheckpointError(
+                f"--key-map {spec!r}: expected OLD=NEW (a prefix rename: '=model.' adds 'model.', 'model.=' strips it)"
+            )
         old, new = spec.split("=", 1)
         if not old and not new:
             raise CheckpointError(f"--key-map {spec!r}: OLD and NEW are both empty")
@@ -65,7 +77,7 @@ def apply_key_map(key: str, rules: Sequence[KeyRule]) -> str:
     """``key`` renamed by the first rule whose prefix it has (unchanged when none)."""
     for rule in rules:
         if key.startswith(rule.old):
-            return rule.new + key[len(rule.old):]
+            return rule.new + key[len(rule.old) :]
     return key
 
 
@@ -94,24 +106,28 @@ def canonical_names(stored: Iterable[str], rules: Sequence[KeyRule] = (), *, sto
             names.group_parts.append(key)
             continue
         if stock_layout and name.startswith(STOCK_STATE):
-            name = "optim." + name[len(STOCK_STATE):]
+            name = "optim." + name[len(STOCK_STATE) :]
         if name in names.sources:
             raise CheckpointError(f"keys '{names.sources[name]}' and '{key}' both map to '{name}' (check --key-map)")
         names.sources[name] = key
     if names.group_parts and PARAM_GROUPS in names.sources:
-        raise CheckpointError(f"both '{PARAM_GROUPS}' and '{names.group_parts[0]}' are present: two optimizer "
-                              "hyper-parameter layouts in one checkpoint")
+        raise CheckpointError(
+            f"both '{PARAM_GROUPS}' and '{names.group_parts[0]}' are present: two optimizer "
+            "hyper-parameter layouts in one checkpoint"
+        )
     return names
 
 
-def stock_param_groups(parts: Sequence[str], read: Callable[[str], Any], rules: Sequence[KeyRule] = ()) -> list[dict[str, Any]]:
+def stock_param_groups(
+    parts: Sequence[str], read: Callable[[str], Any], rules: Sequence[KeyRule] = ()
+) -> list[dict[str, Any]]:
     """The canonical ``optim.param_groups`` (a list of groups, each naming its parameters) from
     stock entries ``optim.param_groups.<i>.<hp>`` (``<i>.params`` the group's parameters) or
     ``optim.param_groups.<fqn>.<hp>`` (flattened: parameters with equal hyper-parameters form one
     group, in the order they come). ``read`` returns a stored object; ``rules`` rename its keys."""
     values: dict[str, dict[str, Any]] = {}
     for key in parts:
-        rest = apply_key_map(key, rules)[len(STOCK_GROUPS):]
+        rest = apply_key_map(key, rules)[len(STOCK_GROUPS) :]
         if "." not in rest:
             raise CheckpointError(f"key '{key}': expected {STOCK_GROUPS}<group or parameter>.<hyper-parameter>")
         owner, hp = rest.rsplit(".", 1)
@@ -146,7 +162,7 @@ def to_fsdp2_key(key: str) -> str | None:
     if key == PARAM_GROUPS or head in ("grad", "mx") or key.startswith("extra.rng."):
         return None
     if head == "optim":
-        fqn, state = key[len("optim."):].rsplit(".", 1)
+        fqn, state = key[len("optim.") :].rsplit(".", 1)
         return model_key(fqn) if state == MAIN_PARAM else f"{STOCK_STATE}{fqn}.{state}"
     return key
 
@@ -154,7 +170,9 @@ def to_fsdp2_key(key: str) -> str | None:
 def fsdp2_param_group_entries(groups: Any, source: str) -> dict[str, Any]:
     """``optim.param_groups.<i>.<hp>`` entries (``<i>.params``: the parameters by name) from the
     canonical groups, as ``get_state_dict`` lays them out."""
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
         raise CheckpointError(f"{source}: key '{PARAM_GROUPS}': not a list of parameter groups naming their parameters")
     return {f"{STOCK_GROUPS}{i}.{hp}": value for i, group in enumerate(groups) for hp, value in group.items()}
 
@@ -173,8 +191,10 @@ def missing_summary(keys: Iterable[str]) -> str:
         else:
             label = head + ".*"
         groups.setdefault(label, []).append(key)
-    return "; ".join(f"{label}: {len(ks)} key{'s' if len(ks) > 1 else ''} ({ks[0]}{', …' if len(ks) > 1 else ''})"
-                     for label, ks in groups.items())
+    return "; ".join(
+        f"{label}: {len(ks)} key{'s' if len(ks) > 1 else ''} ({ks[0]}{', …' if len(ks) > 1 else ''})"
+        for label, ks in groups.items()
+    )
 
 
 def uncommitted_reason(directory: str, metadata: Any) -> str | None:

@@ -95,7 +95,16 @@ class CommittingWriter(FileSystemWriter):
     parallel multipart upload, retried whole with backoff) and the coordinator commits by writing
     ``mfsdp.json`` after ``.metadata``: the last object of the checkpoint."""
 
-    def __init__(self, tmp_dir: str, final_dir: str, manifest: dict[str, Any], *, overwrite: bool, thread_count: int = 1, sync_files: bool = True) -> None:
+    def __init__(
+        self,
+        tmp_dir: str,
+        final_dir: str,
+        manifest: dict[str, Any],
+        *,
+        overwrite: bool,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
         self.remote = fs.is_url(final_dir)
         super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files and not self.remote, overwrite=False)
         self.fs = _RecordingRemoteFileSystem() if self.remote else _RecordingFileSystem()
@@ -107,7 +116,10 @@ class CommittingWriter(FileSystemWriter):
         self.allow_overwrite = overwrite
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with reporting(self.tmp_dir, self.fs.streams), without_zip_crc():  # the manifest's crc32c covers every chunk (see records.py)
+        with (
+            reporting(self.tmp_dir, self.fs.streams),
+            without_zip_crc(),
+        ):  # the manifest's crc32c covers every chunk (see records.py)
             try:
                 results = super().write_data(plan, planner).wait()
             finally:
@@ -117,7 +129,9 @@ class CommittingWriter(FileSystemWriter):
                 raise write_failed(failed.error, failed.path)
         assert isinstance(planner, MfsdpSavePlanner)
         if len(results) != len(plan.items):
-            raise CheckpointError(f"{self.tmp_dir}: {len(plan.items) - len(results)} of {len(plan.items)} chunks were not written")
+            raise CheckpointError(
+                f"{self.tmp_dir}: {len(plan.items) - len(results)} of {len(plan.items)} chunks were not written"
+            )
         # the checksum travels with each result to the coordinator; finish() strips it again
         stamped = [
             dataclasses.replace(wr, storage_data=(wr.storage_data, planner.checksums[chunk_id(wr.index)]))
@@ -190,8 +204,14 @@ class VerifyingReader(FileSystemReader):
         if deferred:
             assert self.files is not None
             # first: it refuses a file changed since it was verified before copying anything
-            read_verified(self.files, [(piece.verified, piece.offsets, piece.lengths, planner.resolve_tensor(req).detach())
-                                       for req, piece in deferred], threads=self.thread_count)
+            read_verified(
+                self.files,
+                [
+                    (piece.verified, piece.offsets, piece.lengths, planner.resolve_tensor(req).detach())
+                    for req, piece in deferred
+                ],
+                threads=self.thread_count,
+            )
         for req, piece in self.pending:
             target = planner.resolve_tensor(req).detach()
             if not isinstance(piece, _Deferred):
@@ -256,19 +276,29 @@ class VerifyingReader(FileSystemReader):
         by_chunk: dict[MetadataIndex, list] = {}
         for req in plan.items:
             if req.storage_index not in self.storage_data:
-                raise CorruptCheckpointError(f"{self.dir}: key '{req.storage_index.fqn}': a chunk the load needs has no stored data")
+                raise CorruptCheckpointError(
+                    f"{self.dir}: key '{req.storage_index.fqn}': a chunk the load needs has no stored data"
+                )
             by_chunk.setdefault(req.storage_index, []).append(req)
         self.close()
         files = self.files = ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes)
-        payloads = verify_chunks(files, [(index, self.storage_data[index]) for index in by_chunk], threads=self.thread_count)
+        payloads = verify_chunks(
+            files, [(index, self.storage_data[index]) for index in by_chunk], threads=self.thread_count
+        )
         for index, reqs in by_chunk.items():
             self._place(files, index, payloads.pop(index), reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _place(self, files: ChunkFiles, index: Any, payload: torch.Tensor | bytes | VerifiedRange, reqs: list,
-               planner: LoadPlanner) -> None:
+    def _place(
+        self,
+        files: ChunkFiles,
+        index: Any,
+        payload: torch.Tensor | bytes | VerifiedRange,
+        reqs: list,
+        planner: LoadPlanner,
+    ) -> None:
         """Hand a verified chunk to its read requests: objects to the planner now, tensor pieces
         to :meth:`apply` later."""
         info = self.storage_data[index]
@@ -277,21 +307,29 @@ class VerifyingReader(FileSystemReader):
                 try:
                     planner.load_bytes(req, io.BytesIO(payload))
                 except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
-                    raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: object not "
-                                                 f"loadable with weights_only ({type(e).__name__})") from None
+                    raise CorruptCheckpointError(
+                        f"{chunk_location(files.path(info.relative_path), index)}: object not "
+                        f"loadable with weights_only ({type(e).__name__})"
+                    ) from None
             return
         shape = tuple(payload.shape)
         for req in reqs:
-            if len(req.storage_offsets) != len(shape) or len(req.lengths) != len(shape) or any(
-                o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, shape)
+            if (
+                len(req.storage_offsets) != len(shape)
+                or len(req.lengths) != len(shape)
+                or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, shape))
             ):
-                raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
-                                             f"{shape}, which does not fit the read")
+                raise CorruptCheckpointError(
+                    f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                    f"{shape}, which does not fit the read"
+                )
             if isinstance(payload, VerifiedRange):
                 self.pending.append((req, _Deferred(payload, tuple(req.storage_offsets), tuple(req.lengths))))
                 continue
             piece = narrow(payload, req.storage_offsets, req.lengths)
             if tuple(piece.size()) != tuple(req.lengths):
-                raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
-                                             f"{shape}, which does not fit the read")
+                raise CorruptCheckpointError(
+                    f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                    f"{shape}, which does not fit the read"
+                )
             self.pending.append((req, piece))

@@ -128,7 +128,9 @@ class CheckpointReader:
         reading ranges of it; ``key`` names the entry in errors."""
         return self._chunks.open(relative_path, key)
 
-    def _payload(self, index: MetadataIndex, info: _StorageInfo, out: torch.Tensor | None = None) -> torch.Tensor | bytes:
+    def _payload(
+        self, index: MetadataIndex, info: _StorageInfo, out: torch.Tensor | None = None
+    ) -> torch.Tensor | bytes:
         """The chunk's verified payload (read into ``out`` when given)."""
         return self._chunks.read(index, info, out)
 
@@ -163,22 +165,28 @@ class CheckpointReader:
         chunks = self._chunks_by_key.get(key, [])
         if not isinstance(md, TensorStorageMetadata):
             if out is not None:
-                raise CheckpointError(f"{self.directory}: key '{shown(key)}' is an object, not a tensor to read into out")
+                raise CheckpointError(
+                    f"{self.directory}: key '{shown(key)}' is an object, not a tensor to read into out"
+                )
             data = self._payload(*chunks[0])
             try:
                 return torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:
-                raise CorruptCheckpointError(f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})") from None
+                raise CorruptCheckpointError(
+                    f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})"
+                ) from None
         if out is not None and (out.dtype != md.properties.dtype or out.shape != md.size or not out.is_contiguous()):
-            raise CheckpointError(f"{self.directory}: key '{key}' is {md.properties.dtype} {tuple(md.size)}; "
-                                  f"cannot read it into a {'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {tuple(out.shape)}")
+            raise CheckpointError(
+                f"{self.directory}: key '{key}' is {md.properties.dtype} {tuple(md.size)}; "
+                f"cannot read it into a {'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {tuple(out.shape)}"
+            )
         if all(_contiguous_flat_start(c.offsets, c.sizes, md.size) is not None for c in md.chunks):
             flat = None if out is None else out.view(-1)
             return self.read_flat(key, 0, md.size.numel(), out=flat).view(md.size)  # every chunk straight into place
         if out is None:
             out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = 0
-        for (index, info), piece in self._payloads(sorted(chunks, key=lambda c: (c[1].relative_path, c[1].offset))):
+        for (index, _info), piece in self._payloads(sorted(chunks, key=lambda c: (c[1].relative_path, c[1].offset))):
             assert isinstance(piece, torch.Tensor)
             region = out
             for dim, (o, s) in enumerate(zip(index.offset, piece.shape)):
@@ -192,7 +200,9 @@ class CheckpointReader:
             covered += piece.numel()
             del piece
         if covered != out.numel():
-            raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of {out.numel()} elements")
+            raise CorruptCheckpointError(
+                f"{self.directory}: key '{key}': chunks cover {covered} of {out.numel()} elements"
+            )
         return out
 
     def read_flat(self, key: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,14 +216,18 @@ class CheckpointReader:
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{self.directory}: no tensor '{shown(key)}'")
         if not 0 <= start <= end <= math.prod(md.size):
-            raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) lie outside its {math.prod(md.size)}")
+            raise CheckpointError(
+                f"{self.directory}: key '{key}': elements [{start}, {end}) lie outside its {math.prod(md.size)}"
+            )
         self._check_entry(key, md)
         shape, dtype = tuple(md.size), md.properties.dtype
         if out is None:
             out = torch.empty(end - start, dtype=dtype)
         elif out.dtype != dtype or out.shape != (end - start,) or not out.is_contiguous():
-            raise CheckpointError(f"{self.directory}: key '{key}': elements [{start}, {end}) of {dtype} do not fit "
-                                  f"out ({out.dtype} {tuple(out.shape)})")
+            raise CheckpointError(
+                f"{self.directory}: key '{key}': elements [{start}, {end}) of {dtype} do not fit "
+                f"out ({out.dtype} {tuple(out.shape)})"
+            )
         if start == end:
             return out
         placed = []
@@ -233,17 +247,21 @@ class CheckpointReader:
             covered += hi - lo
             inside = lo == flat0 and hi == flat0 + n
             wanted.append(((index, info), out[lo - start : hi - start] if inside else None, (flat0, n, lo, hi)))
-        for ((index, info), piece), (_, target, (flat0, n, lo, hi)) in zip(
-                self._payloads([w[0] for w in wanted], [w[1] for w in wanted]), wanted):
+        for ((_index, _info), piece), (_, target, (flat0, _n, lo, hi)) in zip(
+            self._payloads([w[0] for w in wanted], [w[1] for w in wanted]), wanted
+        ):
             if target is None:
                 out[lo - start : hi - start].copy_(piece.reshape(-1)[lo - flat0 : hi - flat0])
             del piece
         if covered != end - start:
-            raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of elements [{start}, {end})")
+            raise CorruptCheckpointError(
+                f"{self.directory}: key '{key}': chunks cover {covered} of elements [{start}, {end})"
+            )
         return out
 
-    def _payloads(self, chunks: Sequence[tuple[MetadataIndex, _StorageInfo]],
-                  targets: Sequence[torch.Tensor | None] | None = None) -> Iterator[tuple[tuple[MetadataIndex, _StorageInfo], Any]]:
+    def _payloads(
+        self, chunks: Sequence[tuple[MetadataIndex, _StorageInfo]], targets: Sequence[torch.Tensor | None] | None = None
+    ) -> Iterator[tuple[tuple[MetadataIndex, _StorageInfo], Any]]:
         """Each chunk with its verified payload, in the order given (read into ``targets[i]``
         where one is given). Runs of small chunks that lie next to each other in one file are
         read with one read of their whole range (:func:`coalesce`), then each is checked and
@@ -260,9 +278,13 @@ class CheckpointReader:
             for i in run:  # each chunk checked as ever (completeness, manifest entry, crc32c), from memory
                 index, info = chunks[i]
                 try:
-                    payload = read_chunk(window, info, index, self._chunks.manifest_chunks, self._shapes.get(index), targets[i])
+                    payload = read_chunk(
+                        window, info, index, self._chunks.manifest_chunks, self._shapes.get(index), targets[i]
+                    )
                 except ChunkFault as e:
-                    raise CorruptCheckpointError(f"{chunk_location(self._chunks.path(info.relative_path), index)}: {e}") from None
+                    raise CorruptCheckpointError(
+                        f"{chunk_location(self._chunks.path(info.relative_path), index)}: {e}"
+                    ) from None
                 yield chunks[i], payload
             del window
 
@@ -273,8 +295,9 @@ COALESCE_CHUNK_BYTES = 1 << 20
 COALESCE_BYTES = 16 << 20
 
 
-def coalesce(chunks: Sequence[tuple[MetadataIndex, Any]], *, small: int = COALESCE_CHUNK_BYTES,
-             limit: int = COALESCE_BYTES) -> list[list[int]]:
+def coalesce(
+    chunks: Sequence[tuple[MetadataIndex, Any]], *, small: int = COALESCE_CHUNK_BYTES, limit: int = COALESCE_BYTES
+) -> list[list[int]]:
     """Group the positions of ``chunks`` (in the given order) into runs that one read serves:
     consecutive chunks of at most ``small`` bytes each that follow each other without a gap in
     one file, at most ``limit`` bytes per run. Large chunks stay alone (read straight into
@@ -284,8 +307,12 @@ def coalesce(chunks: Sequence[tuple[MetadataIndex, Any]], *, small: int = COALES
         if runs and info.length <= small:
             prev = chunks[runs[-1][-1]][1]
             start = chunks[runs[-1][0]][1].offset
-            if (prev.relative_path == info.relative_path and prev.length <= small and prev.offset + prev.length == info.offset
-                    and info.offset + info.length - start <= limit):
+            if (
+                prev.relative_path == info.relative_path
+                and prev.length <= small
+                and prev.offset + prev.length == info.offset
+                and info.offset + info.length - start <= limit
+            ):
                 runs[-1].append(i)
                 continue
         runs.append([i])
@@ -373,15 +400,24 @@ class ChunkFileWriter:
         self.bytes_written += length
         return name, offset, length
 
-    def write_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], file: int,
-                    crc32c: int | None = None) -> ChunkRecord:
+    def write_chunk(
+        self,
+        key: str,
+        chunk: torch.Tensor,
+        offsets: Sequence[int],
+        shape: Sequence[int],
+        file: int,
+        crc32c: int | None = None,
+    ) -> ChunkRecord:
         """Append ``chunk`` (the box of ``key`` at ``offsets`` of a ``shape`` tensor) to data file
         ``file``. ``crc32c``: the chunk's :func:`~mfsdp_ckpt.planner.payload_crc32c`, if the
         caller computed it already (e.g. on another thread, while an earlier chunk was written);
         else it is computed here. A wrong one fails every later read of the chunk."""
         shape, offsets = tuple(shape), tuple(offsets)
-        if len(offsets) != len(shape) or chunk.dim() != len(shape) or any(
-            o < 0 or o + s > d for o, s, d in zip(offsets, chunk.shape, shape)
+        if (
+            len(offsets) != len(shape)
+            or chunk.dim() != len(shape)
+            or any(o < 0 or o + s > d for o, s, d in zip(offsets, chunk.shape, shape))
         ):
             raise CheckpointError(f"key '{key}': chunk {tuple(chunk.shape)} at {list(offsets)} lies outside {shape}")
         payload = compact(chunk.detach().cpu())
@@ -457,8 +493,15 @@ class CheckpointBuilder:
     the checkpoint is committed by writing ``mfsdp.json`` last (readers refuse a prefix without
     it); ``overwrite`` there first removes the old checkpoint's manifest, then its files."""
 
-    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any], *, overwrite: bool = False, sync: bool = True,
-                 sources: Sequence[str | os.PathLike] = ()) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        manifest: dict[str, Any],
+        *,
+        overwrite: bool = False,
+        sync: bool = True,
+        sources: Sequence[str | os.PathLike] = (),
+    ) -> None:
         self.final = fs.normalize(path)
         self.remote = fs.is_url(self.final)
         self.overwrite = overwrite
@@ -469,7 +512,6 @@ class CheckpointBuilder:
         if self.remote:
             _check_remote_destination(self.final, overwrite=overwrite, sources=sources)
             if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
-
                 if fs.exists(fs.join(self.final, MANIFEST_NAME)):
                     fs.remove_tree(fs.join(self.final, MANIFEST_NAME))
                 fs.remove_tree(self.final)
@@ -477,8 +519,12 @@ class CheckpointBuilder:
         else:  # one writer at a time in the parent; refuse what would lose data before writing
             self._lock.enter_context(run_lock(os.path.dirname(self.final)))
             try:
-                check_destination(self.final, overwrite=overwrite, kind="checkpoint",
-                                  sources=tuple(s for s in sources if not fs.is_url(s)))
+                check_destination(
+                    self.final,
+                    overwrite=overwrite,
+                    kind="checkpoint",
+                    sources=tuple(s for s in sources if not fs.is_url(s)),
+                )
                 self.tmp = make_partial_dir(self.final)
             except BaseException:
                 self._lock.close()
@@ -515,19 +561,36 @@ class CheckpointBuilder:
                     raise CheckpointError(f"key '{rec.key}': already written as an object")
                 md = self._tensors.get(rec.key)
                 if md is None:
-                    md = self._tensors[rec.key] = TensorStorageMetadata(TensorProperties(dtype=rec.dtype), torch.Size(rec.shape), [])
+                    md = self._tensors[rec.key] = TensorStorageMetadata(
+                        TensorProperties(dtype=rec.dtype), torch.Size(rec.shape), []
+                    )
                 elif tuple(md.size) != rec.shape or md.properties.dtype != rec.dtype:
-                    raise CheckpointError(f"key '{rec.key}': chunk {rec.dtype} of a {rec.shape} tensor, earlier chunks said "
-                                          f"{md.properties.dtype} {tuple(md.size)}")
+                    raise CheckpointError(
+                        f"key '{rec.key}': chunk {rec.dtype} of a {rec.shape} tensor, earlier chunks said "
+                        f"{md.properties.dtype} {tuple(md.size)}"
+                    )
                 index = MetadataIndex(rec.key, torch.Size(rec.offsets))
                 if index in self._storage:
                     raise CheckpointError(f"key '{rec.key}': a chunk at {list(rec.offsets)} was written twice")
                 md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(rec.offsets), sizes=torch.Size(rec.sizes)))
             self._storage[index] = _StorageInfo(rec.file, rec.offset, rec.length)
-            self._chunks[chunk_id(index)] = {"file": rec.file, "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
+            self._chunks[chunk_id(index)] = {
+                "file": rec.file,
+                "offset": rec.offset,
+                "length": rec.length,
+                "crc32c": rec.crc32c,
+            }
 
-    def add_chunk(self, key: str, chunk: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], *, file: int = 0,
-                  crc32c: int | None = None) -> ChunkRecord:
+    def add_chunk(
+        self,
+        key: str,
+        chunk: torch.Tensor,
+        offsets: Sequence[int],
+        shape: Sequence[int],
+        *,
+        file: int = 0,
+        crc32c: int | None = None,
+    ) -> ChunkRecord:
         """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``
         (``crc32c``: its checksum, if already computed; see :meth:`ChunkFileWriter.write_chunk`)."""
         if key in self._objects:
@@ -582,7 +645,9 @@ class CheckpointBuilder:
             version=CURRENT_DCP_VERSION,
         )
         fs.write_bytes(fs.join(self.tmp, METADATA_NAME), pickle.dumps(metadata), sync=self.sync)
-        write_manifest(self.tmp, completed(self.manifest, save_id, self._chunks), sync=self.sync)  # object store: the commit
+        write_manifest(
+            self.tmp, completed(self.manifest, save_id, self._chunks), sync=self.sync
+        )  # object store: the commit
         if not self.remote:
             if self.sync:
                 fsync_dir(self.tmp)

@@ -61,8 +61,11 @@ class _Plane:
         self.layout = layout
         S = layout.shard_size
         self.gathered = torch.zeros(layout.gathered_size, dtype=dtype, device=device)
-        self.spills = {i: torch.zeros(layout.numels[i], dtype=dtype, device=device)
-                       for i, off in enumerate(layout.gathered_offsets) if off is None}
+        self.spills = {
+            i: torch.zeros(layout.numels[i], dtype=dtype, device=device)
+            for i, off in enumerate(layout.gathered_offsets)
+            if off is None
+        }
         local = self.gathered[rank * S : (rank + 1) * S]
         self.shard = torch.zeros_like(local) if own_shard else local
 
@@ -125,8 +128,10 @@ class FlatParamBuffer:
         self.model_group = model_group  # the model's data-parallel group: norms are summed over it
         self.shard_rank = C.group_rank(self.shard_group)
         if spec.group_size != C.group_size(group):
-            raise ValueError(f"the plan is for {spec.group_size} ranks in group '{spec.placement.group}', "
-                             f"the process group has {C.group_size(group)}")
+            raise ValueError(
+                f"the plan is for {spec.group_size} ranks in group '{spec.placement.group}', "
+                f"the process group has {C.group_size(group)}"
+            )
         self.layout = spec.layout
         self.requires_grad = spec.requires_grad
         self.compute_dtype = spec.compute_dtype
@@ -153,12 +158,18 @@ class FlatParamBuffer:
             for pc in self.layout.local_pieces(r):
                 self.main[pc.shard_offset : pc.shard_offset + pc.numel].copy_(originals[pc.param][pc.start : pc.end])
         self.companions = {
-            c.name: (c, _Plane(spec.companion_layouts[c.name], c.dtype, self.device, r, own_shard=spec.strategy.shards_params))
+            c.name: (
+                c,
+                _Plane(spec.companion_layouts[c.name], c.dtype, self.device, r, own_shard=spec.strategy.shards_params),
+            )
             for c in spec.placement.companions
         }
         if self.requires_grad:
-            self.grad = torch.zeros(S if spec.strategy.shards_grads else self.layout.gathered_size,
-                                    dtype=self.reduce_dtype, device=self.device)
+            self.grad = torch.zeros(
+                S if spec.strategy.shards_grads else self.layout.gathered_size,
+                dtype=self.reduce_dtype,
+                device=self.device,
+            )
             self.local_grad = self.grad if spec.strategy.shards_grads else self.grad[r * S : (r + 1) * S]
         for i, p in enumerate(params):
             p.data = self.plane.full(i).view(p.shape)
@@ -280,7 +291,9 @@ class FlatParamBuffer:
                 cols = shape[1:].numel() if len(shape) else 1
                 rows = self.main[pc.shard_offset : pc.shard_offset + pc.numel].view(-1, cols)
                 cpc = plane.layout.piece(pc.param, self.shard_rank)
-                plane.shard[cpc.shard_offset : cpc.shard_offset + cpc.numel].copy_(comp.derive(rows.float()).reshape(-1))
+                plane.shard[cpc.shard_offset : cpc.shard_offset + cpc.numel].copy_(
+                    comp.derive(rows.float()).reshape(-1)
+                )
 
     @torch.no_grad()
     def refresh_compute_params(self, *, derive_companions: bool = True) -> None:

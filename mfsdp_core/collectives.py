@@ -114,7 +114,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     dist.all_gather_single(_wire(output), _wire(shard), group=group)
 
 
-def _reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int, divisor: int) -> None:
+def _reduce_scatter_avg(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int, divisor: int
+) -> None:
     received = torch.empty_like(full)
     dist.all_to_all_single(received, full, group=group)
     chunks = received.view(n, -1)
@@ -124,8 +126,9 @@ def _reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
     output.div_(divisor)
 
 
-def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
-                       divisor: int | None = None) -> None:
+def reduce_scatter_avg(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, divisor: int | None = None
+) -> None:
     """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
     ``divisor`` (default n: the average). Deterministic."""
     _record("reduce_scatter", full, group)
@@ -177,8 +180,9 @@ def exchange_counts(send: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     return received
 
 
-def all_to_all_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_to_all_rows(
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Send ``rows[offset_j : offset_j + send_splits[j]]`` to group rank ``j``; return the rows
     received, ``recv_splits[j]`` from each rank ``j`` in rank order. Any split may be 0."""
     _record("all_to_all", rows, group)

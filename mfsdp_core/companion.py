@@ -47,8 +47,12 @@ class Companion:
         return torch.Size((-(-rows // self.row_divisor), -(-cols // self.col_divisor)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": dtype_name(self.dtype), "row_divisor": self.row_divisor,
-                "col_divisor": self.col_divisor}
+        return {
+            "name": self.name,
+            "dtype": dtype_name(self.dtype),
+            "row_divisor": self.row_divisor,
+            "col_divisor": self.col_divisor,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Companion":

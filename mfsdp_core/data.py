@@ -71,8 +71,10 @@ class TokenFile:
             raise ValueError(f"--data {path}: is a directory, not a token file")
         itemsize = np.dtype(np_dtype).itemsize
         if size % itemsize:
-            raise ValueError(f"--data {path}: {size} bytes is not a whole number of {dtype} token ids "
-                             f"({itemsize} bytes each); is --data-dtype right?")
+            raise ValueError(
+                f"--data {path}: {size} bytes is not a whole number of {dtype} token ids "
+                f"({itemsize} bytes each); is --data-dtype right?"
+            )
         self.tokens = size // itemsize
         self.windows = (self.tokens - 1) // seq_len if self.tokens else 0
         if self.windows < 1:
@@ -95,8 +97,10 @@ class TokenFile:
         bad = (tokens >= self.vocab).nonzero()
         if bad.numel():
             at = int(bad[0, 0])
-            raise ValueError(f"--data {self.path}: token id {int(tokens[at])} at token {start + at} is outside the "
-                             f"model's vocabulary ({self.vocab}); is --data-dtype right, and the tokenizer the model's?")
+            raise ValueError(
+                f"--data {self.path}: token id {int(tokens[at])} at token {start + at} is outside the "
+                f"model's vocabulary ({self.vocab}); is --data-dtype right, and the tokenizer the model's?"
+            )
         return tokens
 
     def batch(self, start: int, count: int) -> torch.Tensor:

@@ -24,8 +24,17 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "DtypeInfo", "DTYPES", "CAST_CHOICES", "dtype_info", "dtype_by_name", "dtype_name", "safetensors_name",
-    "dtype_from_safetensors", "storage_name", "wire_dtype", "wire_view",
+    "DtypeInfo",
+    "DTYPES",
+    "CAST_CHOICES",
+    "dtype_info",
+    "dtype_by_name",
+    "dtype_name",
+    "safetensors_name",
+    "dtype_from_safetensors",
+    "storage_name",
+    "wire_dtype",
+    "wire_view",
 ]
 
 

@@ -143,8 +143,10 @@ def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup | None
     return mine
 
 
-def expert_placement(policy: str | Policy = DEFAULT_POLICY,
-                     is_expert: Callable[[str], bool] = lambda name: expert_index(name) is not None) -> PlacementFn:
+def expert_placement(
+    policy: str | Policy = DEFAULT_POLICY,
+    is_expert: Callable[[str], bool] = lambda name: expert_index(name) is not None,
+) -> PlacementFn:
     """Experts sharded over the expert-data-parallel group, their summed gradients divided by the
     data-parallel size; every other parameter over ``"dp"``. One policy for both. ``is_expert``
     tells a routed expert's parameter by its name (default: ours, :func:`expert_index`; a model

@@ -49,7 +49,16 @@ from .plan import (
 )
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["fully_shard", "rename_params", "ShardedUnit", "units_of", "buffers_of", "owner_of", "plan_of", "resolve_groups"]
+__all__ = [
+    "fully_shard",
+    "rename_params",
+    "ShardedUnit",
+    "units_of",
+    "buffers_of",
+    "owner_of",
+    "plan_of",
+    "resolve_groups",
+]
 
 _UNIT_ATTR = "_mfsdp_unit"
 # On a sharded Parameter, both weak since the buffer and the unit hold the parameter (see
@@ -72,7 +81,9 @@ def resolve_groups(mesh: Any) -> dict[str, dist.ProcessGroup | None]:
         return {DEFAULT_GROUP: mesh}
     if isinstance(mesh, Mapping):
         if DEFAULT_GROUP not in mesh:
-            raise ValueError(f"mesh: a dict of named groups must name the model's data-parallel group '{DEFAULT_GROUP}'")
+            raise ValueError(
+                f"mesh: a dict of named groups must name the model's data-parallel group '{DEFAULT_GROUP}'"
+            )
         return dict(mesh)
     if hasattr(mesh, "get_group"):
         if mesh.ndim == 1:
@@ -84,7 +95,9 @@ def resolve_groups(mesh: Any) -> dict[str, dist.ProcessGroup | None]:
         if DEFAULT_GROUP not in groups:
             groups[DEFAULT_GROUP] = mesh._flatten(DEFAULT_GROUP).get_group()
         return groups
-    raise ValueError(f"mesh must be a DeviceMesh, a ProcessGroup, a dict of named groups or None, got {type(mesh).__name__}")
+    raise ValueError(
+        f"mesh must be a DeviceMesh, a ProcessGroup, a dict of named groups or None, got {type(mesh).__name__}"
+    )
 
 
 class _RootContext:
@@ -231,17 +244,30 @@ def fully_shard(
         groups = resolve_groups(mesh)
         sizes = {name: C.group_size(g) for name, g in groups.items()}
         mp = mixed_precision or MixedPrecision()
-        planned = plan_unit(module, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
-                            taken=lambda p: hasattr(p, _OWNER_ATTR),  # validates everything before changing anything
-                            owner_loads=_whole_tensor_loads(groups))
+        planned = plan_unit(
+            module,
+            placement=fn,
+            group_sizes=sizes,
+            strategy=strat,
+            mixed_precision=mp,
+            taken=lambda p: hasattr(p, _OWNER_ATTR),  # validates everything before changing anything
+            owner_loads=_whole_tensor_loads(groups),
+        )
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
 
-    buffers = [FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
-               for spec, params in planned]
+    buffers = [
+        FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
+        for spec, params in planned
+    ]
     _WHOLE_TENSOR_BUFFERS.update(buf for buf in buffers if buf.spec.policy.keeps_tensors_whole)
-    unit = ShardedUnit(buffers, strategy=strat, groups=groups, mixed_precision=mp,
-                       reshard_after_forward=reshard_after_forward and strat.shards_params)
+    unit = ShardedUnit(
+        buffers,
+        strategy=strat,
+        groups=groups,
+        mixed_precision=mp,
+        reshard_after_forward=reshard_after_forward and strat.shards_params,
+    )
     for buf in buffers:
         for i, p in enumerate(buf.params):
             setattr(p, _OWNER_ATTR, (weakref.ref(buf), i))
@@ -262,7 +288,9 @@ def fully_shard(
                 buf.spec = buf.spec.with_prefix(f"{prefix}." if prefix else "")
     # the root of every whole-tensor buffer planned so far: that model is complete, and the next
     # model's units are balanced from zero (so two models built alike get the same plan)
-    inner_units = [u for sub in module.modules() if sub is not module and (u := getattr(sub, _UNIT_ATTR, None)) is not None]
+    inner_units = [
+        u for sub in module.modules() if sub is not module and (u := getattr(sub, _UNIT_ATTR, None)) is not None
+    ]
     under = {id(buf) for u in (unit, *inner_units) for buf in u.buffers}
     if inner_units and all(id(buf) in under for buf in list(_WHOLE_TENSOR_BUFFERS)):
         _WHOLE_TENSOR_BUFFERS.clear()

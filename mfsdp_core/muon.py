@@ -73,15 +73,23 @@ def uses_muon(name: str, param: nn.Parameter) -> bool:
     return not any(k in lowered for k in ("embedding", "embed_tokens", "output_layer", "lm_head"))
 
 
-def muon_param_groups(model: nn.Module, *, lr: float = 0.02, weight_decay: float = 0.0, adamw_lr: float = 3e-3,
-                      adamw_weight_decay: float = 0.0) -> list[dict[str, Any]]:
+def muon_param_groups(
+    model: nn.Module,
+    *,
+    lr: float = 0.02,
+    weight_decay: float = 0.0,
+    adamw_lr: float = 3e-3,
+    adamw_weight_decay: float = 0.0,
+) -> list[dict[str, Any]]:
     """Param groups for :class:`Muon` by :func:`uses_muon`: one Muon group (``lr``,
     ``weight_decay``), one AdamW group (``adamw_lr``, ``adamw_weight_decay``)."""
     muon, other = [], []
     for name, p in model.named_parameters():
         (muon if uses_muon(name, p) else other).append(p)
-    return [{"params": muon, "use_muon": True, "lr": lr, "weight_decay": weight_decay},
-            {"params": other, "use_muon": False, "lr": adamw_lr, "weight_decay": adamw_weight_decay}]
+    return [
+        {"params": muon, "use_muon": True, "lr": lr, "weight_decay": weight_decay},
+        {"params": other, "use_muon": False, "lr": adamw_lr, "weight_decay": adamw_weight_decay},
+    ]
 
 
 def muon_owners(costs: list[int], ranks: int) -> list[int]:
@@ -120,15 +128,26 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-                        ns_dtype=ns_dtype, betas=betas, eps=eps, use_muon=use_muon)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            betas=betas,
+            eps=eps,
+            use_muon=use_muon,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
                     if p.ndim != 2 and not _flat_matrix(self, p):
-                        raise ValueError(f"Muon: a use_muon group holds a parameter of shape {tuple(p.shape)}; "
-                                         "Muon needs matrices (give it to an AdamW group: use_muon=False)")
+                        raise ValueError(
+                            f"Muon: a use_muon group holds a parameter of shape {tuple(p.shape)}; "
+                            "Muon needs matrices (give it to an AdamW group: use_muon=False)"
+                        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -211,8 +230,9 @@ def _owner(optimizer: torch.optim.Optimizer, p: torch.Tensor):
     return shard_of(optimizer, p)
 
 
-def _orthogonalized(optimizer: Muon, items: list[tuple[dict, torch.Tensor]],
-                    inputs: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+def _orthogonalized(
+    optimizer: Muon, items: list[tuple[dict, torch.Tensor]], inputs: dict[torch.Tensor, torch.Tensor]
+) -> dict[torch.Tensor, torch.Tensor]:
     """``NS5(U)`` for each matrix, as this rank's piece of it (absent for an empty piece)."""
     out: dict[torch.Tensor, torch.Tensor] = {}
     flat: dict[int, list] = {}  # shard group -> [(group, p, buf, index)]
@@ -230,7 +250,9 @@ def _orthogonalized(optimizer: Muon, items: list[tuple[dict, torch.Tensor]],
     return out
 
 
-def _owner_compute(optimizer: Muon, members: list, inputs: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+def _owner_compute(
+    optimizer: Muon, members: list, inputs: dict[torch.Tensor, torch.Tensor]
+) -> dict[torch.Tensor, torch.Tensor]:
     """The matrices of one shard group: pieces of U to their owners, NS5 there, pieces of O back."""
     first_buf = members[0][2]
     group_pg = first_buf.shard_group
@@ -261,11 +283,17 @@ def _owner_compute(optimizer: Muon, members: list, inputs: dict[torch.Tensor, to
     for m in mine:
         group = members[m][0]
         rows, cols = shapes[m]
-        results[m] = newton_schulz5(whole[m].view(rows, cols), group["ns_steps"], NS_DTYPES[group["ns_dtype"]]).reshape(-1).to(wire)
+        results[m] = (
+            newton_schulz5(whole[m].view(rows, cols), group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+            .reshape(-1)
+            .to(wire)
+        )
 
     # 3. each rank's piece of O back from the owner
     back = [results[m][pieces[m][d].start : pieces[m][d].end] for d in range(n) for m in mine]
-    returned = C.all_to_all_rows(torch.cat(back) if back else torch.zeros(0, dtype=wire), recv_splits, send_splits, group_pg)
+    returned = C.all_to_all_rows(
+        torch.cat(back) if back else torch.zeros(0, dtype=wire), recv_splits, send_splits, group_pg
+    )
     out, at = {}, 0
     for s in range(n):
         for m in range(len(members)):

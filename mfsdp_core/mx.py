@@ -63,8 +63,16 @@ import torch
 from . import mx_native  # importing it builds nothing: the kernel is built on first use
 
 __all__ = [
-    "BLOCK", "MXFormat", "quantize", "quantize_reference", "dequantize", "MXNativeUnavailableWarning",
-    "ELEMENTS", "RULES", "AXES", "BACKENDS",
+    "BLOCK",
+    "MXFormat",
+    "quantize",
+    "quantize_reference",
+    "dequantize",
+    "MXNativeUnavailableWarning",
+    "ELEMENTS",
+    "RULES",
+    "AXES",
+    "BACKENDS",
 ]
 
 BLOCK = 32
@@ -80,7 +88,7 @@ _ELEM = {
 }
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_F32_MIN_NORMAL = 2.0 ** -126
+_F32_MIN_NORMAL = 2.0**-126
 
 
 class MXNativeUnavailableWarning(RuntimeWarning):
@@ -168,7 +176,7 @@ def _rowwise(x: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor
         biased = torch.where(is_nan, _E8M0_NAN, torch.where(torch.isinf(descale), 254, up.to(torch.int32)))
         recip = torch.exp2(_E8M0_BIAS - biased.to(torch.float32))
         recip = torch.where(biased == 0, 1.0, recip)
-        recip = torch.where(biased == 254, 2.0 ** -127, recip)
+        recip = torch.where(biased == 254, 2.0**-127, recip)
         recip = torch.where(is_nan, descale, recip)  # the NaN itself: every element becomes +NaN
         scaled = blocks * recip
     data = torch.clamp(scaled, min=-fmt.max, max=fmt.max).to(fmt.dtype)  # clamp keeps NaN
@@ -203,9 +211,7 @@ def _fallback_notice(reason: str) -> None:
         )
 
 
-def quantize(
-    x: torch.Tensor, fmt: MXFormat, axis: str, *, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: MXFormat, axis: str, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize of a float32 [M, K]; same result as ``quantize_reference``.
 
     ``backend``: ``"auto"`` uses the native kernel for ``x``'s device when it loads, else the

@@ -117,8 +117,9 @@ def _build(device: str) -> ModuleType:
             else:
                 openmp = _openmp_flags()
                 flags = dict(extra_cflags=_CFLAGS + openmp, extra_ldflags=openmp)
-            return cpp_extension.load(name=name, sources=[str(source_dir() / src)], build_directory=str(out),
-                                      verbose=False, **flags)
+            return cpp_extension.load(
+                name=name, sources=[str(source_dir() / src)], build_directory=str(out), verbose=False, **flags
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -180,8 +181,9 @@ def rceil_table(device: str = "cpu") -> torch.Tensor:
     return _tables[device]
 
 
-def quantize(kernel: ModuleType, x: torch.Tensor, element: str, rule: str, axis: str,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    kernel: ModuleType, x: torch.Tensor, element: str, rule: str, axis: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a loaded kernel on ``x`` for the MX format of ``element`` (``e4m3`` / ``e5m2``, stored
     as ``dtype``) and scale ``rule`` (``floor`` / ``rceil``); same contract as
     ``mfsdp_core.mx.quantize_reference`` (inputs checked there)."""

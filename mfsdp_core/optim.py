@@ -150,7 +150,9 @@ def clip_grad_norm_(
     device = buffers[0].device if buffers else None
     partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
     for buf in buffers:  # every rank visits every group, in the same order
-        _, squares = partial.setdefault(id(buf.model_group), (buf.model_group, torch.zeros((), dtype=torch.float32, device=device)))
+        _, squares = partial.setdefault(
+            id(buf.model_group), (buf.model_group, torch.zeros((), dtype=torch.float32, device=device))
+        )
         if buf.counts_in_norm:
             squares += buf.local_grad.float().pow(2).sum()
     total = torch.zeros((), dtype=torch.float32, device=device)

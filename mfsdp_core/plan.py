@@ -235,23 +235,34 @@ class BufferSpec:
             new = fn(fqn)
             if not isinstance(new, str) or not new.startswith(self.prefix) or len(new) == len(self.prefix):
                 raise ValueError(f"rename of parameter '{fqn}' to {new!r} leaves its unit '{self.prefix[:-1]}'")
-            names.append(new[len(self.prefix):])
+            names.append(new[len(self.prefix) :])
         out = dataclasses.replace(self, names=tuple(names))
         for key in ("layout", "companion_layouts"):
             if key in self.__dict__:
                 out.__dict__[key] = self.__dict__[key]
         return out
 
-    def resized(self, group_size: int, *, strategy: Strategy | None = None, policy: Policy | None = None,
-                group_sizes: Mapping[str, int] | None = None) -> "BufferSpec":
+    def resized(
+        self,
+        group_size: int,
+        *,
+        strategy: Strategy | None = None,
+        policy: Policy | None = None,
+        group_sizes: Mapping[str, int] | None = None,
+    ) -> "BufferSpec":
         """The same buffer in another layout: group size, and optionally strategy and policy;
         ``group_sizes`` gives the new size of the group a named divisor refers to."""
         placement = self.placement if policy is None else dataclasses.replace(self.placement, policy=policy)
         divisor_size = self.divisor_size
         if isinstance(placement.grad_divisor, str) and group_sizes is not None:
             divisor_size = group_sizes[placement.grad_divisor]
-        return dataclasses.replace(self, group_size=group_size, strategy=strategy or self.strategy, placement=placement,
-                                   divisor_size=divisor_size)
+        return dataclasses.replace(
+            self,
+            group_size=group_size,
+            strategy=strategy or self.strategy,
+            placement=placement,
+            divisor_size=divisor_size,
+        )
 
     # ---- manifest ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -280,21 +291,29 @@ class BufferSpec:
         """Inverse of :meth:`to_dict`."""
         mx = MXFormat.from_dict(d["mx"]) if d.get("mx") is not None else None
         placement = Placement(
-            parse_policy(d["policy"]), d.get("group", DEFAULT_GROUP), bool(d.get("is_expert", False)),
-            d.get("grad_divisor"), () if mx is not None else tuple(Companion.from_dict(c) for c in d.get("companions", ())),
+            parse_policy(d["policy"]),
+            d.get("group", DEFAULT_GROUP),
+            bool(d.get("is_expert", False)),
+            d.get("grad_divisor"),
+            () if mx is not None else tuple(Companion.from_dict(c) for c in d.get("companions", ())),
             mx,
         )
         dtype = dtype_by_name(d["dtype"])
         prefix = f"{d['unit']}." if d.get("unit") else ""
         names = tuple(d["params"])
         if all(n.startswith(prefix) for n in names):
-            names = tuple(n[len(prefix):] for n in names)
+            names = tuple(n[len(prefix) :] for n in names)
         else:
             prefix = ""
         return cls(
-            names=names, shapes=tuple(torch.Size(s) for s in d["shapes"]), dtype=dtype, prefix=prefix,
-            requires_grad=bool(d.get("requires_grad", True)), strategy=parse_strategy(d["strategy"]),
-            placement=placement, group_size=int(d["group_size"]),
+            names=names,
+            shapes=tuple(torch.Size(s) for s in d["shapes"]),
+            dtype=dtype,
+            prefix=prefix,
+            requires_grad=bool(d.get("requires_grad", True)),
+            strategy=parse_strategy(d["strategy"]),
+            placement=placement,
+            group_size=int(d["group_size"]),
             divisor_size=int(d["divisor_size"]) if d.get("divisor_size") is not None else None,
             param_dtype=dtype_by_name(d.get("param_dtype", d["dtype"])),
             main_dtype=dtype_by_name(d.get("main_dtype", "float32")),
@@ -314,7 +333,10 @@ def _companion_layout(layout: Layout, comp: Companion) -> Layout:
         pos += numels[i]
     bounds = []
     for b in layout.bounds:
-        at = next((i for i in layout.order if layout.packed_offsets[i] <= b < layout.packed_offsets[i] + layout.numels[i]), None)
+        at = next(
+            (i for i in layout.order if layout.packed_offsets[i] <= b < layout.packed_offsets[i] + layout.numels[i]),
+            None,
+        )
         if at is None:  # at the end of the packed parameters
             bounds.append(pos)
             continue
@@ -329,18 +351,24 @@ def check_companions(name: str, shape: torch.Size, placement: Placement) -> None
     """A companion needs its parameter cut on whole blocks of ``row_divisor`` rows; an MXFP8
     parameter is a matrix whose both dims are multiples of 32."""
     if placement.mx is not None and (len(shape) != 2 or shape[0] % 32 or shape[1] % 32):
-        raise ValueError(f"parameter '{name}' of shape {tuple(shape)}: MXFP8 needs a 2-D weight whose dims are "
-                         "both multiples of 32 (whole 32-element blocks in both orientations)")
+        raise ValueError(
+            f"parameter '{name}' of shape {tuple(shape)}: MXFP8 needs a 2-D weight whose dims are "
+            "both multiples of 32 (whole 32-element blocks in both orientations)"
+        )
     numel = math.prod(shape)
     _, cols = as_matrix(shape)
     atom = placement.policy.atom(shape, name)
     if placement.mx is not None and numel and atom != numel and atom % (32 * cols):
-        raise ValueError(f"parameter '{name}': policy {placement.policy} can split its 32-row blocks, which MXFP8 "
-                         "keeps whole on one rank (use block(32) or tensor)")
+        raise ValueError(
+            f"parameter '{name}': policy {placement.policy} can split its 32-row blocks, which MXFP8 "
+            "keeps whole on one rank (use block(32) or tensor)"
+        )
     for comp in placement.companions:
         if numel and atom != numel and atom % (comp.row_divisor * cols):
-            raise ValueError(f"parameter '{name}': policy {placement.policy} cuts it inside blocks of "
-                             f"{comp.row_divisor} rows, which companion '{comp.name}' needs whole")
+            raise ValueError(
+                f"parameter '{name}': policy {placement.policy} cuts it inside blocks of "
+                f"{comp.row_divisor} rows, which companion '{comp.name}' needs whole"
+            )
 
 
 def plan_unit(
@@ -369,11 +397,15 @@ def plan_unit(
             continue
         where = placement(name, p)
         if not isinstance(where, Placement):
-            raise ValueError(f"placement function returned {type(where).__name__} for '{prefix}{name}', expected a Placement")
+            raise ValueError(
+                f"placement function returned {type(where).__name__} for '{prefix}{name}', expected a Placement"
+            )
         for role, group in (("placement", where.group), ("placement's grad_divisor", where.grad_divisor)):
             if isinstance(group, str) and group not in group_sizes:
-                raise ValueError(f"parameter '{prefix}{name}': {role} names group '{group}'; "
-                                 f"the groups given are {', '.join(sorted(group_sizes))}")
+                raise ValueError(
+                    f"parameter '{prefix}{name}': {role} names group '{group}'; "
+                    f"the groups given are {', '.join(sorted(group_sizes))}"
+                )
         check_companions(prefix + name, p.shape, where)
         names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
         names.append(name)
@@ -381,10 +413,16 @@ def plan_unit(
     out = []
     for (where, dtype, requires_grad), (names, params) in grouped.items():
         spec = BufferSpec(
-            names=tuple(names), shapes=tuple(p.shape for p in params), dtype=dtype, requires_grad=requires_grad,
-            strategy=strategy, placement=where, group_size=group_sizes[where.group],
+            names=tuple(names),
+            shapes=tuple(p.shape for p in params),
+            dtype=dtype,
+            requires_grad=requires_grad,
+            strategy=strategy,
+            placement=where,
+            group_size=group_sizes[where.group],
             divisor_size=group_sizes[where.grad_divisor] if isinstance(where.grad_divisor, str) else None,
-            param_dtype=mixed_precision.param_dtype, main_dtype=mixed_precision.main_dtype,
+            param_dtype=mixed_precision.param_dtype,
+            main_dtype=mixed_precision.main_dtype,
         )
         if spec.policy.keeps_tensors_whole and spec.shard_size_ranks > 1:
             spec = dataclasses.replace(spec, first_rank=_least_loaded(loads, where.group, spec.shard_size_ranks))
@@ -467,8 +505,16 @@ def plan_model(
         if unit not in prefix_of:
             raise ValueError(f"plan_model: {type(unit).__name__} is not a submodule of {type(root).__name__}")
         prefix = prefix_of[unit] + "." if prefix_of[unit] else ""
-        planned = plan_unit(unit, placement=fn, group_sizes=sizes, strategy=strat, mixed_precision=mp,
-                            taken=lambda p: id(p) in taken, prefix=prefix, owner_loads=loads)
+        planned = plan_unit(
+            unit,
+            placement=fn,
+            group_sizes=sizes,
+            strategy=strat,
+            mixed_precision=mp,
+            taken=lambda p: id(p) in taken,
+            prefix=prefix,
+            owner_loads=loads,
+        )
         per_unit[unit] = [spec.with_prefix(prefix) for spec, _ in planned]
         taken.update(id(p) for _, params in planned for p in params)
     return ModelPlan(sizes, tuple(spec for m in root.modules() if m in per_unit for spec in per_unit[m]))

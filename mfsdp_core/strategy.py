@@ -37,6 +37,4 @@ def parse_strategy(spec: str | Strategy) -> Strategy:
     try:
         return Strategy(spec)
     except ValueError:
-        raise ValueError(
-            f"unknown sharding strategy {spec!r}; expected one of {', '.join(STRATEGY_NAMES)}"
-        ) from None
+        raise ValueError(f"unknown sharding strategy {spec!r}; expected one of {', '.join(STRATEGY_NAMES)}") from None

@@ -81,7 +81,9 @@ def dispatch_and_run(
     # sources together: a permutation to expert-major order and back
     starts = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)
     starts = starts.view(ep, per_rank)
-    by_expert = [torch.arange(int(starts[s, j]), int(starts[s, j] + received[s, j])) for j in range(per_rank) for s in range(ep)]
+    by_expert = [
+        torch.arange(int(starts[s, j]), int(starts[s, j] + received[s, j])) for j in range(per_rank) for s in range(ep)
+    ]
     perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long)
     grouped = rows[perm]
     sizes = received.sum(0).tolist()

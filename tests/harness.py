@@ -90,8 +90,7 @@ class _Failure:
     exitcode: int | None = None  # for a death without report
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              **kwargs: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes joined in a gloo process group.
 
     Returns the per-rank return values in rank order. Raises :class:`RankFailure` if any rank
@@ -105,7 +104,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     except Exception as exc:
         raise TypeError(
             f"run_ranks: cannot pickle {fn!r} and its arguments; fn must be a module-level "
-            "function (pickled by reference) and args/kwargs must be picklable") from exc
+            "function (pickled by reference) and args/kwargs must be picklable"
+        ) from exc
 
     ctx = _context()
     port = _free_port()
@@ -116,8 +116,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             readers.append(reader)
-            proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
-                               args=(rank, world_size, port, timeout, payload, writer))
+            proc = ctx.Process(
+                target=_rank_main,
+                name=f"rank{rank}",
+                daemon=True,
+                args=(rank, world_size, port, timeout, payload, writer),
+            )
             procs.append(proc)
             try:
                 proc.start()  # blocks until the forkserver (torch imported) has forked
@@ -154,20 +158,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: bytes,
-               conn: Connection) -> None:
+def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: bytes, conn: Connection) -> None:
     """Child entry point: join the group, run fn, send one report through ``conn``."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import torch
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)  # several ranks share few cores
         fn, args, kwargs = pickle.loads(payload)  # trusted: our own parent
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timedelta(seconds=timeout),
+        )
         result = pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         dist.destroy_process_group()
         conn.send(("ok", result))
@@ -189,8 +197,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{name}: {text.splitlines()[0]}" if text else name
 
 
-def _collect(procs: list[BaseProcess], readers: list[Connection],
-             deadline: float) -> tuple[dict[int, Any], list[_Failure], list[int]]:
+def _collect(
+    procs: list[BaseProcess], readers: list[Connection], deadline: float
+) -> tuple[dict[int, Any], list[_Failure], list[int]]:
     """Gather reports until all ranks are in, or the deadline (shortened to ``GRACE_S`` after
     the first failure) passes. Returns (results by rank, failures, ranks that never reported)."""
     world_size = len(procs)
@@ -250,15 +259,15 @@ def _describe_exitcode(code: int | None) -> str:
     return str(code)
 
 
-def _failure(world_size: int, timeout: float, failures: list[_Failure],
-             missing: list[int]) -> RankFailure:
+def _failure(world_size: int, timeout: float, failures: list[_Failure], missing: list[int]) -> RankFailure:
     """Build the RankFailure: one summary line, then the details of every failing rank."""
     failed_ranks = sorted({f.rank for f in failures} | set(missing))
     if not failures:
         return RankFailure(
             f"timed out after {timeout:g}s (+{STARTUP_SLACK_S:g}s start-up slack): "
             f"rank(s) {_ranks(missing)} of {world_size} never reported; all ranks killed",
-            failed_ranks)
+            failed_ranks,
+        )
     # Root cause first: a rank that died without reporting (crash, os._exit) ranks ahead of the
     # connection errors it causes in its peers (the parent only sees a death after the fact,
     # so its timestamp cannot order it); otherwise the earliest failure comes first.
@@ -266,12 +275,16 @@ def _failure(world_size: int, timeout: float, failures: list[_Failure],
     lines = [failures[0].headline]
     lines += [f"also: {f.headline}" for f in failures[1:]]
     if missing:
-        lines.append(f"rank(s) {_ranks(missing)} did not report within the {GRACE_S:g}s "
-                     "grace period after the first failure and were killed")
+        lines.append(
+            f"rank(s) {_ranks(missing)} did not report within the {GRACE_S:g}s "
+            "grace period after the first failure and were killed"
+        )
     if any(f.exitcode == 1 and not f.detail for f in failures):
-        lines.append("hint: a rank that exits with code 1 before running fn usually could not "
-                     "import tests.harness or fn's module (check sys.path / the __main__ guard); "
-                     "its traceback went to stderr")
+        lines.append(
+            "hint: a rank that exits with code 1 before running fn usually could not "
+            "import tests.harness or fn's module (check sys.path / the __main__ guard); "
+            "its traceback went to stderr"
+        )
     for f in failures:
         if f.detail:
             lines += ["", f"----- rank {f.rank} -----", f.detail.rstrip()]

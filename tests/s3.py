@@ -32,8 +32,11 @@ def s3_endpoint() -> Iterator[str]:
     """Start moto on 127.0.0.1 for the session; set the environment so that ``s3://`` URLs in
     this process and its children go there."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
@@ -43,7 +46,7 @@ def s3_endpoint() -> Iterator[str]:
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
-                raise RuntimeError("moto server did not start")
+                raise RuntimeError("moto server did not start") from None
             time.sleep(0.2)
     import fsspec.config
 
@@ -75,7 +78,11 @@ def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
     """A fresh, empty bucket: ``s3://<name>``."""
     import fsspec
 
-    name = "t-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40] + f"-{time.time_ns() % 10**8}"
+    name = (
+        "t-"
+        + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+        + f"-{time.time_ns() % 10**8}"
+    )
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     fs.mkdir(name)
     return f"s3://{name}"
@@ -93,9 +100,20 @@ def use_endpoint(endpoint: str) -> None:
 
 # ---- a fault-injecting reverse proxy -------------------------------------------------------------
 
-_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
-SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-            b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>")
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+}
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>"
+)
 
 
 class Faults:
@@ -108,7 +126,9 @@ class Faults:
 
     KINDS = ("drop", "lost", "slowdown", "cut", "delay")
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.2, methods: tuple[str, ...] | None = None, **shares: float) -> None:
+    def __init__(
+        self, seed: int = 0, max_delay_s: float = 0.2, methods: tuple[str, ...] | None = None, **shares: float
+    ) -> None:
         import random
         import threading
 
@@ -196,8 +216,12 @@ class FaultProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
                 try:
-                    conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,
-                                 headers=headers)
+                    conn.request(
+                        self.command,
+                        self.path,
+                        body=body if body or self.command in ("PUT", "POST") else None,
+                        headers=headers,
+                    )
                     resp = conn.getresponse()
                     data = resp.read()
                     out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP]

@@ -52,13 +52,19 @@ def _gone(pid: int) -> bool:
 
 # --- rank functions (module level) -----------------------------------------------------------
 
+
 def _whoami(tag: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     time.sleep(0.2 * (world - 1 - rank))  # finish in reverse rank order
-    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                      "MASTER_PORT")}
-    return {"rank": rank, "world": world, "env": env, "tag": tag,
-            "threads": torch.get_num_threads(), "backend": dist.get_backend()}
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {
+        "rank": rank,
+        "world": world,
+        "env": env,
+        "tag": tag,
+        "threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+    }
 
 
 def _all_reduce_sum(n: int) -> torch.Tensor:
@@ -110,12 +116,15 @@ def _die_on_rank_two(how: str) -> int:
 
 def _tensors(scale: torch.Tensor) -> dict:
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
-    return {"randn": torch.randn(257, 3, generator=gen, dtype=torch.float64),
-            "bf16": torch.randn(17, generator=gen).to(torch.bfloat16),
-            "scaled": scale * dist.get_rank()}
+    return {
+        "randn": torch.randn(257, 3, generator=gen, dtype=torch.float64),
+        "bf16": torch.randn(17, generator=gen).to(torch.bfloat16),
+        "scaled": scale * dist.get_rank(),
+    }
 
 
 # --- tests -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world_size", [1, 3, 5])
 def test_results_in_rank_order(ranks, world_size):
@@ -125,9 +134,13 @@ def test_results_in_rank_order(ranks, world_size):
     for rank, o in enumerate(out):
         assert o["world"] == world_size and o["tag"] == "tag" and o["backend"] == "gloo"
         assert o["threads"] == 1
-        assert o["env"] == {"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": port}
+        assert o["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
 
 
 def test_all_reduce_sums_across_ranks(ranks):
@@ -196,8 +209,9 @@ def test_keyboard_interrupt_kills_all_ranks(tmp_path):
     assert all(_gone(pid) for pid in pids), pids
 
 
-@pytest.mark.parametrize(("how", "code"), [("exit", "code 3 "), ("segv", "code -11 (SIGSEGV)")],
-                         ids=["os_exit", "segfault"])
+@pytest.mark.parametrize(
+    ("how", "code"), [("exit", "code 3 "), ("segv", "code -11 (SIGSEGV)")], ids=["os_exit", "segfault"]
+)
 def test_rank_dying_without_report(ranks, how, code):
     with pytest.raises(RankFailure) as info:
         ranks(_die_on_rank_two, 3, how)
@@ -223,12 +237,14 @@ def test_unpicklable_fn_is_rejected_up_front():
 
 
 def _write_module(directory: Path, name: str) -> None:
-    (directory / f"{name}.py").write_text(textwrap.dedent("""
+    (directory / f"{name}.py").write_text(
+        textwrap.dedent("""
         import torch.distributed as dist
 
         def rank_fn():
             return ("from", __name__, dist.get_rank())
-    """))
+    """)
+    )
 
 
 def test_child_sees_parent_sys_path(tmp_path, monkeypatch):
@@ -236,8 +252,7 @@ def test_child_sees_parent_sys_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import harness_probe_mod  # noqa: PLC0415  (only importable via the new sys.path entry)
 
-    assert run_ranks(harness_probe_mod.rank_fn, 2) == [("from", "harness_probe_mod", r)
-                                                       for r in range(2)]
+    assert run_ranks(harness_probe_mod.rank_fn, 2) == [("from", "harness_probe_mod", r) for r in range(2)]
 
 
 def test_child_import_error_is_reported(tmp_path, monkeypatch):
@@ -249,7 +264,8 @@ def test_child_import_error_is_reported(tmp_path, monkeypatch):
     with pytest.raises(RankFailure) as info:
         run_ranks(harness_unreachable_mod.rank_fn, 1)
     assert str(info.value).startswith(
-        "rank 0 of 1 failed: ModuleNotFoundError: No module named 'harness_unreachable_mod'")
+        "rank 0 of 1 failed: ModuleNotFoundError: No module named 'harness_unreachable_mod'"
+    )
 
 
 def _missing_preloads() -> list[str]:

@@ -122,8 +122,12 @@ def test_no_import_cycle():
 
 
 def test_imports_point_one_way():
-    wrong = sorted(f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
-                   if any(target.split(".")[0] == banned for banned in FORBIDDEN.get(module.split(".")[0], ())))
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if any(target.split(".")[0] == banned for banned in FORBIDDEN.get(module.split(".")[0], ()))
+    )
     assert not wrong, "; ".join(wrong)
 
 

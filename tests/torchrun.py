@@ -26,8 +26,16 @@ def train_cmd(nproc: int | None, *args: str) -> list[str]:
     """The command line: ``nproc`` ranks under torchrun, or one plain process for ``None``."""
     if nproc is None:
         return [sys.executable, "-m", "cli.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "cli.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "cli.train",
+        *args,
+    ]
 
 
 def run_train(nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -14,7 +14,16 @@ from .mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
 from .registry import architectures, get_architecture, register
 
 __all__ = [
-    "export", "import_", "ExportResult", "ImportResult",
-    "architectures", "get_architecture", "register",
-    "Architecture", "Rule", "Direct", "FusedQKV", "GatedMLP",
+    "export",
+    "import_",
+    "ExportResult",
+    "ImportResult",
+    "architectures",
+    "get_architecture",
+    "register",
+    "Architecture",
+    "Rule",
+    "Direct",
+    "FusedQKV",
+    "GatedMLP",
 ]

@@ -18,8 +18,15 @@ from ..errors import ConversionError
 from .files import short_repr
 
 __all__ = [
-    "HFConfigReader", "common_to_hf", "common_from_hf", "model_config", "model_type_of", "hf_classes_of",
-    "MAX_COUNT", "MAX_WIDTH", "MAX_POSITIONS",
+    "HFConfigReader",
+    "common_to_hf",
+    "common_from_hf",
+    "model_config",
+    "model_type_of",
+    "hf_classes_of",
+    "MAX_COUNT",
+    "MAX_WIDTH",
+    "MAX_POSITIONS",
 ]
 
 _MISSING = object()
@@ -52,8 +59,10 @@ class HFConfigReader:
 
     def __init__(self, d: dict[str, Any], source: str, arch: str, *, prefix: str = "") -> None:
         if not isinstance(d, dict):
-            raise ConversionError(f"{source}: config.json{' ' + repr(prefix[:-1]) if prefix else ''} is not a JSON object "
-                                  f"(got {short_repr(d)})")
+            raise ConversionError(
+                f"{source}: config.json{' ' + repr(prefix[:-1]) if prefix else ''} is not a JSON object "
+                f"(got {short_repr(d)})"
+            )
         self.d, self.source, self.arch, self.prefix = d, source, arch, prefix
         self.problems: list[str] = []
 
@@ -74,12 +83,16 @@ class HFConfigReader:
             if key in self.d and self.d[key] is not None:
                 return key, self.d[key], True
         if default is _MISSING:
-            raise ConversionError(f"{self.source}: config.json has no '{self.prefix}{names[0]}' (needed for {self.arch})")
+            raise ConversionError(
+                f"{self.source}: config.json has no '{self.prefix}{names[0]}' (needed for {self.arch})"
+            )
         return names[0], default, False
 
     def bad(self, key: str, expected: str, value: Any) -> ConversionError:
         """The error for field ``key`` holding ``value`` where ``expected`` belongs."""
-        return ConversionError(f"{self.source}: config.json: '{self.prefix}{key}' must be {expected}, got {short_repr(value)}")
+        return ConversionError(
+            f"{self.source}: config.json: '{self.prefix}{key}' must be {expected}, got {short_repr(value)}"
+        )
 
     def integer(self, keys: Keys, default: Any = _MISSING, *, lo: int = 1, hi: int = MAX_WIDTH) -> Any:
         """A JSON integer (not a bool, a float or a string) in ``[lo, hi]``; ``default``
@@ -89,15 +102,26 @@ class HFConfigReader:
             raise self.bad(key, f"an integer in [{lo}, {hi}]", value)
         return value
 
-    def number(self, keys: Keys, default: Any = _MISSING, *, lo: float = -math.inf, hi: float = math.inf,
-               above: bool = False, below: bool = False) -> Any:
+    def number(
+        self,
+        keys: Keys,
+        default: Any = _MISSING,
+        *,
+        lo: float = -math.inf,
+        hi: float = math.inf,
+        above: bool = False,
+        below: bool = False,
+    ) -> Any:
         """A finite JSON number (integer or float, not a bool or a string) in ``[lo, hi]``
         (``above`` / ``below``: excluding ``lo`` / ``hi``), as a float; ``default`` when absent."""
         key, value, present = self._lookup(keys, default)
         if not present:
             return value
-        what = (f"a finite number {'>' if above else '>='} {lo:g}" if hi == math.inf else
-                f"a finite number in {'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}")
+        what = (
+            f"a finite number {'>' if above else '>='} {lo:g}"
+            if hi == math.inf
+            else f"a finite number in {'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
+        )
         if type(value) not in (int, float):
             raise self.bad(key, what, value)
         try:
@@ -146,7 +170,9 @@ class HFConfigReader:
 
     def finish(self) -> None:
         if self.problems:
-            raise ConversionError(f"{self.source}: {self.arch} config cannot be expressed by our model: {'; '.join(self.problems)}")
+            raise ConversionError(
+                f"{self.source}: {self.arch} config cannot be expressed by our model: {'; '.join(self.problems)}"
+            )
 
 
 def model_type_of(d: dict[str, Any], source: str) -> str | None:
@@ -163,7 +189,9 @@ def hf_classes_of(d: dict[str, Any], source: str) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConversionError(f"{source}: config.json: 'architectures' must be a list of strings, got {short_repr(value)}")
+        raise ConversionError(
+            f"{source}: config.json: 'architectures' must be a list of strings, got {short_repr(value)}"
+        )
     return value
 
 
@@ -201,7 +229,9 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
     groups = r.integer("num_key_value_heads", heads, hi=MAX_COUNT)
     head_dim = r.integer("head_dim", hidden // heads)
     if heads * head_dim > MAX_WIDTH:
-        raise r.bad("head_dim", f"at most {MAX_WIDTH} // num_attention_heads ({heads}) = {MAX_WIDTH // heads}", head_dim)
+        raise r.bad(
+            "head_dim", f"at most {MAX_WIDTH} // num_attention_heads ({heads}) = {MAX_WIDTH // heads}", head_dim
+        )
     rope = r.section("rope_parameters")
     _, scaling, _ = r._lookup("rope_scaling", None)
     if scaling is not None and not isinstance(scaling, dict):
@@ -230,10 +260,17 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
 
 #: the ``config.json`` fields each ``GPTConfig`` field is read from, to name them in its errors
 _HF_FIELDS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim",
-    "ffn_hidden_size": "intermediate_size", "seq_length": "max_position_embeddings", "num_experts": "num_experts",
-    "moe_router_topk": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size",
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",
+    "ffn_hidden_size": "intermediate_size",
+    "seq_length": "max_position_embeddings",
+    "num_experts": "num_experts",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
 }
 
 

@@ -143,13 +143,23 @@ def _mx_for_mode(reader: CheckpointReader, source: str, mode: str) -> dict[str, 
         return {}
     mx = mx_params(reader, source)
     if not mx:
-        raise ConversionError(f"{source}: --{mode} needs MX planes (mx.<fqn>.rowwise_data / rowwise_scale); "
-                              "this checkpoint has none")
+        raise ConversionError(
+            f"{source}: --{mode} needs MX planes (mx.<fqn>.rowwise_data / rowwise_scale); this checkpoint has none"
+        )
     return mx
 
 
-def _item(reader: CheckpointReader, keys: set[str], conv: Conversion, shape: torch.Size, cfg: GPTConfig | None,
-          dtype: torch.dtype | None, mx: MXParam | None, mode: str, checked: set) -> _Item:
+def _item(
+    reader: CheckpointReader,
+    keys: set[str],
+    conv: Conversion,
+    shape: torch.Size,
+    cfg: GPTConfig | None,
+    dtype: torch.dtype | None,
+    mx: MXParam | None,
+    mode: str,
+    checked: set,
+) -> _Item:
     """The plan of one conversion. The weights: the fp32 main params where the checkpoint holds
     them (``optim.<fqn>.main_param``: a model computing in bf16, MX ones included), else the
     weights themselves. ``from-mx``: an MX parameter's rowwise planes, dequantized (what the model
@@ -169,7 +179,9 @@ def _item(reader: CheckpointReader, keys: set[str], conv: Conversion, shape: tor
     outs = [(name, out_dtype, s) for name, s in zip(conv.theirs, their_shapes)]
     if mx is not None and mode == "from-mx":
         return _Item(conv, (mx.key("rowwise_data"), mx.key("rowwise_scale")), outs, _nbytes(outs), DEQUANT)
-    main = optim_key(fqn_of_model_key(conv.ours), MAIN_PARAM)  # bf16 training keeps the fp32 master weights here: read those
+    main = optim_key(
+        fqn_of_model_key(conv.ours), MAIN_PARAM
+    )  # bf16 training keeps the fp32 master weights here: read those
     src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shape else conv.ours
     return _Item(conv, (src,), outs, _nbytes(outs))
 
@@ -187,8 +199,14 @@ def _quantization(items: list[_Item], fmt: MXFormat) -> dict[str, Any]:
     return quantization_config(fmt, quantized, other)
 
 
-def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: torch.dtype | None, max_bytes: int,
-          mode: str = "weights") -> _Plan:
+def _plan(
+    reader: CheckpointReader,
+    source: str,
+    arch_name: str | None,
+    dtype: torch.dtype | None,
+    max_bytes: int,
+    mode: str = "weights",
+) -> _Plan:
     """Everything an export will do, from metadata; raises naming every missing, unexpected or
     misshapen key (and, for MX modes, every MX parameter that cannot be exported) before anything
     is written."""
@@ -205,18 +223,28 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     stored = {k for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
     missing = sorted(set(shapes) - stored)
     unexpected = sorted(stored - set(shapes))
-    misshapen = sorted(f"{k} (checkpoint {tuple(reader.shape(k))}, model config {tuple(shapes[k])})"
-                       for k in set(shapes) & stored if reader.shape(k) != shapes[k])
-    raise_key_problems(source, [
-        ("missing from the checkpoint", missing),
-        ("not in the model config (no HF name)", unexpected),
-        ("shape mismatch", misshapen),
-    ], ConversionError)
+    misshapen = sorted(
+        f"{k} (checkpoint {tuple(reader.shape(k))}, model config {tuple(shapes[k])})"
+        for k in set(shapes) & stored
+        if reader.shape(k) != shapes[k]
+    )
+    raise_key_problems(
+        source,
+        [
+            ("missing from the checkpoint", missing),
+            ("not in the model config (no HF name)", unexpected),
+            ("shape mismatch", misshapen),
+        ],
+        ConversionError,
+    )
 
     mx = _mx_for_mode(reader, source, mode)
     fmt = single_format(mx, source) if mode == "mx" else None
     keys, checked = set(reader.keys()), set()
-    items = [_item(reader, keys, conv, shapes[conv.ours], cfg, dtype, mx.get(conv.ours), mode, checked) for conv in conversions]
+    items = [
+        _item(reader, keys, conv, shapes[conv.ours], cfg, dtype, mx.get(conv.ours), mode, checked)
+        for conv in conversions
+    ]
     # config.json's torch_dtype: that of the unquantized tensors
     plain = [c.ours for c in conversions if not (mode == "mx" and c.ours in mx)] or [c.ours for c in conversions]
     plan = _Plan(arch, cfg, dtype=dtype or Counter(reader.dtype(k) for k in plain).most_common(1)[0][0])
@@ -225,8 +253,15 @@ def _plan(reader: CheckpointReader, source: str, arch_name: str | None, dtype: t
     return _into_shards(plan, items, max_bytes, source, len(shapes))
 
 
-def _transformers_plan(reader: CheckpointReader, source: str, record: dict[str, Any], arch_name: str | None,
-                       dtype: torch.dtype | None, max_bytes: int, mode: str) -> _Plan:
+def _transformers_plan(
+    reader: CheckpointReader,
+    source: str,
+    record: dict[str, Any],
+    arch_name: str | None,
+    dtype: torch.dtype | None,
+    max_bytes: int,
+    mode: str,
+) -> _Plan:
     """The export of a checkpoint of a ``transformers`` model (tensors under the model's own
     names): each parameter as ``save_pretrained`` writes it (fused experts per expert), the
     recorded ``config.json``, and the files the checkpoint carries (``extra.hf_files``)."""
@@ -235,11 +270,15 @@ def _transformers_plan(reader: CheckpointReader, source: str, record: dict[str, 
         raise ConversionError(f"{source}: model_source.config is not a transformers config.json (no model_type)")
     model_type = config["model_type"]
     if arch_name is not None and arch_name != model_type:
-        raise ConversionError(f"{source}: --arch {arch_name}: this checkpoint holds a transformers {record.get('class')} "
-                              f"({model_type}); it exports as that model")
+        raise ConversionError(
+            f"{source}: --arch {arch_name}: this checkpoint holds a transformers {record.get('class')} "
+            f"({model_type}); it exports as that model"
+        )
     if mode != "weights":
-        raise ConversionError(f"{source}: --{mode} is for checkpoints in our canonical layout; a transformers "
-                              "checkpoint exports its weights (the fp32 main params where it holds them)")
+        raise ConversionError(
+            f"{source}: --{mode} is for checkpoints in our canonical layout; a transformers "
+            "checkpoint exports its weights (the fp32 main params where it holds them)"
+        )
     shapes = {k: reader.shape(k) for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
     if not shapes:
         raise ConversionError(f"{source}: no model tensors to export")
@@ -256,8 +295,14 @@ def _transformers_plan(reader: CheckpointReader, source: str, record: dict[str, 
             if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.ndim != 1:
                 raise ConversionError(f"{source}: {files_key}[{name!r}] is not a byte tensor")
             carried[checked_carried_name(name, f"{source}: {files_key}")] = blob.numpy().tobytes()
-    plan = _Plan(None, None, dtype=dtype or Counter(reader.dtype(k) for k in shapes).most_common(1)[0][0],
-                 hf_config=dict(config), carried=carried, label=str(record.get("class") or model_type))
+    plan = _Plan(
+        None,
+        None,
+        dtype=dtype or Counter(reader.dtype(k) for k in shapes).most_common(1)[0][0],
+        hf_config=dict(config),
+        carried=carried,
+        label=str(record.get("class") or model_type),
+    )
     return _into_shards(plan, items, max_bytes, source, len(shapes))
 
 
@@ -278,7 +323,9 @@ def _into_shards(plan: _Plan, items: list[_Item], max_bytes: int, source: str, e
     targets = Counter(name for shard in plan.shards for item in shard for name, _, _ in item.outputs)
     twice = sorted([k for k, n in sources.items() if n != 1] + [k for k, n in targets.items() if n != 1])
     if twice or sum(1 for shard in plan.shards for _ in shard) != expected:
-        raise ConversionError(f"{source}: the export plan reads or writes these keys more than once: {', '.join(twice)}")
+        raise ConversionError(
+            f"{source}: the export plan reads or writes these keys more than once: {', '.join(twice)}"
+        )
     return plan
 
 
@@ -291,7 +338,9 @@ def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], loc
         check_destination(final, overwrite=overwrite, kind="hf", sources=sources)
         return make_partial_dir(final)
     except OSError as e:
-        raise CheckpointError(f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})") from None
+        raise CheckpointError(
+            f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})"
+        ) from None
 
 
 def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None) -> list[torch.Tensor]:
@@ -323,7 +372,9 @@ class _OpenShards:
             if w is None:
                 n = len(self.plan.shards)
                 entries = [out for item in self.plan.shards[s] for out in item.outputs]
-                w = self.open[s] = SafetensorsWriter(os.path.join(self.tmp, shard_name(s + 1, n)), entries, {"format": "pt"})
+                w = self.open[s] = SafetensorsWriter(
+                    os.path.join(self.tmp, shard_name(s + 1, n)), entries, {"format": "pt"}
+                )
             return w
 
     def item_done(self, s: int) -> None:
@@ -341,8 +392,14 @@ class _OpenShards:
             w.abort()
 
 
-def _convert(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None, staging: Staging, casting: Staging,
-             writer: SafetensorsWriter) -> None:
+def _convert(
+    reader: CheckpointReader,
+    item: _Item,
+    cfg: GPTConfig | None,
+    staging: Staging,
+    casting: Staging,
+    writer: SafetensorsWriter,
+) -> None:
     """One item: read its source (crc32c-checked) into the worker's staging buffer, and write
     each HF tensor. Plain weights go out as views of the staged tensor (split without a copy);
     a cast goes through the worker's second buffer; MX items compute their pieces."""
@@ -360,8 +417,9 @@ def _convert(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None, stagi
         writer.write(name, piece)
 
 
-def _write_shards(reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None,
-                  workers: int = 1) -> None:
+def _write_shards(
+    reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None, workers: int = 1
+) -> None:
     """Write this rank's shard files with ``workers`` threads, each converting whole items (one
     canonical tensor each) in plan order into their planned offsets; check each source it was
     given was read exactly once."""
@@ -421,8 +479,10 @@ def _finish(plan: _Plan, tmp: str) -> None:
         path = os.path.join(tmp, files[s])
         if not os.path.isfile(path):
             raise ConversionError(f"{path}: shard file missing after every rank finished")
-    for name, payload in ((INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}),
-                          ("config.json", _hf_config(plan))):
+    for name, payload in (
+        (INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}),
+        ("config.json", _hf_config(plan)),
+    ):
         with open(os.path.join(tmp, name), "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -478,8 +538,10 @@ def export(
     cast piece).
     """
     if is_mcore(checkpoint):
-        raise ConversionError(f"{os.fspath(checkpoint)}: a Megatron-Core checkpoint: export it with "
-                              "mfsdp_ckpt.mcore.export_hf_from_mcore (export-hf --mcore-config)")
+        raise ConversionError(
+            f"{os.fspath(checkpoint)}: a Megatron-Core checkpoint: export it with "
+            "mfsdp_ckpt.mcore.export_hf_from_mcore (export-hf --mcore-config)"
+        )
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
     if fs.is_url(out):
@@ -494,12 +556,31 @@ def export(
     max_bytes = parse_size(max_shard_size)
     workers = check_workers(workers)
     with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
-        return _export(reader, plan=_plan(reader, source, arch, dtype, max_bytes, mode), final=final, overwrite=overwrite,
-                       sources=sources, lock=lock, progress=progress, start=start, workers=workers)
+        return _export(
+            reader,
+            plan=_plan(reader, source, arch, dtype, max_bytes, mode),
+            final=final,
+            overwrite=overwrite,
+            sources=sources,
+            lock=lock,
+            progress=progress,
+            start=start,
+            workers=workers,
+        )
 
 
-def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: bool, sources: tuple[str, ...],
-            lock: contextlib.ExitStack, progress: Progress | None, start: float, workers: int) -> ExportResult:
+def _export(
+    reader: CheckpointReader,
+    *,
+    plan: _Plan,
+    final: str,
+    overwrite: bool,
+    sources: tuple[str, ...],
+    lock: contextlib.ExitStack,
+    progress: Progress | None,
+    start: float,
+    workers: int,
+) -> ExportResult:
     rank, world = rank_and_world()
     # rank 0 makes the directory for all (holding the parent's writer lock until the export is
     # committed); nobody writes before it exists, and if it cannot be made every rank raises the
@@ -537,7 +618,10 @@ def _export(reader: CheckpointReader, *, plan: _Plan, final: str, overwrite: boo
         raise
     n = len(plan.shards)
     return ExportResult(
-        path=final, architecture=plan.name, files=[shard_name(s + 1, n) for s in range(n)],
+        path=final,
+        architecture=plan.name,
+        files=[shard_name(s + 1, n) for s in range(n)],
         tensors=sum(len(item.outputs) for shard in plan.shards for item in shard),
-        bytes=sum(item.nbytes for shard in plan.shards for item in shard), seconds=time.perf_counter() - start,
+        bytes=sum(item.nbytes for shard in plan.shards for item in shard),
+        seconds=time.perf_counter() - start,
     )

@@ -38,10 +38,22 @@ from ..writeback import SLICE_BYTES, start_writeback
 from .strided_io import pread_tensor, pwrite_tensor
 
 __all__ = [
-    "hf_safetensors_name", "hf_dtype_from_safetensors", "parse_size", "shard_name", "INDEX_NAME", "SafetensorsWriter",
+    "hf_safetensors_name",
+    "hf_dtype_from_safetensors",
+    "parse_size",
+    "shard_name",
+    "INDEX_NAME",
+    "SafetensorsWriter",
     "safetensors_layout",
-    "HFTensor", "HFDirectory", "read_json_file", "read_regular_file",
-    "check_shard_name", "parse_safetensors_header", "short_repr", "MAX_HEADER_BYTES", "MAX_JSON_BYTES",
+    "HFTensor",
+    "HFDirectory",
+    "read_json_file",
+    "read_regular_file",
+    "check_shard_name",
+    "parse_safetensors_header",
+    "short_repr",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_BYTES",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,8 +77,20 @@ def hf_safetensors_name(dtype: torch.dtype) -> str | None:
 def hf_dtype_from_safetensors(name: str) -> torch.dtype | None:
     """Inverse of :func:`hf_safetensors_name`; None for a name the bridge does not read."""
     return dtype_from_safetensors(name) or _EXTRA_SAFETENSORS.get(name)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -88,8 +112,9 @@ def shard_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
-def safetensors_layout(path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                       metadata: dict[str, str] | None = None) -> tuple[bytes, list[int], int]:
+def safetensors_layout(
+    path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int], int]:
     """The file a safetensors writer makes of ``entries`` (name, dtype, shape, in file order):
     its first bytes (the 8-byte header length and the JSON header, padded so that the data
     section starts 8-byte aligned), each tensor's absolute offset, and the file's total size.
@@ -133,11 +158,14 @@ class SafetensorsWriter:
     order of the writes. :meth:`close` checks that every tensor was written exactly once, then
     fsyncs the file."""
 
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ) -> None:
         self.path = path
         head, offsets, self.size = safetensors_layout(path, entries, metadata)
-        self._where = {name: (dtype, torch.Size(shape), offset) for (name, dtype, shape), offset in zip(entries, offsets)}
+        self._where = {
+            name: (dtype, torch.Size(shape), offset) for (name, dtype, shape), offset in zip(entries, offsets)
+        }
         self._written: set[str] = set()
         self._lock = threading.Lock()
         self._fd = -1
@@ -157,9 +185,13 @@ class SafetensorsWriter:
         if spec is None:
             raise ConversionError(f"{self.path}: tensor '{name}' written but not planned for this file")
         dtype, shape, offset = spec
-        rows_fit = len(shape) < 2 or (tensor.dim() >= 2 and tensor.shape[-1] == shape[-1])  # a view keeps the row length
+        rows_fit = len(shape) < 2 or (
+            tensor.dim() >= 2 and tensor.shape[-1] == shape[-1]
+        )  # a view keeps the row length
         if tensor.dtype != dtype or tensor.numel() != shape.numel() or not rows_fit:
-            raise ConversionError(f"{self.path}: got '{name}' {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {tuple(shape)}")
+            raise ConversionError(
+                f"{self.path}: got '{name}' {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {tuple(shape)}"
+            )
         with self._lock:
             if name in self._written:
                 raise ConversionError(f"{self.path}: tensor '{name}' written twice")
@@ -255,7 +287,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)
-    view[:len(data)] = data
+    view[: len(data)] = data
     return len(data)
 
 
@@ -310,12 +342,21 @@ def check_shard_name(name: Any, index_path: str, key: str) -> str:
     ``..``, no absolute path, no control characters: the index cannot lead the reader out of the
     directory, into a subdirectory, or into a message that spans lines."""
     if not isinstance(name, str):
-        raise ConversionError(f"{index_path}: 'weight_map' entry {key!r}: the file name must be a string, got {short_repr(name)}")
+        raise ConversionError(
+            f"{index_path}: 'weight_map' entry {key!r}: the file name must be a string, got {short_repr(name)}"
+        )
     seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
-    if (name in ("", ".", "..") or any(sep in name for sep in seps) or os.path.isabs(name)
-            or not name.isprintable() or os.path.basename(name) != name):
-        raise ConversionError(f"{index_path}: 'weight_map' entry {key!r} names {name!r}: a shard must be a plain file name "
-                              "inside the model directory")
+    if (
+        name in ("", ".", "..")
+        or any(sep in name for sep in seps)
+        or os.path.isabs(name)
+        or not name.isprintable()
+        or os.path.basename(name) != name
+    ):
+        raise ConversionError(
+            f"{index_path}: 'weight_map' entry {key!r} names {name!r}: a shard must be a plain file name "
+            "inside the model directory"
+        )
     return name
 
 
@@ -359,7 +400,9 @@ def json_int(text: str) -> int:
     return int(text)
 
 
-def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
+def parse_safetensors_header(
+    path: str, fd: int, size: int
+) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
     """Parse and check the header of the safetensors file open as ``fd`` (``size`` bytes):
     every tensor (dtype, shape, absolute data offset and length) and ``__metadata__``.
 
@@ -411,19 +454,28 @@ def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, t
         if not name.isprintable():
             raise ConversionError(f"{path}: tensor name {short_repr(name)} has control characters")
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-            raise ConversionError(f"{where}: expected an object with dtype, shape and data_offsets, got {short_repr(entry)}")
+            raise ConversionError(
+                f"{where}: expected an object with dtype, shape and data_offsets, got {short_repr(entry)}"
+            )
         st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(st_dtype, str):
             raise ConversionError(f"{where}: dtype must be a string, got {short_repr(st_dtype)}")
         dtype = hf_dtype_from_safetensors(st_dtype)
         if dtype is None:
             raise ConversionError(f"{where}: unsupported dtype {short_repr(st_dtype)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise ConversionError(f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {short_repr(shape)}")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
-            raise ConversionError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {short_repr(offsets)}")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+            raise ConversionError(
+                f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {short_repr(shape)}"
+            )
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ConversionError(
+                f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {short_repr(offsets)}"
+            )
         begin, end = offsets
         itemsize = dtype.itemsize
         numel = 0 if 0 in shape else 1
@@ -433,22 +485,33 @@ def parse_safetensors_header(path: str, fd: int, size: int) -> tuple[dict[str, t
                 break
         nbytes = numel * itemsize
         if nbytes != end - begin:
-            size_text = f"{nbytes} bytes" if nbytes <= data_size else f"more than the {data_size} bytes of the data section"
-            raise ConversionError(f"{where}: shape {short_repr(shape)} of {st_dtype} is {size_text}, "
-                                  f"but data_offsets {short_repr(offsets)} span {end - begin} bytes")
+            size_text = (
+                f"{nbytes} bytes" if nbytes <= data_size else f"more than the {data_size} bytes of the data section"
+            )
+            raise ConversionError(
+                f"{where}: shape {short_repr(shape)} of {st_dtype} is {size_text}, "
+                f"but data_offsets {short_repr(offsets)} span {end - begin} bytes"
+            )
         if end > data_size:
-            raise ConversionError(f"{where}: data_offsets {short_repr(offsets)} run past the data section ({data_size} bytes)")
+            raise ConversionError(
+                f"{where}: data_offsets {short_repr(offsets)} run past the data section ({data_size} bytes)"
+            )
         entries[name] = (dtype, torch.Size(shape), begin, end)
     covered, last = 0, None
     for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
         if begin < covered:
             raise ConversionError(f"{path}: tensor {name!r} (bytes {begin}..{end}) overlaps tensor {last!r}")
         if begin > covered:
-            raise ConversionError(f"{path}: {begin - covered} bytes of the data section before tensor {name!r} belong to no tensor")
+            raise ConversionError(
+                f"{path}: {begin - covered} bytes of the data section before tensor {name!r} belong to no tensor"
+            )
         covered, last = end, name
     if covered != data_size:
         raise ConversionError(f"{path}: {data_size - covered} bytes at the end of the data section belong to no tensor")
-    tensors = {name: (dtype, shape, _Layout(data_start + begin, end - begin)) for name, (dtype, shape, begin, end) in entries.items()}
+    tensors = {
+        name: (dtype, shape, _Layout(data_start + begin, end - begin))
+        for name, (dtype, shape, begin, end) in entries.items()
+    }
     return tensors, metadata
 
 
@@ -504,13 +567,17 @@ class HFDirectory:
             self._ids[name] = _FileId.of(st)
             for key, (dtype, shape, layout) in entries.items():
                 if key in self.tensors:
-                    raise ConversionError(f"{self.path}: tensor '{key}' is stored twice ({self.tensors[key].file}, {name})")
+                    raise ConversionError(
+                        f"{self.path}: tensor '{key}' is stored twice ({self.tensors[key].file}, {name})"
+                    )
                 self.tensors[key] = HFTensor(name, dtype, shape)
                 self._layout[key] = layout
         if weight_map is not None:
             wrong = sorted(k for k, f in weight_map.items() if k not in self.tensors or self.tensors[k].file != f)
             if wrong:
-                raise ConversionError(f"{index_path}: these keys are not in the file the index names: {', '.join(wrong)}")
+                raise ConversionError(
+                    f"{index_path}: these keys are not in the file the index names: {', '.join(wrong)}"
+                )
 
     @staticmethod
     def _weight_map(index_path: str) -> dict[str, str]:
@@ -522,10 +589,14 @@ class HFDirectory:
             raise ConversionError(f"{index_path}: no 'weight_map'")
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
-            raise ConversionError(f"{index_path}: 'weight_map' must be an object (tensor name -> file name), got {short_repr(weight_map)}")
+            raise ConversionError(
+                f"{index_path}: 'weight_map' must be an object (tensor name -> file name), got {short_repr(weight_map)}"
+            )
         for key, name in weight_map.items():
             if not key.isprintable():
-                raise ConversionError(f"{index_path}: 'weight_map' has a tensor name with control characters: {short_repr(key)}")
+                raise ConversionError(
+                    f"{index_path}: 'weight_map' has a tensor name with control characters: {short_repr(key)}"
+                )
             check_shard_name(name, index_path, key)
         return weight_map
 
@@ -541,8 +612,10 @@ class HFDirectory:
         if out is None:
             out = torch.empty(t.shape, dtype=t.dtype)
         elif out.dtype != t.dtype or out.numel() != t.shape.numel():
-            raise ConversionError(f"{path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}; cannot read it into "
-                                  f"{out.dtype} {tuple(out.shape)}")
+            raise ConversionError(
+                f"{path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}; cannot read it into "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
         fd, st = _open_regular(path, "a safetensors shard")
         try:
             if _FileId.of(st) != self._ids[t.file]:

@@ -78,8 +78,9 @@ def _field_of(config: dict[str, Any], ours: str, value: int) -> str:
     return next((n for n in names if config.get(n) == value), f"{names[0]} (default)")
 
 
-def check_counts_against_files(architecture: Architecture, cfg: GPTConfig, config: dict[str, Any],
-                               present: dict[str, HFTensor], config_path: str) -> None:
+def check_counts_against_files(
+    architecture: Architecture, cfg: GPTConfig, config: dict[str, Any], present: dict[str, HFTensor], config_path: str
+) -> None:
     """Refuse, before anything is expanded per layer or expert, a config that declares more
     layers or experts than the files hold tensors for, or implies more HF tensors than they
     hold: the expansion is then bounded by the size of the headers, never by a number in
@@ -87,16 +88,22 @@ def check_counts_against_files(architecture: Architecture, cfg: GPTConfig, confi
     layers, experts = indices_held(architecture, cfg, present)
     if cfg.num_layers > len(layers):
         field = _field_of(config, "num_layers", cfg.num_layers)
-        raise ConversionError(f"{config_path}: {field}={cfg.num_layers} declares more layers than the safetensors files "
-                              f"hold: {len(layers)} layers")
+        raise ConversionError(
+            f"{config_path}: {field}={cfg.num_layers} declares more layers than the safetensors files "
+            f"hold: {len(layers)} layers"
+        )
     if cfg.num_experts > len(experts):
         field = _field_of(config, "num_experts", cfg.num_experts)
-        raise ConversionError(f"{config_path}: {field}={cfg.num_experts} declares more experts than the safetensors files "
-                              f"hold: {len(experts)} experts")
+        raise ConversionError(
+            f"{config_path}: {field}={cfg.num_experts} declares more experts than the safetensors files "
+            f"hold: {len(experts)} experts"
+        )
     planned = count_their_keys(architecture, cfg)
     if planned > len(present):
-        raise ConversionError(f"{config_path}: this {architecture.name} config implies {planned} tensors; the safetensors "
-                              f"files hold {len(present)}")
+        raise ConversionError(
+            f"{config_path}: this {architecture.name} config implies {planned} tensors; the safetensors "
+            f"files hold {len(present)}"
+        )
 
 
 @dataclass
@@ -110,8 +117,9 @@ class _MXLayout:
     scale_shapes: dict[str, torch.Size] = field(default_factory=dict)
 
 
-def _mx_layout(hf: HFDirectory, conversions: list[Conversion], shapes: dict[str, torch.Size],
-               planned: dict[str, torch.Size]) -> _MXLayout:
+def _mx_layout(
+    hf: HFDirectory, conversions: list[Conversion], shapes: dict[str, torch.Size], planned: dict[str, torch.Size]
+) -> _MXLayout:
     """Read ``quantization_config`` (none: nothing is MX) and check the quantized weights against
     it and the files, before anything is read: every quantized module has an HF weight in the
     mapping; a canonical tensor's HF pieces are all quantized or none; its shape is MX-able
@@ -132,12 +140,16 @@ def _mx_layout(hf: HFDirectory, conversions: list[Conversion], shapes: dict[str,
         if not any(flags):
             continue
         if not all(flags):
-            raise ConversionError(f"{field_name}: {', '.join(t for t, f in zip(conv.theirs, flags) if not f)} not quantized "
-                                  f"but {', '.join(t for t, f in zip(conv.theirs, flags) if f)} are (one tensor, {conv.ours})")
+            raise ConversionError(
+                f"{field_name}: {', '.join(t for t, f in zip(conv.theirs, flags) if not f)} not quantized "
+                f"but {', '.join(t for t, f in zip(conv.theirs, flags) if f)} are (one tensor, {conv.ours})"
+            )
         shape = shapes[conv.ours]
         if len(shape) != 2 or shape[0] % BLOCK or shape[1] % BLOCK:
-            raise ConversionError(f"{field_name}: {conv.theirs[0]} is quantized but {conv.ours} {tuple(shape)} cannot be MX "
-                                  f"(both dimensions must be multiples of {BLOCK})")
+            raise ConversionError(
+                f"{field_name}: {conv.theirs[0]} is quantized but {conv.ours} {tuple(shape)} cannot be MX "
+                f"(both dimensions must be multiples of {BLOCK})"
+            )
         out.quantized.add(conv.ours)
         for key in conv.theirs:
             _check_mx_pair(hf, key, planned[key], fmt)
@@ -153,19 +165,25 @@ def _check_mx_pair(hf: HFDirectory, key: str, shape: torch.Size, fmt: MXFormat) 
         return
     where = os.path.join(hf.path, weight.file)
     if weight.dtype != fmt.dtype:
-        raise ConversionError(f"{where}: tensor {key!r} is {hf_safetensors_name(weight.dtype)}; quantization_config says "
-                              f"MX {fmt.element} ({hf_safetensors_name(fmt.dtype)})")
+        raise ConversionError(
+            f"{where}: tensor {key!r} is {hf_safetensors_name(weight.dtype)}; quantization_config says "
+            f"MX {fmt.element} ({hf_safetensors_name(fmt.dtype)})"
+        )
     name = scale_name(key)
     scale = hf.tensors.get(name)
     if scale is None:
         raise ConversionError(f"{where}: quantized tensor {key!r} has no {name!r} (its MX scales)")
     where = os.path.join(hf.path, scale.file)
     if scale.dtype != E8M0:
-        raise ConversionError(f"{where}: tensor {name!r} is {hf_safetensors_name(scale.dtype)}, expected F8_E8M0 (MX scales)")
+        raise ConversionError(
+            f"{where}: tensor {name!r} is {hf_safetensors_name(scale.dtype)}, expected F8_E8M0 (MX scales)"
+        )
     want = torch.Size((shape[0], shape[1] // BLOCK))
     if scale.shape != want:
-        raise ConversionError(f"{where}: tensor {name!r} has shape {tuple(scale.shape)}, expected {tuple(want)} "
-                              f"(one scale per 32 elements of each row of {key!r} {tuple(shape)})")
+        raise ConversionError(
+            f"{where}: tensor {name!r} has shape {tuple(scale.shape)}, expected {tuple(want)} "
+            f"(one scale per 32 elements of each row of {key!r} {tuple(shape)})"
+        )
 
 
 def _planes(fqn: str, weight: torch.Tensor, fmt: MXFormat) -> list[tuple[str, torch.Tensor]]:
@@ -179,8 +197,9 @@ def _planes(fqn: str, weight: torch.Tensor, fmt: MXFormat) -> list[tuple[str, to
     return out
 
 
-def _staged(hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: GPTConfig, mx: _MXLayout,
-            staging: Staging) -> tuple[torch.Tensor, int]:
+def _staged(
+    hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: GPTConfig, mx: _MXLayout, staging: Staging
+) -> tuple[torch.Tensor, int]:
     """The canonical tensor of ``conv`` and the HF bytes read for it. Its HF tensors are read
     straight into their places in the worker's staging buffer (the rule's views: a merge without
     a copy); MX pieces are dequantized into theirs; a rule without views merges copies."""
@@ -211,8 +230,17 @@ def _scale_bytes(hf: HFDirectory, conv: Conversion) -> int:
     return sum(hf.tensors[scale_name(k)].shape.numel() for k in conv.theirs)
 
 
-def _convert_all(hf: HFDirectory, builder: CheckpointBuilder, conversions: list[Conversion], shapes: dict[str, torch.Size],
-                 cfg: GPTConfig, mx: _MXLayout, workers: int, progress: Callable[[int, int], None] | None, total: int) -> None:
+def _convert_all(
+    hf: HFDirectory,
+    builder: CheckpointBuilder,
+    conversions: list[Conversion],
+    shapes: dict[str, torch.Size],
+    cfg: GPTConfig,
+    mx: _MXLayout,
+    workers: int,
+    progress: Callable[[int, int], None] | None,
+    total: int,
+) -> None:
     """Every conversion, on ``workers`` threads: each reads and merges one tensor (and computes
     its crc32c and, for MX, its planes) in parallel with the others, then appends it to the
     checkpoint in conversion order (:class:`~mfsdp_ckpt.hf.workers.Turns`), so the data file is
@@ -226,7 +254,9 @@ def _convert_all(hf: HFDirectory, builder: CheckpointBuilder, conversions: list[
         i, conv = task
         tensor, nbytes = _staged(hf, conv, shapes[conv.ours], cfg, mx, staging)
         if tensor.shape != shapes[conv.ours]:
-            raise ConversionError(f"{hf.path}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}")
+            raise ConversionError(
+                f"{hf.path}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}"
+            )
         crc = payload_crc32c(tensor)
         planes = _planes(fqn_of(conv.ours), tensor, mx.fmt) if conv.ours in mx.quantized else []
         with turns.of(i):  # appends in conversion order; the counters are touched only here
@@ -319,24 +349,36 @@ def import_(
         expected = {**planned, **mx.scale_shapes}
         missing = sorted(set(expected) - set(present))
         unexpected = sorted(set(present) - set(expected))
-        misshapen = sorted(f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
-                           for k in set(expected) & set(present) if present[k].shape != expected[k])
-        mixed = sorted(conv.ours for conv in conversions
-                       if len({present[k].dtype for k in conv.theirs if k in present}) > 1)
+        misshapen = sorted(
+            f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
+            for k in set(expected) & set(present)
+            if present[k].shape != expected[k]
+        )
+        mixed = sorted(
+            conv.ours for conv in conversions if len({present[k].dtype for k in conv.theirs if k in present}) > 1
+        )
         # every parameter of our model is floating-point: an integer / bool dtype over one is a
         # relabelled header (the same bytes would be read as numbers of another kind), not weights;
         # nor is E8M0 (powers of two only: MX scales, which travel next to their weights)
-        not_floating = sorted(f"{k} ({hf_safetensors_name(present[k].dtype)} in {present[k].file})"
-                              for k in set(planned) & set(present)
-                              if not present[k].dtype.is_floating_point or present[k].dtype == E8M0)
-        raise_key_problems(source, [
-            ("missing tensors", missing),
-            (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
-            ("shape mismatch", misshapen),
-            ("pieces of one tensor in different dtypes", mixed),
-            ("integer / bool / E8M0 dtype where the model has floating-point weights", not_floating),
-        ], ConversionError)
-        plan = mx_plan(cfg, model, {fqn_of(k): mx.fmt for k in mx.quantized}) if mx.quantized else default_plan(cfg, model)
+        not_floating = sorted(
+            f"{k} ({hf_safetensors_name(present[k].dtype)} in {present[k].file})"
+            for k in set(planned) & set(present)
+            if not present[k].dtype.is_floating_point or present[k].dtype == E8M0
+        )
+        raise_key_problems(
+            source,
+            [
+                ("missing tensors", missing),
+                (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
+                ("shape mismatch", misshapen),
+                ("pieces of one tensor in different dtypes", mixed),
+                ("integer / bool / E8M0 dtype where the model has floating-point weights", not_floating),
+            ],
+            ConversionError,
+        )
+        plan = (
+            mx_plan(cfg, model, {fqn_of(k): mx.fmt for k in mx.quantized}) if mx.quantized else default_plan(cfg, model)
+        )
         del model
 
         manifest = {
@@ -353,5 +395,11 @@ def import_(
         with CheckpointBuilder(checkpoint, manifest, overwrite=overwrite, sources=(source,)) as builder:
             _convert_all(hf, builder, conversions, shapes, cfg, mx, workers, progress, total)
             path = builder.commit()
-    return ImportResult(path=path, architecture=architecture.name, tensors=len(conversions), bytes=total,
-                        model_config=cfg.to_dict(), seconds=time.perf_counter() - start)
+    return ImportResult(
+        path=path,
+        architecture=architecture.name,
+        tensors=len(conversions),
+        bytes=total,
+        model_config=cfg.to_dict(),
+        seconds=time.perf_counter() - start,
+    )

@@ -31,9 +31,25 @@ from ..errors import ConversionError
 from ..keys import model_key
 
 __all__ = [
-    "Predicate", "Rule", "Direct", "FusedQKV", "GatedMLP", "Conversion", "Architecture", "expand",
-    "dense", "moe", "untied", "qk_norm", "qkv_bias", "shared_expert", "canonical_shapes", "check_against",
-    "count_their_keys", "indices_held", "meta_model",
+    "Predicate",
+    "Rule",
+    "Direct",
+    "FusedQKV",
+    "GatedMLP",
+    "Conversion",
+    "Architecture",
+    "expand",
+    "dense",
+    "moe",
+    "untied",
+    "qk_norm",
+    "qkv_bias",
+    "shared_expert",
+    "canonical_shapes",
+    "check_against",
+    "count_their_keys",
+    "indices_held",
+    "meta_model",
 ]
 
 Predicate = Callable[[GPTConfig], bool]
@@ -232,7 +248,9 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
                 twice.append(t)
             seen_theirs.add(t)
     if twice:
-        raise ConversionError(f"architecture '{arch.name}': mapping produces these keys more than once: {', '.join(twice)}")
+        raise ConversionError(
+            f"architecture '{arch.name}': mapping produces these keys more than once: {', '.join(twice)}"
+        )
     return out
 
 
@@ -243,7 +261,11 @@ def count_their_keys(arch: Architecture, c: GPTConfig) -> int:
     n = 0
     for rule in arch.rules:
         if rule.when(c):
-            n += len(rule.theirs) * (c.num_layers if "{i}" in rule.ours else 1) * (c.num_experts if "{e}" in rule.ours else 1)
+            n += (
+                len(rule.theirs)
+                * (c.num_layers if "{i}" in rule.ours else 1)
+                * (c.num_experts if "{e}" in rule.ours else 1)
+            )
     return n
 
 
@@ -252,10 +274,13 @@ def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple
     HF templates of ``arch``'s rules that apply to ``c``: what a directory's files can back of
     the layer and expert counts its config declares."""
     alternatives = []
-    for n, template in enumerate(sorted({t for rule in arch.rules if rule.when(c) for t in rule.theirs
-                                         if "{i}" in t or "{e}" in t})):
+    for n, template in enumerate(
+        sorted({t for rule in arch.rules if rule.when(c) for t in rule.theirs if "{i}" in t or "{e}" in t})
+    ):
         pattern = re.escape(template)
-        pattern = pattern.replace(re.escape("{i}"), f"(?P<i{n}>[0-9]{{1,9}})").replace(re.escape("{e}"), f"(?P<e{n}>[0-9]{{1,9}})")
+        pattern = pattern.replace(re.escape("{i}"), f"(?P<i{n}>[0-9]{{1,9}})").replace(
+            re.escape("{e}"), f"(?P<e{n}>[0-9]{{1,9}})"
+        )
         alternatives.append(f"(?:{pattern})")
     layers: set[int] = set()
     experts: set[int] = set()
@@ -295,8 +320,9 @@ def default_plan(c: GPTConfig, model: GPTModel | None = None) -> ModelPlan:
     return plan_model(model, shard_units(model))
 
 
-def check_against(conversions: list[Conversion], c: GPTConfig, arch: Architecture,
-                  model: GPTModel | None = None) -> dict[str, torch.Size]:
+def check_against(
+    conversions: list[Conversion], c: GPTConfig, arch: Architecture, model: GPTModel | None = None
+) -> dict[str, torch.Size]:
     """Check that ``conversions`` cover every parameter of the model exactly (a mapping that
     misses or invents a parameter is a bug in the architecture module); returns the shapes.
     ``model``: the meta-device model of ``c``, if already built."""

@@ -35,9 +35,22 @@ from .files import short_repr
 from .mapping import Conversion
 
 __all__ = [
-    "QUANT_METHOD", "EXTENSION", "SCALE_SUFFIX", "E8M0", "MXParam", "mx_key", "mx_params", "single_format",
-    "scale_name", "module_of", "check_rows_only", "split_rows", "quantization_config", "parse_quantization_config",
-    "mx_plan", "element_of_dtype",
+    "QUANT_METHOD",
+    "EXTENSION",
+    "SCALE_SUFFIX",
+    "E8M0",
+    "MXParam",
+    "mx_key",
+    "mx_params",
+    "single_format",
+    "scale_name",
+    "module_of",
+    "check_rows_only",
+    "split_rows",
+    "quantization_config",
+    "parse_quantization_config",
+    "mx_plan",
+    "element_of_dtype",
 ]
 
 #: transformers' name for MXFP8 (``AUTO_QUANTIZATION_CONFIG_MAPPING["mxfp8"]``)
@@ -86,7 +99,9 @@ def _recorded_formats(manifest: Mapping[str, Any] | None, source: str) -> tuple[
                 per_param[fqn] = buf["mx"]
     fallback = writer.get("mx")
     if fallback is not None and not isinstance(fallback, dict):
-        raise ConversionError(f"{source}: manifest writer.mx must be an object {{element, rule}}, got {short_repr(fallback)}")
+        raise ConversionError(
+            f"{source}: manifest writer.mx must be an object {{element, rule}}, got {short_repr(fallback)}"
+        )
     return per_param, fallback
 
 
@@ -97,8 +112,7 @@ def _recorded(entry: dict, fqn: str, element: str, source: str) -> str | None:
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{source}: the manifest's mx entry for {fqn} is not a format: {e}") from None
     if fmt.element != element:
-        raise ConversionError(f"{source}: {fqn}: the manifest says MX element {fmt.element}, "
-                              f"its planes are {element}")
+        raise ConversionError(f"{source}: {fqn}: the manifest says MX element {fmt.element}, its planes are {element}")
     return fmt.rule
 
 
@@ -110,7 +124,9 @@ def mx_params(reader: Any, source: str) -> dict[str, MXParam]:
     else unknown). Checked, one line each: both rowwise planes present, the data in an FP8
     element dtype and shaped like ``model.<fqn>``, the scale E8M0 ``[M, K/32]``."""
     keys = set(reader.keys())
-    fqns = sorted({k[len("mx."):].rsplit(".", 1)[0] for k in keys if k.startswith("mx.") and k.rsplit(".", 1)[-1] in MX_PLANES})
+    fqns = sorted(
+        {k[len("mx.") :].rsplit(".", 1)[0] for k in keys if k.startswith("mx.") and k.rsplit(".", 1)[-1] in MX_PLANES}
+    )
     if not fqns:
         return {}
     per_param, fallback = _recorded_formats(reader.manifest, source)
@@ -122,15 +138,21 @@ def mx_params(reader: Any, source: str) -> dict[str, MXParam]:
             raise ConversionError(f"{source}: MX parameter {fqn} lacks {', '.join(missing)}")
         element = element_of_dtype(reader.dtype(data))
         if element is None:
-            raise ConversionError(f"{source}: {data} is {reader.dtype(data)}, not an MX element dtype (float8_e4m3fn, float8_e5m2)")
+            raise ConversionError(
+                f"{source}: {data} is {reader.dtype(data)}, not an MX element dtype (float8_e4m3fn, float8_e5m2)"
+            )
         shape = tuple(reader.shape(weight))
         if tuple(reader.shape(data)) != shape or len(shape) != 2 or shape[1] % BLOCK:
-            raise ConversionError(f"{source}: {data} has shape {tuple(reader.shape(data))}; {weight} is {shape} "
-                                  f"(MX needs the same [M, K] with K a multiple of {BLOCK})")
+            raise ConversionError(
+                f"{source}: {data} has shape {tuple(reader.shape(data))}; {weight} is {shape} "
+                f"(MX needs the same [M, K] with K a multiple of {BLOCK})"
+            )
         want = (shape[0], shape[1] // BLOCK)
         if reader.dtype(scale) != E8M0 or tuple(reader.shape(scale)) != want:
-            raise ConversionError(f"{source}: {scale} is {reader.dtype(scale)} {tuple(reader.shape(scale))}, "
-                                  f"expected float8_e8m0fnu {want}")
+            raise ConversionError(
+                f"{source}: {scale} is {reader.dtype(scale)} {tuple(reader.shape(scale))}, "
+                f"expected float8_e8m0fnu {want}"
+            )
         entry = per_param.get(fqn, fallback)
         rule = _recorded(entry, fqn, element, source) if entry is not None else None
         out[weight] = MXParam(fqn, element, rule)
@@ -142,13 +164,17 @@ def single_format(params: Mapping[str, MXParam], source: str) -> MXFormat:
     rules and mixed formats, naming them."""
     unknown = sorted(p.fqn for p in params.values() if p.rule is None)
     if unknown:
-        raise ConversionError(f"{source}: the manifest records no MX scale rule for {unknown[0]}"
-                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''} "
-                              "(writer.plan.buffers[i].mx or writer.mx); an MX export must state it")
+        raise ConversionError(
+            f"{source}: the manifest records no MX scale rule for {unknown[0]}"
+            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''} "
+            "(writer.plan.buffers[i].mx or writer.mx); an MX export must state it"
+        )
     formats = sorted({(p.element, p.rule) for p in params.values()})
     if len(formats) > 1:
-        raise ConversionError(f"{source}: MX parameters in several formats ({', '.join(f'{e} {r}' for e, r in formats)}); "
-                              "an MX export records one")
+        raise ConversionError(
+            f"{source}: MX parameters in several formats ({', '.join(f'{e} {r}' for e, r in formats)}); "
+            "an MX export records one"
+        )
     return MXFormat(*formats[0])
 
 
@@ -179,16 +205,23 @@ def check_rows_only(conv: Conversion, shape: torch.Size, cfg: GPTConfig) -> None
     m, k = int(shape[0]), int(shape[1])
     for name, theirs in zip(conv.theirs, conv.rule.their_shapes(shape, cfg)):
         if len(theirs) != 2 or theirs[1] != k:
-            raise ConversionError(f"{name}: cannot be exported as MX exactly: the mapping of {conv.ours} makes it "
-                                  f"{tuple(theirs)} from {tuple(shape)} (only whole rows may be split)")
+            raise ConversionError(
+                f"{name}: cannot be exported as MX exactly: the mapping of {conv.ours} makes it "
+                f"{tuple(theirs)} from {tuple(shape)} (only whole rows may be split)"
+            )
     width = 2 * BLOCK
     for name, piece in zip(conv.theirs, conv.rule.split(_probe(m, width), cfg)):
         starts = piece[:, 0]
-        whole_rows = piece.shape[1] == width and bool((starts % width == 0).all()) and bool(
-            (piece - starts[:, None] == torch.arange(width)).all())
+        whole_rows = (
+            piece.shape[1] == width
+            and bool((starts % width == 0).all())
+            and bool((piece - starts[:, None] == torch.arange(width)).all())
+        )
         if not whole_rows:
-            raise ConversionError(f"{name}: cannot be exported as MX exactly: the mapping of {conv.ours} moves "
-                                  "elements within rows, which breaks the 32-element scale blocks")
+            raise ConversionError(
+                f"{name}: cannot be exported as MX exactly: the mapping of {conv.ours} moves "
+                "elements within rows, which breaks the 32-element scale blocks"
+            )
 
 
 def split_rows(conv: Conversion, tensor: torch.Tensor, cfg: GPTConfig) -> list[torch.Tensor]:
@@ -210,7 +243,10 @@ def quantization_config(fmt: MXFormat, quantized: list[str], not_quantized: list
         "activation_scheme": "dynamic",
         "modules_to_not_convert": sorted(not_quantized),
         EXTENSION: {
-            "block_size": BLOCK, "element": fmt.element, "rule": fmt.rule, "scale_suffix": SCALE_SUFFIX,
+            "block_size": BLOCK,
+            "element": fmt.element,
+            "rule": fmt.rule,
+            "scale_suffix": SCALE_SUFFIX,
             "quantized_modules": sorted(quantized),
         },
     }
@@ -247,7 +283,9 @@ def parse_quantization_config(qc: Any, config_path: str) -> tuple[MXFormat, set[
         raise ConversionError(f"{sub}.block_size {short_repr(ext['block_size'])}: MX blocks are {BLOCK} elements")
     element, rule = _field(ext, "element", sub), _field(ext, "rule", sub)
     if element not in ELEMENTS:
-        raise ConversionError(f"{sub}.element: unknown MX element {short_repr(element)} (expected {', '.join(ELEMENTS)})")
+        raise ConversionError(
+            f"{sub}.element: unknown MX element {short_repr(element)} (expected {', '.join(ELEMENTS)})"
+        )
     if rule not in RULES:
         raise ConversionError(f"{sub}.rule: unknown MX scale rule {short_repr(rule)} (expected {', '.join(RULES)})")
     suffix = ext.get("scale_suffix", SCALE_SUFFIX)

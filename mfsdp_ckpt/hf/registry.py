@@ -82,4 +82,6 @@ def infer_architecture(c: GPTConfig, manifest: dict[str, Any] | None, source: st
     if not fits:
         why = "; ".join(f"{a.name}: {', '.join(a.unsupported(c))}" for a in architectures().values())
         raise ConversionError(f"{source}: no known architecture can express this model config ({why})")
-    raise ConversionError(f"{source}: several architectures fit ({', '.join(a.name for a in fits)}); choose one with --arch")
+    raise ConversionError(
+        f"{source}: several architectures fit ({', '.join(a.name for a in fits)}); choose one with --arch"
+    )

@@ -30,8 +30,19 @@ from .files import HFDirectory, read_regular_file
 from .mapping import Conversion, Rule
 
 __all__ = [
-    "FusedExperts", "FUSED_LAYOUTS", "DiskTensor", "disk_tensors", "is_fused_expert", "disk_layout", "check_weights",
-    "load_weights", "CARRIED_FILES", "carried_files", "has_weights", "PieceRule", "export_conversions",
+    "FusedExperts",
+    "FUSED_LAYOUTS",
+    "DiskTensor",
+    "disk_tensors",
+    "is_fused_expert",
+    "disk_layout",
+    "check_weights",
+    "load_weights",
+    "CARRIED_FILES",
+    "carried_files",
+    "has_weights",
+    "PieceRule",
+    "export_conversions",
     "checked_carried_name",
 ]
 
@@ -55,8 +66,15 @@ FUSED_LAYOUTS: dict[str, FusedExperts] = {
 
 #: files of a model directory that travel with its weights: into every checkpoint of a run
 #: started from it (``extra.hf_files``), and out again with ``export-hf``; plus ``tokenizer*``
-CARRIED_FILES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                 "chat_template.jinja", "chat_template.json")
+CARRIED_FILES = (
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 #: the largest carried file (real tokenizers are a few to tens of megabytes)
 MAX_CARRIED_BYTES = 256 * 1024 * 1024
 
@@ -120,8 +138,10 @@ def disk_layout(model_type: str, shapes: dict[str, tuple[int, ...]], where: str)
         pieces = disk_tensors(model_type, name, shape)
         if pieces is None:
             known = ", ".join(FUSED_LAYOUTS)
-            raise ConversionError(f"{where}: model_type {model_type!r} keeps fused expert tensors ({name}) whose names in "
-                                  f"a Hugging Face directory are not known here (known: {known})")
+            raise ConversionError(
+                f"{where}: model_type {model_type!r} keeps fused expert tensors ({name}) whose names in "
+                f"a Hugging Face directory are not known here (known: {known})"
+            )
         for piece in pieces:
             if piece.name in owner:
                 raise ConversionError(f"{where}: {name} and {owner[piece.name]} would both be stored as {piece.name}")
@@ -141,12 +161,18 @@ def has_weights(path: str) -> bool:
 def _config_fields(config: dict[str, Any], values: Iterable[int]) -> str:
     """``field=value`` for each integer field of ``config`` whose value is one of ``values``."""
     wanted = set(values)
-    hits = [f"{k}={v}" for k, v in sorted(config.items()) if isinstance(v, int) and not isinstance(v, bool) and v in wanted]
+    hits = [
+        f"{k}={v}" for k, v in sorted(config.items()) if isinstance(v, int) and not isinstance(v, bool) and v in wanted
+    ]
     return f" ({', '.join(hits)})" if hits else ""
 
 
-def check_weights(directory: HFDirectory, layout: dict[str, list[DiskTensor]], config: dict[str, Any],
-                  ignorable: Callable[[str], bool] = lambda name: False) -> None:
+def check_weights(
+    directory: HFDirectory,
+    layout: dict[str, list[DiskTensor]],
+    config: dict[str, Any],
+    ignorable: Callable[[str], bool] = lambda name: False,
+) -> None:
     """Refuse, before any parameter is touched, a directory whose tensors do not match the model
     its ``config.json`` builds: one ConversionError line naming the file, the tensor, and the
     config fields behind the expected shape. ``ignorable``: disk names the model may lack
@@ -158,24 +184,31 @@ def check_weights(directory: HFDirectory, layout: dict[str, list[DiskTensor]], c
         if stored is None:
             continue
         if tuple(stored.shape) != tuple(shape):
-            differing = [d for d, s in zip(shape, stored.shape) if d != s] if len(shape) == len(stored.shape) else list(shape)
+            differing = (
+                [d for d, s in zip(shape, stored.shape) if d != s] if len(shape) == len(stored.shape) else list(shape)
+            )
             raise ConversionError(
                 f"{os.path.join(directory.path, stored.file)}: {name} is {tuple(stored.shape)}, but {config_path} makes it "
-                f"{tuple(shape)}{_config_fields(config, differing)}")
+                f"{tuple(shape)}{_config_fields(config, differing)}"
+            )
         if not (stored.dtype.is_floating_point):
-            raise ConversionError(f"{os.path.join(directory.path, stored.file)}: {name} is {stored.dtype}, not a "
-                                  "floating-point weight")
+            raise ConversionError(
+                f"{os.path.join(directory.path, stored.file)}: {name} is {stored.dtype}, not a floating-point weight"
+            )
     missing = sorted(n for n in expected if n not in directory.tensors)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise ConversionError(f"{directory.path}: the weights lack {', '.join(missing[:3])}{more}, which {config_path} "
-                              "makes part of the model")
+        raise ConversionError(
+            f"{directory.path}: the weights lack {', '.join(missing[:3])}{more}, which {config_path} "
+            "makes part of the model"
+        )
     unexpected = sorted(n for n in directory.tensors if n not in expected and not ignorable(n))
     if unexpected:
         more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
         file = os.path.join(directory.path, directory.tensors[unexpected[0]].file)
-        raise ConversionError(f"{file}: {', '.join(unexpected[:3])}{more}: not a parameter of the model {config_path} "
-                              "builds")
+        raise ConversionError(
+            f"{file}: {', '.join(unexpected[:3])}{more}: not a parameter of the model {config_path} builds"
+        )
 
 
 def load_weights(directory: HFDirectory, layout: dict[str, list[DiskTensor]], params: dict[str, torch.Tensor]) -> None:
@@ -226,7 +259,7 @@ class PieceRule(Rule):
 def export_conversions(model_type: str, shapes: dict[str, torch.Size], where: str) -> list[Conversion]:
     """The conversions of an export of a ``transformers`` checkpoint whose model tensors are
     ``shapes`` (checkpoint key ``model.<fqn>`` -> shape), in key order."""
-    by_fqn = {key[len("model."):]: tuple(shape) for key, shape in sorted(shapes.items())}
+    by_fqn = {key[len("model.") :]: tuple(shape) for key, shape in sorted(shapes.items())}
     layout = disk_layout(model_type, by_fqn, where)
     out = []
     for fqn, pieces in layout.items():
@@ -238,8 +271,14 @@ def export_conversions(model_type: str, shapes: dict[str, torch.Size], where: st
 def checked_carried_name(name: Any, where: str) -> str:
     """``name`` if it is a file name a checkpoint may carry (:func:`carried_files`' rule, a plain
     name inside the directory), else ConversionError naming ``where``."""
-    if (not isinstance(name, str) or not name or os.sep in name or (os.altsep and os.altsep in name)
-            or name in (".", "..") or not (name in CARRIED_FILES or name.startswith("tokenizer"))
-            or name.endswith(".safetensors")):
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.sep in name
+        or (os.altsep and os.altsep in name)
+        or name in (".", "..")
+        or not (name in CARRIED_FILES or name.startswith("tokenizer"))
+        or name.endswith(".safetensors")
+    ):
         raise ConversionError(f"{where}: {name!r} is not a file name a model directory carries")
     return name

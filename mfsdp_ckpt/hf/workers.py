@@ -98,9 +98,15 @@ class Turns:
             self._cond.notify_all()
 
 
-def run_tasks(tasks: Sequence[T], workers: int, make_state: Callable[[], S], do: Callable[[S, T], int],
-              close_state: Callable[[S], None] = lambda s: None, progress: Callable[[int], None] | None = None,
-              turns: Turns | None = None) -> None:
+def run_tasks(
+    tasks: Sequence[T],
+    workers: int,
+    make_state: Callable[[], S],
+    do: Callable[[S, T], int],
+    close_state: Callable[[S], None] = lambda s: None,
+    progress: Callable[[int], None] | None = None,
+    turns: Turns | None = None,
+) -> None:
     """Run ``do(state, task)`` for every task on ``workers`` threads (``workers == 1``: on the
     calling thread), each thread with its own ``make_state()`` (closed with ``close_state``).
     ``do`` returns a number of bytes, passed to ``progress`` from the calling thread. Raises the
@@ -120,8 +126,15 @@ def run_tasks(tasks: Sequence[T], workers: int, make_state: Callable[[], S], do:
 
 
 class _Pool(Generic[T, S]):
-    def __init__(self, tasks: Sequence[T], workers: int, make_state: Callable[[], S], do: Callable[[S, T], int],
-                 close_state: Callable[[S], None], turns: Turns | None) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[T],
+        workers: int,
+        make_state: Callable[[], S],
+        do: Callable[[S, T], int],
+        close_state: Callable[[S], None],
+        turns: Turns | None,
+    ) -> None:
         self.tasks, self.make_state, self.do, self.close_state, self.turns = tasks, make_state, do, close_state, turns
         self.next = 0
         self.lock = threading.Lock()

@@ -41,17 +41,37 @@ Q_NORM = STACK + "self_attention.q_layernorm.weight"
 QKV_BIAS = STACK + "self_attention.linear_qkv.bias"
 
 #: MCore's defaults for what shapes do not tell (Megatron-LM's argument names)
-DEFAULTS = {"rotary_base": 10000, "norm_epsilon": 1e-5, "moe_router_topk": 2, "moe_router_pre_softmax": False,
-            "moe_router_score_function": "softmax", "seq_length": 4096}
+DEFAULTS = {
+    "rotary_base": 10000,
+    "norm_epsilon": 1e-5,
+    "moe_router_topk": 2,
+    "moe_router_pre_softmax": False,
+    "moe_router_score_function": "softmax",
+    "seq_length": 4096,
+}
 #: arguments whose value our model must have (else it computes something else)
 REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
-    "normalization": ("RMSNorm",), "position_embedding_type": ("rope",), "swiglu": (True,), "rotary_percent": (1.0, 1),
-    "rotary_interleaved": (False,), "add_bias_linear": (False,), "moe_router_topk_scaling_factor": (None,),
-    "moe_router_enable_expert_bias": (False,), "multi_latent_attention": (False,), "num_layers_per_virtual_pipeline_stage": (None,),
-    "moe_layer_freq": (1,), "mrope_section": (None,), "rope_scaling": (False,),
+    "normalization": ("RMSNorm",),
+    "position_embedding_type": ("rope",),
+    "swiglu": (True,),
+    "rotary_percent": (1.0, 1),
+    "rotary_interleaved": (False,),
+    "add_bias_linear": (False,),
+    "moe_router_topk_scaling_factor": (None,),
+    "moe_router_enable_expert_bias": (False,),
+    "multi_latent_attention": (False,),
+    "num_layers_per_virtual_pipeline_stage": (None,),
+    "moe_layer_freq": (1,),
+    "mrope_section": (None,),
+    "rope_scaling": (False,),
 }
-_ALIASES = {"layernorm_epsilon": "norm_epsilon", "padded_vocab_size": "vocab_size", "num_moe_experts": "num_experts",
-            "max_position_embeddings": "seq_length", "moe_shared_expert_intermediate_size": "moe_shared_expert_ffn_hidden_size"}
+_ALIASES = {
+    "layernorm_epsilon": "norm_epsilon",
+    "padded_vocab_size": "vocab_size",
+    "num_moe_experts": "num_experts",
+    "max_position_embeddings": "seq_length",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_ffn_hidden_size",
+}
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -85,8 +105,9 @@ def _normalised(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[str, Any], source: str,
-                 where: str) -> tuple[GPTConfig, list[str]]:
+def infer_config(
+    shapes: Callable[[str], tuple[int, ...] | None], given: dict[str, Any], source: str, where: str
+) -> tuple[GPTConfig, list[str]]:
     """``(config, assumed)``: our config from the stored shapes (``shapes(key)``: a stored
     tensor's global shape, None when absent) and the MCore arguments ``given`` (read from
     ``where``, named in errors); ``assumed``: the arguments taken from MCore's defaults."""
@@ -95,8 +116,9 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
         if name in args and args[name] not in allowed:
             raise ConversionError(f"{where}: {name}={args[name]!r}: our model supports only {allowed[0]!r}")
     if args.get("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"):
-        raise ConversionError(f"{where}: moe_router_score_function={args['moe_router_score_function']!r}: "
-                              "only 'softmax' or 'sigmoid'")
+        raise ConversionError(
+            f"{where}: moe_router_score_function={args['moe_router_score_function']!r}: only 'softmax' or 'sigmoid'"
+        )
 
     def need(key: str) -> tuple[int, ...]:
         shape = shapes(key)
@@ -106,8 +128,10 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
 
     def check(name: str, value: int, key: str) -> int:
         if name in args and args[name] is not None and args[name] != value:
-            raise ConversionError(f"{where}: {name}={args[name]!r} disagrees with the checkpoint: '{key}' has shape "
-                                  f"{list(shapes(key) or ())} ({name}={value})")
+            raise ConversionError(
+                f"{where}: {name}={args[name]!r} disagrees with the checkpoint: '{key}' has shape "
+                f"{list(shapes(key) or ())} ({name}={value})"
+            )
         return value
 
     vocab, hidden = need(EMBED)
@@ -117,7 +141,9 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
     layers, rows = qkv[0], qkv[1]
     check("num_layers", layers, QKV)
     if proj[:2] != (layers, hidden) or qkv[2] != hidden:
-        raise ConversionError(f"{source}: '{PROJ}' {list(proj)} and '{QKV}' {list(qkv)} do not fit hidden size {hidden}")
+        raise ConversionError(
+            f"{source}: '{PROJ}' {list(proj)} and '{QKV}' {list(qkv)} do not fit hidden size {hidden}"
+        )
     cols = proj[2]  # heads * kv_channels
     kv_total = rows - cols  # 2 * groups * kv_channels
     heads, groups, channels = (args.get(n) for n in ("num_attention_heads", "num_query_groups", "kv_channels"))
@@ -128,18 +154,28 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
     if channels is None and groups:
         channels = kv_total // (2 * groups)
     if not channels:
-        raise ConversionError(f"{where}: num_attention_heads, num_query_groups or kv_channels is needed (the shapes of "
-                              f"'{QKV}' {list(qkv)} and '{PROJ}' {list(proj)} do not tell the head size): "
-                              f"give the config (import-mcore --config, export-hf --mcore-config)")
-    derived = {"kv_channels": channels, "num_attention_heads": cols // channels, "num_query_groups": kv_total // (2 * channels)}
+        raise ConversionError(
+            f"{where}: num_attention_heads, num_query_groups or kv_channels is needed (the shapes of "
+            f"'{QKV}' {list(qkv)} and '{PROJ}' {list(proj)} do not tell the head size): "
+            f"give the config (import-mcore --config, export-hf --mcore-config)"
+        )
+    derived = {
+        "kv_channels": channels,
+        "num_attention_heads": cols // channels,
+        "num_query_groups": kv_total // (2 * channels),
+    }
     if cols % channels or kv_total % (2 * channels) or derived["num_query_groups"] <= 0:
-        raise ConversionError(f"{where}: kv_channels={channels} does not divide '{PROJ}' {list(proj)} and "
-                              f"'{QKV}' {list(qkv)} into whole heads")
+        raise ConversionError(
+            f"{where}: kv_channels={channels} does not divide '{PROJ}' {list(proj)} and "
+            f"'{QKV}' {list(qkv)} into whole heads"
+        )
     for name, value in derived.items():
         check(name, value, QKV)
     if derived["num_attention_heads"] % derived["num_query_groups"]:
-        raise ConversionError(f"{where}: {derived['num_attention_heads']} heads are not a multiple of "
-                              f"{derived['num_query_groups']} query groups ('{QKV}' {list(qkv)})")
+        raise ConversionError(
+            f"{where}: {derived['num_attention_heads']} heads are not a multiple of "
+            f"{derived['num_query_groups']} query groups ('{QKV}' {list(qkv)})"
+        )
 
     router = shapes(ROUTER)
     experts = router[1] if router else 0
@@ -157,31 +193,49 @@ def infer_config(shapes: Callable[[str], tuple[int, ...] | None], given: dict[st
         check("ffn_hidden_size", ffn, DENSE_FC2)
         fc1 = need(DENSE_FC1)
         if fc1[1] != 2 * ffn:
-            raise ConversionError(f"{source}: '{DENSE_FC1}' {list(fc1)} is not a gated (SwiGLU) projection of "
-                                  f"2·{ffn} rows: our model has SwiGLU MLPs only")
+            raise ConversionError(
+                f"{source}: '{DENSE_FC1}' {list(fc1)} is not a gated (SwiGLU) projection of "
+                f"2·{ffn} rows: our model has SwiGLU MLPs only"
+            )
     shared = shapes(SHARED_FC2)
     shared_ffn = check("moe_shared_expert_ffn_hidden_size", shared[2], SHARED_FC2) if shared else 0
     tied = shapes(OUTPUT) is None
     if "untie_embeddings_and_output_weights" in args and bool(args["untie_embeddings_and_output_weights"]) == tied:
-        raise ConversionError(f"{where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
-                              f"disagrees with the checkpoint ('{OUTPUT}' is {'absent' if tied else 'present'})")
+        raise ConversionError(
+            f"{where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
+            f"disagrees with the checkpoint ('{OUTPUT}' is {'absent' if tied else 'present'})"
+        )
     q_norm = shapes(Q_NORM) is not None
     qkv_bias = shapes(QKV_BIAS) is not None
     for name, present, key in (("qk_layernorm", q_norm, Q_NORM), ("add_qkv_bias", qkv_bias, QKV_BIAS)):
         if name in args and args[name] is not None and bool(args[name]) != present:
-            raise ConversionError(f"{where}: {name}={args[name]!r} disagrees with the checkpoint ('{key}' is "
-                                  f"{'present' if present else 'absent'})")
+            raise ConversionError(
+                f"{where}: {name}={args[name]!r} disagrees with the checkpoint ('{key}' is "
+                f"{'present' if present else 'absent'})"
+            )
 
     assumed = [name for name in DEFAULTS if name not in args and (experts or not name.startswith("moe_"))]
     value = {**DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
     try:
         cfg = GPTConfig(
-            vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_attention_heads=derived["num_attention_heads"],
-            num_query_groups=derived["num_query_groups"], kv_channels=channels, ffn_hidden_size=ffn,
-            rotary_base=float(value["rotary_base"]), norm_epsilon=float(value["norm_epsilon"]), qk_layernorm=q_norm,
-            tie_embeddings=tied, num_experts=experts, moe_router_topk=int(value["moe_router_topk"]) if experts else 2,
-            moe_ffn_hidden_size=moe_ffn, moe_score_func=str(value["moe_router_score_function"]),
-            moe_shared_expert_ffn_hidden_size=shared_ffn, seq_length=int(value["seq_length"]), add_qkv_bias=qkv_bias,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_attention_heads=derived["num_attention_heads"],
+            num_query_groups=derived["num_query_groups"],
+            kv_channels=channels,
+            ffn_hidden_size=ffn,
+            rotary_base=float(value["rotary_base"]),
+            norm_epsilon=float(value["norm_epsilon"]),
+            qk_layernorm=q_norm,
+            tie_embeddings=tied,
+            num_experts=experts,
+            moe_router_topk=int(value["moe_router_topk"]) if experts else 2,
+            moe_ffn_hidden_size=moe_ffn,
+            moe_score_func=str(value["moe_router_score_function"]),
+            moe_shared_expert_ffn_hidden_size=shared_ffn,
+            seq_length=int(value["seq_length"]),
+            add_qkv_bias=qkv_bias,
             moe_router_pre_softmax=bool(value["moe_router_pre_softmax"]) if experts else False,
             moe_aux_loss_coeff=float(value.get("moe_aux_loss_coeff", 1e-2)),
         )
@@ -194,18 +248,34 @@ def to_mcore_args(cfg: GPTConfig) -> dict[str, Any]:
     """The MCore (Megatron-LM) arguments of our config: what ``export-mcore`` writes next to a
     checkpoint (``mcore_args.json``) and what ``import-mcore --config`` reads back."""
     out: dict[str, Any] = {
-        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-        "num_query_groups": cfg.num_query_groups, "group_query_attention": cfg.num_query_groups != cfg.num_attention_heads,
-        "kv_channels": cfg.kv_channels, "ffn_hidden_size": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size,
-        "seq_length": cfg.seq_length, "rotary_base": cfg.rotary_base, "norm_epsilon": cfg.norm_epsilon,
-        "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-        "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_query_groups": cfg.num_query_groups,
+        "group_query_attention": cfg.num_query_groups != cfg.num_attention_heads,
+        "kv_channels": cfg.kv_channels,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "seq_length": cfg.seq_length,
+        "rotary_base": cfg.rotary_base,
+        "norm_epsilon": cfg.norm_epsilon,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "add_qkv_bias": cfg.add_qkv_bias,
+        "qk_layernorm": cfg.qk_layernorm,
         "untie_embeddings_and_output_weights": not cfg.tie_embeddings,
     }
     if cfg.num_experts:
-        out.update(num_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-                   moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_router_score_function=cfg.moe_score_func,
-                   moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
+        out.update(
+            num_experts=cfg.num_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+            moe_router_score_function=cfg.moe_score_func,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        )
         if cfg.moe_shared_expert_ffn_hidden_size:
             out["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_ffn_hidden_size
     return out

@@ -24,8 +24,12 @@ def describe_mcore(directory: str) -> dict[str, Any] | None:
     with McoreSource.open(directory) as source:
         backend = f"megatron-core {source.backend.get('sharded_backend')}"
         step = source.common.get("iteration")
-        out: dict[str, Any] = {"format": backend, "step": step if type(step) is int else None, "model_config": None,
-                               "unknown": []}
+        out: dict[str, Any] = {
+            "format": backend,
+            "step": step if type(step) is int else None,
+            "model_config": None,
+            "unknown": [],
+        }
         try:
             plan = plan_import(source)
             out["model_config"] = plan.config.to_dict()

@@ -40,8 +40,12 @@ from .layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, 
 
 __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
 
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-           "common_backend_version": 1}
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 _STATE_NAMES = {MAIN_PARAM: "param"}
 #: the top-level names under which Megatron-LM's trainer asks for the sharded state (``model``,
 #: ``model<i>`` per virtual pipeline stage, ``optimizer``): ``dist_checkpointing.load`` merges
@@ -64,16 +68,22 @@ class McoreExportResult:
 def _target(key: str, moe_norm: str) -> tuple[str, tuple[int, ...]] | None:
     """(stored key, leading index) of canonical ``key``; None for what MCore has no place for."""
     if key.startswith("model."):
-        return stack_of(key[len("model."):], moe_norm)
+        return stack_of(key[len("model.") :], moe_norm)
     if key.startswith("optim.") and key != PARAM_GROUPS:
-        fqn, state = key[len("optim."):].rsplit(".", 1)
+        fqn, state = key[len("optim.") :].rsplit(".", 1)
         stored, index = stack_of(fqn, moe_norm)
         return f"{OPTIM_STATE}{_STATE_NAMES.get(state, state)}.{stored}", index
     return None
 
 
-def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False, moe_norm: str = "te",
-                 progress: Callable[[int, int], None] | None = None) -> McoreExportResult:
+def export_mcore(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    moe_norm: str = "te",
+    progress: Callable[[int, int], None] | None = None,
+) -> McoreExportResult:
     """Write the canonical checkpoint ``src`` as the MCore ``torch_dist`` checkpoint ``dst`` (see
     the module docstring). ``moe_norm``: ``"te"`` names the MoE pre-MLP norm
     ``pre_mlp_layernorm.weight`` (Transformer Engine's layer spec, what GPU runs use), ``"local"``
@@ -87,11 +97,15 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
         saved = (reader.manifest or {}).get("model_config")
         source = model_source_of(reader.manifest) or {}
         if source.get("kind") == TRANSFORMERS:
-            raise ConversionError(f"{reader.directory}: holds a transformers model ({source.get('class')}), named as "
-                                  "transformers names it; export-mcore writes GPT models of our canonical names: run "
-                                  "export-hf, import-hf, then export-mcore")
+            raise ConversionError(
+                f"{reader.directory}: holds a transformers model ({source.get('class')}), named as "
+                "transformers names it; export-mcore writes GPT models of our canonical names: run "
+                "export-hf, import-hf, then export-mcore"
+            )
         if not saved:
-            raise ConversionError(f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)")
+            raise ConversionError(
+                f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)"
+            )
         try:
             cfg = GPTConfig.from_dict(saved)
         except (TypeError, ValueError) as e:
@@ -110,11 +124,15 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
             shape = tuple(dims) + tuple(reader.shape(key))
             dtype = reader.dtype(key)
             if stored in stacks and stacks[stored] != (dtype, shape):
-                raise ConversionError(f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
-                                      f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index):])})")
+                raise ConversionError(
+                    f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
+                    f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index) :])})"
+                )
             if any(not 0 <= i < d for i, d in zip(index, dims)):
-                raise ConversionError(f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
-                                      f"{list(dims)} (num_layers, num_experts)")
+                raise ConversionError(
+                    f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
+                    f"{list(dims)} (num_layers, num_experts)"
+                )
             stacks[stored] = (dtype, shape)
             targets[key] = (stored, index)
         common: dict[str, Any] = {}
@@ -128,8 +146,13 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
         if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
             common["iteration"] = reader.manifest["step"]
         total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)
-        manifest = {"model_config": cfg.to_dict(), "step": common.get("iteration") if type(common.get("iteration")) is int else None,
-                    "versions": versions(), "converted_from": reader.directory, "key_layout": "mcore-torch_dist"}
+        manifest = {
+            "model_config": cfg.to_dict(),
+            "step": common.get("iteration") if type(common.get("iteration")) is int else None,
+            "versions": versions(),
+            "converted_from": reader.directory,
+            "key_layout": "mcore-torch_dist",
+        }
         done = 0
         with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(reader.directory,)) as builder:
             for key, (stored, index) in targets.items():
@@ -142,14 +165,21 @@ def export_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
                 del tensor, chunk
                 if progress is not None:
                     progress(done, total)
-            for key in extra_state_keys(cfg.num_layers, cfg.num_experts, dense=cfg.num_experts == 0,
-                                        shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0):
+            for key in extra_state_keys(
+                cfg.num_layers,
+                cfg.num_experts,
+                dense=cfg.num_experts == 0,
+                shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0,
+            ):
                 builder.add_object(key, [None])
             buf = io.BytesIO()
             torch.save(common, buf)
             fs.write_bytes(fs.join(builder.tmp, "common.pt"), buf.getvalue(), sync=builder.sync)
             fs.write_bytes(fs.join(builder.tmp, "metadata.json"), json.dumps(BACKEND).encode(), sync=builder.sync)
-            fs.write_bytes(fs.join(builder.tmp, "mcore_args.json"),
-                           (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(), sync=builder.sync)
+            fs.write_bytes(
+                fs.join(builder.tmp, "mcore_args.json"),
+                (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(),
+                sync=builder.sync,
+            )
             path = builder.commit()
     return McoreExportResult(path=path, tensors=len(targets), bytes=total, seconds=time.perf_counter() - start)

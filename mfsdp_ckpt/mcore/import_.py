@@ -108,13 +108,17 @@ def _check_extra_state(source: McoreSource, key: str) -> None:
     except ConversionError:
         raise
     except Exception as e:  # noqa: BLE001 - one line naming the key
-        raise ConversionError(f"{source.directory}: key '{key}': extra state that is not plain data (Transformer Engine "
-                              f"FP8 metadata?), not carried: {' '.join(str(e).split())[:160]}") from None
+        raise ConversionError(
+            f"{source.directory}: key '{key}': extra state that is not plain data (Transformer Engine "
+            f"FP8 metadata?), not carried: {' '.join(str(e).split())[:160]}"
+        ) from None
     if not _empty_extra_state(value):
         what = f"a {value.numel()}-byte tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-        raise ConversionError(f"{source.directory}: key '{key}': holds Transformer Engine extra state ({what}: FP8 scaling "
-                              "factors / amax history), which a canonical checkpoint cannot carry; save without FP8 "
-                              "(or convert its weights to high precision first) before importing")
+        raise ConversionError(
+            f"{source.directory}: key '{key}': holds Transformer Engine extra state ({what}: FP8 scaling "
+            "factors / amax history), which a canonical checkpoint cannot carry; save without FP8 "
+            "(or convert its weights to high precision first) before importing"
+        )
 
 
 def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
@@ -143,14 +147,18 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
     for key in sorted(source.entries):
         tensor = source.shape(key) is not None
         if key.startswith(OPTIM_DISTRIBUTED):
-            raise ConversionError(f"{source.directory}: key '{key}': the distributed optimizer's 'dp_reshardable' layout "
-                                  "(flat buckets that only its writer's bucket layout can cut) is not read; save the "
-                                  "optimizer with sharding_type 'fully_reshardable' and import that")
+            raise ConversionError(
+                f"{source.directory}: key '{key}': the distributed optimizer's 'dp_reshardable' layout "
+                "(flat buckets that only its writer's bucket layout can cut) is not read; save the "
+                "optimizer with sharding_type 'fully_reshardable' and import that"
+            )
         if key.startswith(OPTIM_STATE) and tensor:
             optim_keys.append(key)
         elif key.startswith("optimizer."):
-            raise ConversionError(f"{source.directory}: key '{key}': an optimizer entry of a layout import-mcore does not "
-                                  f"know (expected {OPTIM_STATE}<state>.<parameter>)")
+            raise ConversionError(
+                f"{source.directory}: key '{key}': an optimizer entry of a layout import-mcore does not "
+                f"know (expected {OPTIM_STATE}<state>.<parameter>)"
+            )
         elif is_extra_state(key):
             extra_states.append(key)
         elif key.split("/", 1)[0] == COMMON_STATE:
@@ -168,10 +176,16 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
     if extra_states:
         notices.append(f"dropped {len(extra_states)} empty _extra_state entries (no Transformer Engine state in them)")
     if dropped:
-        notices.append(f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
-                       f"{', ...' if len(dropped) > 3 else ''})")
+        notices.append(
+            f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
+            f"{', ...' if len(dropped) > 3 else ''})"
+        )
     if assumed:
-        notices.append("assumed MCore's defaults for " + ", ".join(assumed) + " (import-mcore --config, export-hf --mcore-config set them)")
+        notices.append(
+            "assumed MCore's defaults for "
+            + ", ".join(assumed)
+            + " (import-mcore --config, export-hf --mcore-config set them)"
+        )
 
     moe = cfg.num_experts > 0
     pieces = [p for k in model_keys for p in model_pieces(k, shape_of[k], moe)]
@@ -183,43 +197,69 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         if p.canonical in produced:
             twice.append(f"{p.stored} and {produced[p.canonical].stored} -> {p.canonical}")
         produced[p.canonical] = p
-    stored_shape = {p.canonical: torch.Size(shape_of[p.stored][len(p.index):]) for p in pieces}
-    raise_key_problems(source.directory, [
-        ("two stored keys give one tensor", twice),
-        ("missing (our model has them)", sorted(set(expected) - set(produced))),
-        ("unexpected stored keys (our model has no place for them)",
-         sorted({produced[c].stored for c in set(produced) - set(expected)})),
-        ("shape mismatch", sorted(f"{produced[c].stored}{list(produced[c].index)} {list(stored_shape[c])}, model {list(expected[c])}"
-                                  for c in set(produced) & set(expected) if stored_shape[c] != expected[c])),
-    ], ConversionError)
+    stored_shape = {p.canonical: torch.Size(shape_of[p.stored][len(p.index) :]) for p in pieces}
+    raise_key_problems(
+        source.directory,
+        [
+            ("two stored keys give one tensor", twice),
+            ("missing (our model has them)", sorted(set(expected) - set(produced))),
+            (
+                "unexpected stored keys (our model has no place for them)",
+                sorted({produced[c].stored for c in set(produced) - set(expected)}),
+            ),
+            (
+                "shape mismatch",
+                sorted(
+                    f"{produced[c].stored}{list(produced[c].index)} {list(stored_shape[c])}, model {list(expected[c])}"
+                    for c in set(produced) & set(expected)
+                    if stored_shape[c] != expected[c]
+                ),
+            ),
+        ],
+        ConversionError,
+    )
 
     optim_pieces: list[Piece] = []
     same_dtype = []
     for key in optim_keys:
         state, ps = optimizer_pieces(key, source.shape(key), moe)
-        weights = key[len(OPTIM_STATE) + len(state) + 1:]
+        weights = key[len(OPTIM_STATE) + len(state) + 1 :]
         if state == "param" and weights in shape_of and source.dtype(weights) == source.dtype(key):
             same_dtype.append(key)
             continue
         for p in ps:
-            model_of = "model." + p.canonical[len("optim."):].rsplit(".", 1)[0]
+            model_of = "model." + p.canonical[len("optim.") :].rsplit(".", 1)[0]
             if model_of not in expected:
-                raise ConversionError(f"{source.directory}: key '{key}': optimizer state of '{model_of[len('model.'):]}', "
-                                      "which our model does not have")
-            shape = torch.Size(source.shape(key)[len(p.index):])
+                raise ConversionError(
+                    f"{source.directory}: key '{key}': optimizer state of '{model_of[len('model.') :]}', "
+                    "which our model does not have"
+                )
+            shape = torch.Size(source.shape(key)[len(p.index) :])
             if shape != expected[model_of]:
-                raise ConversionError(f"{source.directory}: key '{key}'{list(p.index)}: shape {list(shape)}, the parameter's "
-                                      f"{list(expected[model_of])}")
+                raise ConversionError(
+                    f"{source.directory}: key '{key}'{list(p.index)}: shape {list(shape)}, the parameter's "
+                    f"{list(expected[model_of])}"
+                )
         optim_pieces += ps
     if same_dtype:
-        notices.append(f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
-                       "of the weights' own dtype (a canonical checkpoint stores the weights once)")
-    return ImportPlan(cfg, assumed, pieces + optim_pieces, {k: _plain(v) for k, v in source.common.items()}, notices,
-                      bool(optim_pieces), model)
+        notices.append(
+            f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
+            "of the weights' own dtype (a canonical checkpoint stores the weights once)"
+        )
+    return ImportPlan(
+        cfg,
+        assumed,
+        pieces + optim_pieces,
+        {k: _plain(v) for k, v in source.common.items()},
+        notices,
+        bool(optim_pieces),
+        model,
+    )
 
 
-def _write(source: McoreSource, plan: ImportPlan, dst: str, overwrite: bool,
-           progress: Callable[[int, int], None] | None) -> tuple[str, int]:
+def _write(
+    source: McoreSource, plan: ImportPlan, dst: str, overwrite: bool, progress: Callable[[int, int], None] | None
+) -> tuple[str, int]:
     step = plan.common.get("iteration")
     manifest = {
         "writer": writer_layout(1, default_plan(plan.config, plan.model)),
@@ -231,7 +271,9 @@ def _write(source: McoreSource, plan: ImportPlan, dst: str, overwrite: bool,
         "converted_from": source.directory,
         "mcore": {"backend": source.backend, "assumed": plan.assumed, "notices": plan.notices},
     }
-    total = sum(source.entries[p.stored].size[len(p.index):].numel() * source.dtype(p.stored).itemsize for p in plan.pieces)
+    total = sum(
+        source.entries[p.stored].size[len(p.index) :].numel() * source.dtype(p.stored).itemsize for p in plan.pieces
+    )
     done = 0
     with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(source.directory,)) as builder:
         for p in plan.pieces:
@@ -247,9 +289,15 @@ def _write(source: McoreSource, plan: ImportPlan, dst: str, overwrite: bool,
         return builder.commit(), total
 
 
-def import_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int = 1,
-                 config: dict[str, Any] | str | os.PathLike | None = None, overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> McoreImportResult:
+def import_mcore(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    world_size: int = 1,
+    config: dict[str, Any] | str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> McoreImportResult:
     """Convert the MCore ``torch_dist`` checkpoint ``src`` into a committed canonical checkpoint
     ``dst`` (``model.*``, ``optim.*`` from ``fully_reshardable`` optimizer state, the common state
     as ``extra.*``), laid out for ``world_size`` ranks (one file per rank).
@@ -281,6 +329,15 @@ def import_mcore(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: 
                 fs.remove_tree(tmp)
         largest = source.largest_read
     step = plan.common.get("iteration")
-    return McoreImportResult(path=path, tensors=len(plan.pieces), bytes=total, model_config=plan.config.to_dict(),
-                             world_size=world_size, step=step if type(step) is int else None, assumed=plan.assumed,
-                             notices=plan.notices, largest_read=largest, seconds=time.perf_counter() - start)
+    return McoreImportResult(
+        path=path,
+        tensors=len(plan.pieces),
+        bytes=total,
+        model_config=plan.config.to_dict(),
+        world_size=world_size,
+        step=step if type(step) is int else None,
+        assumed=plan.assumed,
+        notices=plan.notices,
+        largest_read=largest,
+        seconds=time.perf_counter() - start,
+    )

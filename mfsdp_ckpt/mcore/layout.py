@@ -18,9 +18,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Piece", "STACK", "EXPERTS", "OPTIM_STATE", "OPTIM_DISTRIBUTED", "COMMON_STATE", "EXTRA_STATE",
-           "model_pieces", "optimizer_pieces", "is_extra_state", "stored_name", "stack_of", "extra_state_keys",
-           "MOE_NORM_TE", "MOE_NORM_LOCAL"]
+__all__ = [
+    "Piece",
+    "STACK",
+    "EXPERTS",
+    "OPTIM_STATE",
+    "OPTIM_DISTRIBUTED",
+    "COMMON_STATE",
+    "EXTRA_STATE",
+    "model_pieces",
+    "optimizer_pieces",
+    "is_extra_state",
+    "stored_name",
+    "stack_of",
+    "extra_state_keys",
+    "MOE_NORM_TE",
+    "MOE_NORM_LOCAL",
+]
 
 STACK = "decoder.layers."
 EXPERTS = "decoder.layers.mlp.experts.experts."
@@ -53,16 +67,19 @@ def is_extra_state(key: str) -> bool:
 
 def _fqn_pieces(stored: str, shape: tuple[int, ...], moe: bool, canonical_of) -> list[Piece]:
     if stored.startswith(EXPERTS):
-        rest = stored[len(EXPERTS):]
+        rest = stored[len(EXPERTS) :]
         layers, experts = shape[0], shape[1]
         base, _, leaf = rest.rpartition(".")
-        return [Piece(canonical_of(f"decoder.layers.{l}.mlp.experts.{base}.{leaf}{e}"), stored, (l, e))
-                for l in range(layers) for e in range(experts)]
+        return [
+            Piece(canonical_of(f"decoder.layers.{layer}.mlp.experts.{base}.{leaf}{e}"), stored, (layer, e))
+            for layer in range(layers)
+            for e in range(experts)
+        ]
     if stored.startswith(STACK):
-        rest = stored[len(STACK):]
+        rest = stored[len(STACK) :]
         if moe and stored == MOE_NORM_LOCAL:
             rest = _OUR_MOE_NORM
-        return [Piece(canonical_of(f"decoder.layers.{l}.{rest}"), stored, (l,)) for l in range(shape[0])]
+        return [Piece(canonical_of(f"decoder.layers.{layer}.{rest}"), stored, (layer,)) for layer in range(shape[0])]
     return [Piece(canonical_of(stored), stored, ())]
 
 
@@ -75,7 +92,7 @@ def model_pieces(stored: str, shape: tuple[int, ...], moe: bool) -> list[Piece]:
 def optimizer_pieces(stored: str, shape: tuple[int, ...], moe: bool) -> tuple[str, list[Piece]]:
     """``(state, pieces)`` of ``optimizer.state.<state>.<model key>`` (MCore's ``fully_reshardable``
     layout): the canonical ``optim.<fqn>.<state>`` entries, ``param`` named ``main_param``."""
-    rest = stored[len(OPTIM_STATE):]
+    rest = stored[len(OPTIM_STATE) :]
     state, _, model = rest.partition(".")
     ours = STATE_NAMES.get(state, state)
     pieces = _fqn_pieces(model, shape, moe, lambda fqn: f"optim.{fqn}.{ours}")
@@ -90,7 +107,7 @@ def stack_of(fqn: str, moe_norm: str = MOE_NORM_TE) -> tuple[str, tuple[int, ...
     ``moe_norm``: the name to give the MoE pre-MLP norm (TE spec by default)."""
     if not fqn.startswith(STACK):
         return fqn, ()
-    layer, _, rest = fqn[len(STACK):].partition(".")
+    layer, _, rest = fqn[len(STACK) :].partition(".")
     m = _EXPERT_WEIGHT.match(rest)
     if m:
         return f"{EXPERTS}{m.group(1)}.weight", (int(layer), int(m.group(2)))
@@ -117,9 +134,12 @@ def extra_state_keys(num_layers: int, num_experts: int, dense: bool, shared_expe
     if shared_experts:
         modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
     for module in modules:
-        keys += [f"{STACK}{module}{EXTRA_STATE}/shard_{l}_{num_layers}" for l in range(num_layers)]
+        keys += [f"{STACK}{module}{EXTRA_STATE}/shard_{layer}_{num_layers}" for layer in range(num_layers)]
     if num_experts:
         for fc in ("linear_fc1", "linear_fc2"):
-            keys += [f"{EXPERTS}{fc}{EXTRA_STATE}/shard_{l}.{e}_{num_layers}.{num_experts}"
-                     for l in range(num_layers) for e in range(num_experts)]
+            keys += [
+                f"{EXPERTS}{fc}{EXTRA_STATE}/shard_{layer}.{e}_{num_layers}.{num_experts}"
+                for layer in range(num_layers)
+                for e in range(num_experts)
+            ]
     return keys

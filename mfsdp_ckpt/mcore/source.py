@@ -58,8 +58,10 @@ def read_backend(directory: str) -> dict[str, Any]:
         raise ConversionError(f"{path}: expected a JSON object")
     backend = meta.get("sharded_backend")
     if backend != "torch_dist":
-        raise ConversionError(f"{path}: sharded_backend {backend!r}: only Megatron-Core's 'torch_dist' backend is read "
-                              "(re-save with dist_checkpointing's default backend)")
+        raise ConversionError(
+            f"{path}: sharded_backend {backend!r}: only Megatron-Core's 'torch_dist' backend is read "
+            "(re-save with dist_checkpointing's default backend)"
+        )
     common = meta.get("common_backend", "torch")
     if common not in ("torch", None):
         raise ConversionError(f"{path}: common_backend {common!r}: only 'torch' (common.pt) is read")
@@ -143,8 +145,9 @@ class McoreSource:
             if isinstance(value, list) and len(value) == 1:
                 value = value[0]
             if not isinstance(value, dict):
-                raise ConversionError(f"{self.directory}: key '{key}': expected the common state as a dict, "
-                                      f"got {type(value).__name__}")
+                raise ConversionError(
+                    f"{self.directory}: key '{key}': expected the common state as a dict, got {type(value).__name__}"
+                )
             out.update(value)
         return out
 
@@ -173,23 +176,35 @@ class McoreSource:
                 piece = reader.read_chunk(idx, info)
                 self._count(info.length)
                 if not isinstance(piece, torch.Tensor) or piece.numel() != region.numel():
-                    raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(offsets)}: does not hold "
-                                                 f"{list(sizes)} elements of {dtype}")
+                    raise CorruptCheckpointError(
+                        f"{self.directory}: key '{key}' chunk at {list(offsets)}: does not hold "
+                        f"{list(sizes)} elements of {dtype}"
+                    )
                 region.copy_(piece.reshape(region.shape))
             else:
                 self._read_inside(key, idx, info, offsets, sizes, index, region)
             covered += region.numel()
         if covered != out.numel():
-            raise CorruptCheckpointError(f"{self.directory}: key '{key}': chunks cover {covered} of the {out.numel()} "
-                                         f"elements of slice {list(index)}")
+            raise CorruptCheckpointError(
+                f"{self.directory}: key '{key}': chunks cover {covered} of the {out.numel()} "
+                f"elements of slice {list(index)}"
+            )
         return out
 
     def _count(self, nbytes: int) -> None:
         self.bytes_read += nbytes
         self.largest_read = max(self.largest_read, nbytes)
 
-    def _read_inside(self, key: str, idx: Any, info: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
-                     index: tuple[int, ...], region: torch.Tensor) -> None:
+    def _read_inside(
+        self,
+        key: str,
+        idx: Any,
+        info: Any,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        index: tuple[int, ...],
+        region: torch.Tensor,
+    ) -> None:
         """The slice ``index`` of a chunk that holds more than it: the slice's bytes of the chunk's
         raw record when the record is plain and nothing checksums the chunk as a whole (a
         checkpoint without ``mfsdp.json``: MCore writes none); the whole chunk otherwise."""
@@ -218,7 +233,9 @@ class McoreSource:
         f.seek(raw.offset + start * dtype.itemsize)
         got = f.readinto(buf) or 0
         if got != nbytes:
-            raise CorruptCheckpointError(f"{self.directory}: key '{key}' chunk at {list(offsets)}: short read of slice "
-                                         f"{list(index)} ({got} of {nbytes} bytes)")
+            raise CorruptCheckpointError(
+                f"{self.directory}: key '{key}' chunk at {list(offsets)}: short read of slice "
+                f"{list(index)} ({got} of {nbytes} bytes)"
+            )
         self._count(nbytes)
         region.copy_(torch.frombuffer(buf, dtype=dtype).reshape(region.shape))

@@ -22,8 +22,10 @@ def export_hf_from_mcore(src: str | os.PathLike, out: str | os.PathLike, config:
     """:func:`mfsdp_ckpt.hf.export` of the MCore checkpoint ``src`` (``config``: MCore's
     arguments, as for :func:`~mfsdp_ckpt.mcore.import_mcore`; ``kwargs``: the export's)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConversionError(f"{os.fspath(src)}: exporting a Megatron-Core checkpoint runs in one process "
-                              "(import-mcore it first for a collective export)")
+        raise ConversionError(
+            f"{os.fspath(src)}: exporting a Megatron-Core checkpoint runs in one process "
+            "(import-mcore it first for a collective export)"
+        )
     final = os.path.abspath(os.fspath(out))
     tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed export: `ls --clean` removes it
     try:

@@ -26,8 +26,17 @@ from torch import nn
 from ..expert_parallel import ExpertMesh
 from ..token_dispatch import dispatch_and_run
 
-__all__ = ["GPTConfig", "PRESETS", "get_preset", "GPTModel", "TransformerLayer", "MoELayer", "shard_units",
-           "shard_experts", "linear_weights"]
+__all__ = [
+    "GPTConfig",
+    "PRESETS",
+    "get_preset",
+    "GPTModel",
+    "TransformerLayer",
+    "MoELayer",
+    "shard_units",
+    "shard_experts",
+    "linear_weights",
+]
 
 INIT_STD = 0.02
 
@@ -72,13 +81,22 @@ class GPTConfig:
     moe_router_pre_softmax: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "num_query_groups", "kv_channels", "seq_length"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "seq_length",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_query_groups ({self.num_query_groups})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
         if self.kv_channels % 2:
             raise ValueError(f"kv_channels must be even for rotary embeddings, got {self.kv_channels}")
         if self.num_experts < 0:
@@ -87,8 +105,9 @@ class GPTConfig:
             raise ValueError("a dense model needs ffn_hidden_size > 0")
         if self.num_experts > 0:
             if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise ValueError(f"moe_router_topk must be in [1, num_experts={self.num_experts}], "
-                                 f"got {self.moe_router_topk}")
+                raise ValueError(
+                    f"moe_router_topk must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}"
+                )
             if self.moe_ffn_hidden_size <= 0:
                 raise ValueError("an MoE model needs moe_ffn_hidden_size > 0")
             if self.moe_score_func not in ("softmax", "sigmoid"):
@@ -116,24 +135,72 @@ class GPTConfig:
 # Every 2-D weight has a multiple of 32 rows (the block(32) sharding policy), except MoE routers
 # whose row count is the number of experts.
 PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
-                      num_query_groups=2, kv_channels=16, ffn_hidden_size=128, seq_length=128),
-    "tiny-moe": GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
-                          num_query_groups=2, kv_channels=16, ffn_hidden_size=128, seq_length=128,
-                          num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                          moe_shared_expert_ffn_hidden_size=64),
-    "llama-like-small": GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_attention_heads=8,
-                                  num_query_groups=2, kv_channels=16, ffn_hidden_size=352,
-                                  rotary_base=500000.0, norm_epsilon=1e-5, seq_length=256),
-    "qwen3-like-small": GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_attention_heads=8,
-                                  num_query_groups=4, kv_channels=32, ffn_hidden_size=384,
-                                  rotary_base=1000000.0, norm_epsilon=1e-6, qk_layernorm=True,
-                                  tie_embeddings=True, seq_length=256),
-    "mixtral-like-small": GPTConfig(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=8,
-                                    num_query_groups=2, kv_channels=16, ffn_hidden_size=352,
-                                    rotary_base=1000000.0, norm_epsilon=1e-5, seq_length=256,
-                                    num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=224,
-                                    moe_score_func="softmax"),
+    "tiny": GPTConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        seq_length=128,
+    ),
+    "tiny-moe": GPTConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        seq_length=128,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_shared_expert_ffn_hidden_size=64,
+    ),
+    "llama-like-small": GPTConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=4,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=352,
+        rotary_base=500000.0,
+        norm_epsilon=1e-5,
+        seq_length=256,
+    ),
+    "qwen3-like-small": GPTConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=4,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=32,
+        ffn_hidden_size=384,
+        rotary_base=1000000.0,
+        norm_epsilon=1e-6,
+        qk_layernorm=True,
+        tie_embeddings=True,
+        seq_length=256,
+    ),
+    "mixtral-like-small": GPTConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=352,
+        rotary_base=1000000.0,
+        norm_epsilon=1e-5,
+        seq_length=256,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=224,
+        moe_score_func="softmax",
+    ),
 }
 
 

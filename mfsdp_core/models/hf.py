@@ -30,7 +30,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers) > 0:
         return layers
-    found = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList)]
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList)
+    ]
     if len(found) == 1 and len(found[0][1]) > 0:
         return found[0][1]
     raise ValueError(f"{type(model).__name__}: no decoder layers found (expected one nn.ModuleList named 'layers')")

@@ -51,8 +51,19 @@ from torch import nn
 from ..expert_parallel import ExpertMesh, expert_placement
 from ..plan import Placement, PlacementFn, placement_fn
 
-__all__ = ["prepare_cpu", "init_parallel_state", "build_gpt", "shard_units", "placement", "canonical_names",
-           "expert_param", "linear_weights", "forward", "unsaved_state", "set_aux_loss_scale"]
+__all__ = [
+    "prepare_cpu",
+    "init_parallel_state",
+    "build_gpt",
+    "shard_units",
+    "placement",
+    "canonical_names",
+    "expert_param",
+    "linear_weights",
+    "forward",
+    "unsaved_state",
+    "set_aux_loss_scale",
+]
 
 _LAYER = re.compile(r"^(decoder\.layers\.\d+\.)(.*)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # SequentialMLP
@@ -95,23 +106,39 @@ def init_parallel_state(ep_size: int, seed: int) -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=ep_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=ep_size
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
     rank, world = dist.get_rank(), dist.get_world_size()
     first = ep_size * (rank // ep_size)
-    want = {"expert-parallel": list(range(first, first + ep_size)),
-            "expert-data-parallel": list(range(rank % ep_size, world, ep_size))}
-    got = {"expert-parallel": dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()),
-           "expert-data-parallel": dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group())}
+    want = {
+        "expert-parallel": list(range(first, first + ep_size)),
+        "expert-data-parallel": list(range(rank % ep_size, world, ep_size)),
+    }
+    got = {
+        "expert-parallel": dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()),
+        "expert-data-parallel": dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()),
+    }
     for name in want:
         if sorted(got[name]) != want[name]:
-            raise ValueError(f"Megatron-Core's {name} group of rank {rank} is {got[name]}, ours is {want[name]} "
-                             f"(EP {ep_size}, world {world}): the rank orders differ")
+            raise ValueError(
+                f"Megatron-Core's {name} group of rank {rank} is {got[name]}, ours is {want[name]} "
+                f"(EP {ep_size}, world {world}): the rank orders differ"
+            )
 
 
-def build_gpt(config: Any, *, vocab_size: int, max_sequence_length: int, tied: bool, rotary_base: float,
-              layer_spec: str, ep_size: int, seed: int) -> nn.Module:
+def build_gpt(
+    config: Any,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    tied: bool,
+    rotary_base: float,
+    layer_spec: str,
+    ep_size: int,
+    seed: int,
+) -> nn.Module:
     """MCore's ``GPTModel`` for the ``TransformerConfig`` ``config`` (its
     ``expert_model_parallel_size`` is set to ``ep_size``), RoPE positions, on this rank, seeded by
     ``seed``; ``layer_spec``: ``local`` (MCore's own modules) or ``transformer_engine``.
@@ -129,14 +156,22 @@ def build_gpt(config: Any, *, vocab_size: int, max_sequence_length: int, tied: b
         init_parallel_state(ep, seed)
         torch.manual_seed(seed)
         cfg = dataclasses.replace(config, expert_model_parallel_size=ep)
-        return GPTModel(cfg, _layer_spec(layer_spec, num_experts, cfg), vocab_size=vocab_size,
-                        max_sequence_length=max_sequence_length, share_embeddings_and_output_weights=tied,
-                        position_embedding_type="rope", rotary_base=rotary_base)
+        return GPTModel(
+            cfg,
+            _layer_spec(layer_spec, num_experts, cfg),
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=rotary_base,
+        )
 
     if ep_size == 1:
         return make(1)
     whole = make(1)
-    reference = {canonical: p for (name, p), canonical in zip(whole.named_parameters(), canonical_names(whole).values())}
+    reference = {
+        canonical: p for (name, p), canonical in zip(whole.named_parameters(), canonical_names(whole).values())
+    }
     model = make(ep_size)
     with torch.no_grad():
         for name, canonical in canonical_names(model).items():
@@ -149,12 +184,16 @@ def _layer_spec(name: str, num_experts: int | None, config: Any) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if name == "local":
-        return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                              qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        return specs.get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
     if name == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
-                                                                moe_grouped_gemm=config.moe_grouped_gemm,
-                                                                qk_layernorm=config.qk_layernorm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm
+        )
     raise ValueError(f"layer spec {name!r}: expected 'local' or 'transformer_engine'")
 
 
@@ -176,8 +215,10 @@ def expert_param(name: str) -> int | None:
     if (e := _GROUPED_EXPERT.match(rest)) is not None:
         return int(e.group(2))
     if _LEGACY_GROUPED.match(rest):
-        raise ValueError(f"parameter '{name}': the legacy GroupedMLP holds all local experts in one tensor, which has no "
-                         "per-expert checkpoint name; use moe_grouped_gemm=False (or the TE grouped GEMM)")
+        raise ValueError(
+            f"parameter '{name}': the legacy GroupedMLP holds all local experts in one tensor, which has no "
+            "per-expert checkpoint name; use moe_grouped_gemm=False (or the TE grouped GEMM)"
+        )
     return None
 
 
@@ -203,8 +244,10 @@ def placement(policy: str, mesh: ExpertMesh | None) -> PlacementFn:
 def canonical_names(model: nn.Module) -> dict[str, str]:
     """``{module fqn: checkpoint name}`` for every parameter of an MCore ``GPTModel`` (see the
     module docstring), in ``named_parameters()`` order. ValueError when two would coincide."""
-    moe_layers = {f"decoder.layers.{i}.": getattr(layer.mlp, "local_expert_indices", None)
-                  for i, layer in enumerate(model.decoder.layers)}
+    moe_layers = {
+        f"decoder.layers.{i}.": getattr(layer.mlp, "local_expert_indices", None)
+        for i, layer in enumerate(model.decoder.layers)
+    }
     out: dict[str, str] = {}
     for name, _ in model.named_parameters():
         new = name
@@ -213,9 +256,9 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
             prefix, rest = m.groups()
             experts = moe_layers.get(prefix)
             if rest.startswith("input_layernorm."):
-                new = prefix + "self_attention.linear_qkv.layer_norm_" + rest[len("input_layernorm."):]
+                new = prefix + "self_attention.linear_qkv.layer_norm_" + rest[len("input_layernorm.") :]
             elif rest.startswith("pre_mlp_layernorm.") and experts is None:
-                new = prefix + "mlp.linear_fc1.layer_norm_" + rest[len("pre_mlp_layernorm."):]
+                new = prefix + "mlp.linear_fc1.layer_norm_" + rest[len("pre_mlp_layernorm.") :]
             elif (e := _LOCAL_EXPERT.match(rest)) is not None:
                 new = f"{prefix}mlp.experts.{e.group(2)}{experts[int(e.group(1))]}"
             elif (e := _GROUPED_EXPERT.match(rest)) is not None:
@@ -235,8 +278,12 @@ def linear_weights(model: nn.Module) -> list[nn.Parameter]:
     """The 2-D weights of the transformer layers' linear projections (QKV, output projection,
     dense MLP, experts, shared experts): what ``--mxfp8`` stores as MXFP8. Not the routers (one
     row per expert), norms, embedding or output layer."""
-    return [p for layer in model.decoder.layers for name, p in layer.named_parameters()
-            if p.ndim == 2 and not name.endswith("router.weight")]
+    return [
+        p
+        for layer in model.decoder.layers
+        for name, p in layer.named_parameters()
+        if p.ndim == 2 and not name.endswith("router.weight")
+    ]
 
 
 def set_aux_loss_scale(scale: float) -> None:
@@ -280,4 +327,3 @@ def unsaved_state(model: nn.Module) -> list[str]:
             continue
         out.append(key)
     return out
-

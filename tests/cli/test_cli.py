@@ -24,8 +24,14 @@ def _save_run(root: str) -> None:
     model, optim = build("optim_grads_params", "row")
     for step in (1, 2):
         train_steps(model, optim, step - 1, step)
-        mfsdp_ckpt.save(os.path.join(root, f"step_{step}"), model, optim, extra={"step": step}, step=step,
-                        model_config={"name": "test-transformer"})
+        mfsdp_ckpt.save(
+            os.path.join(root, f"step_{step}"),
+            model,
+            optim,
+            extra={"step": step},
+            step=step,
+            model_config={"name": "test-transformer"},
+        )
 
 
 def _save_elsewhere(src: str, dst: str, grads: bool) -> None:
@@ -59,7 +65,9 @@ def test_inspect_lists_groups_layout_and_totals(run_dir):
     data = json.loads(_cli("inspect", "--json", os.path.join(run_dir, "step_1")).output)
     assert data["step"] == 1 and data["model_config"] == {"name": "test-transformer"}
     keys = {t["key"]: t for t in data["tensors"]}
-    assert keys["model.block.qkv.weight"]["shape"] == [96, 32] and keys["model.block.qkv.weight"]["bytes"] == 96 * 32 * 4
+    assert (
+        keys["model.block.qkv.weight"]["shape"] == [96, 32] and keys["model.block.qkv.weight"]["bytes"] == 96 * 32 * 4
+    )
     assert keys["optim.block.qkv.weight.exp_avg"]["group"] == "optim"
     assert data["totals"]["model"]["tensors"] == len([k for k in keys if k.startswith("model.")])
 
@@ -103,7 +111,9 @@ def test_verify_names_a_truncated_file_and_a_missing_manifest(run_dir, tmp_path)
     os.remove(os.path.join(broken, "mfsdp.json"))
     result = _cli("verify", broken)
     assert result.exit_code == 1
-    assert "FAULT mfsdp.json: -: missing" in result.output  # an mfsdp checkpoint that lost its manifest is not stock DCP
+    assert (
+        "FAULT mfsdp.json: -: missing" in result.output
+    )  # an mfsdp checkpoint that lost its manifest is not stock DCP
     assert f"FAULT {data_file}: " in result.output and "truncated" in result.output
 
 
@@ -120,7 +130,10 @@ def test_ls_shows_steps_latest_and_uncommitted(run_dir, tmp_path):
     assert lines[2].startswith(".step_3.partial-abc") and "UNCOMMITTED" in lines[2]
     entries = json.loads(_cli("ls", "--json", root).output)
     assert [(e["name"], e["step"], e["committed"]) for e in entries] == [
-        ("step_1", 1, True), ("step_2", 2, True), (".step_3.partial-abc", None, False)]
+        ("step_1", 1, True),
+        ("step_2", 2, True),
+        (".step_3.partial-abc", None, False),
+    ]
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
@@ -146,28 +159,65 @@ def test_usage_error_exits_2():
 @pytest.mark.heavy
 def test_real_subprocess(run_dir):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    ok = subprocess.run([sys.executable, "-m", "cli.main", "verify", os.path.join(run_dir, "latest")],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "cli.main", "verify", os.path.join(run_dir, "latest")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ")
-    missing = subprocess.run([sys.executable, "-m", "cli.main", "inspect", "/nonexistent/ckpt"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "cli.main", "inspect", "/nonexistent/ckpt"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and missing.stderr == "error: /nonexistent/ckpt: no such checkpoint\n"
-    listing = subprocess.run([sys.executable, "-m", "cli.main", "ls", "--json", run_dir],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "cli.main", "ls", "--json", run_dir],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listing.returncode == 0 and [e["name"] for e in json.loads(listing.stdout)] == ["step_1", "step_2"]
-    differ = subprocess.run([sys.executable, "-m", "cli.main", "diff", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2")],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    differ = subprocess.run(
+        [sys.executable, "-m", "cli.main", "diff", os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert differ.returncode == 1 and differ.stdout.rstrip().endswith("common entries compared")
     assert differ.stderr == ""
+
 
 def test_convert_as_a_real_subprocess(run_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = str(tmp_path / "flat.pt")
-    done = subprocess.run([sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout == f"wrote {out}\n", done.stderr
-    again = subprocess.run([sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "cli.main", "convert", os.path.join(run_dir, "latest"), out, "--to", "torch"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 1 and again.stderr.startswith("error: ") and "already exists" in again.stderr
     assert len(again.stderr.splitlines()) == 1
 

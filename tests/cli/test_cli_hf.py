@@ -25,13 +25,17 @@ def _cli(*args: str):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    return save_hf(random_hf_model(hf_config("qwen3", tie_word_embeddings=True)), str(tmp_path_factory.mktemp("hf") / "qwen3"))
+    return save_hf(
+        random_hf_model(hf_config("qwen3", tie_word_embeddings=True)), str(tmp_path_factory.mktemp("hf") / "qwen3")
+    )
 
 
 def test_import_then_export_round_trip(hf_dir, tmp_path):
     result = _cli("import-hf", hf_dir, str(tmp_path / "ckpt"))
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(f"wrote {tmp_path / 'ckpt'}: qwen3, 18 tensors")  # 1 + 2 layers x 8 + 1 (tied: no output layer)
+    assert result.output.startswith(
+        f"wrote {tmp_path / 'ckpt'}: qwen3, 18 tensors"
+    )  # 1 + 2 layers x 8 + 1 (tied: no output layer)
     assert _cli("verify", str(tmp_path / "ckpt")).exit_code == 0
     result = _cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "50KB", "--json")
     assert result.exit_code == 0, result.output
@@ -66,7 +70,9 @@ def test_errors_are_one_line_and_leave_nothing(hf_dir, tmp_path):
 @pytest.mark.heavy
 def test_real_subprocess(hf_dir, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
 
     ok = run("import-hf", hf_dir, str(tmp_path / "ckpt"))
     assert ok.returncode == 0, ok.stderr

@@ -30,10 +30,13 @@ def test_version():
 
 
 def test_help_lists_every_command_with_a_sentence_and_imports_no_torch():
-    code = ("import sys\nfrom cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"COLUMNS": "200", "PATH": ""})
+    code = (
+        "import sys\nfrom cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={"COLUMNS": "200", "PATH": ""}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("NO TORCH"), out.stdout
     listing = out.stdout.split("Commands:", 1)[1]
@@ -63,15 +66,20 @@ def test_a_single_file_is_named_with_the_command_that_takes_it(tmp_path):
             out = _cli(command, str(path))
             assert out.returncode == 1 and out.stdout == "", out
             assert out.stderr.count("\n") == 1, out.stderr
-            assert out.stderr.startswith(f"error: {path}: {kind}, not a checkpoint directory; "
-                                         f"'mfsdp-ckpt convert --to dcp {path} DST' makes a checkpoint of it"), out.stderr
+            assert out.stderr.startswith(
+                f"error: {path}: {kind}, not a checkpoint directory; "
+                f"'mfsdp-ckpt convert --to dcp {path} DST' makes a checkpoint of it"
+            ), out.stderr
     assert "import-hf" in _cli("inspect", str(st)).stderr
 
 
 @pytest.mark.heavy
 def test_errors_under_json_are_one_json_object(tmp_path):
-    for args in (("inspect", "--json", str(tmp_path / "missing")), ("verify", "--json", str(tmp_path / "missing")),
-                 ("ls", "--json", str(tmp_path / "missing"))):
+    for args in (
+        ("inspect", "--json", str(tmp_path / "missing")),
+        ("verify", "--json", str(tmp_path / "missing")),
+        ("ls", "--json", str(tmp_path / "missing")),
+    ):
         out = _cli(*args)
         assert out.returncode == 1 and out.stdout == "", out
         lines = out.stderr.splitlines()
@@ -91,8 +99,14 @@ def test_installed_under_its_own_import_name(tmp_path):
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name.startswith("mfsdp-")}
     assert scripts == {"mfsdp-ckpt": "mfsdp_cli.main:main", "mfsdp-train": "mfsdp_cli.train:main"}
     script = os.path.join(os.path.dirname(sys.executable), "mfsdp-ckpt")
-    out = subprocess.run([script, "ls", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    out = subprocess.run(
+        [script, "ls", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"no checkpoints under {tmp_path}", out
 
 
@@ -140,9 +154,11 @@ def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tin
     ckpt = tiny_ckpt
     (tmp_path / "afile").write_text("not a directory")
     before = sorted(os.listdir(tmp_path))
-    for args in (("reshard", ckpt, str(tmp_path / "afile" / "out"), "--world-size", "2"),
-                 ("export-hf", ckpt, str(tmp_path / "afile" / "hf")),
-                 ("convert", ckpt, str(tmp_path / "afile" / "flat.safetensors"), "--to", "safetensors")):
+    for args in (
+        ("reshard", ckpt, str(tmp_path / "afile" / "out"), "--world-size", "2"),
+        ("export-hf", ckpt, str(tmp_path / "afile" / "hf")),
+        ("convert", ckpt, str(tmp_path / "afile" / "flat.safetensors"), "--to", "safetensors"),
+    ):
         out = _cli(*args)
         assert out.returncode == 1 and out.stdout == "" and out.stderr.count("\n") == 1, (args, out)
         assert out.stderr.startswith("error: ") and str(tmp_path / "afile") in out.stderr, (args, out.stderr)
@@ -155,15 +171,27 @@ def test_s3_without_credentials_or_bucket_is_one_line(tiny_ckpt, tmp_path, s3_bu
     """Against the local S3 server: no credentials anywhere (environment, profile files; the
     instance-metadata lookup off), and a bucket that does not exist."""
     ckpt = tiny_ckpt
-    no_credentials = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
-    no_credentials.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-                          AWS_CONFIG_FILE=str(tmp_path / "none"))
-    for args in (("verify", f"{s3_bucket}/x"), ("reshard", ckpt, f"{s3_bucket}/out", "--world-size", "2"),
-                 ("ls", "--json", s3_bucket)):
-        out = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
-                             env=no_credentials)
+    no_credentials = {
+        k: v for k, v in os.environ.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")
+    }
+    no_credentials.update(
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+    )
+    for args in (
+        ("verify", f"{s3_bucket}/x"),
+        ("reshard", ckpt, f"{s3_bucket}/out", "--world-size", "2"),
+        ("ls", "--json", s3_bucket),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300, env=no_credentials
+        )
         assert out.returncode == 1 and out.stderr.count("\n") == 1, (args, out)
-        assert "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in out.stderr, (args, out.stderr)
+        assert "no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in out.stderr, (
+            args,
+            out.stderr,
+        )
     missing = _cli("reshard", ckpt, "s3://no-such-bucket-here/out", "--world-size", "2")
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing
     assert missing.stderr.startswith("error: s3://no-such-bucket-here/out: s3://no-such-bucket-here does not exist")

@@ -68,11 +68,17 @@ def test_commands_on_s3(local_run, s3_bucket):
     assert entry["name"] == "step_2" and entry["committed"] and entry["latest"] and entry["bytes"] > 0
 
     # reshard S3 -> S3, through a real subprocess (it reads the endpoint from the environment)
-    out = subprocess.run([sys.executable, "-m", "cli.main", "reshard", url, f"{s3_bucket}/w2", "--world-size", "2",
-                          "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "reshard", url, f"{s3_bucket}/w2", "--world-size", "2", "--workers", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert sorted(s3.ls(f"{s3_bucket}/w2", detail=False)) == sorted(
-        f"{s3_bucket[5:]}/w2/{n}" for n in (".metadata", "__0_0.distcp", "__1_0.distcp", "mfsdp.json"))
+        f"{s3_bucket[5:]}/w2/{n}" for n in (".metadata", "__0_0.distcp", "__1_0.distcp", "mfsdp.json")
+    )
     assert verify_checkpoint(f"{s3_bucket}/w2") == []
     assert diff_checkpoints(url, f"{s3_bucket}/w2").equal
     assert _cli("reshard", f"{s3_bucket}/w2", f"{s3_bucket}/w2").exit_code == 2  # --world-size missing: usage error

@@ -70,7 +70,7 @@ def test_every_documented_mfsdp_ckpt_option_exists():
         for i, word in enumerate(words):
             if not word.endswith("mfsdp-ckpt"):
                 continue
-            rest = words[i + 1:]
+            rest = words[i + 1 :]
             command = next((w for w in rest if not w.startswith("-")), None)
             if command is None:  # `mfsdp-ckpt --help`, `--version`
                 continue

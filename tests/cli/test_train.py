@@ -43,8 +43,14 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     run = _run(2, *COMMON, "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"))
     assert run.returncode == 0, failure(run)
     # B: killed (SIGKILL to torchrun and every worker, as a node crash would) once past the checkpoint at step 10
-    proc = subprocess.Popen(train_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     run = _run(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
@@ -96,7 +102,20 @@ def test_resume_from_another_model_config_touches_nothing(tmp_path):
     run = _run(None, "--model", "tiny", "--steps", "2", "--ckpt-dir", str(ckpt), "--seq-len", "16", "--batch-size", "2")
     assert run.returncode == 0, failure(run)
     before = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, fs in os.walk(ckpt) for p in fs}
-    run = _run(None, "--model", "tiny-moe", "--steps", "4", "--ckpt-dir", str(ckpt), "--resume", "--seq-len", "16", "--batch-size", "2")
+    run = _run(
+        None,
+        "--model",
+        "tiny-moe",
+        "--steps",
+        "4",
+        "--ckpt-dir",
+        str(ckpt),
+        "--resume",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+    )
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0
     assert "was written for another model config: moe_ffn_hidden_size=0 (this run: 64)" in run.stderr
     assert "num_experts=0 (this run: 4)" in run.stderr
@@ -108,7 +127,9 @@ def test_unusable_ckpt_dir_fails_before_training(tmp_path):
     (tmp_path / "a_file").write_text("")
     run = _run(None, "--model", "tiny", "--steps", "2", "--ckpt-dir", str(tmp_path / "a_file" / "run"))
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
-    assert run.stderr.startswith(f"error: --ckpt-dir {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is not a directory")
+    assert run.stderr.startswith(
+        f"error: --ckpt-dir {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is not a directory"
+    )
     assert "step" not in run.stdout
 
 
@@ -124,14 +145,28 @@ def test_bad_expert_parallel_sizes_are_one_line_naming_the_numbers():
     (WORLD_SIZE alone, without RANK, is what the trainer reads the world size from)."""
     cases = [
         (1, ["--model", "tiny-moe", "--ep", "2"], "--ep 2: EP size 2 does not divide the world size 1"),
-        (8, ["--model", "tiny-moe", "--ep", "8", "--batch-size", "8"], "--ep 8: EP size 8 exceeds the number of experts 4"),
-        (6, ["--model", "tiny-moe", "--ep", "3", "--batch-size", "6"], "--ep 3: EP size 3 does not divide the number of experts 4"),
-        (2, ["--model", "tiny", "--ep", "2", "--batch-size", "2"], "--ep 2: EP size 2 needs a model with experts; this one has none"),
+        (
+            8,
+            ["--model", "tiny-moe", "--ep", "8", "--batch-size", "8"],
+            "--ep 8: EP size 8 exceeds the number of experts 4",
+        ),
+        (
+            6,
+            ["--model", "tiny-moe", "--ep", "3", "--batch-size", "6"],
+            "--ep 3: EP size 3 does not divide the number of experts 4",
+        ),
+        (
+            2,
+            ["--model", "tiny", "--ep", "2", "--batch-size", "2"],
+            "--ep 2: EP size 2 needs a model with experts; this one has none",
+        ),
     ]
     for world, args, message in cases:
         env = {**ENV, "WORLD_SIZE": str(world)}
         env.pop("RANK", None)
-        run = subprocess.run(train_cmd(None, *args, "--steps", "1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            train_cmd(None, *args, "--steps", "1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 1 and run.stderr.strip() == f"error: {message}", (args, run.stderr)
 
 
@@ -146,7 +181,9 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
     run = _run(4, *EP_COMMON, "--ep", "2", "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"))
     assert run.returncode == 0, failure(run)
     assert "EP 2 x expert-data-parallel 2" in run.stdout
-    run = _run(4, *EP_COMMON, "--ep", "2", "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--stop-at", "4")
+    run = _run(
+        4, *EP_COMMON, "--ep", "2", "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--stop-at", "4"
+    )
     assert run.returncode == 0, failure(run)
     run = _run(4, *EP_COMMON, "--ep", "2", "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
     assert run.returncode == 0, failure(run)
@@ -155,7 +192,9 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
     sa = _full_state(str(a / "step_000008"), str(tmp_path / "a.pt"))
     sb = _full_state(str(b / "step_000008"), str(tmp_path / "b.pt"))
     assert sorted(sa) == sorted(sb)
-    assert sum(".mlp.experts.linear_fc1.weight" in k for k in sa if k.startswith("model.")) == 2 * 4  # 2 layers x 4 experts
+    assert (
+        sum(".mlp.experts.linear_fc1.weight" in k for k in sa if k.startswith("model.")) == 2 * 4
+    )  # 2 layers x 4 experts
     for key in sa:
         if isinstance(sa[key], torch.Tensor):
             assert torch.equal(sa[key], sb[key]), key
@@ -163,7 +202,17 @@ def test_expert_parallel_run_stops_resumes_bitwise_and_moves_to_another_ep_size(
         c = tmp_path / f"c{nproc}{ep}"
         shutil.copytree(a / "step_000004", c / "step_000004")
         (c / "latest").write_text("step_000004\n")
-        run = _run(nproc, *EP_COMMON, "--ep", str(ep), "--ckpt-dir", str(c), "--metrics", str(tmp_path / f"c{nproc}{ep}.jsonl"), "--resume")
+        run = _run(
+            nproc,
+            *EP_COMMON,
+            "--ep",
+            str(ep),
+            "--ckpt-dir",
+            str(c),
+            "--metrics",
+            str(tmp_path / f"c{nproc}{ep}.jsonl"),
+            "--resume",
+        )
         assert run.returncode == 0, failure(run)
         assert f"resumed from {c / 'step_000004'} at step 4" in run.stdout
         mc = read_metrics(tmp_path / f"c{nproc}{ep}.jsonl")
@@ -195,8 +244,19 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "mx" / "step_000025", tmp_path / "b" / "step_000025")
     resumed = tmp_path / "mx_resumed.jsonl"
-    run = _run(3, *MX_COMMON, "--mxfp8", "--save-every", "25", "--metrics", str(resumed), "--ckpt-dir", str(tmp_path / "b"),
-               "--resume", str(tmp_path / "b" / "step_000025"))
+    run = _run(
+        3,
+        *MX_COMMON,
+        "--mxfp8",
+        "--save-every",
+        "25",
+        "--metrics",
+        str(resumed),
+        "--ckpt-dir",
+        str(tmp_path / "b"),
+        "--resume",
+        str(tmp_path / "b" / "step_000025"),
+    )
     assert run.returncode == 0, failure(run)
     mb = read_metrics(resumed)
     assert sorted(mb) == list(range(26, 51))
@@ -206,11 +266,26 @@ def test_mxfp8_training_tracks_bf16_and_resumes_exactly(tmp_path):
     assert sorted(sa) == sorted(sb) and sum(k.startswith("mx.") for k in sa) == 4 * 8
     for key in sa:
         if isinstance(sa[key], torch.Tensor):
-            assert torch.equal(sa[key].view(torch.uint8) if sa[key].dtype.itemsize == 1 else sa[key],
-                               sb[key].view(torch.uint8) if sb[key].dtype.itemsize == 1 else sb[key]), key
+            assert torch.equal(
+                sa[key].view(torch.uint8) if sa[key].dtype.itemsize == 1 else sa[key],
+                sb[key].view(torch.uint8) if sb[key].dtype.itemsize == 1 else sb[key],
+            ), key
 
 
-MUON_COMMON = ("--model", "tiny", "--steps", "12", "--optimizer", "muon", "--batch-size", "6", "--save-every", "6", "--seq-len", "32")
+MUON_COMMON = (
+    "--model",
+    "tiny",
+    "--steps",
+    "12",
+    "--optimizer",
+    "muon",
+    "--batch-size",
+    "6",
+    "--save-every",
+    "6",
+    "--seq-len",
+    "32",
+)
 
 
 @pytest.mark.heavy
@@ -248,16 +323,44 @@ def test_resume_refuses_changed_settings_unless_allowed_and_touches_nothing(tmp_
     assert changed.returncode == 1 and changed.stderr.strip().count("\n") == 0, failure(changed)
     assert changed.stderr.strip() == (
         f"error: --resume: {ckpt}/step_000002 was written with other settings: --lr 0.003 (this run: 0.001), "
-        "--seed 0 (this run: 1); pass --allow-change lr --allow-change seed to resume with this run's values")
-    partly = _run(None, *SMALL, "--steps", "4", "--lr", "0.001", "--seed", "1", "--ckpt-dir", ckpt, "--resume",
-                  "--allow-change", "lr")
+        "--seed 0 (this run: 1); pass --allow-change lr --allow-change seed to resume with this run's values"
+    )
+    partly = _run(
+        None,
+        *SMALL,
+        "--steps",
+        "4",
+        "--lr",
+        "0.001",
+        "--seed",
+        "1",
+        "--ckpt-dir",
+        ckpt,
+        "--resume",
+        "--allow-change",
+        "lr",
+    )
     assert partly.returncode == 1 and "--seed 0 (this run: 1)" in partly.stderr and "--lr" not in partly.stderr
     bad = _run(None, *SMALL, "--steps", "4", "--ckpt-dir", ckpt, "--resume", "--allow-change", "strategy")
     assert bad.returncode == 1 and bad.stderr.startswith("error: --allow-change strategy: not a recorded setting")
     assert _snapshot(ckpt) == before  # nothing in the run directory changed
     # a layout change is no setting change; an allowed one resumes and runs to the end
-    allowed = _run(None, *SMALL, "--steps", "4", "--lr", "0.001", "--strategy", "optim", "--ckpt-dir", ckpt,
-                   "--resume", "--allow-change=--lr", "--metrics", str(tmp_path / "m.jsonl"))
+    allowed = _run(
+        None,
+        *SMALL,
+        "--steps",
+        "4",
+        "--lr",
+        "0.001",
+        "--strategy",
+        "optim",
+        "--ckpt-dir",
+        ckpt,
+        "--resume",
+        "--allow-change=--lr",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert allowed.returncode == 0, failure(allowed)
     assert "resumed from" in allowed.stdout and sorted(read_metrics(str(tmp_path / "m.jsonl"))) == [3, 4]
 

@@ -92,14 +92,24 @@ DATA_ARGS = ("--model", "tiny", "--steps", "8", "--save-every", "2", "--batch-si
 def test_data_run_killed_and_resumed_is_bitwise_an_uninterrupted_one(tmp_path):
     corpus = _corpus(tmp_path / "train.bin", 3000)  # 93 windows of 32: the 8 x 4 samples span one epoch change
     common = (*DATA_ARGS, "--data", corpus)
-    a = run_train(2, *common, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"), "--log-every", "4")
+    a = run_train(
+        2, *common, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"), "--log-every", "4"
+    )
     assert a.returncode == 0, failure(a)
     assert "finished: step 8 of 8" in a.stdout
-    assert any(line.startswith("saved step_000008: ") and f" to {tmp_path / 'a' / 'step_000008'}" in line
-               for line in a.stdout.splitlines()), a.stdout
+    assert any(
+        line.startswith("saved step_000008: ") and f" to {tmp_path / 'a' / 'step_000008'}" in line
+        for line in a.stdout.splitlines()
+    ), a.stdout
     assert " ms/step | " in a.stdout
-    proc = subprocess.Popen(train_cmd(2, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl")),
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(2, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl")),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 5)
     assert 5 <= killed_at < 8, f"the run was not interrupted mid-way (last step {killed_at})"
     b = run_train(2, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
@@ -115,8 +125,23 @@ def test_data_run_killed_and_resumed_is_bitwise_an_uninterrupted_one(tmp_path):
 
 def test_data_first_loss_is_the_models_loss_on_the_files_first_batch(tmp_path):
     corpus = _corpus(tmp_path / "train.bin", 2000)
-    run = run_train(None, "--model", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--data", corpus,
-                    "--ckpt-dir", str(tmp_path / "run"), "--metrics", str(tmp_path / "m.jsonl"))
+    run = run_train(
+        None,
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--data",
+        corpus,
+        "--ckpt-dir",
+        str(tmp_path / "run"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert run.returncode == 0, failure(run)
     from mfsdp_ckpt.manifest import read_manifest
     from mfsdp_core.models.gpt import GPTModel
@@ -145,7 +170,9 @@ def test_bad_data_flags_are_one_line_before_training(tmp_path):
     assert run.returncode == 1 and run.stderr.count("\n") == 1
     assert run.stderr.startswith(f"error: --data {tmp_path / 'odd.bin'}: 9 bytes is not a whole number of uint16")
     wide = _corpus(tmp_path / "wide.bin", 400, dtype=np.uint32, vocab=70000)
-    run = run_train(None, "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--data", wide, "--data-dtype", "uint32")
+    run = run_train(
+        None, "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--data", wide, "--data-dtype", "uint32"
+    )
     assert run.returncode == 1 and run.stderr.count("\n") == 1, failure(run)
     assert "is outside the model's vocabulary (256)" in run.stderr
 
@@ -159,13 +186,36 @@ def test_init_from_a_non_preset_import_hf_output_trains_with_its_config(tmp_path
     from tests.mfsdp_ckpt.hf.util import hf_config, random_hf_model, save_hf
 
     # a Llama of no preset's shape: 3 layers, hidden 48, 6 heads in 3 KV groups, vocab 300
-    hf = random_hf_model(hf_config("llama", vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64))
+    hf = random_hf_model(
+        hf_config(
+            "llama",
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            max_position_embeddings=64,
+        )
+    )
     save_hf(hf, str(tmp_path / "hf"))
     result = CliRunner().invoke(main, ["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
     assert result.exit_code == 0, result.output
-    run = run_train(2, "--init-from", str(tmp_path / "ckpt"), "--steps", "3", "--batch-size", "2", "--seq-len", "32",
-                    "--metrics", str(tmp_path / "m.jsonl"), "--ckpt-dir", str(tmp_path / "run"))
+    run = run_train(
+        2,
+        "--init-from",
+        str(tmp_path / "ckpt"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--ckpt-dir",
+        str(tmp_path / "run"),
+    )
     assert run.returncode == 0, failure(run)
     assert "model custom, " in run.stdout and f"initialised from the weights of {tmp_path / 'ckpt'}" in run.stdout
     # the first loss is the HF model's on the same batch: the imported weights are what trains
@@ -188,29 +238,76 @@ def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path, capsys):
     from cli.model_source import model_of_run
     from cli.train import parse_args
 
-    config = GPTConfig(vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=2, num_query_groups=1,
-                       kv_channels=16, ffn_hidden_size=64, seq_length=32)
+    config = GPTConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=16,
+        ffn_hidden_size=64,
+        seq_length=32,
+    )
     (tmp_path / "ours.json").write_text(json.dumps(config.to_dict()))
-    run = run_train(None, "--model-config", str(tmp_path / "ours.json"), "--steps", "2", "--batch-size", "2",
-                    "--seq-len", "16", "--dtype", "bf16", "--stop-at", "1", "--log-every", "5")
+    run = run_train(
+        None,
+        "--model-config",
+        str(tmp_path / "ours.json"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--dtype",
+        "bf16",
+        "--stop-at",
+        "1",
+        "--log-every",
+        "5",
+    )
     assert run.returncode == 0, failure(run)
     assert "model ours.json, 17,504 parameters" in run.stdout  # 2 x 128 x 32 embeddings + one 32-wide layer
-    assert "stopped at step 1 of 2: reached --stop-at 1; no --ckpt-dir, so there is no checkpoint to continue from" in run.stdout
+    assert (
+        "stopped at step 1 of 2: reached --stop-at 1; no --ckpt-dir, so there is no checkpoint to continue from"
+        in run.stdout
+    )
     assert "step     1 | loss" in run.stdout  # the last step is logged whatever --log-every says
     # a Hugging Face config.json, and a checkpoint manifest holding model_config
-    hf = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    hf = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     got, name = model_of_run(None, str(tmp_path / "config.json"))
-    assert name == "config.json" and (got.vocab_size, got.hidden_size, got.num_query_groups, got.kv_channels,
-                                      got.ffn_hidden_size, got.add_qkv_bias) == (64, 32, 2, 8, 48, True)
+    assert name == "config.json" and (
+        got.vocab_size,
+        got.hidden_size,
+        got.num_query_groups,
+        got.kv_channels,
+        got.ffn_hidden_size,
+        got.add_qkv_bias,
+    ) == (64, 32, 2, 8, 48, True)
     (tmp_path / "mfsdp.json").write_text(json.dumps({"format_version": 2, "model_config": config.to_dict()}))
     assert model_of_run(None, str(tmp_path / "mfsdp.json"))[0] == config
     assert model_of_run(None, None)[1] == "tiny" and model_of_run("tiny-moe", None)[1] == "tiny-moe"
-    for text, expected in ((None, "No such file"), ("{", "not a JSON file"), ("[1]", "expected a JSON object, got list"),
-                           ('{"hidden": 3}', "not a model config: unknown GPTConfig key(s): hidden"),
-                           ('{"model_type": "bert"}', "unknown architecture (model_type='bert'")):
+    for text, expected in (
+        (None, "No such file"),
+        ("{", "not a JSON file"),
+        ("[1]", "expected a JSON object, got list"),
+        ('{"hidden": 3}', "not a model config: unknown GPTConfig key(s): hidden"),
+        ('{"model_type": "bert"}', "unknown architecture (model_type='bert'"),
+    ):
         path = tmp_path / "missing.json" if text is None else tmp_path / "bad.json"
         if text is not None:
             path.write_text(text)
@@ -222,22 +319,34 @@ def test_model_config_file_ours_or_hf_and_bad_ones(tmp_path, capsys):
         model_of_run("tiny", str(tmp_path / "ours.json"))
     # through the trainer: one line, exit 1, nothing trained
     bad = run_train(None, "--model-config", str(tmp_path / "missing.json"), "--steps", "1")
-    assert bad.returncode == 1 and bad.stderr == f"error: --model-config {tmp_path / 'missing.json'}: No such file or directory\n"
+    assert (
+        bad.returncode == 1
+        and bad.stderr == f"error: --model-config {tmp_path / 'missing.json'}: No such file or directory\n"
+    )
     assert bad.stdout == ""
     # --dtype: the short names and the long ones, nothing else
-    assert parse_args(["--dtype", "bf16"]).param_dtype == "bfloat16" == parse_args(["--param-dtype", "bfloat16"]).param_dtype
+    assert (
+        parse_args(["--dtype", "bf16"]).param_dtype
+        == "bfloat16"
+        == parse_args(["--param-dtype", "bfloat16"]).param_dtype
+    )
     assert parse_args(["--dtype", "fp32"]).param_dtype == "float32"
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--dtype", "fp16"])
-    assert exit_.value.code == 2 and "argument --dtype/--param-dtype: 'fp16': one of fp32, bf16" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2 and "argument --dtype/--param-dtype: 'fp16': one of fp32, bf16" in capsys.readouterr().err
+    )
 
 
 def test_resume_takes_the_model_from_the_checkpoint_and_says_when_there_is_nothing_to_do(tmp_path):
     ckpt = str(tmp_path / "run")
-    first = run_train(None, "--model", "tiny-moe", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
-                      "--ckpt-dir", ckpt)
+    first = run_train(
+        None, "--model", "tiny-moe", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--ckpt-dir", ckpt
+    )
     assert first.returncode == 0, failure(first)
     again = run_train(None, "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--ckpt-dir", ckpt, "--resume")
     assert again.returncode == 0, failure(again)
-    assert "model tiny-moe, " in again.stdout and "nothing to do: the run is already at step 2 (--steps 2)" in again.stdout
+    assert (
+        "model tiny-moe, " in again.stdout and "nothing to do: the run is already at step 2 (--steps 2)" in again.stdout
+    )
     assert os.listdir(ckpt).count("step_000002") == 1

@@ -15,8 +15,18 @@ import pytest
 from mfsdp_ckpt.manifest import read_manifest
 from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
 
-ARGS = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 64,
-        "vocab_size": 64, "seq_length": 32, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
+ARGS = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 64,
+    "vocab_size": 64,
+    "seq_length": 32,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+}
 COMMON = ("--steps", "4", "--batch-size", "4", "--seq-len", "16", "--log-every", "10")
 
 
@@ -24,8 +34,22 @@ def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
     config = tmp_path / "gpt.json"
     config.write_text(json.dumps(ARGS))
     ckpt, whole = tmp_path / "ckpt", tmp_path / "whole.jsonl"
-    run = run_train(2, "--mcore-config", str(config), "--ep", "2", *COMMON, "--stop-at", "2", "--ckpt-dir", str(ckpt),
-                    "--save-every", "2", "--metrics", str(tmp_path / "a.jsonl"))
+    run = run_train(
+        2,
+        "--mcore-config",
+        str(config),
+        "--ep",
+        "2",
+        *COMMON,
+        "--stop-at",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--save-every",
+        "2",
+        "--metrics",
+        str(tmp_path / "a.jsonl"),
+    )
     assert run.returncode == 0, failure(run)
     assert "model gpt.json (megatron-core), 33,184 parameters, world size 2, EP 2" in run.stdout
     manifest = read_manifest(str(ckpt / "step_000002"))
@@ -40,22 +64,33 @@ def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
     want = read_metrics(whole)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for step in want:  # 2 ranks (EP 2) then 1 rank vs 1 rank: summation order only
-        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (step, got[step], want[step])
-    for cmd in (["export-mcore", str(ckpt / "latest"), str(tmp_path / "mc")],
-                ["export-hf", str(ckpt / "latest"), str(tmp_path / "hf"), "--arch", "mixtral"]):
-        out = subprocess.run([sys.executable, "-m", "cli.main", *cmd], cwd=ROOT, env=ENV, capture_output=True, text=True)
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (
+            step,
+            got[step],
+            want[step],
+        )
+    for cmd in (
+        ["export-mcore", str(ckpt / "latest"), str(tmp_path / "mc")],
+        ["export-hf", str(ckpt / "latest"), str(tmp_path / "hf"), "--arch", "mixtral"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "cli.main", *cmd], cwd=ROOT, env=ENV, capture_output=True, text=True
+        )
         assert out.returncode == 0, out.stderr
 
 
 def test_mcore_config_without_megatron_core_is_refused_in_one_line(tmp_path):
     config = tmp_path / "gpt.json"
     config.write_text(json.dumps(ARGS))
-    code = ("import sys; sys.modules['megatron'] = None; from cli.train import main; "
-            f"sys.exit(main(['--mcore-config', {str(config)!r}, '--steps', '1', '--ckpt-dir', {str(tmp_path / 'ck')!r}]))")
+    code = (
+        "import sys; sys.modules['megatron'] = None; from cli.train import main; "
+        f"sys.exit(main(['--mcore-config', {str(config)!r}, '--steps', '1', '--ckpt-dir', {str(tmp_path / 'ck')!r}]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert out.returncode == 1, out.stderr
-    assert out.stderr.strip() == (f"error: --mcore-config {config}: megatron-core is not installed "
-                                  "(pip install 'mfsdp-ckpt[mcore]')"), out.stderr
+    assert out.stderr.strip() == (
+        f"error: --mcore-config {config}: megatron-core is not installed (pip install 'mfsdp-ckpt[mcore]')"
+    ), out.stderr
     assert not (tmp_path / "ck").exists()
 
 
@@ -63,8 +98,10 @@ def test_mcore_config_without_megatron_core_is_refused_in_one_line(tmp_path):
 
 #: model -> (its MCore arguments, the trainer's ranks (None: one plain process) and extra flags, export-hf's
 #: --arch); both tied (MCore's default)
-KINDS = {"dense": ({k: v for k, v in ARGS.items() if not k.startswith(("num_experts", "moe_"))}, None, (), "llama"),
-         "moe_ep2": (ARGS, 2, ("--ep", "2"), "mixtral")}
+KINDS = {
+    "dense": ({k: v for k, v in ARGS.items() if not k.startswith(("num_experts", "moe_"))}, None, (), "llama"),
+    "moe_ep2": (ARGS, 2, ("--ep", "2"), "mixtral"),
+}
 #: tokens of the logit comparison (seq 16 <= seq_length 32; the vocabulary is ARGS')
 TOKENS_SEED, BATCH, SEQ = 1234, 2, 16
 #: the freshly built MCore model's seed: other weights than the trained ones until the load
@@ -105,15 +142,25 @@ def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
             before = mcore.forward(model, tokens)[0]
         request = model.sharded_state_dict()
         asked = {v.key: isinstance(v, ShardedObject) for v in nested_values(request) if hasattr(v, "key")}
-        state, missing, unexpected = dist_checkpointing.load({"model": request}, mcore_dir,
-                                                             strict=StrictHandling.RETURN_ALL)
+        state, missing, unexpected = dist_checkpointing.load(
+            {"model": request}, mcore_dir, strict=StrictHandling.RETURN_ALL
+        )
         model.load_state_dict(state["model"], strict=True)
         with torch.no_grad():
             after = mcore.forward(model, tokens)[0]
-        torch.save({"tokens": tokens, "before": before, "logits": after, "missing": sorted(missing),
-                    "unexpected": sorted(unexpected), "common": sorted(k for k in state if k != "model"),
-                    "tensors": sorted(k for k, obj in asked.items() if not obj),
-                    "objects": sorted(k for k, obj in asked.items() if obj)}, out)
+        torch.save(
+            {
+                "tokens": tokens,
+                "before": before,
+                "logits": after,
+                "missing": sorted(missing),
+                "unexpected": sorted(unexpected),
+                "common": sorted(k for k in state if k != "model"),
+                "tensors": sorted(k for k, obj in asked.items() if not obj),
+                "objects": sorted(k for k, obj in asked.items() if obj),
+            },
+            out,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +177,33 @@ def mcore_exports(tmp_path_factory):
     for kind, (args, nproc, extra, arch) in KINDS.items():
         d = dirs[kind] = tmp_path_factory.mktemp(kind)
         (d / "gpt.json").write_text(json.dumps(args))
-        run = run_train(nproc, "--mcore-config", str(d / "gpt.json"), *extra, "--steps", "2", "--batch-size", "4",
-                        "--seq-len", "16", "--log-every", "10", "--save-every", "2", "--ckpt-dir", str(d / "ckpt"))
+        run = run_train(
+            nproc,
+            "--mcore-config",
+            str(d / "gpt.json"),
+            *extra,
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+            "--log-every",
+            "10",
+            "--save-every",
+            "2",
+            "--ckpt-dir",
+            str(d / "ckpt"),
+        )
         assert run.returncode == 0, failure(run)
         said = f"(megatron-core), {'33,184' if extra else '20,640'} parameters, world size {nproc or 1}"
         assert said + (", EP 2" if extra else ", strategy") in run.stdout, run.stdout
         # the trained model is MCore's local spec, which names the MoE pre-MLP norm mlp.linear_fc1.layer_norm_weight
         norm = ["--moe-norm", "local"] if extra else []
-        for cmd in (["export-mcore", str(d / "ckpt" / "latest"), str(d / "mc"), *norm],
-                    ["export-hf", str(d / "ckpt" / "latest"), str(d / "hf"), "--arch", arch]):
+        for cmd in (
+            ["export-mcore", str(d / "ckpt" / "latest"), str(d / "mc"), *norm],
+            ["export-hf", str(d / "ckpt" / "latest"), str(d / "hf"), "--arch", arch],
+        ):
             res = CliRunner().invoke(main, cmd)
             assert res.exit_code == 0, (cmd, res.output, res.exception)
         jobs.append((str(d / "gpt.json"), str(d / "mc"), str(d / "megatron.pt")))
@@ -171,7 +236,7 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     states: dict[str, set[str]] = {}  # what the checkpoint holds that MCore did not ask for: AdamW state alone
     for key in got["missing"]:
         assert key.startswith("optimizer.state."), key  # no model entry left unasked for
-        state, _, tensor = key[len("optimizer.state."):].partition(".")
+        state, _, tensor = key[len("optimizer.state.") :].partition(".")
         states.setdefault(state, set()).add(tensor)
     assert {"exp_avg", "exp_avg_sq"} <= set(states), sorted(states)
     assert all(tensors == set(got["tensors"]) for tensors in states.values()), states
@@ -185,19 +250,36 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     scale = theirs.abs().max().item()
     rel = (got["logits"] - theirs).abs().max().item() / scale
     moved = (got["before"] - got["logits"]).abs().max().item() / scale
-    print(f"\n{kind}: MCore (export-mcore, dist_checkpointing.load) vs transformers (export-hf) logits: max |diff| / "
-          f"max |logit| = {rel:.3g} (max |logit| {scale:.3g}); the fresh model before the load: {moved:.3g}")
+    print(
+        f"\n{kind}: MCore (export-mcore, dist_checkpointing.load) vs transformers (export-hf) logits: max |diff| / "
+        f"max |logit| = {rel:.3g} (max |logit| {scale:.3g}); the fresh model before the load: {moved:.3g}"
+    )
     assert rel <= LOGIT_RTOL, rel
     assert moved > 1e-2, moved  # the load replaced the fresh model's weights: the trained ones are compared
 
 
-@pytest.mark.parametrize("options", [("--mxfp8",), ("--optimizer", "muon", "--policy", "tensor")], ids=["mxfp8", "muon"])
+@pytest.mark.parametrize(
+    "options", [("--mxfp8",), ("--optimizer", "muon", "--policy", "tensor")], ids=["mxfp8", "muon"]
+)
 def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp_path):
     config = tmp_path / "gpt.json"
     config.write_text(json.dumps(ARGS))  # every linear has whole 32-element blocks
     ckpt = tmp_path / "ckpt"
-    run = run_train(2, "--mcore-config", str(config), "--ep", "2", *options, *COMMON, "--stop-at", "2",
-                    "--ckpt-dir", str(ckpt), "--save-every", "2")
+    run = run_train(
+        2,
+        "--mcore-config",
+        str(config),
+        "--ep",
+        "2",
+        *options,
+        *COMMON,
+        "--stop-at",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--save-every",
+        "2",
+    )
     assert run.returncode == 0, failure(run)
     resumed = run_train(1, *options, *COMMON, "--ckpt-dir", str(ckpt), "--resume")
     assert resumed.returncode == 0, failure(resumed)
@@ -206,6 +288,8 @@ def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp
         from mfsdp_ckpt.streaming import CheckpointReader
 
         with CheckpointReader(str(ckpt / "step_000004")) as reader:
-            mx = {k[len("mx."):].rsplit(".", 1)[0] for k in reader.keys() if k.startswith("mx.")}
+            mx = {k[len("mx.") :].rsplit(".", 1)[0] for k in reader.keys() if k.startswith("mx.")}
         assert mx and all(".linear_" in fqn for fqn in mx), sorted(mx)
-        assert any(".experts." in fqn for fqn in mx) and any("self_attention.linear_qkv" in fqn for fqn in mx), sorted(mx)
+        assert any(".experts." in fqn for fqn in mx) and any("self_attention.linear_qkv" in fqn for fqn in mx), sorted(
+            mx
+        )

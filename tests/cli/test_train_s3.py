@@ -26,15 +26,28 @@ def _env(endpoint: str) -> dict[str, str]:
 
 
 def _run(endpoint: str, nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(nproc, *args), cwd=ROOT, env=_env(endpoint), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        train_cmd(nproc, *args), cwd=ROOT, env=_env(endpoint), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_missing_bucket_fails_at_start_up_in_one_line(s3_endpoint, tmp_path):
-    run = _run(s3_endpoint, None, "--model", "tiny", "--steps", "2", "--ckpt-dir", "s3://missing-bucket/x",
-               "--metrics", str(tmp_path / "m.jsonl"))
+    run = _run(
+        s3_endpoint,
+        None,
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--ckpt-dir",
+        "s3://missing-bucket/x",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
-    assert run.stderr.startswith("error: --ckpt-dir s3://missing-bucket/x: s3://missing-bucket does not exist"), run.stderr
+    assert run.stderr.startswith("error: --ckpt-dir s3://missing-bucket/x: s3://missing-bucket does not exist"), (
+        run.stderr
+    )
     assert not os.path.exists(tmp_path / "m.jsonl")  # before the first step
     assert "testing" not in run.stderr + run.stdout  # no credentials in what the user sees
 
@@ -42,7 +55,20 @@ def test_missing_bucket_fails_at_start_up_in_one_line(s3_endpoint, tmp_path):
 @pytest.mark.heavy
 def test_ckpt_dir_on_s3_saves_resumes_and_refuses_a_second_start(s3_endpoint, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run"
-    args = ("--model", "tiny", "--steps", "4", "--save-every", "2", "--keep", "1", "--batch-size", "2", "--seq-len", "16")
+    args = (
+        "--model",
+        "tiny",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--keep",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    )
     run = _run(s3_endpoint, None, *args, "--stop-at", "2", "--ckpt-dir", url)
     assert run.returncode == 0, failure(run)
     run = _run(s3_endpoint, None, *args, "--ckpt-dir", url)  # a fresh start over a run: refused
@@ -63,23 +89,42 @@ def test_kill_and_resume_from_s3_bitwise_and_at_another_world_size(s3_endpoint, 
     run = _run(s3_endpoint, 2, *COMMON, "--ckpt-dir", str(local), "--metrics", str(tmp_path / "a.jsonl"))
     assert run.returncode == 0, failure(run)
     # B: on S3, killed (the whole process tree) once past the checkpoint at step 10
-    proc = subprocess.Popen(train_cmd(2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl")),
-                            cwd=ROOT, env=_env(s3_endpoint), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl")),
+        cwd=ROOT,
+        env=_env(s3_endpoint),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     # C: B's latest checkpoint on S3, resumed on 3 ranks into another prefix
-    run = _run(s3_endpoint, 3, *COMMON, "--ckpt-dir", f"{s3_bucket}/c", "--resume", f"{url}/latest",
-               "--metrics", str(tmp_path / "c.jsonl"))
+    run = _run(
+        s3_endpoint,
+        3,
+        *COMMON,
+        "--ckpt-dir",
+        f"{s3_bucket}/c",
+        "--resume",
+        f"{url}/latest",
+        "--metrics",
+        str(tmp_path / "c.jsonl"),
+    )
     assert run.returncode == 0, failure(run)
     start = int(re.search(r"resumed from \S+ at step (\d+) \(world size 3\)", run.stdout).group(1))
     assert start >= 10
     # B resumed on 2 ranks from S3: bitwise the uninterrupted local run
-    run = _run(s3_endpoint, 2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl"),
-               "--resume")
+    run = _run(
+        s3_endpoint, 2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl"), "--resume"
+    )
     assert run.returncode == 0, failure(run)
     assert f"resumed from {url}/step_" in run.stdout
-    ma, mb, mc = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl"), read_metrics(tmp_path / "c.jsonl")
+    ma, mb, mc = (
+        read_metrics(tmp_path / "a.jsonl"),
+        read_metrics(tmp_path / "b.jsonl"),
+        read_metrics(tmp_path / "c.jsonl"),
+    )
     assert [ma[s] for s in range(1, 41)] == [mb[s] for s in range(1, 41)]  # exact floats: bitwise
     # the S3 checkpoint and the local one of the same state: equal
     res = CliRunner().invoke(main, ["diff", str(local / "step_000040"), f"{url}/step_000040"])

@@ -44,7 +44,11 @@ def _close(got: dict, want: dict, rel: float, what: str) -> None:
     worst = max(abs(got[s]["loss"] - want[s]["loss"]) / abs(want[s]["loss"]) for s in want)
     print(f"{what}: largest relative loss difference {worst:.2e}")
     for step in want:
-        assert abs(got[step]["loss"] - want[step]["loss"]) <= rel * abs(want[step]["loss"]), (step, got[step], want[step])
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= rel * abs(want[step]["loss"]), (
+            step,
+            got[step],
+            want[step],
+        )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -56,8 +60,19 @@ def trained(request, tmp_path_factory):
     source = make_hf_dir(tmp / "src", family)
     _train(2, "--hf-model", source, "--metrics", str(tmp / "whole.jsonl"))
     ckpt = tmp / "ckpt"
-    _train(2, "--hf-model", source, "--stop-at", "3", "--ckpt-dir", str(ckpt), "--save-every", "3",
-           "--metrics", str(tmp / "first.jsonl"))
+    _train(
+        2,
+        "--hf-model",
+        source,
+        "--stop-at",
+        "3",
+        "--ckpt-dir",
+        str(ckpt),
+        "--save-every",
+        "3",
+        "--metrics",
+        str(tmp / "first.jsonl"),
+    )
     resumed = _train(3, "--ckpt-dir", str(ckpt), "--resume", "--metrics", str(tmp / "then.jsonl"))
     assert "resumed from" in resumed.stdout and "(transformers)" in resumed.stdout
     return family, tmp, source, ckpt
@@ -76,12 +91,17 @@ def test_resume_at_three_ranks_equals_the_uninterrupted_run(trained):
 def test_export_hf_loads_in_transformers_with_the_checkpoints_weights(trained):
     family, tmp, source, ckpt = trained
     out = tmp / "exported"
-    run = subprocess.run([sys.executable, "-m", "cli.main", "export-hf", str(ckpt / "latest"), str(out)], cwd=ROOT,
-                         env=ENV, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "cli.main", "export-hf", str(ckpt / "latest"), str(out)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     flat = tmp / "flat.pt"
     dcp_to_torch_save(str(ckpt / "step_000006"), str(flat))  # stock PyTorch reads the checkpoint
-    saved = {k[len("model."):]: v for k, v in torch.load(flat, weights_only=True).items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: v for k, v in torch.load(flat, weights_only=True).items() if k.startswith("model.")}
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     params = dict(model.named_parameters())
     assert sorted(params) == sorted(saved)
@@ -93,7 +113,9 @@ def test_export_hf_loads_in_transformers_with_the_checkpoints_weights(trained):
     tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(tokens).logits, reference(tokens).logits
-    print(f"{family}: export logits vs the checkpoint's tensors: {((got - want).abs().max() / want.abs().max()).item():.2e}")
+    print(
+        f"{family}: export logits vs the checkpoint's tensors: {((got - want).abs().max() / want.abs().max()).item():.2e}"
+    )
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     for name in CARRIED:  # carried through two checkpoints (the second written after a resume)
         assert (out / name).read_bytes() == open(os.path.join(source, name), "rb").read(), name
@@ -112,12 +134,19 @@ def test_one_rank_and_three_ranks_train_alike(family, tmp_path):
     source = make_hf_dir(tmp_path / "src", family)
     _train(None, "--hf-model", source, "--metrics", str(tmp_path / "one.jsonl"))
     _train(3, "--hf-model", source, "--metrics", str(tmp_path / "three.jsonl"))
-    _close(read_metrics(tmp_path / "three.jsonl"), read_metrics(tmp_path / "one.jsonl"), 1e-5, f"{family}: 3 ranks vs 1")
+    _close(
+        read_metrics(tmp_path / "three.jsonl"), read_metrics(tmp_path / "one.jsonl"), 1e-5, f"{family}: 3 ranks vs 1"
+    )
 
 
 def _export(ckpt, out, *args: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "cli.main", "export-hf", str(ckpt), str(out), *args], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "cli.main", "export-hf", str(ckpt), str(out), *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
 
 
@@ -126,8 +155,19 @@ def test_bf16_on_a_token_file_exports_the_main_weights(tmp_path):
 
     numpy.random.default_rng(0).integers(0, 96, size=4000).astype(numpy.uint16).tofile(tmp_path / "tokens.bin")
     source = make_hf_dir(tmp_path / "src", "mixtral")
-    _train(2, "--hf-model", source, "--dtype", "bf16", "--data", str(tmp_path / "tokens.bin"), "--ckpt-dir",
-           str(tmp_path / "ck"), "--save-every", "6")
+    _train(
+        2,
+        "--hf-model",
+        source,
+        "--dtype",
+        "bf16",
+        "--data",
+        str(tmp_path / "tokens.bin"),
+        "--ckpt-dir",
+        str(tmp_path / "ck"),
+        "--save-every",
+        "6",
+    )
     _export(tmp_path / "ck" / "latest", tmp_path / "out")  # the computing dtype, from the main weights
     _export(tmp_path / "ck" / "latest", tmp_path / "out32", "--dtype", "float32")
     dcp_to_torch_save(str(tmp_path / "ck" / "step_000006"), str(tmp_path / "flat.pt"))
@@ -146,10 +186,20 @@ def test_mxfp8_stores_the_decoder_linears_as_mx_and_exports(tmp_path):
     manifest = read_manifest(str(tmp_path / "ck" / "step_000006"))
     dcp_to_torch_save(str(tmp_path / "ck" / "step_000006"), str(tmp_path / "flat.pt"))
     keys = torch.load(tmp_path / "flat.pt", weights_only=True).keys()
-    mx = {k[len("mx."):].rsplit(".", 1)[0] for k in keys if k.startswith("mx.")}
-    linears = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in
-               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")}
+    mx = {k[len("mx.") :].rsplit(".", 1)[0] for k in keys if k.startswith("mx.")}
+    linears = {
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert mx == linears, sorted(mx)
     assert manifest["model_source"]["class"] == "LlamaForCausalLM"
     _export(tmp_path / "ck" / "latest", tmp_path / "out")
@@ -159,20 +209,32 @@ def test_mxfp8_stores_the_decoder_linears_as_mx_and_exports(tmp_path):
 def test_muon_whole_matrices_resume_at_another_world_size(tmp_path):
     source = make_hf_dir(tmp_path / "src", "qwen3")
     args = ("--optimizer", "muon", "--policy", "tensor", "--ckpt-dir", str(tmp_path / "ck"))
-    _train(2, "--hf-model", source, *args, "--stop-at", "3", "--save-every", "3", "--metrics", str(tmp_path / "a.jsonl"))
+    _train(
+        2, "--hf-model", source, *args, "--stop-at", "3", "--save-every", "3", "--metrics", str(tmp_path / "a.jsonl")
+    )
     _train(3, *args, "--resume", "--metrics", str(tmp_path / "b.jsonl"))
-    _train(2, "--hf-model", source, "--optimizer", "muon", "--policy", "tensor", "--metrics", str(tmp_path / "whole.jsonl"))
+    _train(
+        2, "--hf-model", source, "--optimizer", "muon", "--policy", "tensor", "--metrics", str(tmp_path / "whole.jsonl")
+    )
     got = {**read_metrics(tmp_path / "a.jsonl"), **read_metrics(tmp_path / "b.jsonl")}
     # Muon's Newton-Schulz runs in bf16 by default, whole on one owner rank: the same math at any
     # world size; what differs is the gradient's reduction order, amplified by bf16 rounding
     _close(got, read_metrics(tmp_path / "whole.jsonl"), 1e-3, "qwen3 muon: 2 ranks, resumed at 3, vs 2 throughout")
 
 
-@pytest.mark.parametrize("family,strategy,policy", [("mixtral", "optim", "row"), ("qwen3", "no_shard", "even"),
-                                                    ("qwen3_moe", "optim_grads", "block(4)")])
+@pytest.mark.parametrize(
+    "family,strategy,policy",
+    [("mixtral", "optim", "row"), ("qwen3", "no_shard", "even"), ("qwen3_moe", "optim_grads", "block(4)")],
+)
 def test_other_strategies_and_policies_train_as_one_rank_does(family, strategy, policy, tmp_path):
     source = make_hf_dir(tmp_path / "src", family)
     _train(None, "--hf-model", source, "--metrics", str(tmp_path / "one.jsonl"))
-    _train(3, "--hf-model", source, "--strategy", strategy, "--policy", policy, "--metrics", str(tmp_path / "three.jsonl"))
-    _close(read_metrics(tmp_path / "three.jsonl"), read_metrics(tmp_path / "one.jsonl"), 1e-5,
-           f"{family} {strategy}/{policy}: 3 ranks vs 1")
+    _train(
+        3, "--hf-model", source, "--strategy", strategy, "--policy", policy, "--metrics", str(tmp_path / "three.jsonl")
+    )
+    _close(
+        read_metrics(tmp_path / "three.jsonl"),
+        read_metrics(tmp_path / "one.jsonl"),
+        1e-5,
+        f"{family} {strategy}/{policy}: 3 ranks vs 1",
+    )

@@ -30,7 +30,7 @@ def _refused(capsys, tmp_path, *args: str) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert not ckpt.exists()
-    return err[len("error: "):]
+    return err[len("error: ") :]
 
 
 def _copy(src: str, dst, edit=None) -> str:
@@ -45,45 +45,55 @@ def _copy(src: str, dst, edit=None) -> str:
 
 
 def test_not_a_directory(capsys, tmp_path):
-    assert _refused(capsys, tmp_path, "--hf-model", str(tmp_path / "nope")) == f"--hf-model {tmp_path / 'nope'}: not a directory"
+    assert (
+        _refused(capsys, tmp_path, "--hf-model", str(tmp_path / "nope"))
+        == f"--hf-model {tmp_path / 'nope'}: not a directory"
+    )
 
 
 def test_a_directory_without_config_json(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     assert _refused(capsys, tmp_path, "--hf-model", str(tmp_path / "empty")) == (
-        f"--hf-model {tmp_path / 'empty'}: no config.json (not a Hugging Face model directory)")
+        f"--hf-model {tmp_path / 'empty'}: no config.json (not a Hugging Face model directory)"
+    )
 
 
 def test_config_json_that_is_not_json(capsys, tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{nope")
-    assert _refused(capsys, tmp_path, "--hf-model", str(tmp_path / "m")).startswith(f"{tmp_path / 'm' / 'config.json'}: not valid JSON")
+    assert _refused(capsys, tmp_path, "--hf-model", str(tmp_path / "m")).startswith(
+        f"{tmp_path / 'm' / 'config.json'}: not valid JSON"
+    )
 
 
 def test_unknown_architecture(capsys, tmp_path, llama):
     src = _copy(llama, tmp_path / "m", lambda c: c.update(model_type="nosuchmodel"))
     assert _refused(capsys, tmp_path, "--hf-model", src) == (
-        f"{src}/config.json: model_type 'nosuchmodel' is not an architecture transformers {transformers.__version__} knows")
+        f"{src}/config.json: model_type 'nosuchmodel' is not an architecture transformers {transformers.__version__} knows"
+    )
 
 
 def test_a_class_that_is_not_a_causal_lm(capsys, tmp_path, llama):
     src = _copy(llama, tmp_path / "m", lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
     assert _refused(capsys, tmp_path, "--hf-model", src) == (
-        f"{src}/config.json: architectures[0] 'LlamaForSequenceClassification' is not a causal LM (a …ForCausalLM class)")
+        f"{src}/config.json: architectures[0] 'LlamaForSequenceClassification' is not a causal LM (a …ForCausalLM class)"
+    )
 
 
 def test_config_whose_shapes_disagree_with_the_weights(capsys, tmp_path, llama):
     src = _copy(llama, tmp_path / "m", lambda c: c.update(intermediate_size=48))
     assert _refused(capsys, tmp_path, "--hf-model", src) == (
         f"{src}/model.safetensors: model.layers.0.mlp.gate_proj.weight is (40, 32), but {src}/config.json makes it "
-        "(48, 32) (intermediate_size=48)")
+        "(48, 32) (intermediate_size=48)"
+    )
 
 
 def test_config_with_more_layers_than_the_weights(capsys, tmp_path, llama):
     src = _copy(llama, tmp_path / "m", lambda c: c.update(num_hidden_layers=3))
     assert _refused(capsys, tmp_path, "--hf-model", src) == (
         f"{src}: the weights lack model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
-        f"model.layers.2.mlp.gate_proj.weight (+6 more), which {src}/config.json makes part of the model")
+        f"model.layers.2.mlp.gate_proj.weight (+6 more), which {src}/config.json makes part of the model"
+    )
 
 
 def test_pickle_weights_are_not_read(capsys, tmp_path, llama):
@@ -91,20 +101,28 @@ def test_pickle_weights_are_not_read(capsys, tmp_path, llama):
     (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "pytorch_model.bin")
     assert _refused(capsys, tmp_path, "--hf-model", src) == (
         f"{src}: its weights are pickle files (.bin/.pt); only safetensors weights are read (convert them with "
-        "transformers' save_pretrained)")
+        "transformers' save_pretrained)"
+    )
 
 
 def test_expert_parallelism_of_fused_experts_is_refused(capsys, tmp_path):
     src = make_hf_dir(tmp_path / "mixtral", "mixtral")
     err = _refused(capsys, tmp_path, "--hf-model", src, "--ep", "2")
-    assert err.startswith("--ep 2: MixtralForCausalLM keeps each MoE layer's experts fused in 3-D parameters "
-                          "(model.layers.0.mlp.experts.gate_up_proj)"), err
+    assert err.startswith(
+        "--ep 2: MixtralForCausalLM keeps each MoE layer's experts fused in 3-D parameters "
+        "(model.layers.0.mlp.experts.gate_up_proj)"
+    ), err
 
 
 def test_the_command_line_exits_1(tmp_path, llama):
     src = _copy(llama, tmp_path / "m", lambda c: c.update(hidden_size=48))
-    run = subprocess.run([sys.executable, "-m", "cli.train", "--hf-model", src, "--ckpt-dir", str(tmp_path / "ck")],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "cli.train", "--hf-model", src, "--ckpt-dir", str(tmp_path / "ck")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1].startswith(f"error: {src}/model.safetensors: "), run.stderr
     assert not (tmp_path / "ck").exists()
@@ -114,9 +132,27 @@ def test_a_directory_without_weights_trains_from_transformers_initialisation(tmp
     from mfsdp_ckpt.manifest import read_manifest
 
     src = make_hf_dir(tmp_path / "m", "qwen3", weights=False)
-    run = subprocess.run([sys.executable, "-m", "cli.train", "--hf-model", src, "--steps", "1", "--batch-size", "2",
-                          "--seq-len", "8", "--ckpt-dir", str(tmp_path / "ck")], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.train",
+            "--hf-model",
+            src,
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "8",
+            "--ckpt-dir",
+            str(tmp_path / "ck"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert "model m (transformers), " in run.stdout
     record = read_manifest(str(tmp_path / "ck" / "step_000001"))["model_source"]

@@ -95,11 +95,21 @@ def _mutations(root: str, strategy: str, policy: str, bf16: bool) -> dict:
             got = _state(fresh, fresh_optim)
             keys = [k for k in before if not k.startswith("scalar.") and (grads or not k.startswith("grad."))]
             wrong = [k for k in keys if not torch.equal(got[k], before[k])]
-            wrong += [f"scalar {j}" for j, (a, b) in enumerate(zip(_scalars_by_order(got), _scalars_by_order(before)))
-                      if not torch.equal(a, b)]
-            out[name] = {"wrong": wrong, "changed": len(changed), "fenced": all(fenced), "fence_s": handle.fence_s,
-                         "call_s": handle.call_s, "blocked_s": handle.blocked_s, "staged_s": handle.staged_s,
-                         "released": all(buf.fence is None for buf in buffers_of(model))}
+            wrong += [
+                f"scalar {j}"
+                for j, (a, b) in enumerate(zip(_scalars_by_order(got), _scalars_by_order(before)))
+                if not torch.equal(a, b)
+            ]
+            out[name] = {
+                "wrong": wrong,
+                "changed": len(changed),
+                "fenced": all(fenced),
+                "fence_s": handle.fence_s,
+                "call_s": handle.call_s,
+                "blocked_s": handle.blocked_s,
+                "staged_s": handle.staged_s,
+                "released": all(buf.fence is None for buf in buffers_of(model)),
+            }
             optim.zero_grad()
             _backward(model, 10 + i)  # gradients again for the next case
     finally:
@@ -107,16 +117,21 @@ def _mutations(root: str, strategy: str, policy: str, bf16: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategy,policy,bf16", [
-    ("optim", "row", False),  # ZeRO-1: whole gradients, all-reduced; weights saved from the gathered buffer
-    ("optim_grads_params", "even", True),  # ZeRO-3, bf16 compute: weights from the own shard, fp32 main params
-])
+@pytest.mark.parametrize(
+    "strategy,policy,bf16",
+    [
+        ("optim", "row", False),  # ZeRO-1: whole gradients, all-reduced; weights saved from the gathered buffer
+        ("optim_grads_params", "even", True),  # ZeRO-3, bf16 compute: weights from the own shard, fp32 main params
+    ],
+)
 def test_every_write_of_the_state_waits_for_the_background_copy(ranks, tmp_path, strategy, policy, bf16):
     out = ranks(_mutations, 2, str(tmp_path), strategy, policy, bf16, timeout=240)
     for rank, cases in enumerate(out):
         for name, r in cases.items():
             assert r["changed"], f"rank {rank}, {name}: the write changed nothing (the case tests nothing)"
-            assert not r["wrong"], f"rank {rank}, {name}: the checkpoint holds values written after the call: {r['wrong'][:4]}"
+            assert not r["wrong"], (
+                f"rank {rank}, {name}: the checkpoint holds values written after the call: {r['wrong'][:4]}"
+            )
             assert r["fenced"] and r["released"], (rank, name, r)
             # the write waited for the copy, and the handle counts that as blocking
             assert r["fence_s"] >= SLOW_COPY_S / 3, (rank, name, r)
@@ -160,7 +175,9 @@ def test_a_failed_background_copy_fails_the_save_on_every_rank(ranks, tmp_path):
     out = ranks(_copy_fails_on, 2, 1, run, timeout=120)
     assert out[0] == out[1], out
     r = out[0]
-    assert r["error"] == (f"{run}/step_2: cannot copy the state to host memory (RuntimeError: injected copy failure)"), r
+    assert r["error"] == (
+        f"{run}/step_2: cannot copy the state to host memory (RuntimeError: injected copy failure)"
+    ), r
     assert r["latest"] == "step_1" and r["left"] == ["step_1"] and r["released"], r
     assert os.path.isfile(os.path.join(run, "step_3", "mfsdp.json"))
 

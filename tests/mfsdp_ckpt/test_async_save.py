@@ -68,7 +68,9 @@ def _train_with_async_saves(run: str) -> dict:
             if handle is not None:
                 fenced.append(handle.fence_s)
             states[step] = owned_pieces(model, optim)  # the state at save time
-            handle = mfsdp_ckpt.async_save(os.path.join(run, f"step_{step:02d}"), model, optim, extra={"step": step}, step=step)
+            handle = mfsdp_ckpt.async_save(
+                os.path.join(run, f"step_{step:02d}"), model, optim, extra={"step": step}, step=step
+            )
             buffers.add(ASYNC._state.staging._buffer.data_ptr())
         handle.result()
     finally:
@@ -81,9 +83,18 @@ def _train_with_async_saves(run: str) -> dict:
         got = owned_pieces(fresh, fresh_optim)
         mismatches += [f"step {step}: {k}" for k, (lo, hi, v) in states[step].items() if not torch.equal(got[k][2], v)]
         mismatches += [f"step {step}: extra {extra}"] if extra["step"] != step else []
-    state_bytes = sum(v.numel() * v.element_size() for k, (_, _, v) in states[STEPS].items() if not k.startswith("main."))
-    return {"losses": losses, "reference": reference, "mismatches": mismatches, "buffers": len(buffers),
-            "staging": ASYNC.staging_bytes(), "state_bytes": state_bytes, "fenced": sum(s > 0 for s in fenced)}
+    state_bytes = sum(
+        v.numel() * v.element_size() for k, (_, _, v) in states[STEPS].items() if not k.startswith("main.")
+    )
+    return {
+        "losses": losses,
+        "reference": reference,
+        "mismatches": mismatches,
+        "buffers": len(buffers),
+        "staging": ASYNC.staging_bytes(),
+        "state_bytes": state_bytes,
+        "fenced": sum(s > 0 for s in fenced),
+    }
 
 
 def test_a_save_every_step_changes_no_loss_and_every_checkpoint_is_its_step(ranks, tmp_path):
@@ -107,7 +118,9 @@ def _sync_and_async(root: str) -> None:
     extra = {"step": 3, "tensor": torch.arange(4.0), "nested": {"lr": [1e-3, 2e-3]}}
     mfsdp_ckpt.save(os.path.join(root, "sync", "step_3"), model, optim, extra=extra, step=3, include_grads=True)
     torch.set_rng_state(rng)
-    handle = mfsdp_ckpt.async_save(os.path.join(root, "async", "step_3"), model, optim, extra=extra, step=3, include_grads=True)
+    handle = mfsdp_ckpt.async_save(
+        os.path.join(root, "async", "step_3"), model, optim, extra=extra, step=3, include_grads=True
+    )
     extra["tensor"].add_(1)  # changed after the call: the checkpoint holds the values at the call
     extra["nested"]["lr"][0] = 0.0
     handle.result()
@@ -127,6 +140,7 @@ def test_an_async_checkpoint_is_indistinguishable_from_a_sync_one(ranks, tmp_pat
 
 
 # ---- failures in the background -----------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _full_disk_on_rank(rank: int):
@@ -190,7 +204,9 @@ def test_a_background_failure_surfaces_once_as_one_line_and_leaves_nothing(ranks
     assert r["after_first"] == ("step_1", [], False)
     msg = r["next"]
     assert msg is not None and "\n" not in msg, msg
-    assert msg.startswith(f"the previous asynchronous save ({run}/step_2) failed: No space left on device while writing "), msg
+    assert msg.startswith(
+        f"the previous asynchronous save ({run}/step_2) failed: No space left on device while writing "
+    ), msg
     assert msg.endswith(f"{run}/step_3 was not started (call async_save again)"), msg
     assert not r["not_started"]
     assert r["after_retry"] == "step_3"
@@ -222,7 +238,11 @@ def _one_in_flight(run: str) -> dict:
         first_blocked = first.blocked_s
         train_steps(model, optim, 1, 2)  # training goes on while step 1 is written
         second = mfsdp_ckpt.async_save(os.path.join(run, "step_2"), model, optim, step=2)
-        seen = {"first_done": first.done(), "latest": _latest(run), "step_2": os.path.exists(os.path.join(run, "step_2"))}
+        seen = {
+            "first_done": first.done(),
+            "latest": _latest(run),
+            "step_2": os.path.exists(os.path.join(run, "step_2")),
+        }
         second.result()
         seen["latest_after"] = _latest(run)
         # a synchronous save waits for the save in flight too
@@ -233,8 +253,14 @@ def _one_in_flight(run: str) -> dict:
     finally:
         CommittingWriter.write_data = real
     created = [_manifest(os.path.join(run, f"step_{s}"))["created_unix"] for s in (1, 2, 3, 4)]
-    return {**seen, "first_blocked": first_blocked, "second_waited": second.waited_s, "first_total": first.total_s,
-            "ordered": created == sorted(created), "latest_end": _latest(run)}
+    return {
+        **seen,
+        "first_blocked": first_blocked,
+        "second_waited": second.waited_s,
+        "first_total": first.total_s,
+        "ordered": created == sorted(created),
+        "latest_end": _latest(run),
+    }
 
 
 @pytest.mark.heavy
@@ -250,6 +276,7 @@ def test_at_most_one_save_in_flight_and_latest_in_call_order(ranks, tmp_path):
 
 
 # ---- refusals before returning ------------------------------------------------------------------
+
 
 def _refusals(run: str) -> list:
     model, optim = build("optim_grads", "even")
@@ -298,7 +325,9 @@ def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
     for step in (4, 8, 12):
         assert f"saved step_{step:06d} (async): blocked " in run.stdout, run.stdout
     assert _latest(str(a)) == "step_000012"
-    run = run_train(2, *TRAIN, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--async-save", "--stop-at", "6")
+    run = run_train(
+        2, *TRAIN, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--async-save", "--stop-at", "6"
+    )
     assert run.returncode == 0, failure(run)
     assert "saved step_000006 (async)" in run.stdout and _latest(str(b)) == "step_000006"
     run = run_train(2, *TRAIN, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--async-save", "--resume")
@@ -320,7 +349,19 @@ def test_async_save_without_a_checkpoint_directory_is_one_line():
 @pytest.mark.heavy
 def test_an_mxfp8_bf16_run_saves_the_same_checkpoint_asynchronously(tmp_path):
     """fp8 / e8m0 planes and bf16 weights with fp32 main params, staged and written as ``save`` writes them."""
-    args = ("--model", "tiny", "--steps", "2", "--mxfp8", "--param-dtype", "bfloat16", "--batch-size", "4", "--seq-len", "32")
+    args = (
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--mxfp8",
+        "--param-dtype",
+        "bfloat16",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+    )
     for name, flags in (("sync", ()), ("async", ("--async-save",))):
         run = run_train(2, *args, "--ckpt-dir", str(tmp_path / name), *flags)
         assert run.returncode == 0, failure(run)
@@ -328,4 +369,7 @@ def test_an_mxfp8_bf16_run_saves_the_same_checkpoint_asynchronously(tmp_path):
     assert verify_checkpoint(b) == [] and diff_checkpoints(a, b).equal
     from torch.distributed.checkpoint import FileSystemReader
 
-    assert FileSystemReader(a).read_metadata().state_dict_metadata == FileSystemReader(b).read_metadata().state_dict_metadata
+    assert (
+        FileSystemReader(a).read_metadata().state_dict_metadata
+        == FileSystemReader(b).read_metadata().state_dict_metadata
+    )

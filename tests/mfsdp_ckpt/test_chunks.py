@@ -28,8 +28,11 @@ from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 
 
 def _md(shape, boxes) -> TensorStorageMetadata:
-    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape),
-                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes])
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(shape),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes],
+    )
 
 
 def _reference_faults(key: str, md: TensorStorageMetadata) -> list[Fault]:
@@ -55,13 +58,19 @@ def _reference_faults(key: str, md: TensorStorageMetadata) -> list[Fault]:
 def test_coverage_faults_name_gaps_overlaps_and_strays():
     assert coverage_faults("k", _md((4, 6), [((0, 0), (2, 6)), ((2, 0), (2, 6))])) == []
     assert coverage_faults("k", _md((4, 6), [((0, 0), (4, 3)), ((0, 3), (4, 3))])) == []  # column shards
-    assert [str(f) for f in coverage_faults("k", _md((4, 6), [((0, 0), (2, 6))]))] == ["k: chunks cover 12 of 24 elements"]
+    assert [str(f) for f in coverage_faults("k", _md((4, 6), [((0, 0), (2, 6))]))] == [
+        "k: chunks cover 12 of 24 elements"
+    ]
     assert [str(f) for f in coverage_faults("k", _md((4, 6), [((0, 0), (3, 6)), ((2, 0), (2, 6))]))] == [
-        "k at [2, 0]: chunk overlaps the chunk at [0, 0]"]
+        "k at [2, 0]: chunk overlaps the chunk at [0, 0]"
+    ]
     assert [str(f) for f in coverage_faults("k", _md((4, 6), [((0, 0), (2, 6)), ((3, 0), (2, 6))]))] == [
-        "k at [3, 0]: chunk of size [2, 6] lies outside the tensor [4, 6]"]
+        "k at [3, 0]: chunk of size [2, 6] lies outside the tensor [4, 6]"
+    ]
     assert coverage_faults("s", _md((), [((), ())])) == []  # a 0-d tensor (Adam's step)
-    assert [str(f) for f in coverage_faults("s", _md((), [((), ()), ((), ())]))] == ["s at []: chunk overlaps the chunk at []"]
+    assert [str(f) for f in coverage_faults("s", _md((), [((), ()), ((), ())]))] == [
+        "s at []: chunk overlaps the chunk at []"
+    ]
 
 
 _box = st.tuples(st.integers(-1, 6), st.integers(0, 4), st.integers(0, 6), st.integers(0, 4))
@@ -121,7 +130,10 @@ def test_chunk_files_read_verify_and_name_the_file_and_key(tmp_path):
         assert files.fault(index, info) == "checksum mismatch"
         with pytest.raises(CorruptCheckpointError) as e:
             files.read(index, info)
-    assert str(e.value) == f"{os.path.join(directory, info.relative_path)}: key 'model.w' chunk at [5, 0]: checksum mismatch"
+    assert (
+        str(e.value)
+        == f"{os.path.join(directory, info.relative_path)}: key 'model.w' chunk at [5, 0]: checksum mismatch"
+    )
     with ChunkFiles(directory, None, reader.chunk_shapes) as files:  # no manifest: nothing to check against
         assert files.read(index, info).shape == (11, 16)
 
@@ -129,7 +141,10 @@ def test_chunk_files_read_verify_and_name_the_file_and_key(tmp_path):
     with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
         assert files.fault(index, info) == "cannot open (No such file or directory)"
         assert files.fault(index, info) == "cannot open (No such file or directory)"  # remembered
-        with pytest.raises(CorruptCheckpointError, match=r"__1_0.distcp: cannot open \(No such file or directory\), needed for key 'model.w'"):
+        with pytest.raises(
+            CorruptCheckpointError,
+            match=r"__1_0.distcp: cannot open \(No such file or directory\), needed for key 'model.w'",
+        ):
             files.read(index, info)
 
 
@@ -186,7 +201,9 @@ def test_reader_refuses_a_stored_chunk_the_metadata_does_not_list(tmp_path):
 
 
 def test_builder_refuses_a_tensor_not_covered_exactly_once(tmp_path):
-    with pytest.raises(CheckpointError, match=r"not every tensor is covered exactly once: model.w \(80 of 256 elements"):
+    with pytest.raises(
+        CheckpointError, match=r"not every tensor is covered exactly once: model.w \(80 of 256 elements"
+    ):
         with CheckpointBuilder(str(tmp_path / "ckpt"), {}) as builder:
             builder.add_chunk("model.w", torch.zeros(5, 16), (0, 0), (16, 16))
             builder.commit()

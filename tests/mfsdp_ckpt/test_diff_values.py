@@ -35,8 +35,13 @@ def test_diff_names_where_and_both_values_without_cutting_them(tmp_path):
     assert by_key["model.w"] == "max |a - b| = 0.125 at [1, 1]: a = 0.0, b = nan"  # a NaN mismatch is the worst
     assert by_key["optim.param_groups"] == (f"[0]['params'][49]: 'model.{long_name}.49' vs 'model.{long_name}.changed'")
     # the command line prints the same detail whole, as a real subprocess (no terminal-width cut)
-    run = subprocess.run([sys.executable, "-m", "cli.main", "diff", str(tmp_path / "a"), str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    run = subprocess.run(
+        [sys.executable, "-m", "cli.main", "diff", str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert run.returncode == 1, run.stderr
     assert f"'model.{long_name}.49' vs 'model.{long_name}.changed'" in run.stdout
     assert "max |a - b| = 0.125 at [1, 1]: a = 0.0, b = nan" in run.stdout

@@ -31,14 +31,16 @@ from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_uni
 from tests.harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CFG = dataclasses.replace(get_preset("tiny-moe"), num_experts=12, moe_ffn_hidden_size=32,
-                          moe_shared_expert_ffn_hidden_size=32, seq_length=16)
+CFG = dataclasses.replace(
+    get_preset("tiny-moe"), num_experts=12, moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=32, seq_length=16
+)
 FC1 = "decoder.layers.0.mlp.experts.linear_fc1.weight"
 STEPS = 3  # trained before the save
 MORE = 2  # trained after it (resume)
 
 
 # ---- helpers run on every rank ----------------------------------------------------------------
+
 
 def build(ep: int, seed: int = 0, config=CFG, strategy: str = "optim_grads_params", policy: str = "even"):
     """The MoE GPT at EP size ``ep`` over the current world (no process group: one rank), with
@@ -75,7 +77,7 @@ def pieces(model, optim) -> dict[str, tuple]:
     out = {}
     for ps in describe_shards(model, optim):
         lo, hi = ps.owned
-        out[f"model.{ps.fqn}"] = (ps.shape, lo, hi, ps.param.tensor[lo - ps.param.start: hi - ps.param.start].clone())
+        out[f"model.{ps.fqn}"] = (ps.shape, lo, hi, ps.param.tensor[lo - ps.param.start : hi - ps.param.start].clone())
         out[f"main.{ps.fqn}"] = (ps.shape, lo, hi, ps.main.tensor.clone())
         for name, fs in ps.optim.items():
             out[f"optim.{ps.fqn}.{name}"] = (ps.shape, lo, hi, fs.tensor.clone())
@@ -87,8 +89,14 @@ def pieces(model, optim) -> dict[str, tuple]:
 def state_of(model, optim) -> dict[str, torch.Tensor]:
     """Everything this rank holds, to check that a failed load changed nothing."""
     out = {f"{k}": v[3] for k, v in pieces(model, optim).items()}
-    out.update({f"group{g}.{k}": torch.tensor(float(v)) for g, group in enumerate(optim.param_groups)
-                for k, v in group.items() if isinstance(v, (int, float))})
+    out.update(
+        {
+            f"group{g}.{k}": torch.tensor(float(v))
+            for g, group in enumerate(optim.param_groups)
+            for k, v in group.items()
+            if isinstance(v, (int, float))
+        }
+    )
     return out
 
 
@@ -97,6 +105,7 @@ def _rank() -> int:
 
 
 # ---- in the test process ----------------------------------------------------------------------
+
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     """Full logical tensors from every rank's owned pieces; each element covered exactly once;
@@ -129,6 +138,7 @@ def assert_same(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
 
 # ---- the source checkpoint: (4, 4), 3 steps ----------------------------------------------------
 
+
 def _train_and_save(root: str) -> dict:
     """At (4, 4): 3 steps, save, then 2 more steps without interruption (the resume reference)."""
     model, optim = build(4)
@@ -143,8 +153,13 @@ def _train_and_save(root: str) -> dict:
 def source(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("ep"))
     out = run_ranks(_train_and_save, 4, root, timeout=300)
-    return {"path": os.path.join(root, "src"), "root": root, "saved": assemble([o["saved"] for o in out]),
-            "end": [o["end"] for o in out], "losses": [o["losses"] for o in out]}
+    return {
+        "path": os.path.join(root, "src"),
+        "root": root,
+        "saved": assemble([o["saved"] for o in out]),
+        "end": [o["end"] for o in out],
+        "losses": [o["losses"] for o in out],
+    }
 
 
 def test_manifest_records_every_expert_and_who_held_it(source):
@@ -157,9 +172,11 @@ def test_manifest_records_every_expert_and_who_held_it(source):
     plan = ModelPlan.from_dict(writer["plan"])
     names = set(plan.params())
     assert {f"{FC1}{e}" for e in range(12)} <= names  # every expert of every EP rank, once
-    assert {k[len("model."):] for k in keys if k.startswith("model.")} == names
+    assert {k[len("model.") :] for k in keys if k.startswith("model.")} == names
     experts = [b for b in plan.buffers if b.is_expert]
-    assert len(experts) == 2 * 4 and all(b.placement.group == "edp" and b.group_size == 1 and b.grad_divisor == 4 for b in experts)
+    assert len(experts) == 2 * 4 and all(
+        b.placement.group == "edp" and b.group_size == 1 and b.grad_divisor == 4 for b in experts
+    )
     layer0 = [b for b in plan.buffers if b.prefix == "decoder.layers.0."]
     assert [b.is_expert for b in layer0] == [False, True, True, True, True]
     assert layer0[2].names == tuple(f"mlp.experts.linear_fc{i}.weight{e}" for i in (1, 2) for e in (3, 4, 5))
@@ -172,7 +189,7 @@ def test_resume_at_the_same_layout_is_bitwise(ranks, source):
     for rank, (o, losses, end) in enumerate(zip(out, source["losses"], source["end"])):
         assert o["losses"] == losses, rank
         assert sorted(o["end"]) == sorted(end)
-        for key, (shape, lo, hi, values) in end.items():
+        for key, (_shape, lo, hi, values) in end.items():
             got = o["end"][key]
             assert got[1:3] == (lo, hi) and torch.equal(got[3], values), (rank, key)
 
@@ -185,6 +202,7 @@ def _resume(path: str) -> dict:
 
 
 # ---- online: load at other (W, EP), save there, load back at (4, 4) -----------------------------
+
 
 def _load_and_save(root: str, ep: int) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -206,9 +224,11 @@ def _at_4_1_then_back_to_4_4(root: str, others: list[str]) -> dict:
 @pytest.mark.heavy
 def test_load_at_other_ep_sizes_and_back(ranks, source):
     root, expected = source["root"], source["saved"]
-    at = {"w2_ep2": assemble(ranks(_load_and_save, 2, root, 2, timeout=300)),
-          "w3_ep3": assemble(ranks(_load_and_save, 3, root, 3, timeout=300)),
-          "w1_ep1": assemble([_load_and_save(root, 1)])}  # no process group
+    at = {
+        "w2_ep2": assemble(ranks(_load_and_save, 2, root, 2, timeout=300)),
+        "w3_ep3": assemble(ranks(_load_and_save, 3, root, 3, timeout=300)),
+        "w1_ep1": assemble([_load_and_save(root, 1)]),
+    }  # no process group
     back = ranks(_at_4_1_then_back_to_4_4, 4, root, ["w2_ep2", "w3_ep3", "w1_ep1"], timeout=300)
     at["w4_ep1"] = assemble([b["w4_ep1"] for b in back])
     for name, full in at.items():
@@ -217,19 +237,29 @@ def test_load_at_other_ep_sizes_and_back(ranks, source):
     for name, ep in (("w2_ep2", 2), ("w3_ep3", 3), ("w1_ep1", 1), ("w4_ep1", 1)):
         with CheckpointReader(os.path.join(root, name)) as reader:
             n = 12 // ep
-            assert reader.manifest["writer"]["experts"] == {"ep_size": ep, "owners": [list(range(p * n, (p + 1) * n)) for p in range(ep)]}
+            assert reader.manifest["writer"]["experts"] == {
+                "ep_size": ep,
+                "owners": [list(range(p * n, (p + 1) * n)) for p in range(ep)],
+            }
         assert diff_checkpoints(source["path"], os.path.join(root, name)).equal, name
 
 
 # ---- offline: reshard --ep, then load online -------------------------------------------------
+
 
 def _reshard_cli(*args: str, subprocess_run: bool = False) -> tuple[int, str]:
     """``mfsdp-ckpt reshard ARGS``: exit code and output (stdout and stderr)."""
     if subprocess_run:
         from tests.torchrun import ENV
 
-        out = subprocess.run([sys.executable, "-m", "cli.main", "reshard", *args], cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "cli.main", "reshard", *args],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return out.returncode, out.stdout + out.stderr
     res = CliRunner().invoke(main, ["reshard", *args])
     return res.exit_code, res.output
@@ -248,20 +278,29 @@ def _owner_of_chunks(ckpt: str) -> dict[str, set[tuple[str, int]]]:
         for spec in plan.buffers:
             for i, name in enumerate(spec.fqns):
                 if spec.placement.group == "edp":
-                    p = owner[int(name[len(name.rstrip("0123456789")):])]
-                    global_rank = lambda k, p=p: k * ep + p
+                    p = owner[int(name[len(name.rstrip("0123456789")) :])]
+
+                    def global_rank(k: int, p: int = p) -> int:
+                        return k * ep + p
+
                 else:
                     assert spec.placement.group == "dp"
-                    global_rank = lambda k: k
+
+                    def global_rank(k: int) -> int:
+                        return k
+
                 for key in [k for k in reader.keys() if k == f"model.{name}" or k.startswith(f"optim.{name}.")]:
                     md = reader.metadata.state_dict_metadata[key]
                     if tuple(md.size) != tuple(spec.shapes[i]):
                         continue  # AdamW's step
                     for index, info in reader.metadata.storage_data.items():
                         if index.fqn == key:
-                            start = sum(o * md.size[d + 1:].numel() for d, o in enumerate(index.offset))
-                            k = next(k for k in range(spec.layout.group_size)
-                                     if spec.layout.piece(i, k).start <= start < spec.layout.piece(i, k).end)
+                            start = sum(o * md.size[d + 1 :].numel() for d, o in enumerate(index.offset))
+                            k = next(
+                                k
+                                for k in range(spec.layout.group_size)
+                                if spec.layout.piece(i, k).start <= start < spec.layout.piece(i, k).end
+                            )
                             out.setdefault(key, set()).add((info.relative_path, global_rank(k)))
     return out
 
@@ -294,7 +333,9 @@ def test_reshard_ep_offline_then_load_online(ranks, source, tmp_path):
     src = source["path"]
     for world, ep, via_subprocess in ((4, 2, False), (2, 1, False), (3, 3, True)):
         dst, native = str(tmp_path / f"w{world}_ep{ep}"), str(tmp_path / f"native_w{world}_ep{ep}")
-        code, output = _reshard_cli(src, dst, "--world-size", str(world), "--ep", str(ep), subprocess_run=via_subprocess)
+        code, output = _reshard_cli(
+            src, dst, "--world-size", str(world), "--ep", str(ep), subprocess_run=via_subprocess
+        )
         assert code == 0, output
         assert f"in {world} file(s) for world size {world}, EP size {ep}" in output
         assert verify_checkpoint(dst) == [] and diff_checkpoints(src, dst).equal
@@ -317,7 +358,9 @@ def test_reshard_ep_offline_then_load_online(ranks, source, tmp_path):
             assert any(k.startswith("model.") and ".experts." in k for k in own), (r, sorted(own)[:5])
             shared = o["opened"].pop("__0_0.distcp", set())
             assert not o["opened"], (r, o["opened"].keys())  # no other rank's file
-            assert all(k.startswith("extra.") or k == "optim.param_groups" or k.endswith(".step") for k in shared), shared
+            assert all(k.startswith("extra.") or k == "optim.param_groups" or k.endswith(".step") for k in shared), (
+                shared
+            )
         # the runtime at (world, ep) records the plan reshard computed
         with CheckpointReader(native) as reader:
             assert reader.manifest["writer"]["plan"] == writer["plan"]
@@ -340,14 +383,17 @@ def _dense_checkpoint(path: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--world-size", "4", "--ep", "3"], "--ep 3 does not divide --world-size 4"),
-    (["--world-size", "10", "--ep", "5"], "--ep 5 does not divide the number of experts in the checkpoint, 12"),
-    (["--world-size", "24", "--ep", "24"], "--ep 24 exceeds the number of experts in the checkpoint, 12"),
-    (["--world-size", "4", "--ep", "0"], "--ep must be >= 1, got 0"),
-    (["--world-size", "2"], "the source's EP size 4 (pass --ep) does not divide --world-size 2"),
-    (["--world-size", "4", "--ep", "2", "--dense"], "--ep 2: the checkpoint has no experts"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--world-size", "4", "--ep", "3"], "--ep 3 does not divide --world-size 4"),
+        (["--world-size", "10", "--ep", "5"], "--ep 5 does not divide the number of experts in the checkpoint, 12"),
+        (["--world-size", "24", "--ep", "24"], "--ep 24 exceeds the number of experts in the checkpoint, 12"),
+        (["--world-size", "4", "--ep", "0"], "--ep must be >= 1, got 0"),
+        (["--world-size", "2"], "the source's EP size 4 (pass --ep) does not divide --world-size 2"),
+        (["--world-size", "4", "--ep", "2", "--dense"], "--ep 2: the checkpoint has no experts"),
+    ],
+)
 def test_reshard_refuses_ep_it_cannot_place(source, tmp_path, args, needle):
     src = source["path"]
     if "--dense" in args:
@@ -361,12 +407,15 @@ def test_reshard_refuses_ep_it_cannot_place(source, tmp_path, args, needle):
 
 
 def test_reshard_refuses_through_a_subprocess(source, tmp_path):
-    code, output = _reshard_cli(source["path"], str(tmp_path / "out"), "--world-size", "6", "--ep", "4", subprocess_run=True)
+    code, output = _reshard_cli(
+        source["path"], str(tmp_path / "out"), "--world-size", "6", "--ep", "4", subprocess_run=True
+    )
     assert code == 1 and output.strip() == "error: --ep 4 does not divide --world-size 6", output
     assert not (tmp_path / "out").exists()
 
 
 # ---- failed loads: refused alike on every rank, nothing changes ---------------------------------
+
 
 def _without(src: str, path: str, drop: set[str]) -> str:
     """A copy of ``src`` without the keys ``drop`` (as a damaged or foreign checkpoint)."""
@@ -397,7 +446,9 @@ def _failed_loads(src: str, lacking: str) -> dict:
         except mfsdp_ckpt.CheckpointError as e:
             out[name] = f"{type(e).__name__}: {e}"
         after = state_of(model, optim)
-        out[f"{name}_unchanged"] = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+        out[f"{name}_unchanged"] = sorted(before) == sorted(after) and all(
+            torch.equal(before[k], after[k]) for k in before
+        )
     return out
 
 
@@ -427,6 +478,7 @@ def test_expert_count_mismatch_without_a_process_group(source):
 
 # ---- inspect -------------------------------------------------------------------------------
 
+
 def test_inspect_shows_the_expert_placement(source, tmp_path):
     res = CliRunner().invoke(main, ["inspect", source["path"]])
     assert res.exit_code == 0, res.output
@@ -436,10 +488,18 @@ def test_inspect_shows_the_expert_placement(source, tmp_path):
     code, output = _reshard_cli(source["path"], str(tmp_path / "w4_ep2"), "--world-size", "4", "--ep", "2")
     assert code == 0, output
     data = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(tmp_path / "w4_ep2")]).output)
-    assert data["experts"] == {"ep_size": 2, "num_experts": 12, "placement": [
-        {"ep_rank": 0, "ranks": [0, 2], "experts": list(range(6))},
-        {"ep_rank": 1, "ranks": [1, 3], "experts": list(range(6, 12))}]}
-    assert "  EP rank 1: ranks 1, 3; experts 6-11" in CliRunner().invoke(main, ["inspect", str(tmp_path / "w4_ep2")]).output
+    assert data["experts"] == {
+        "ep_size": 2,
+        "num_experts": 12,
+        "placement": [
+            {"ep_rank": 0, "ranks": [0, 2], "experts": list(range(6))},
+            {"ep_rank": 1, "ranks": [1, 3], "experts": list(range(6, 12))},
+        ],
+    }
+    assert (
+        "  EP rank 1: ranks 1, 3; experts 6-11"
+        in CliRunner().invoke(main, ["inspect", str(tmp_path / "w4_ep2")]).output
+    )
     assert inspect_checkpoint(_dense_checkpoint(str(tmp_path / "dense"))).experts is None
     assert "experts " not in CliRunner().invoke(main, ["inspect", str(tmp_path / "dense")]).output
 
@@ -464,8 +524,12 @@ def test_reshard_ep_of_an_moe_checkpoint_trained_without_ep(source, tmp_path):
         assert a.manifest["writer"]["plan"] == b.manifest["writer"]["plan"]
         assert a.manifest["writer"]["experts"] == b.manifest["writer"]["experts"]
     assert diff_checkpoints(plain, tmp_path / "plain_w4_ep2").equal
-    misplaced = [(k, f, r) for k, pairs in _owner_of_chunks(str(tmp_path / "plain_w4_ep2")).items() for f, r in pairs
-                 if f != f"__{r}_0.distcp"]
+    misplaced = [
+        (k, f, r)
+        for k, pairs in _owner_of_chunks(str(tmp_path / "plain_w4_ep2")).items()
+        for f, r in pairs
+        if f != f"__{r}_0.distcp"
+    ]
     assert not misplaced, misplaced[:5]
     # without --ep it stays as it was: experts over dp, no writer.experts
     code, output = _reshard_cli(plain, str(tmp_path / "plain_w3"), "--world-size", "3")
@@ -477,18 +541,24 @@ def test_reshard_ep_of_an_moe_checkpoint_trained_without_ep(source, tmp_path):
 
 # ---- pure parts: the manifest's writer.experts, merged optimizer groups -----------------------
 
-@pytest.mark.parametrize("experts, field, problem", [
-    ({"ep_size": 0, "owners": []}, "writer.experts.ep_size", "outside [1, 65536]"),
-    ({"ep_size": 2, "owners": [[0, 1]]}, "writer.experts.owners", "1 entries for EP size 2"),
-    ({"ep_size": 2, "owners": [[0, 1], [1, 2]]}, "writer.experts.owners[1]", "expert 1 is listed twice"),
-    ({"ep_size": 1, "owners": [[-1]]}, "writer.experts.owners[0][0]", "outside [0, 16777216]"),
-    ({"ep_size": 1, "owners": "all"}, "writer.experts.owners", "expected a list"),
-    ({"ep_size": 1}, "writer.experts.owners", "missing"),
-])
+
+@pytest.mark.parametrize(
+    "experts, field, problem",
+    [
+        ({"ep_size": 0, "owners": []}, "writer.experts.ep_size", "outside [1, 65536]"),
+        ({"ep_size": 2, "owners": [[0, 1]]}, "writer.experts.owners", "1 entries for EP size 2"),
+        ({"ep_size": 2, "owners": [[0, 1], [1, 2]]}, "writer.experts.owners[1]", "expert 1 is listed twice"),
+        ({"ep_size": 1, "owners": [[-1]]}, "writer.experts.owners[0][0]", "outside [0, 16777216]"),
+        ({"ep_size": 1, "owners": "all"}, "writer.experts.owners", "expected a list"),
+        ({"ep_size": 1}, "writer.experts.owners", "missing"),
+    ],
+)
 def test_manifest_schema_bounds_writer_experts(experts, field, problem):
     from mfsdp_ckpt.manifest_schema import check_manifest
 
-    check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": {"ep_size": 2, "owners": [[0], [1]]}}}, "m")
+    check_manifest(
+        {"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": {"ep_size": 2, "owners": [[0], [1]]}}}, "m"
+    )
     with pytest.raises(mfsdp_ckpt.CorruptCheckpointError) as e:
         check_manifest({"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": experts}}, "m")
     assert str(e.value).startswith(f"m: field '{field}': ") and problem in str(e.value), str(e.value)
@@ -497,15 +567,38 @@ def test_manifest_schema_bounds_writer_experts(experts, field, problem):
 def test_merged_param_groups_name_every_parameter_in_model_order():
     from mfsdp_ckpt.experts import merge_param_groups
 
-    rank0 = [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},
-             {"lr": 0.2, "params": ["c"]}]
-    rank1 = [{"lr": 0.1, "params": ["a", "x.experts.w2", "x.experts.w3", "x.experts.v2", "x.experts.v3", "b"]},
-             {"lr": 0.2, "params": ["c"]}]
+    rank0 = [
+        {"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},
+        {"lr": 0.2, "params": ["c"]},
+    ]
+    rank1 = [
+        {"lr": 0.1, "params": ["a", "x.experts.w2", "x.experts.w3", "x.experts.v2", "x.experts.v3", "b"]},
+        {"lr": 0.2, "params": ["c"]},
+    ]
     merged = merge_param_groups([rank0, rank1])
-    assert merged == [{"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.w2", "x.experts.w3",
-                                             "x.experts.v0", "x.experts.v1", "x.experts.v2", "x.experts.v3", "b"]},
-                      {"lr": 0.2, "params": ["c"]}]
-    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: the optimizer has 2 parameter group\(s\) on rank 0 but 1 on rank 1"):
+    assert merged == [
+        {
+            "lr": 0.1,
+            "params": [
+                "a",
+                "x.experts.w0",
+                "x.experts.w1",
+                "x.experts.w2",
+                "x.experts.w3",
+                "x.experts.v0",
+                "x.experts.v1",
+                "x.experts.v2",
+                "x.experts.v3",
+                "b",
+            ],
+        },
+        {"lr": 0.2, "params": ["c"]},
+    ]
+    with pytest.raises(
+        mfsdp_ckpt.CheckpointError, match=r"^save: the optimizer has 2 parameter group\(s\) on rank 0 but 1 on rank 1"
+    ):
         merge_param_groups([rank0, rank1[:1]])
-    with pytest.raises(mfsdp_ckpt.CheckpointError, match=r"^save: optimizer param_groups\[1\] differs between rank 0 and rank 1 in lr"):
+    with pytest.raises(
+        mfsdp_ckpt.CheckpointError, match=r"^save: optimizer param_groups\[1\] differs between rank 0 and rank 1 in lr"
+    ):
         merge_param_groups([rank0, [rank1[0], {"lr": 0.3, "params": ["c"]}]])

@@ -141,8 +141,6 @@ def test_metadata_that_would_run_code_is_refused(ranks, ckpt, tmp_path):
     assert not victim.exists()
 
 
-
-
 def _load_mismatched(path: str, kind: str) -> dict:
     if kind == "model":
         model = shard_model(make_model("mlp"))  # other parameter names
@@ -264,8 +262,10 @@ def test_load_refuses_overlapping_chunks_whose_sizes_add_up(ranks, tmp_path):
         metadata = pickle.load(f)  # the test's own file, just written
     md = metadata.state_dict_metadata[key]
     rows, cols = md.size
-    md.chunks[:] = [ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((2, cols))),
-                    ChunkStorageMetadata(torch.Size((1, 0)), torch.Size((rows - 2, cols)))]
+    md.chunks[:] = [
+        ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((2, cols))),
+        ChunkStorageMetadata(torch.Size((1, 0)), torch.Size((rows - 2, cols))),
+    ]
     with open(meta, "wb") as f:
         pickle.dump(metadata, f)
     out = ranks(_load_stock, 2, path, timeout=300)
@@ -288,9 +288,13 @@ def test_stock_dcp_reads_the_latest_checkpoint_link(tmp_path):
     link = root / "latest-checkpoint"
     assert link.is_symlink() and os.readlink(link) == "step_2"
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # no partial link left behind
-    state = {k: torch.empty_like(p.detach()) for k, p in
-             ((f"model.{n}", p) for n, p in make_model("transformer", seed=5).named_parameters())}
+    state = {
+        k: torch.empty_like(p.detach())
+        for k, p in ((f"model.{n}", p) for n, p in make_model("transformer", seed=5).named_parameters())
+    }
     dcp.load(state, checkpoint_id=str(link), no_dist=True)
-    assert all(torch.equal(state[f"model.{n}"], p.detach()) for n, p in make_model("transformer", seed=5).named_parameters())
+    assert all(
+        torch.equal(state[f"model.{n}"], p.detach()) for n, p in make_model("transformer", seed=5).named_parameters()
+    )
     assert [e.name for e in list_checkpoints(str(root))] == ["step_1", "step_2"]
     assert mfsdp_ckpt.load(str(link), model)["step"] == 2

@@ -46,7 +46,7 @@ def our_model(ckpt: str) -> GPTModel:
     """Our GPTModel with the weights of canonical checkpoint ``ckpt``."""
     with CheckpointReader(ckpt) as reader:
         model = GPTModel(GPTConfig.from_dict(reader.manifest["model_config"]))
-        model.load_state_dict({k[len("model."):]: reader.read(k) for k in reader.keys() if k.startswith("model.")})
+        model.load_state_dict({k[len("model.") :]: reader.read(k) for k in reader.keys() if k.startswith("model.")})
     return model.eval()
 
 
@@ -61,7 +61,11 @@ def stock_read(directory: str) -> dict[str, object]:
     md = reader.read_metadata()
     state: dict[str, object] = {}
     for key, m in md.state_dict_metadata.items():
-        state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else io.BytesIO()
+        state[key] = (
+            torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            if isinstance(m, TensorStorageMetadata)
+            else io.BytesIO()
+        )
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
@@ -138,7 +142,10 @@ def test_round_trip_is_bitwise_per_tensor(name, tmp_path):
     assert json.loads((tmp_path / "back" / "metadata.json").read_text())["common_backend"] == "torch"
     # and the export imports again without --config (it carries mcore_args.json)
     again = import_mcore(tmp_path / "back", tmp_path / "again")
-    assert again.model_config == import_mcore(fixture(name), tmp_path / "c2", config=fixture(name) + ".config.json").model_config
+    assert (
+        again.model_config
+        == import_mcore(fixture(name), tmp_path / "c2", config=fixture(name) + ".config.json").model_config
+    )
 
 
 def test_inspect_shows_an_mcore_checkpoint(tmp_path):

@@ -24,8 +24,13 @@ PYTHON = os.environ.get("MFSDP_MCORE_PYTHON") or sys.executable
 pytestmark = [pytest.mark.mcore_env, pytest.mark.heavy]
 
 #: (fixture, world size, tp, pp, ep)
-CASES = [("dense", 1, 1, 1, 1), ("dense", 2, 2, 1, 1), ("moe_ep2", 1, 1, 1, 1), ("moe_ep2", 2, 1, 1, 2),
-         ("pp2", 2, 1, 2, 1)]
+CASES = [
+    ("dense", 1, 1, 1, 1),
+    ("dense", 2, 2, 1, 1),
+    ("moe_ep2", 1, 1, 1, 1),
+    ("moe_ep2", 2, 1, 1, 2),
+    ("pp2", 2, 1, 2, 1),
+]
 
 
 @pytest.mark.parametrize("name, world, tp, pp, ep", CASES)
@@ -34,9 +39,23 @@ def test_megatron_loads_export_mcore_output(name, world, tp, pp, ep, tmp_path):
     import_mcore(src, tmp_path / "ckpt", world_size=3, config=src + ".config.json")  # MCore -> ours, 3 ranks
     export_mcore(tmp_path / "ckpt", tmp_path / "back")  # ours -> MCore
     torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={world}", os.path.join(FIXTURES, "generate.py"),
-                           "--check-load", name, str(tmp_path / "back"), str(tp), str(pp), str(ep)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={world}",
+            os.path.join(FIXTURES, "generate.py"),
+            "--check-load",
+            name,
+            str(tmp_path / "back"),
+            str(tp),
+            str(pp),
+            str(ep),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = re.findall(r"LOADED \S+ world \d+ tp \d+ pp \d+ ep \d+ rank (\d+)", proc.stdout)
     assert sorted(ranks) == [str(r) for r in range(world)], proc.stdout

@@ -26,7 +26,12 @@ from mfsdp_core.models.gpt import GPTConfig, GPTModel
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE = os.path.join(ROOT, "fixtures", "mcore", "dense")
 HEADS = {"num_attention_heads": 4}
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 def stacked_state(cfg: GPTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,18 +63,32 @@ def write_mcore(directory: str, state: dict, common: dict | None = None, backend
     return directory
 
 
-SMALL = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                  ffn_hidden_size=64, seq_length=32)
+SMALL = GPTConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=64,
+    seq_length=32,
+)
 
 
 def test_fully_reshardable_optimizer_state_maps_to_optim_keys(tmp_path):
     state = stacked_state(SMALL)
     torch.manual_seed(1)
-    optim = {f"optimizer.state.{s}.{k}": torch.randn_like(v) for k, v in state.items() for s in ("exp_avg", "exp_avg_sq")}
+    optim = {
+        f"optimizer.state.{s}.{k}": torch.randn_like(v) for k, v in state.items() for s in ("exp_avg", "exp_avg_sq")
+    }
     optim.update({f"optimizer.state.param.{k}": v.clone() for k, v in state.items()})  # fp32 main params, same dtype
     src = write_mcore(str(tmp_path / "src"), {**state, **optim})
     result = import_mcore(src, tmp_path / "ckpt", config=HEADS)
-    assert [n for n in result.notices if "main params of the weights' own dtype" in n and n.startswith(f"left out {len(state)} ")]
+    assert [
+        n
+        for n in result.notices
+        if "main params of the weights' own dtype" in n and n.startswith(f"left out {len(state)} ")
+    ]
     with CheckpointReader(tmp_path / "ckpt") as reader:
         assert reader.manifest["has_optimizer"]
         qkv = "decoder.layers.self_attention.linear_qkv.weight"
@@ -78,12 +97,19 @@ def test_fully_reshardable_optimizer_state_maps_to_optim_keys(tmp_path):
             assert torch.equal(reader.read(f"optim.{fqn}.exp_avg"), optim[f"optimizer.state.exp_avg.{qkv}"][layer])
             assert torch.equal(reader.read(f"model.{fqn}"), state[qkv][layer])
         assert not [k for k in reader.keys() if k.endswith(".main_param")]
-        assert len([k for k in reader.keys() if k.endswith(".exp_avg_sq")]) == len([k for k in reader.keys() if k.startswith("model.")])
+        assert len([k for k in reader.keys() if k.endswith(".exp_avg_sq")]) == len(
+            [k for k in reader.keys() if k.startswith("model.")]
+        )
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
 
 
 def _refused(tmp_path, src: str, *extra: str) -> str:
@@ -127,19 +153,28 @@ def test_refuses_extra_state_holding_fp8_metadata(tmp_path, kind):
 
 
 def test_refuses_unknown_backend(tmp_path):
-    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), backend={"sharded_backend": "zarr", "sharded_backend_version": 1})
+    src = write_mcore(
+        str(tmp_path / "src"), stacked_state(SMALL), backend={"sharded_backend": "zarr", "sharded_backend_version": 1}
+    )
     line = _refused(tmp_path, src, "--config", _config(tmp_path, HEADS))
     assert "metadata.json" in line and "sharded_backend 'zarr'" in line
 
 
 CONFLICTS = [
     ({"num_attention_heads": 4, "hidden_size": 64}, "hidden_size", "embedding.word_embeddings.weight"),
-    ({"num_attention_heads": 4, "num_query_groups": 4}, "num_query_groups", "decoder.layers.self_attention.linear_qkv.weight"),
+    (
+        {"num_attention_heads": 4, "num_query_groups": 4},
+        "num_query_groups",
+        "decoder.layers.self_attention.linear_qkv.weight",
+    ),
     ({"kv_channels": 12}, "kv_channels=12", "decoder.layers.self_attention.linear_qkv.weight"),
     ({"num_attention_heads": 4, "ffn_hidden_size": 32}, "ffn_hidden_size", "decoder.layers.mlp.linear_fc2.weight"),
     ({"num_attention_heads": 4, "num_layers": 3}, "num_layers", "decoder.layers.self_attention.linear_qkv.weight"),
-    ({"num_attention_heads": 4, "untie_embeddings_and_output_weights": False}, "untie_embeddings_and_output_weights",
-     "output_layer.weight"),
+    (
+        {"num_attention_heads": 4, "untie_embeddings_and_output_weights": False},
+        "untie_embeddings_and_output_weights",
+        "output_layer.weight",
+    ),
 ]
 
 
@@ -184,8 +219,16 @@ def test_cli_import_and_export_mcore(tmp_path):
 def test_stacked_reads_never_hold_a_whole_stack(tmp_path):
     """Each stacked tensor saved as ONE chunk (plain dcp.save): the reader must read only the
     layer's bytes of it. Measured: the largest single read and the total bytes read."""
-    cfg = GPTConfig(vocab_size=64, hidden_size=256, num_layers=8, num_attention_heads=4, num_query_groups=2,
-                    kv_channels=64, ffn_hidden_size=1024, seq_length=32)
+    cfg = GPTConfig(
+        vocab_size=64,
+        hidden_size=256,
+        num_layers=8,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=64,
+        ffn_hidden_size=1024,
+        seq_length=32,
+    )
     state = stacked_state(cfg)
     src = write_mcore(str(tmp_path / "src"), state)
     md = dcp.FileSystemReader(src).read_metadata()
@@ -230,8 +273,13 @@ print(json.dumps({"grown": max(peak[0], rss()) - base, "largest_read": r.largest
 
 
 def _measure(src: str, dst: str, mode: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, src, dst, mode], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, src, dst, mode],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -242,15 +290,25 @@ def test_peak_memory_of_import_is_one_layer_not_the_stack(tmp_path):
     it was just before, on stacks of 256 MiB saved as one chunk each (16 layers of 16 MiB):
     below a quarter of one stack. The same measurement with slice reads switched off (every
     chunk read whole) exceeds a whole stack: the bound is the slice reads' doing."""
-    cfg = GPTConfig(vocab_size=64, hidden_size=512, num_layers=16, num_attention_heads=8, num_query_groups=2,
-                    kv_channels=64, ffn_hidden_size=4096, seq_length=32)
+    cfg = GPTConfig(
+        vocab_size=64,
+        hidden_size=512,
+        num_layers=16,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=64,
+        ffn_hidden_size=4096,
+        seq_length=32,
+    )
     src = write_mcore(str(tmp_path / "src"), stacked_state(cfg))
     stack = 16 * 2 * 4096 * 512 * 4
     sliced = _measure(src, str(tmp_path / "a"), "slices")
     whole = _measure(src, str(tmp_path / "b"), "whole")
-    print(f"stack {stack >> 20} MiB, one layer {stack // 16 >> 20} MiB; RSS growth during import: "
-          f"{sliced['grown'] / 2**20:.1f} MiB with slice reads (largest read {sliced['largest_read'] >> 20} MiB), "
-          f"{whole['grown'] / 2**20:.1f} MiB reading whole chunks (largest read {whole['largest_read'] >> 20} MiB)")
+    print(
+        f"stack {stack >> 20} MiB, one layer {stack // 16 >> 20} MiB; RSS growth during import: "
+        f"{sliced['grown'] / 2**20:.1f} MiB with slice reads (largest read {sliced['largest_read'] >> 20} MiB), "
+        f"{whole['grown'] / 2**20:.1f} MiB reading whole chunks (largest read {whole['largest_read'] >> 20} MiB)"
+    )
     assert sliced["largest_read"] <= stack // 16 < whole["largest_read"]
     assert sliced["grown"] < stack // 4 < stack <= whole["grown"], (sliced, whole)
 
@@ -289,9 +347,13 @@ def test_a_common_pt_that_is_not_plain_data_is_left_out_with_a_notice(tmp_path):
     its args): nothing of it is unpickled further, the weights still import, a notice says so."""
     import datetime
 
-    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 5, "when": datetime.date(2026, 1, 1)})
+    src = write_mcore(
+        str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 5, "when": datetime.date(2026, 1, 1)}
+    )
     result = import_mcore(src, tmp_path / "ckpt", config=HEADS)
-    assert result.step is None and any(n.startswith("common.pt not carried: not loadable as plain data") for n in result.notices)
+    assert result.step is None and any(
+        n.startswith("common.pt not carried: not loadable as plain data") for n in result.notices
+    )
     with CheckpointReader(tmp_path / "ckpt") as reader:
         assert not [k for k in reader.keys() if k.startswith("extra.")]
 
@@ -301,10 +363,19 @@ def test_megatron_lm_args_in_common_pt_give_the_config(tmp_path):
     come from it (no --config), and it is carried as a plain dict in extra.args."""
     import argparse
 
-    args = argparse.Namespace(num_attention_heads=4, num_query_groups=2, rotary_base=500000, norm_epsilon=1e-6,
-                              seq_length=32, swiglu=True, normalization="RMSNorm", untie_embeddings_and_output_weights=True)
-    src = write_mcore(str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 11, "checkpoint_version": 3.0,
-                                                                           "args": args})
+    args = argparse.Namespace(
+        num_attention_heads=4,
+        num_query_groups=2,
+        rotary_base=500000,
+        norm_epsilon=1e-6,
+        seq_length=32,
+        swiglu=True,
+        normalization="RMSNorm",
+        untie_embeddings_and_output_weights=True,
+    )
+    src = write_mcore(
+        str(tmp_path / "src"), stacked_state(SMALL), common={"iteration": 11, "checkpoint_version": 3.0, "args": args}
+    )
     result = import_mcore(src, tmp_path / "ckpt")
     assert result.step == 11 and result.assumed == []
     assert result.model_config["rotary_base"] == 500000 and result.model_config["norm_epsilon"] == 1e-6
@@ -317,8 +388,15 @@ def test_megatron_lm_vocab_and_length_arguments():
     and seq_length next to max_position_embeddings: the padded size and the longer length count."""
     from mfsdp_ckpt.mcore.config import _normalised
 
-    out = _normalised({"vocab_size": 50257, "padded_vocab_size": 50304, "seq_length": 2048, "max_position_embeddings": 4096,
-                       "layernorm_epsilon": 1e-6})
+    out = _normalised(
+        {
+            "vocab_size": 50257,
+            "padded_vocab_size": 50304,
+            "seq_length": 2048,
+            "max_position_embeddings": 4096,
+            "layernorm_epsilon": 1e-6,
+        }
+    )
     assert out["vocab_size"] == 50304 and out["seq_length"] == 4096 and out["norm_epsilon"] == 1e-6
 
 
@@ -332,13 +410,39 @@ def test_canonical_to_mcore_and_back_for_other_model_variants(tmp_path, variant)
     from mfsdp_ckpt.streaming import CheckpointBuilder
 
     if variant == "shared-qknorm-bias-tied":
-        cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=1, kv_channels=8,
-                        ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
-                        moe_shared_expert_ffn_hidden_size=24, qk_layernorm=True, add_qkv_bias=True, tie_embeddings=True,
-                        rotary_base=1e6, norm_epsilon=1e-6, seq_length=128)
+        cfg = GPTConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=2,
+            num_attention_heads=4,
+            num_query_groups=1,
+            kv_channels=8,
+            ffn_hidden_size=48,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=16,
+            moe_shared_expert_ffn_hidden_size=24,
+            qk_layernorm=True,
+            add_qkv_bias=True,
+            tie_embeddings=True,
+            rotary_base=1e6,
+            norm_epsilon=1e-6,
+            seq_length=128,
+        )
     else:
-        cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_attention_heads=2, num_query_groups=2, kv_channels=16,
-                        ffn_hidden_size=16, num_experts=3, moe_router_topk=1, moe_ffn_hidden_size=16, moe_score_func="sigmoid")
+        cfg = GPTConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=3,
+            num_attention_heads=2,
+            num_query_groups=2,
+            kv_channels=16,
+            ffn_hidden_size=16,
+            num_experts=3,
+            moe_router_topk=1,
+            moe_ffn_hidden_size=16,
+            moe_score_func="sigmoid",
+        )
     torch.manual_seed(0)
     model = GPTModel(cfg)
     with CheckpointBuilder(tmp_path / "ours", {"model_config": cfg.to_dict(), "step": 9, "versions": versions()}) as b:
@@ -358,8 +462,19 @@ def test_canonical_to_mcore_and_back_for_other_model_variants(tmp_path, variant)
 def test_slices_of_single_chunk_expert_stacks_are_the_right_bytes(tmp_path):
     """(L, E, ...) expert stacks saved as one chunk: each (layer, expert) slice read from the raw
     record is that expert's weight."""
-    cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                    ffn_hidden_size=16, num_experts=5, moe_router_topk=2, moe_ffn_hidden_size=8, seq_length=32)
+    cfg = GPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=16,
+        num_experts=5,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        seq_length=32,
+    )
     src = write_mcore(str(tmp_path / "src"), stacked_state(cfg, seed=3))
     result = import_mcore(src, tmp_path / "ckpt", config={**HEADS, "moe_router_topk": 2})
     assert result.largest_read <= 64 * 32 * 4 + 4096  # the embedding table read whole: its record, headers included

@@ -24,8 +24,21 @@ from .test_mcore import fixture, our_model
 def test_training_starts_from_an_imported_mcore_checkpoint_on_3_ranks(tmp_path):
     result = import_mcore(fixture("moe_ep2"), tmp_path / "w3", world_size=3, config=fixture("moe_ep2") + ".config.json")
     assert len([n for n in os.listdir(result.path) if n.endswith(".distcp")]) == 3
-    run = run_train(3, "--steps", "4", "--batch-size", "6", "--seq-len", "16", "--log-every", "100",
-                    "--init-from", result.path, "--metrics", str(tmp_path / "m.jsonl"))
+    run = run_train(
+        3,
+        "--steps",
+        "4",
+        "--batch-size",
+        "6",
+        "--seq-len",
+        "16",
+        "--log-every",
+        "100",
+        "--init-from",
+        result.path,
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert run.returncode == 0, failure(run)
     losses = [json.loads(line)["loss"] for line in open(tmp_path / "m.jsonl") if line.strip()]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)

@@ -18,8 +18,11 @@ from mfsdp_ckpt.manifest_schema import check_manifest
 from mfsdp_ckpt.model_source import describe_source, model_source_of
 from tests.mfsdp_ckpt.util import build
 
-HF_RECORD = {"kind": "transformers", "class": "LlamaForCausalLM",
-             "config": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32}}
+HF_RECORD = {
+    "kind": "transformers",
+    "class": "LlamaForCausalLM",
+    "config": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32},
+}
 
 
 def _save_both(root: str) -> None:
@@ -44,12 +47,23 @@ def test_save_records_the_source_and_inspect_shows_it(ranks, tmp_path):
 def test_older_manifests_and_unknown_kinds():
     assert model_source_of({"model_config": {"num_layers": 2}}) == {"kind": "mfsdp-gpt", "config": {"num_layers": 2}}
     assert model_source_of({"model_config": None}) is None and describe_source(None) == "unknown"
-    assert describe_source({"kind": "megatron-core", "args": {"num_layers": 2, "hidden_size": 64, "num_experts": 4},
-                            "layer_spec": "local"}) == "megatron-core GPTModel (local spec, 2 layers, hidden 64, 4 experts)"
+    assert (
+        describe_source(
+            {
+                "kind": "megatron-core",
+                "args": {"num_layers": 2, "hidden_size": 64, "num_experts": 4},
+                "layer_spec": "local",
+            }
+        )
+        == "megatron-core GPTModel (local spec, 2 layers, hidden 64, 4 experts)"
+    )
     base = {"format": "mfsdp-ckpt", "chunks": {}}
     check_manifest({**base, "model_source": HF_RECORD}, "m")
-    with pytest.raises(CorruptCheckpointError, match=r"m: field 'model_source.kind': keras is not one of mfsdp-gpt, "
-                                                     r"megatron-core, transformers"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"m: field 'model_source.kind': keras is not one of mfsdp-gpt, "
+        r"megatron-core, transformers",
+    ):
         check_manifest({**base, "model_source": {"kind": "keras"}}, "m")
     with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.kind': missing"):
         check_manifest({**base, "model_source": {"class": "X"}}, "m")

@@ -67,7 +67,6 @@ def _resume(src: str, policy: str, first: int, last: int) -> dict:
     return {"state": owned_state(model, optim), "losses": losses}
 
 
-
 def _equal(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for key in a:
@@ -79,16 +78,24 @@ def test_tensor_to_even_to_tensor_is_bitwise_online_and_offline(ranks, tmp_path)
     """tensor@3 -> even@2 -> tensor@4: params, Muon momentum and AdamW state bitwise equal at each
     hop; the same through `mfsdp-ckpt reshard` (tensor@3 -> even@2, and even@2 -> tensor@4)."""
     a = joined([r["state"] for r in ranks(_train_save, 3, str(tmp_path / "a"), "tensor", 3, timeout=300)])
-    assert sum(k.endswith(".momentum_buffer") for k in a) == sum(uses_muon(n, p) for n, p in GPTModel(CONFIG).named_parameters())
-    b = joined([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "a"), str(tmp_path / "b"), "even", timeout=300)])
+    assert sum(k.endswith(".momentum_buffer") for k in a) == sum(
+        uses_muon(n, p) for n, p in GPTModel(CONFIG).named_parameters()
+    )
+    b = joined(
+        [r["state"] for r in ranks(_load_save, 2, str(tmp_path / "a"), str(tmp_path / "b"), "even", timeout=300)]
+    )
     _equal(a, b)
     c = joined([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "b"), None, "tensor", timeout=300)])
     _equal(a, c)
-    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "a"), str(tmp_path / "offline"), "--world-size", "2", "--policy", "even"])
+    result = CliRunner().invoke(
+        cli, ["reshard", str(tmp_path / "a"), str(tmp_path / "offline"), "--world-size", "2", "--policy", "even"]
+    )
     assert result.exit_code == 0, result.output
     d = joined([r["state"] for r in ranks(_load_save, 2, str(tmp_path / "offline"), None, "even", timeout=300)])
     _equal(a, d)
-    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "b"), str(tmp_path / "back"), "--world-size", "4", "--policy", "tensor"])
+    result = CliRunner().invoke(
+        cli, ["reshard", str(tmp_path / "b"), str(tmp_path / "back"), "--world-size", "4", "--policy", "tensor"]
+    )
     assert result.exit_code == 0, result.output
     e = joined([r["state"] for r in ranks(_load_save, 4, str(tmp_path / "back"), None, "tensor", timeout=300)])
     _equal(a, e)

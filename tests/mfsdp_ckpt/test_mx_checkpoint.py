@@ -47,7 +47,9 @@ def _build(strategy: str = "optim_grads_params", bf16: bool = False, fmt: MXForm
     return model, fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
 
 
-def _train_and_save(path: str, strategy: str = "optim_grads_params", bf16: bool = False, corrupt_plane: bool = False) -> dict:
+def _train_and_save(
+    path: str, strategy: str = "optim_grads_params", bf16: bool = False, corrupt_plane: bool = False
+) -> dict:
     model, optim = _build(strategy, bf16)
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(2):
@@ -149,7 +151,9 @@ def test_model_only_checkpoint_of_a_bf16_model_loads_its_planes_as_saved(ranks, 
     fqn = "decoder.layers.0.mlp.linear_fc1.weight"
     rounded = loaded[f"main.{fqn}"].view(256, 64)  # the bf16 weights, as fp32 main params now
     assert torch.equal(rounded, rounded.bfloat16().float())
-    differs = not torch.equal(quantize(rounded, MXFormat(), "row")[0].reshape(-1).view(torch.uint8), saved[f"mx.{fqn}.rowwise_data"])
+    differs = not torch.equal(
+        quantize(rounded, MXFormat(), "row")[0].reshape(-1).view(torch.uint8), saved[f"mx.{fqn}.rowwise_data"]
+    )
     assert differs  # deriving from the rounded weights would not give the saved planes
 
 
@@ -168,7 +172,9 @@ def test_offline_reshard_cuts_planes_on_block_boundaries(ranks, tmp_path, world)
             size = md[key].size
             rows_per_block = 1 if plane == "columnwise_scale" else 32
             for chunk in md[key].chunks:
-                assert chunk.offsets[0] % rows_per_block == 0 and (chunk.offsets[0] + chunk.sizes[0]) % rows_per_block in (0, size[0] % rows_per_block), (key, chunk)
+                assert chunk.offsets[0] % rows_per_block == 0 and (
+                    chunk.offsets[0] + chunk.sizes[0]
+                ) % rows_per_block in (0, size[0] % rows_per_block), (key, chunk)
     files = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".distcp"))
     assert len(files) == world
     loaded = joined(ranks(_load, world, str(tmp_path / "out"), timeout=300))
@@ -178,9 +184,14 @@ def test_offline_reshard_cuts_planes_on_block_boundaries(ranks, tmp_path, world)
 
 def test_reshard_refuses_a_policy_that_splits_blocks(ranks, tmp_path):
     ranks(_train_and_save, 3, str(tmp_path / "ckpt"), timeout=300)
-    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--world-size", "2", "--policy", "row"])
+    result = CliRunner().invoke(
+        cli, ["reshard", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--world-size", "2", "--policy", "row"]
+    )
     assert result.exit_code != 0 and result.output.count("\n") <= 2, result.output
-    assert "--policy row: parameter 'decoder.layers.0.self_attention.linear_qkv.weight': policy row can split its 32-row blocks" in result.output
+    assert (
+        "--policy row: parameter 'decoder.layers.0.self_attention.linear_qkv.weight': policy row can split its 32-row blocks"
+        in result.output
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -189,8 +200,14 @@ def test_inspect_lists_mx_tensors_with_format_and_rule(ranks, tmp_path):
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "ckpt")])
     assert text.exit_code == 0, text.output
     assert "mx          8 MXFP8 tensor(s), mxfp8 e4m3 floor, 32-element blocks" in text.output
-    assert "decoder.layers.0.mlp.linear_fc1.weight 256x64 mxfp8 e4m3 floor: columnwise_data, columnwise_scale, rowwise_data, rowwise_scale" in text.output
+    assert (
+        "decoder.layers.0.mlp.linear_fc1.weight 256x64 mxfp8 e4m3 floor: columnwise_data, columnwise_scale, rowwise_data, rowwise_scale"
+        in text.output
+    )
     as_json = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "ckpt"), "--json"]).output)
-    assert {m["fqn"]: (m["element"], m["rule"]) for m in as_json["mx"]}["decoder.layers.1.mlp.linear_fc2.weight"] == ("e4m3", "floor")
+    assert {m["fqn"]: (m["element"], m["rule"]) for m in as_json["mx"]}["decoder.layers.1.mlp.linear_fc2.weight"] == (
+        "e4m3",
+        "floor",
+    )
     assert os.path.isdir(tmp_path / "ckpt")
     shutil.rmtree(tmp_path / "ckpt")

@@ -31,8 +31,11 @@ def _shard(model, kind: str):
     """fc1, fc2, then the root; each unit's placement function sees names relative to its unit,
     so it is made for that unit's path."""
     for path, unit in (("fc1.", model.fc1), ("fc2.", model.fc2), ("", model)):
-        fully_shard(unit, strategy="optim_grads",
-                    placement=lambda name, param, path=path: Placement("tensor" if path + name == WHOLE[kind] else "row"))
+        fully_shard(
+            unit,
+            strategy="optim_grads",
+            placement=lambda name, param, path=path: Placement("tensor" if path + name == WHOLE[kind] else "row"),
+        )
     return model
 
 
@@ -46,11 +49,18 @@ def _save_with(kind: str, path: str) -> dict:
     train_steps(model, optim, 0, 1)
     mfsdp_ckpt.save(path, model, optim)
     runtime = {n: str(buf.spec.policy) for buf in buffers_of(model) for n in buf.names}
-    layouts_ok = all(buf.layout == compute_layout(buf.layout.shapes, dist.get_world_size(), buf.spec.policy)
-                     for buf in buffers_of(model))
-    described = {ps.fqn: (str(ps.policy), ps.owned,
-                          (ps.layout.piece(ps.index, dist.get_rank()).start, ps.layout.piece(ps.index, dist.get_rank()).end))
-                 for ps in describe_shards(model, optim)}
+    layouts_ok = all(
+        buf.layout == compute_layout(buf.layout.shapes, dist.get_world_size(), buf.spec.policy)
+        for buf in buffers_of(model)
+    )
+    described = {
+        ps.fqn: (
+            str(ps.policy),
+            ps.owned,
+            (ps.layout.piece(ps.index, dist.get_rank()).start, ps.layout.piece(ps.index, dist.get_rank()).end),
+        )
+        for ps in describe_shards(model, optim)
+    }
     return {"runtime": runtime, "layouts_ok": layouts_ok, "described": described, "plan": plan_of(model).to_dict()}
 
 

@@ -43,7 +43,9 @@ def _load_all(root: str, truth: dict) -> list[str]:
             for key, (lo, hi, values) in got.items():
                 want = expected[key].reshape(-1)[lo:hi]
                 if not torch.equal(values, want):
-                    failures.append(f"A={world} {x_strategy}/{x_policy} -> {strategy}/{policy}: {key}[{lo}:{hi}] differs")
+                    failures.append(
+                        f"A={world} {x_strategy}/{x_policy} -> {strategy}/{policy}: {key}[{lo}:{hi}] differs"
+                    )
     return failures
 
 

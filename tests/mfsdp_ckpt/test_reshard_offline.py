@@ -34,7 +34,9 @@ def _train(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _cli_subprocess(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,14 @@ def _owner_files(ckpt: str) -> dict[str, set[tuple[str, int]]]:
                     for index, info in reader.metadata.storage_data.items():
                         if index.fqn != key:
                             continue
-                        start = sum(o * md.size[k + 1 :].numel() for k, o in enumerate(index.offset))  # chunk's first element
-                        r = next(r for r in range(g["group_size"]) if layout.piece(i, r).start <= start < layout.piece(i, r).end)
+                        start = sum(
+                            o * md.size[k + 1 :].numel() for k, o in enumerate(index.offset)
+                        )  # chunk's first element
+                        r = next(
+                            r
+                            for r in range(g["group_size"])
+                            if layout.piece(i, r).start <= start < layout.piece(i, r).end
+                        )
                         out.setdefault(key, set()).add((info.relative_path, r))
         return out
 
@@ -177,7 +185,9 @@ def _load_direct(ckpt_dir: str) -> dict:
 
 def test_reshard_changes_strategy_policy_drops_optimizer_and_casts(source, tmp_path):
     dst = tmp_path / "bf16"
-    result = reshard(source, dst, world_size=5, strategy="optim", policy="tensor", model_only=True, dtype="bfloat16", workers=2)
+    result = reshard(
+        source, dst, world_size=5, strategy="optim", policy="tensor", model_only=True, dtype="bfloat16", workers=2
+    )
     assert result.files == 5 and any(k.startswith("optim.") for k in result.dropped)
     assert verify_checkpoint(dst) == []
     with CheckpointReader(dst) as out, CheckpointReader(source) as src:
@@ -188,7 +198,10 @@ def test_reshard_changes_strategy_policy_drops_optimizer_and_casts(source, tmp_p
         assert out.read("extra.step") == 2
         buffers = out.manifest["writer"]["plan"]["buffers"]
         assert {(g["strategy"], g["policy"], g["group_size"]) for g in buffers} == {("optim", "tensor", 5)}
-        assert out.manifest["has_optimizer"] is False and out.manifest["resharded_from"]["save_id"] == src.manifest["save_id"]
+        assert (
+            out.manifest["has_optimizer"] is False
+            and out.manifest["resharded_from"]["save_id"] == src.manifest["save_id"]
+        )
 
 
 def test_reshard_to_no_shard_writes_one_file_and_keeps_rng_at_same_world(source, tmp_path):
@@ -218,8 +231,14 @@ def test_the_recorded_plan_is_the_runtimes_plan_for_that_model(source):
 def _without_plan(source: str, path, writer: dict, model_config) -> str:
     """The source's model weights in a checkpoint no sharded model wrote (as import-hf's)."""
     with CheckpointReader(source) as src:
-        manifest = {"writer": writer, "model_config": model_config, "step": None,
-                    "include_grads": False, "has_optimizer": False, "versions": {}}
+        manifest = {
+            "writer": writer,
+            "model_config": model_config,
+            "step": None,
+            "include_grads": False,
+            "has_optimizer": False,
+            "versions": {},
+        }
         with CheckpointBuilder(path, manifest) as b:
             for key in [k for k in src.keys() if k.startswith("model.")]:
                 b.add_tensor(key, src.read(key))
@@ -243,7 +262,9 @@ def test_reshard_takes_the_plan_of_another_checkpoint(source, tmp_path):
     with CheckpointReader(source) as src:
         config = src.manifest["model_config"]
     ckpt = _without_plan(source, tmp_path / "src", {"world_size": 1}, config)
-    _assert_refused([ckpt, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan")
+    _assert_refused(
+        [ckpt, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan"
+    )
     res = CliRunner().invoke(main, ["reshard", ckpt, str(tmp_path / "w3"), "--world-size", "3", "--plan-from", source])
     assert res.exit_code == 0, res.output
     assert verify_checkpoint(tmp_path / "w3") == [] and diff_checkpoints(ckpt, tmp_path / "w3").equal
@@ -255,8 +276,16 @@ def test_reshard_reads_plans_of_older_manifests(source, tmp_path):
     size): reshard reads those, taking shapes and dtypes from the tensors."""
     with CheckpointReader(source) as src:
         plan = src.manifest["writer"]["plan"]
-    groups = [{"params": b["params"], "strategy": b["strategy"], "policy": b["policy"], "group_size": b["group_size"],
-               "is_expert": b["is_expert"]} for b in plan["buffers"]]
+    groups = [
+        {
+            "params": b["params"],
+            "strategy": b["strategy"],
+            "policy": b["policy"],
+            "group_size": b["group_size"],
+            "is_expert": b["is_expert"],
+        }
+        for b in plan["buffers"]
+    ]
     ckpt = _without_plan(source, tmp_path / "old", {"world_size": 4, "groups": groups}, None)
     result = reshard(ckpt, tmp_path / "w3", world_size=3)
     assert result.files == 3 and diff_checkpoints(ckpt, tmp_path / "w3").equal
@@ -273,22 +302,29 @@ def test_reshard_without_a_plan(source, tmp_path):
     with CheckpointReader(source) as src:
         config = src.manifest["model_config"]
     old = _without_plan(source, tmp_path / "old", {"world_size": 4}, config)
-    _assert_refused([old, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan")
+    _assert_refused(
+        [old, str(tmp_path / "out"), "--world-size", "3"], str(tmp_path / "out"), "records no placement plan"
+    )
     assert not os.path.exists(tmp_path / "out")
     # the plan of a checkpoint of another model: refused, naming what does not fit
     with CheckpointReader(source) as src:
         keep = [k for k in src.keys() if k.startswith("model.") and k != "model.output_layer.weight"]
         with CheckpointBuilder(tmp_path / "smaller", {"writer": {"world_size": 1}, "model_config": None}) as b:
             for key in keep:
-                b.add_tensor(key, src.read(key) if key != "model.embedding.word_embeddings.weight" else src.read(key)[:-1])
+                b.add_tensor(
+                    key, src.read(key) if key != "model.embedding.word_embeddings.weight" else src.read(key)[:-1]
+                )
             b.commit()
-    _assert_refused([str(tmp_path / "smaller"), str(tmp_path / "out"), "--world-size", "3", "--plan-from", source],
-                    str(tmp_path / "out"), "parameters with no 'model.' tensor: output_layer.weight; shape mismatch: "
-                    "embedding.word_embeddings.weight")
+    _assert_refused(
+        [str(tmp_path / "smaller"), str(tmp_path / "out"), "--world-size", "3", "--plan-from", source],
+        str(tmp_path / "out"),
+        "parameters with no 'model.' tensor: output_layer.weight; shape mismatch: embedding.word_embeddings.weight",
+    )
     assert not os.path.exists(tmp_path / "out")
 
 
 # ---- bad input: one line, exit 1 (usage: 2), nothing at DST ---------------------------------
+
 
 def _assert_refused(args: list[str], dst: str, needle: str, code: int = 1) -> None:
     res = CliRunner().invoke(main, ["reshard", *args])

@@ -62,7 +62,11 @@ def test_save_and_load_on_s3_equal_a_local_save(s3_endpoint, s3_bucket, tmp_path
     assert names == ["latest", "step_1", "step_2"], names  # keep=2 removed step_0's whole prefix
     assert s3.cat(f"{url}/latest") == b"step_2\n"
     assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{url}/step_2", detail=False)) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "mfsdp.json"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "mfsdp.json",
+    ]
     assert verify_checkpoint(f"{url}/step_2") == []
     assert diff_checkpoints(os.path.join(local, "step_2"), f"{url}/step_2").equal
     # load from S3 (via ``latest``) at the same world size: the state as saved
@@ -82,7 +86,9 @@ def test_uncommitted_prefix_is_refused_and_cleaned_by_the_next_save(s3_endpoint,
     s3 = _s3()
     # as an interrupted save or overwrite leaves it: data files and .metadata, no manifest
     s3.rm(f"{url}/step_1/mfsdp.json")
-    with pytest.raises(RankFailure, match=r"UncommittedCheckpointError: .*step_1: no committed manifest \(mfsdp.json\)"):
+    with pytest.raises(
+        RankFailure, match=r"UncommittedCheckpointError: .*step_1: no committed manifest \(mfsdp.json\)"
+    ):
         run_ranks(_load, 1, f"{url}/step_1", s3_endpoint, timeout=300)
     before = _load_failure_is_harmless(url, s3_endpoint)
     assert before
@@ -93,7 +99,11 @@ def test_uncommitted_prefix_is_refused_and_cleaned_by_the_next_save(s3_endpoint,
     s3.rm(f"{url}/step_2/mfsdp.json")
     s3.pipe(f"{url}/notes/readme.txt", b"mine")
     assert clean_run_dir(url) == [f"{url}/step_2"]
-    assert not s3.exists(f"{url}/step_2") and s3.exists(f"{url}/notes/readme.txt") and s3.exists(f"{url}/step_3/mfsdp.json")
+    assert (
+        not s3.exists(f"{url}/step_2")
+        and s3.exists(f"{url}/notes/readme.txt")
+        and s3.exists(f"{url}/step_3/mfsdp.json")
+    )
 
 
 def _load_failure_is_harmless(url: str, endpoint: str) -> bool:
@@ -119,6 +129,7 @@ def _save_one(path: str, endpoint: str) -> None:
 
 
 # ---- through the fault-injecting proxy -------------------------------------------------------------
+
 
 def _saves_through_proxy(url: str, proxy: str, attempts: int, n: int) -> list[str | None]:
     """``n`` saves through the proxy: None for a save that returned, else its error's text."""
@@ -215,9 +226,12 @@ def test_manifest_is_the_last_object_written(s3_endpoint, s3_bucket, s3_proxy):
     """Recorded through the proxy: every upload under the prefix precedes the manifest's, and
     ``latest`` follows it."""
     run_ranks(_save_one, 2, f"{s3_bucket}/ordered/step_1", s3_proxy.url, timeout=300)
-    bucket = s3_bucket[len("s3://"):]
-    writes = [path for method, path, status in s3_proxy.log
-              if method in ("PUT", "POST") and status < 300 and path.startswith(f"/{bucket}/ordered/")]
+    bucket = s3_bucket[len("s3://") :]
+    writes = [
+        path
+        for method, path, status in s3_proxy.log
+        if method in ("PUT", "POST") and status < 300 and path.startswith(f"/{bucket}/ordered/")
+    ]
     names = [w.rsplit("/", 1)[-1] for w in writes]
     assert names.count("mfsdp.json") == 1 and names[-2:] == ["mfsdp.json", "latest"], names
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(names[:-2]), names

@@ -114,16 +114,20 @@ def test_a_corrupt_chunk_is_named_and_the_first_in_file_order_wins(tmp_path, mon
     path = str(tmp_path / "ckpt")
     _build(path)
     directory, manifest, metadata, reader = open_checkpoint(path)
-    tensors = sorted(((i, v) for i, v in metadata.storage_data.items() if i.offset is not None and i.fqn == "model.w"),
-                     key=lambda item: (item[1].relative_path, item[1].offset))
+    tensors = sorted(
+        ((i, v) for i, v in metadata.storage_data.items() if i.offset is not None and i.fqn == "model.w"),
+        key=lambda item: (item[1].relative_path, item[1].offset),
+    )
     for index, info in tensors:  # both chunks of model.w, in two files
         _flip_payload_byte(directory, info, torch.float32, int(torch.Size(reader.chunk_shapes[index][1]).numel()))
     first_index, first_info = tensors[0]
     with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
         with pytest.raises(CorruptCheckpointError) as e:
             read_chunks(files, list(metadata.storage_data.items()), threads=threads)
-    assert str(e.value) == (f"{os.path.join(directory, first_info.relative_path)}: key 'model.w' chunk at "
-                            f"{list(first_index.offset)}: checksum mismatch")
+    assert str(e.value) == (
+        f"{os.path.join(directory, first_info.relative_path)}: key 'model.w' chunk at "
+        f"{list(first_index.offset)}: checksum mismatch"
+    )
 
 
 def test_a_file_truncated_after_the_checks_is_a_clean_error(tmp_path):
@@ -149,7 +153,11 @@ def test_read_chunks_reads_an_fsspec_url_by_ranges():
 def _verify_all(path: str, threads: int, stage_bytes: int):
     directory, manifest, metadata, reader = open_checkpoint(path)
     files = ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes)
-    return files, metadata, verify_chunks(files, list(metadata.storage_data.items()), threads=threads, stage_bytes=stage_bytes)
+    return (
+        files,
+        metadata,
+        verify_chunks(files, list(metadata.storage_data.items()), threads=threads, stage_bytes=stage_bytes),
+    )
 
 
 def _expected_piece(index, shape):
@@ -159,7 +167,9 @@ def _expected_piece(index, shape):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("stage_bytes", [1, 900, 1 << 20])  # a batch per chunk, several chunks per batch, one batch
-def test_verify_chunks_leaves_plain_records_in_their_files_and_reads_them_back_bitwise(tmp_path, monkeypatch, threads, stage_bytes):
+def test_verify_chunks_leaves_plain_records_in_their_files_and_reads_them_back_bitwise(
+    tmp_path, monkeypatch, threads, stage_bytes
+):
     """The first pass keeps only a verified file range for every plain record (fp8 records go
     through torch.load and come back in memory, as does the object); the second pass reads each
     range into its target -- whole into a contiguous target of its dtype, or a box of it through
@@ -198,8 +208,10 @@ def test_verify_chunks_finds_a_corrupt_chunk_in_a_later_batch(tmp_path):
     path = str(tmp_path / "ckpt")
     _build(path)
     directory, manifest, metadata, reader = open_checkpoint(path)
-    last_index, last_info = max(((i, v) for i, v in metadata.storage_data.items() if i.fqn == "model.d"),
-                                key=lambda item: (item[1].relative_path, item[1].offset))
+    last_index, last_info = max(
+        ((i, v) for i, v in metadata.storage_data.items() if i.fqn == "model.d"),
+        key=lambda item: (item[1].relative_path, item[1].offset),
+    )
     _flip_payload_byte(directory, last_info, torch.float64, int(torch.Size(reader.chunk_shapes[last_index][1]).numel()))
     with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
         with pytest.raises(CorruptCheckpointError, match=r"key 'model.d' chunk at \[[0-9]+\]: checksum mismatch"):
@@ -215,8 +227,11 @@ def test_read_verified_refuses_a_file_changed_after_the_first_pass_before_copyin
     _build(path)
     files, metadata, out = _verify_all(path, 2, 1 << 20)
     with files:
-        ranges = [(v, (0,) * len(v.shape), v.shape, torch.full(v.shape, -1, dtype=v.dtype))
-                  for v in out.values() if isinstance(v, VerifiedRange)]
+        ranges = [
+            (v, (0,) * len(v.shape), v.shape, torch.full(v.shape, -1, dtype=v.dtype))
+            for v in out.values()
+            if isinstance(v, VerifiedRange)
+        ]
         name = os.path.join(files.directory, "__1_0.distcp")
         data = open(name, "rb").read()
         time.sleep(0.01)  # a modification time the file system can tell apart
@@ -233,7 +248,9 @@ def test_read_verified_refuses_a_file_changed_after_the_first_pass_before_copyin
             read_verified(files, ranges)
             assert all(not torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges if t.numel())
             return
-        with pytest.raises(CorruptCheckpointError, match=rf"^{name}: changed while it was being loaded .*nothing was loaded$"):
+        with pytest.raises(
+            CorruptCheckpointError, match=rf"^{name}: changed while it was being loaded .*nothing was loaded$"
+        ):
             read_verified(files, ranges)
         assert all(torch.equal(t, torch.full_like(t, -1)) for *_, t in ranges)
 
@@ -255,14 +272,19 @@ def test_read_verified_copies_a_small_load_in_the_calling_thread(tmp_path, monke
     _build(path)
     files, metadata, out = _verify_all(path, 3, 1 << 20)
     with files:
-        items = [(v, (0,) * len(v.shape), v.shape, torch.zeros(v.shape, dtype=v.dtype))
-                 for v in out.values() if isinstance(v, VerifiedRange)]
+        items = [
+            (v, (0,) * len(v.shape), v.shape, torch.zeros(v.shape, dtype=v.dtype))
+            for v in out.values()
+            if isinstance(v, VerifiedRange)
+        ]
         read_verified(files, items, threads=3)
     copies = sum(1 for verified, *_ in items if verified.nbytes)  # an empty range has nothing to read
     assert len(copied_by) == copies > 1
     assert copied_by == [not threaded] * copies
     for verified, _, _, target in items:
-        assert torch.equal(target.view(-1).view(torch.uint8), staged_read.read_range(files, verified).view(-1).view(torch.uint8))
+        assert torch.equal(
+            target.view(-1).view(torch.uint8), staged_read.read_range(files, verified).view(-1).view(torch.uint8)
+        )
 
 
 def test_read_verified_bumps_the_version_of_a_target_it_reads_straight_into(tmp_path):

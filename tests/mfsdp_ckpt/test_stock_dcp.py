@@ -130,7 +130,9 @@ def test_fsdp2_checkpoint_verifies_reshards_and_resumes_in_ours(ranks, tmp_path)
     out = ranks(_ours_load_and_step, 3, ours, timeout=300)
     shapes = shapes_of()
     for fqn, shape in shapes.items():  # the loaded model and optimizer: bitwise FSDP2's
-        assert torch.equal(_assemble([o["pieces"] for o in out], f"model.{fqn}", shape), fsdp2["state"][f"model.{fqn}"]), fqn
+        assert torch.equal(
+            _assemble([o["pieces"] for o in out], f"model.{fqn}", shape), fsdp2["state"][f"model.{fqn}"]
+        ), fqn
         for s in ("exp_avg", "exp_avg_sq"):
             key = f"optim.{fqn}.{s}"
             assert torch.equal(_assemble([o["pieces"] for o in out], key, shape), fsdp2["state"][key]), key
@@ -222,7 +224,9 @@ def test_torchtitan_bare_fqn_checkpoint_reshards_with_key_map(ranks, tmp_path):
 
     # load takes the same key map; with strict=False it says what it did not find
     model, optim = build("optim_grads_params", "even", seed=5)
-    with pytest.warns(UserWarning, match=r"not in the checkpoint: optim\.\*\.exp_avg: 17 keys .*no optimizer state was loaded"):
+    with pytest.warns(
+        UserWarning, match=r"not in the checkpoint: optim\.\*\.exp_avg: 17 keys .*no optimizer state was loaded"
+    ):
         mfsdp_ckpt.load(stock, model, optim, require_manifest=False, key_map=["=model."], strict=False)
     mine = owned_pieces(model, optim)
     for fqn, p in source.named_parameters():

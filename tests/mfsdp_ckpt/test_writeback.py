@@ -86,13 +86,16 @@ def test_torch_save_through_the_stream_writes_the_same_bytes(tmp_path, started):
     assert len(started) >= t.numel() * 4 // SLICE
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(37, 100),  # rows that do not divide the slice
-    lambda: torch.randn(40, 100)[:, 10:70],  # a strided view (a piece of a fused tensor)
-    lambda: torch.randn(9000),  # one dimension
-    lambda: torch.randn(1, 5000),  # one row
-    lambda: torch.randn(5000, 0),  # no bytes
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(37, 100),  # rows that do not divide the slice
+        lambda: torch.randn(40, 100)[:, 10:70],  # a strided view (a piece of a fused tensor)
+        lambda: torch.randn(9000),  # one dimension
+        lambda: torch.randn(1, 5000),  # one row
+        lambda: torch.randn(5000, 0),  # no bytes
+    ],
+)
 def test_row_slices_hold_the_tensors_bytes_in_order(monkeypatch, make):
     monkeypatch.setattr(hf_files, "SLICE_BYTES", SLICE)
     t = make()

@@ -134,8 +134,13 @@ def reference_run(
     return model, optim, losses
 
 
-def set_data_parallel_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int,
-                            loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> None:
+def set_data_parallel_grads(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    world: int,
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn,
+) -> None:
     """Each parameter's ``.grad`` := the sum in rank order of the per-rank gradients (rank r
     trains on chunk r of the global batch ``x, y``) divided by ``world``: the runtime's
     deterministic reduction, in one process."""
@@ -151,7 +156,9 @@ def set_data_parallel_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         p.grad = total.div_(world)
 
 
-def train_steps(model: nn.Module, optim: torch.optim.Optimizer, start: int, stop: int, zero_grad_last: bool = True) -> list[float]:
+def train_steps(
+    model: nn.Module, optim: torch.optim.Optimizer, start: int, stop: int, zero_grad_last: bool = True
+) -> list[float]:
     """Sharded training, steps ``start .. stop-1``; rank r trains on chunk r of each global batch
     (the same whatever the world size)."""
     from mfsdp_core.collectives import rank_and_world

@@ -42,8 +42,21 @@ def _every_value(dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_the_table_lists_what_the_project_handles():
-    expected = {"float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-                "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"}
+    expected = {
+        "float32",
+        "bfloat16",
+        "float16",
+        "float64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e8m0fnu",
+    }
     assert expected <= set(ROWS)
     assert len(ROWS) == len(DTYPES) and len({i.dtype for i in DTYPES}) == len(DTYPES)
     assert set(CAST_CHOICES) == {"float32", "bfloat16", "float16"}
@@ -94,7 +107,9 @@ def test_safetensors_names_round_trip_through_safetensors(info, tmp_path):
     assert _header_dtype(data, "x") == info.safetensors == safetensors_name(info.dtype)
     back = safetensors_load(data)["x"]
     assert back.dtype == info.dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
-    path = tmp_path / "x.safetensors"  # through safe_open too (the HF import now parses headers itself: tests/reliability/test_hostile_hf.py)
+    path = (
+        tmp_path / "x.safetensors"
+    )  # through safe_open too (the HF import now parses headers itself: tests/reliability/test_hostile_hf.py)
     path.write_bytes(data)
     with safe_open(str(path), framework="pt") as f:
         assert dtype_from_safetensors(f.get_slice("x").get_dtype()) == info.dtype

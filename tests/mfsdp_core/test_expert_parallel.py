@@ -74,22 +74,32 @@ SHAPES = {"tiny-moe": (2, 16), "moe8": (1, 6), "moe12": (2, 8)}
 
 
 def test_expert_names_owners_and_ranges():
-    assert expert_index("decoder.layers.3.mlp.experts.linear_fc1.weight17") == ("decoder.layers.3.mlp.experts.linear_fc1.weight", 17)
+    assert expert_index("decoder.layers.3.mlp.experts.linear_fc1.weight17") == (
+        "decoder.layers.3.mlp.experts.linear_fc1.weight",
+        17,
+    )
     assert expert_index("mlp.experts.linear_fc2.weight0") == ("mlp.experts.linear_fc2.weight", 0)
-    for name in ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", "decoder.layers.1.mlp.router.weight",
-                 "decoder.layers.0.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"):
+    for name in (
+        "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "embedding.word_embeddings.weight",
+    ):
         assert expert_index(name) is None, name
     assert list(local_experts(12, 3, 1)) == [4, 5, 6, 7]
     assert [expert_owner(e, 12, 4) for e in range(12)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
 
 
-@pytest.mark.parametrize("world, ep, experts, message", [
-    (4, 3, 6, "EP size 3 does not divide the world size 4"),
-    (8, 8, 4, "EP size 8 exceeds the number of experts 4"),
-    (4, 4, 6, "EP size 4 does not divide the number of experts 6"),
-    (2, 2, 0, "EP size 2 needs a model with experts; this one has none"),
-    (2, 0, 4, "EP size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "world, ep, experts, message",
+    [
+        (4, 3, 6, "EP size 3 does not divide the world size 4"),
+        (8, 8, 4, "EP size 8 exceeds the number of experts 4"),
+        (4, 4, 6, "EP size 4 does not divide the number of experts 6"),
+        (2, 2, 0, "EP size 2 needs a model with experts; this one has none"),
+        (2, 0, 4, "EP size must be >= 1, got 0"),
+    ],
+)
 def test_bad_layouts_are_refused_naming_the_numbers(world, ep, experts, message):
     with pytest.raises(ValueError, match=message):
         check_expert_parallel(world, ep, experts)
@@ -98,8 +108,11 @@ def test_bad_layouts_are_refused_naming_the_numbers(world, ep, experts, message)
 def test_expert_placement_puts_experts_on_the_expert_data_parallel_group():
     place = expert_placement("row")
     model = GPTModel(TINY_MOE)
-    groups = {name: (p.group, p.expert, p.grad_divisor, str(p.policy))
-              for name, param in model.decoder.layers[0].named_parameters() for p in [place(name, param)]}
+    groups = {
+        name: (p.group, p.expert, p.grad_divisor, str(p.policy))
+        for name, param in model.decoder.layers[0].named_parameters()
+        for p in [place(name, param)]
+    }
     assert groups["mlp.experts.linear_fc1.weight2"] == ("edp", True, "dp", "row")
     assert groups["mlp.shared_experts.linear_fc1.weight"] == ("dp", False, None, "row")
     assert groups["mlp.router.weight"] == ("dp", False, None, "row")
@@ -117,7 +130,11 @@ def _dispatch_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     n = DISPATCH_TOKENS[rank]
     x = torch.randn(n, HIDDEN, generator=gen)
-    idx = torch.stack([torch.randperm(DISPATCH_EXPERTS - 1, generator=gen)[:TOPK] for _ in range(n)]) if n else torch.zeros(0, TOPK, dtype=torch.long)
+    idx = (
+        torch.stack([torch.randperm(DISPATCH_EXPERTS - 1, generator=gen)[:TOPK] for _ in range(n)])
+        if n
+        else torch.zeros(0, TOPK, dtype=torch.long)
+    )
     return x, idx
 
 
@@ -126,7 +143,9 @@ def _expert_weights() -> list[torch.Tensor]:
     return [torch.randn(HIDDEN, HIDDEN, generator=gen) for _ in range(DISPATCH_EXPERTS)]
 
 
-def _combine(x: torch.Tensor, idx: torch.Tensor, outputs: torch.Tensor, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def _combine(
+    x: torch.Tensor, idx: torch.Tensor, outputs: torch.Tensor, token: torch.Tensor, slot: torch.Tensor
+) -> torch.Tensor:
     weights = (torch.arange(1, TOPK + 1, dtype=x.dtype) / TOPK)[slot].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, token, outputs * weights)
 
@@ -134,16 +153,25 @@ def _combine(x: torch.Tensor, idx: torch.Tensor, outputs: torch.Tensor, token: t
 def _dispatch_rank() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_expert_mesh(world, DISPATCH_EXPERTS)
-    weights = [w.clone().requires_grad_(e in mesh.local_experts(DISPATCH_EXPERTS)) for e, w in enumerate(_expert_weights())]
+    weights = [
+        w.clone().requires_grad_(e in mesh.local_experts(DISPATCH_EXPERTS)) for e, w in enumerate(_expert_weights())
+    ]
     x, idx = _dispatch_inputs(rank)
     x.requires_grad_(True)
     with count_comm() as comm:
-        sent = dispatch_and_run(x, idx, DISPATCH_EXPERTS, mesh.ep_group, mesh.ep_rank, lambda e, rows: rows @ weights[e])
+        sent = dispatch_and_run(
+            x, idx, DISPATCH_EXPERTS, mesh.ep_group, mesh.ep_rank, lambda e, rows: rows @ weights[e]
+        )
         out = _combine(x, idx, sent.outputs, sent.token, sent.slot)
         (out * (1 + rank)).sum().backward()
     grads = {e: weights[e].grad for e in mesh.local_experts(DISPATCH_EXPERTS)}
-    return {"out": out.detach(), "x_grad": x.grad, "grads": grads, "received": sent.received,
-            "a2a": [(r.bytes, r.ranks) for r in comm.records if r.op == "all_to_all"]}
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "grads": grads,
+        "received": sent.received,
+        "a2a": [(r.bytes, r.ranks) for r in comm.records if r.op == "all_to_all"],
+    }
 
 
 def test_dispatch_matches_one_process_with_empty_ranks_and_experts(ranks):
@@ -157,7 +185,11 @@ def test_dispatch_matches_one_process_with_empty_ranks_and_experts(ranks):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token, slot = order // TOPK, order % TOPK
-        outputs = torch.cat([x[token[flat[order] == e]] @ weights[e] for e in range(DISPATCH_EXPERTS)]) if len(order) else x[:0]
+        outputs = (
+            torch.cat([x[token[flat[order] == e]] @ weights[e] for e in range(DISPATCH_EXPERTS)])
+            if len(order)
+            else x[:0]
+        )
         ref = _combine(x, idx, outputs, token, slot)
         (ref * (1 + rank)).sum().backward()
         torch.testing.assert_close(out[rank]["out"], ref.detach(), rtol=1e-6, atol=1e-6)
@@ -217,7 +249,12 @@ def _train_ep(model_name: str, ep: int, strategy: str, policy: str, optimizer: s
         record["received"].append([m.tokens_received.tolist() for m in layers])
     states = {}
     for ps in describe_shards(model, optim):
-        states[ps.fqn] = (ps.owned, ps.main.tensor.clone(), {k: v.tensor.clone() for k, v in ps.optim.items()}, ps.spec.placement.group)
+        states[ps.fqn] = (
+            ps.owned,
+            ps.main.tensor.clone(),
+            {k: v.tensor.clone() for k, v in ps.optim.items()},
+            ps.spec.placement.group,
+        )
     return {"record": record, "states": states, "ep_rank": mesh.ep_rank}
 
 
@@ -255,7 +292,10 @@ def _reference(model_name: str, world: int, optimizer: str) -> dict:
         record["aux"].append(aux)
         record["tokens"].append(counts)
     names = dict(model.named_parameters())
-    states = {n: (p.detach().clone(), {k: v.clone() for k, v in optim.state[p].items() if k != "step" and v is not None}) for n, p in names.items()}
+    states = {
+        n: (p.detach().clone(), {k: v.clone() for k, v in optim.state[p].items() if k != "step" and v is not None})
+        for n, p in names.items()
+    }
     return {"record": record, "states": states}
 
 
@@ -273,7 +313,10 @@ def _check_parity(model_name: str, world: int, ep: int, per_rank: list[dict], re
     for rank, out in enumerate(per_rank):
         rec = out["record"]
         for step in range(STEPS):
-            worst = max(worst, abs(rec["loss"][step] - ref["record"]["loss"][step][rank]) / abs(ref["record"]["loss"][step][rank]))
+            worst = max(
+                worst,
+                abs(rec["loss"][step] - ref["record"]["loss"][step][rank]) / abs(ref["record"]["loss"][step][rank]),
+            )
             for ours, theirs in zip(rec["aux"][step], ref["record"]["aux"][step][rank]):
                 worst = max(worst, abs(ours - theirs) / abs(theirs))
             assert rec["tokens"][step] == ref["record"]["tokens"][step][rank], (model_name, world, ep, rank, step)
@@ -314,12 +357,24 @@ Z3 = "optim_grads_params"
 # (W, EP) = (2, 1), (2, 2), (4, 2), (4, 4) for tiny-moe and the 8-expert variant; (3, 3) needs an
 # expert count divisible by 3: 12 experts
 PARITY = {
-    2: [("tiny-moe", 1, Z3, "even", "adamw"), ("tiny-moe", 2, Z3, "even", "adamw"), ("tiny-moe", 2, Z3, "even", "sgd"),
-        ("moe8", 1, Z3, "even", "sgd"), ("moe8", 2, Z3, "even", "adamw"), ("moe8", 2, Z3, "even", "sgd"),
-        ("tiny-moe", 2, "no_shard", "even", "sgd"), ("tiny-moe", 2, "optim", "row", "sgd"),
-        ("tiny-moe", 2, "optim_grads", "tensor", "adamw")],
-    4: [("tiny-moe", 2, Z3, "even", "adamw"), ("tiny-moe", 4, Z3, "even", "sgd"), ("moe8", 2, Z3, "even", "sgd"),
-        ("moe8", 4, Z3, "row", "adamw"), ("moe8", 4, "optim_grads", "tensor", "sgd")],
+    2: [
+        ("tiny-moe", 1, Z3, "even", "adamw"),
+        ("tiny-moe", 2, Z3, "even", "adamw"),
+        ("tiny-moe", 2, Z3, "even", "sgd"),
+        ("moe8", 1, Z3, "even", "sgd"),
+        ("moe8", 2, Z3, "even", "adamw"),
+        ("moe8", 2, Z3, "even", "sgd"),
+        ("tiny-moe", 2, "no_shard", "even", "sgd"),
+        ("tiny-moe", 2, "optim", "row", "sgd"),
+        ("tiny-moe", 2, "optim_grads", "tensor", "adamw"),
+    ],
+    4: [
+        ("tiny-moe", 2, Z3, "even", "adamw"),
+        ("tiny-moe", 4, Z3, "even", "sgd"),
+        ("moe8", 2, Z3, "even", "sgd"),
+        ("moe8", 4, Z3, "row", "adamw"),
+        ("moe8", 4, "optim_grads", "tensor", "sgd"),
+    ],
     3: [("moe12", 3, Z3, "even", "adamw"), ("moe12", 3, "optim", "row", "sgd"), ("moe12", 1, Z3, "even", "sgd")],
 }
 
@@ -338,9 +393,19 @@ def test_training_matches_the_single_process_model(ranks, world):
     for i, (name, ep, strategy, policy, optimizer) in enumerate(runs):
         result = _check_parity(name, world, ep, [per_rank[i] for per_rank in out], refs[(name, optimizer)])
         state_tol = ADAM_REL_TOL if optimizer == "adamw" else REL_TOL
-        assert result["worst"] <= REL_TOL and result["worst_state"] <= state_tol, (name, world, ep, strategy, policy, optimizer, result)
-        print(f"W={world} EP={ep} {name} {strategy} {policy} {optimizer}: metrics {result['worst']:.1e}, "
-              f"state {result['worst_state']:.1e}, an expert with no token: {result['zero_received']}")
+        assert result["worst"] <= REL_TOL and result["worst_state"] <= state_tol, (
+            name,
+            world,
+            ep,
+            strategy,
+            policy,
+            optimizer,
+            result,
+        )
+        print(
+            f"W={world} EP={ep} {name} {strategy} {policy} {optimizer}: metrics {result['worst']:.1e}, "
+            f"state {result['worst_state']:.1e}, an expert with no token: {result['zero_received']}"
+        )
         zero_seen |= result["zero_received"] and ep > 1
     if world == 2:  # the matrix includes an expert that receives no token on its rank
         assert zero_seen
@@ -421,10 +486,13 @@ def _mesh_error(ep: int, experts: int) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("ep, experts, message", [
-    (2, 4, "EP size 2 does not divide the world size 3"),
-    (3, 2, "EP size 3 exceeds the number of experts 2"),
-    (3, 4, "EP size 3 does not divide the number of experts 4"),
-])
+@pytest.mark.parametrize(
+    "ep, experts, message",
+    [
+        (2, 4, "EP size 2 does not divide the world size 3"),
+        (3, 2, "EP size 3 exceeds the number of experts 2"),
+        (3, 4, "EP size 3 does not divide the number of experts 4"),
+    ],
+)
 def test_mesh_refuses_a_layout_on_every_rank_before_making_groups(ranks, ep, experts, message):
     assert ranks(_mesh_error, 3, ep, experts, timeout=60) == [message] * 3

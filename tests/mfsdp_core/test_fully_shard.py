@@ -73,7 +73,8 @@ def _frozen_parameters() -> dict:
     shards = {ps.fqn: ps for ps in describe_shards(model, optim)}
     return {
         "frozen_grad": shards["inp.weight"].grad,
-        "frozen_main_is_weights": shards["inp.weight"].main.tensor.data_ptr() == shards["inp.weight"].param.tensor[shards["inp.weight"].main.start:].data_ptr(),
+        "frozen_main_is_weights": shards["inp.weight"].main.tensor.data_ptr()
+        == shards["inp.weight"].param.tensor[shards["inp.weight"].main.start :].data_ptr(),
         "frozen_unchanged": torch.equal(model.inp.weight.detach(), frozen_before),
         "trained_changed": not torch.equal(model.out.weight.detach(), make_model("transformer").out.weight),
     }
@@ -94,7 +95,11 @@ def _keep_gathered_between_forward_and_backward() -> dict:
         loss_fn(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         optim.step()
     ops = collections.Counter(counter.ops())
-    return {"ops": ops, "buffers": len(buffers_of(model)), "resharded": not any(b.is_unsharded for b in buffers_of(model))}
+    return {
+        "ops": ops,
+        "buffers": len(buffers_of(model)),
+        "resharded": not any(b.is_unsharded for b in buffers_of(model)),
+    }
 
 
 def test_reshard_after_forward_false_gathers_once(ranks):
@@ -122,13 +127,17 @@ def test_plan_model_on_meta_model_is_what_fully_shard_builds(preset):
     for unit in shard_units(real):
         fully_shard(unit)
     assert plan == plan_of(real)  # every field of every buffer: names, shapes, dtype, placement, ...
-    assert [(spec.fqns, spec.is_expert) for spec in plan.buffers] == [(buf.names, buf.is_expert) for buf in buffers_of(real)]
+    assert [(spec.fqns, spec.is_expert) for spec in plan.buffers] == [
+        (buf.names, buf.is_expert) for buf in buffers_of(real)
+    ]
     assert [spec.layout for spec in plan.buffers] == [buf.layout for buf in buffers_of(real)]
     names = [n for spec in plan.buffers for n in spec.fqns]
     assert sorted(names) == sorted(n for n, _ in meta.named_parameters())
     if "+" in preset:
-        assert any(spec.fqns == ["decoder.layers.0.self_attention.linear_proj.weight"] and not spec.is_expert
-                   for spec in plan.buffers)
+        assert any(
+            spec.fqns == ["decoder.layers.0.self_attention.linear_proj.weight"] and not spec.is_expert
+            for spec in plan.buffers
+        )
     if config.num_experts:
         assert any(spec.is_expert for spec in plan.buffers)
 
@@ -162,8 +171,11 @@ def _tensor_owners_spread() -> dict:
         built.append((plan_of(model).to_dict(), owned))
         del model, optim, layer
         gc.collect()
-    return {"same_plan": built[0][0] == built[1][0] == planned.to_dict(), "owned": built[0][1],
-            "released": len(_WHOLE_TENSOR_BUFFERS) == 0}
+    return {
+        "same_plan": built[0][0] == built[1][0] == planned.to_dict(),
+        "owned": built[0][1],
+        "released": len(_WHOLE_TENSOR_BUFFERS) == 0,
+    }
 
 
 def test_tensor_policy_spreads_one_parameter_units_over_the_ranks(ranks):

@@ -63,11 +63,19 @@ def _layer0_moe() -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("config,layer0", [(TINY, _layer0_dense()), (TINY_MOE, _layer0_moe())], ids=["tiny", "tiny-moe"])
+@pytest.mark.parametrize(
+    "config,layer0", [(TINY, _layer0_dense()), (TINY_MOE, _layer0_moe())], ids=["tiny", "tiny-moe"]
+)
 def test_parameter_names(config: GPTConfig, layer0: list[str]) -> None:
     names = [n for n, _ in GPTModel(config).named_parameters()]
     layer1 = [n.replace("layers.0.", "layers.1.") for n in layer0]
-    expected = ["embedding.word_embeddings.weight", *layer0, *layer1, "decoder.final_layernorm.weight", "output_layer.weight"]
+    expected = [
+        "embedding.word_embeddings.weight",
+        *layer0,
+        *layer1,
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ]
     assert names == expected
     assert len(names) == 3 + config.num_layers * len(layer0)
 
@@ -93,7 +101,10 @@ def test_init_is_deterministic_and_qkv_shape() -> None:
             assert torch.equal(p, torch.ones_like(p)), n
     qkv = a.decoder.layers[0].self_attention.linear_qkv.weight
     c = TINY_MOE
-    assert qkv.shape == (c.num_query_groups * (c.num_attention_heads // c.num_query_groups + 2) * c.kv_channels, c.hidden_size)
+    assert qkv.shape == (
+        c.num_query_groups * (c.num_attention_heads // c.num_query_groups + 2) * c.kv_channels,
+        c.hidden_size,
+    )
     assert isinstance(a.decoder.layers, torch.nn.ModuleList)
 
 
@@ -127,9 +138,9 @@ def ref_qkv(P: dict[str, torch.Tensor], pre: str, c: GPTConfig, x: torch.Tensor)
     for g in range(groups):
         base = g * (per_group + 2) * d
         for j in range(per_group):
-            qs.append(y[:, base + j * d: base + (j + 1) * d])
-        ks.append(y[:, base + per_group * d: base + (per_group + 1) * d])
-        vs.append(y[:, base + (per_group + 1) * d: base + (per_group + 2) * d])
+            qs.append(y[:, base + j * d : base + (j + 1) * d])
+        ks.append(y[:, base + per_group * d : base + (per_group + 1) * d])
+        vs.append(y[:, base + (per_group + 1) * d : base + (per_group + 2) * d])
     if c.qk_layernorm:
         qs = [ref_rms(q, P[pre + "q_layernorm.weight"], c.norm_epsilon) for q in qs]
         ks = [ref_rms(k, P[pre + "k_layernorm.weight"], c.norm_epsilon) for k in ks]
@@ -190,7 +201,9 @@ def ref_moe(P: dict[str, torch.Tensor], pre: str, c: GPTConfig, x: torch.Tensor)
             out[i] = out[i] + y[row] * top_w[i, slot]
         aux = aux + (len(tokens) / (n * k)) * dist[:, e].mean()
     if c.moe_shared_expert_ffn_hidden_size:
-        out = out + ref_swiglu(x, P[pre + "shared_experts.linear_fc1.weight"], P[pre + "shared_experts.linear_fc2.weight"])
+        out = out + ref_swiglu(
+            x, P[pre + "shared_experts.linear_fc1.weight"], P[pre + "shared_experts.linear_fc2.weight"]
+        )
     return out, c.moe_aux_loss_coeff * E * aux
 
 
@@ -244,10 +257,18 @@ CASES = {
     "gqa4-headdim24-qknorm": dict(num_query_groups=1, kv_channels=24, qk_layernorm=True),
     "gqa2-qknorm-tied": dict(qk_layernorm=True, tie_embeddings=True),
     "moe-top1-softmax": dict(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=64),
-    "moe-top2-softmax-shared": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_shared_expert_ffn_hidden_size=32),
+    "moe-top2-softmax-shared": dict(
+        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_shared_expert_ffn_hidden_size=32
+    ),
     "moe-top2-sigmoid": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_score_func="sigmoid"),
-    "moe-top1-sigmoid-shared-mha": dict(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=64, moe_score_func="sigmoid",
-                                        moe_shared_expert_ffn_hidden_size=64, num_query_groups=4),
+    "moe-top1-sigmoid-shared-mha": dict(
+        num_experts=4,
+        moe_router_topk=1,
+        moe_ffn_hidden_size=64,
+        moe_score_func="sigmoid",
+        moe_shared_expert_ffn_hidden_size=64,
+        num_query_groups=4,
+    ),
 }
 
 
@@ -273,13 +294,20 @@ def test_components_match_reference(case: str) -> None:
         qs, ks, vs = ref_qkv(P, "decoder.layers.0.self_attention.", c, x[b])
         assert torch.equal(q[b], torch.stack(qs))
         assert torch.equal(k[b], torch.stack(ks)) and torch.equal(v[b], torch.stack(vs))
-        torch.testing.assert_close(attn[b], ref_attention(P, "decoder.layers.0.self_attention.", c, x[b]), atol=ATTN_TOL, rtol=0)
+        torch.testing.assert_close(
+            attn[b], ref_attention(P, "decoder.layers.0.self_attention.", c, x[b]), atol=ATTN_TOL, rtol=0
+        )
         if not c.num_experts:
             h = ref_rms(x[b], P["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"], c.norm_epsilon)
-            assert torch.equal(mlp[b], ref_swiglu(h, P["decoder.layers.0.mlp.linear_fc1.weight"], P["decoder.layers.0.mlp.linear_fc2.weight"]))
+            assert torch.equal(
+                mlp[b],
+                ref_swiglu(h, P["decoder.layers.0.mlp.linear_fc1.weight"], P["decoder.layers.0.mlp.linear_fc2.weight"]),
+            )
     if c.num_experts:  # routing is over all b*t tokens at once
         flat = x.reshape(-1, c.hidden_size)
-        ref_out, ref_aux = ref_moe(P, "decoder.layers.0.mlp.", c, ref_rms(flat, P["decoder.layers.0.pre_mlp_layernorm.weight"], c.norm_epsilon))
+        ref_out, ref_aux = ref_moe(
+            P, "decoder.layers.0.mlp.", c, ref_rms(flat, P["decoder.layers.0.pre_mlp_layernorm.weight"], c.norm_epsilon)
+        )
         assert torch.equal(mlp.reshape(-1, c.hidden_size), ref_out)
         # the aux loss sums the same terms in a different order (vectorised vs a loop over experts)
         torch.testing.assert_close(aux, ref_aux, atol=1e-7, rtol=1e-6)

@@ -229,9 +229,7 @@ def check_gathered(lay: Layout, shapes) -> None:
     for i in range(len(shapes)):
         own = lay.owners(i)
         positions = [pc.rank * S + pc.shard_offset for pc in own]
-        contiguous = all(
-            positions[j + 1] == positions[j] + own[j].numel for j in range(len(own) - 1)
-        )
+        contiguous = all(positions[j + 1] == positions[j] + own[j].numel for j in range(len(own) - 1))
         # independently: contiguous iff every rank but the last one holding the param is full
         full_before_last = all(lay.rank_lengths[pc.rank] == S for pc in own[:-1])
         assert contiguous == full_before_last

@@ -20,24 +20,51 @@ from mfsdp_core.models import mcore
 from tests.harness import run_ranks
 
 VOCAB, SEQ, BATCH, LR, SEED = 64, 16, 4, 1e-2, 5
-DENSE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=64)
-MOE = dict(DENSE, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=False,
-           moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+DENSE = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=64
+)
+MOE = dict(
+    DENSE,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_grouped_gemm=False,
+    moe_token_dispatcher_type="allgather",
+    moe_aux_loss_coeff=0.0,
+)
 
 
 def _config(moe: bool):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**(MOE if moe else DENSE), layernorm_epsilon=1e-5, activation_func=F.silu, gated_linear_unit=True,
-                             add_bias_linear=False, normalization="RMSNorm", bias_activation_fusion=False,
-                             use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-                             hidden_dropout=0.0, attention_dropout=0.0)
+    return TransformerConfig(
+        **(MOE if moe else DENSE),
+        layernorm_epsilon=1e-5,
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _build(moe: bool, ep: int):
     mcore.prepare_cpu()
-    return mcore.build_gpt(_config(moe), vocab_size=VOCAB, max_sequence_length=32, tied=False, rotary_base=10000.0,
-                           layer_spec="local", ep_size=ep, seed=SEED)
+    return mcore.build_gpt(
+        _config(moe),
+        vocab_size=VOCAB,
+        max_sequence_length=32,
+        tied=False,
+        rotary_base=10000.0,
+        layer_spec="local",
+        ep_size=ep,
+        seed=SEED,
+    )
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -61,7 +88,7 @@ def _train_ours(moe: bool, ep: int, steps: int) -> dict:
     per = BATCH // world
     losses = []
     for step in range(steps):
-        tokens = _batch(step)[rank * per:(rank + 1) * per]
+        tokens = _batch(step)[rank * per : (rank + 1) * per]
         logits, aux = mcore.forward(model, tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         (loss + aux).backward()
@@ -70,8 +97,11 @@ def _train_ours(moe: bool, ep: int, steps: int) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    experts = [(b.placement.group, b.placement.grad_divisor, b.group_size, b.prefix + b.names[0])
-               for b in plan_of(model).buffers if b.is_expert]
+    experts = [
+        (b.placement.group, b.placement.grad_divisor, b.group_size, b.prefix + b.names[0])
+        for b in plan_of(model).buffers
+        if b.is_expert
+    ]
     return {"losses": losses, "experts": experts, "names": names, "sharded": sharded}
 
 
@@ -114,9 +144,9 @@ def _sharded_names(model, moe: bool) -> dict[str, str]:
             value = value.build()[0]
         assert isinstance(value, ShardedTensor), fqn
         pieces = model_pieces(value.key, tuple(value.global_shape), moe)
-        at = [p for p in pieces if tuple(value.global_offset[:len(p.index)]) == p.index]
+        at = [p for p in pieces if tuple(value.global_offset[: len(p.index)]) == p.index]
         assert len(at) == 1, (fqn, value.key, value.global_offset)
-        out[fqn] = at[0].canonical[len("model."):]
+        out[fqn] = at[0].canonical[len("model.") :]
     return out
 
 
@@ -173,7 +203,7 @@ def test_parity_with_megatron_core_own_training(runs, kind):
 def test_checkpoint_names_are_mcores_own(runs, kind):
     """Our name map equals MCore's sharded_state_dict's (keys map, layer and expert offsets) for
     every parameter; EP 2: each rank names its experts by their global index."""
-    for rank_out in (runs[kind] if isinstance(runs[kind], list) else [runs[kind]]):
+    for rank_out in runs[kind] if isinstance(runs[kind], list) else [runs[kind]]:
         assert rank_out["names"] == rank_out["sharded"]
     if kind == "moe2":
         firsts = sorted(n for r in runs[kind] for *_, n in r["experts"])
@@ -183,7 +213,9 @@ def test_checkpoint_names_are_mcores_own(runs, kind):
 
 def test_experts_on_the_expert_data_parallel_group(runs):
     for rank_out in runs["moe2"]:
-        assert rank_out["experts"] and all(g == EDP_GROUP and d == "dp" and size == 1 for g, d, size, _ in rank_out["experts"])
+        assert rank_out["experts"] and all(
+            g == EDP_GROUP and d == "dp" and size == 1 for g, d, size, _ in rank_out["experts"]
+        )
     assert all(g == "dp" for g, *_ in runs["moe1"]["experts"])
 
 

@@ -39,7 +39,9 @@ def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(model, ns_dtype: str) -> Muon:
-    return Muon(muon_param_groups(model, lr=0.02, weight_decay=0.01, adamw_lr=3e-3, adamw_weight_decay=0.01), ns_dtype=ns_dtype)
+    return Muon(
+        muon_param_groups(model, lr=0.02, weight_decay=0.01, adamw_lr=3e-3, adamw_weight_decay=0.01), ns_dtype=ns_dtype
+    )
 
 
 def _train(policy: str, strategy: str, ns_dtype: str) -> dict:
@@ -87,9 +89,13 @@ def _reference(world: int, ns_dtype: str) -> dict:
             optim.step()
             losses.append(per_rank)
         names = dict(model.named_parameters())
-        return {"losses": losses,
-                "state": {n: (p.detach().clone(), {k: v.clone() for k, v in optim.state[p].items() if k != "step"})
-                          for n, p in names.items()}}
+        return {
+            "losses": losses,
+            "state": {
+                n: (p.detach().clone(), {k: v.clone() for k, v in optim.state[p].items() if k != "step"})
+                for n, p in names.items()
+            },
+        }
     finally:
         torch.set_num_threads(threads)
 
@@ -98,8 +104,13 @@ def _runs(runs: list[tuple[str, str, str]]) -> list[dict]:
     return [_train(*run) for run in runs]
 
 
-RUNS = [("tensor", "optim_grads_params", "bfloat16"), ("even", "optim_grads_params", "bfloat16"),
-        ("row", "optim", "float32"), ("tensor", "no_shard", "float32"), ("even", "optim_grads", "float32")]
+RUNS = [
+    ("tensor", "optim_grads_params", "bfloat16"),
+    ("even", "optim_grads_params", "bfloat16"),
+    ("row", "optim", "float32"),
+    ("tensor", "no_shard", "float32"),
+    ("even", "optim_grads", "float32"),
+]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -161,8 +172,10 @@ def _counted_step(policy: str) -> dict:
     _loss(model, _batch(0, world)[2 * rank : 2 * rank + 2]).backward()
     with count_comm() as comm:
         optim.step()
-    return {"records": [(r.op, r.dtype, r.bytes) for r in comm.records],
-            "matrices": sum(p.numel() for n, p in GPTModel(CONFIG).named_parameters() if uses_muon(n, p))}
+    return {
+        "records": [(r.op, r.dtype, r.bytes) for r in comm.records],
+        "matrices": sum(p.numel() for n, p in GPTModel(CONFIG).named_parameters() if uses_muon(n, p)),
+    }
 
 
 def test_owner_compute_moves_each_matrix_once_each_way(ranks):
@@ -173,12 +186,16 @@ def test_owner_compute_moves_each_matrix_once_each_way(ranks):
     out = ranks(_counted_step, 4, "even", timeout=300)
     n = out[0]["matrices"]
     for o in out:
-        assert [op for op, _, _ in o["records"] if op not in ("all_gather",)] == ["all_to_all", "all_to_all"], o["records"]
+        assert [op for op, _, _ in o["records"] if op not in ("all_gather",)] == ["all_to_all", "all_to_all"], o[
+            "records"
+        ]
     to_owner = sum(o["records"][0][2] for o in out if o["records"][0][0] == "all_to_all")
     back = sum([r for r in o["records"] if r[0] == "all_to_all"][1][2] for o in out)
     assert to_owner == 4 * n and back == 2 * n
     gather_all = 4 * 4 * n  # every rank receiving every full fp32 matrix
-    print(f"owner-compute: {to_owner + back:,} bytes per step over 4 ranks vs {gather_all:,} to gather every matrix "
-          f"on every rank ({gather_all / (to_owner + back):.1f}x)")
+    print(
+        f"owner-compute: {to_owner + back:,} bytes per step over 4 ranks vs {gather_all:,} to gather every matrix "
+        f"on every rank ({gather_all / (to_owner + back):.1f}x)"
+    )
     tensor = ranks(_counted_step, 4, "tensor", timeout=300)
     assert all(not [r for r in o["records"] if r[0] != "all_gather"] for o in tensor)

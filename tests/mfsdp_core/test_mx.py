@@ -36,17 +36,17 @@ def input_families(seed: int = 0) -> dict[str, torch.Tensor]:
     fam["magnitudes_rows"] = rand(64, 128) * torch.logspace(-30, 30, 64)[:, None]
     z = rand(64, 128)
     z[::2, :BLOCK] = 0.0
-    z[1::4, BLOCK:2 * BLOCK] = -0.0
+    z[1::4, BLOCK : 2 * BLOCK] = -0.0
     z[:, 3 * BLOCK] = 0.0
     z[5, :] = 0.0
     fam["zeros"] = z
     sub = _f32(torch.randint(1, 1 << 23, (64, 128), generator=g)) * torch.where(rand(64, 128) > 0, 1.0, -1.0)
-    sub[::3, :BLOCK] *= 2.0 ** 100  # subnormal mixed with normal blocks
+    sub[::3, :BLOCK] *= 2.0**100  # subnormal mixed with normal blocks
     sub[1::3, BLOCK] = 1.0  # one normal element in a subnormal block
     fam["f32_subnormals"] = sub
-    fp8s = rand(64, 128) * 2.0 ** -12  # elements in the FP8 subnormal range of a block scaled for 1
+    fp8s = rand(64, 128) * 2.0**-12  # elements in the FP8 subnormal range of a block scaled for 1
     fp8s[:, ::BLOCK] = 1.0
-    fp8s[::2, 1::BLOCK] = -448.0 * 2.0 ** -20
+    fp8s[::2, 1::BLOCK] = -448.0 * 2.0**-20
     fam["fp8_subnormals"] = fp8s
     sp = rand(64, 128)
     sp[0, 3] = float("nan")
@@ -101,8 +101,10 @@ def torchao_to_mx():
     try:
         from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
     except Exception as e:  # ImportError, or anything its import raises on this torch
-        pytest.skip(f"torchao MX reference cannot be imported ({type(e).__name__}: {e}); "
-                    f"install it with: pip install --no-deps 'torchao==0.18.0'")
+        pytest.skip(
+            f"torchao MX reference cannot be imported ({type(e).__name__}: {e}); "
+            f"install it with: pip install --no-deps 'torchao==0.18.0'"
+        )
 
     def cast(x: torch.Tensor, fmt: MXFormat, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
         mode = ScaleCalculationMode.FLOOR if fmt.rule == "floor" else ScaleCalculationMode.RCEIL
@@ -118,8 +120,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def assert_same_bytes(x: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-                      what: str) -> None:
+def assert_same_bytes(
+    x: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str
+) -> None:
     """Data and scale bytes equal; on a mismatch, name the first differing element and its input."""
     for i, name in ((1, "scale"), (0, "data")):
         a, b = _bytes(got[i]), _bytes(want[i])
@@ -129,7 +132,8 @@ def assert_same_bytes(x: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor], w
             r, c = diff[0].tolist()
             raise AssertionError(
                 f"{what}: {len(diff)} {name} bytes differ, first at ({r}, {c}): {a[r, c].item():#04x} "
-                f"!= {b[r, c].item():#04x}" + (f" for x = {x[r, c].item()!r}" if name == "data" else ""))
+                f"!= {b[r, c].item():#04x}" + (f" for x = {x[r, c].item()!r}" if name == "data" else "")
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +226,7 @@ def test_rules_on_single_blocks() -> None:
     for f in FORMATS:
         assert byte([float("nan"), float("inf")], f) == 0xFF
     # torch.log2 rounds log2(448 * 2^100 * (1 + 2^-23)) to exactly 100: rceil keeps 2^100
-    just_above = (torch.tensor(448.0 * 2.0 ** 100).view(torch.int32) + 1).view(torch.float32).item()
+    just_above = (torch.tensor(448.0 * 2.0**100).view(torch.int32) + 1).view(torch.float32).item()
     assert byte([just_above], e4r) == 127 + 100
 
 
@@ -248,8 +252,8 @@ def _roundtrip_bound(x: torch.Tensor, scale: torch.Tensor, fmt: MXFormat, axis: 
     E4M3, 2^-3 for E5M2) plus half the FP8 subnormal step times the scale, plus, under floor, the
     saturation of elements in (max, 2^(emax+1)) (at most 1/8 of them)."""
     s = torch.exp2(scale.view(torch.uint8).float() - 127).repeat_interleave(BLOCK, dim=1 if axis == "row" else 0)
-    rel = 2.0 ** -4 if fmt.element == "e4m3" else 2.0 ** -3
-    sub = 2.0 ** -10 if fmt.element == "e4m3" else 2.0 ** -17
+    rel = 2.0**-4 if fmt.element == "e4m3" else 2.0**-3
+    sub = 2.0**-10 if fmt.element == "e4m3" else 2.0**-17
     if fmt.rule == "floor":
         rel += 1.0 / 8
     return x.abs() * rel + s * sub * 1.0001
@@ -269,7 +273,7 @@ def test_dequantize_roundtrip(fmt: MXFormat, axis: str) -> None:
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
     # the largest element of each block keeps 3 (E4M3) / 2 (E5M2) mantissa bits: within an ulp
     if fmt.rule == "rceil":
-        assert torch.allclose(y.abs().amax(), x.abs().amax(), rtol=2.0 ** -3)
+        assert torch.allclose(y.abs().amax(), x.abs().amax(), rtol=2.0**-3)
 
 
 def test_dequantize_specials() -> None:
@@ -281,7 +285,7 @@ def test_dequantize_specials() -> None:
         assert bool(y[1].isfinite().all())
     # floor's smallest scale: data were divided by 2^-126 but the byte says 2^-127, so a block
     # below 2^-118 comes back at half its value (torchao does the same)
-    tiny = torch.full((1, BLOCK), 2.0 ** -120)
+    tiny = torch.full((1, BLOCK), 2.0**-120)
     d, s = mx.quantize_reference(tiny, FORMATS[0], "row")
     assert int(s.view(torch.uint8)) == 0
     assert torch.equal(mx.dequantize(d, s, "row"), tiny / 2)
@@ -300,10 +304,14 @@ def test_shapes_and_dtypes() -> None:
     assert s.dtype == torch.float8_e8m0fnu and d.is_contiguous() and s.is_contiguous()
     # columnwise is rowwise of the transpose, transposed back
     dt, st_ = mx.quantize(x.t().contiguous(), MXFormat("e5m2", "rceil"), "row", backend="reference")
-    assert torch.equal(d.view(torch.uint8), dt.view(torch.uint8).t()) and torch.equal(s.view(torch.uint8), st_.view(torch.uint8).t())
+    assert torch.equal(d.view(torch.uint8), dt.view(torch.uint8).t()) and torch.equal(
+        s.view(torch.uint8), st_.view(torch.uint8).t()
+    )
     # a non-contiguous input is fine
-    assert torch.equal(mx.quantize(x.t(), MXFormat(), "row", backend="reference")[0].view(torch.uint8),
-                       mx.quantize(x.t().contiguous(), MXFormat(), "row", backend="reference")[0].view(torch.uint8))
+    assert torch.equal(
+        mx.quantize(x.t(), MXFormat(), "row", backend="reference")[0].view(torch.uint8),
+        mx.quantize(x.t().contiguous(), MXFormat(), "row", backend="reference")[0].view(torch.uint8),
+    )
 
 
 @pytest.mark.parametrize(

@@ -176,10 +176,20 @@ def test_cuda_reason_without_gpu() -> None:
 
 
 def _run(code: str, env_dir: Path, timeout: float = 600) -> subprocess.Popen:
-    env = {"TORCH_EXTENSIONS_DIR": str(env_dir), "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin:/usr/local/bin",
-           "HOME": str(env_dir)}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(env_dir),
+        "PYTHONPATH": str(REPO),
+        "PATH": "/usr/bin:/bin:/usr/local/bin",
+        "HOME": str(env_dir),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.heavy
@@ -191,8 +201,11 @@ def test_build_failure_is_one_line_and_import_survives(tmp_path: Path) -> None:
     falls back with that reason."""
     src = tmp_path / "csrc"
     src.mkdir()
-    (src / "mx_cast.cpp").write_text("#include <mfsdp_no_such_header.h>\n#include <torch/extension.h>\nthis is not C++;\n")
-    p = _run(f"""
+    (src / "mx_cast.cpp").write_text(
+        "#include <mfsdp_no_such_header.h>\n#include <torch/extension.h>\nthis is not C++;\n"
+    )
+    p = _run(
+        f"""
         import warnings, torch
         import mfsdp_core
         from mfsdp_core import mx, mx_native
@@ -204,7 +217,9 @@ def test_build_failure_is_one_line_and_import_survives(tmp_path: Path) -> None:
             warnings.simplefilter("always")
             mx.quantize(torch.zeros(32, 32), mx.MXFormat(), "row")
         print("WARN", len(w), w[0].message)
-    """, tmp_path / "ext")
+    """,
+        tmp_path / "ext",
+    )
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     reason = next(ln for ln in out.splitlines() if ln.startswith("REASON"))

@@ -53,7 +53,9 @@ def _local_planes(fmt: dict) -> dict:
     return {
         "owned": ps.owned,
         "main": ps.main.tensor.clone(),
-        "planes": {name: (s.start, s.end, s.tensor.view(torch.uint8).clone()) for name, s in ps.companions.items()},  # fp8 does not pickle
+        "planes": {
+            name: (s.start, s.end, s.tensor.view(torch.uint8).clone()) for name, s in ps.companions.items()
+        },  # fp8 does not pickle
         "step_ops": comm.ops(),
         "shard_size": layout.shard_size,
         "ideal": -(-4096 * 1024 // dist.get_world_size()),
@@ -80,8 +82,10 @@ def test_each_rank_quantizes_its_own_blocks_exactly_as_the_whole_tensor(ranks, f
         assert o["owned"][0] % (32 * 1024) == 0  # whole 32-row blocks
         padding = o["shard_size"] - o["ideal"]
         assert 0 <= padding <= 32 * 1024, padding  # at most one block per rank
-    print(f"shard {out[0]['shard_size']} elements vs {out[0]['ideal']} even: padding {out[0]['shard_size'] - out[0]['ideal']} "
-          f"({(out[0]['shard_size'] - out[0]['ideal']) / (32 * 1024):.2f} block) per rank")
+    print(
+        f"shard {out[0]['shard_size']} elements vs {out[0]['ideal']} even: padding {out[0]['shard_size'] - out[0]['ideal']} "
+        f"({(out[0]['shard_size'] - out[0]['ideal']) / (32 * 1024):.2f} block) per rank"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,7 +97,9 @@ def _gathered_bytes(mx: bool) -> dict:
     torch.manual_seed(0)
     model = GPTModel(config)
     marked = {id(p) for p in linear_weights(model)}
-    place = (lambda n, p: mx_placement() if id(p) in marked else Placement("block(32)")) if mx else Placement("block(32)")  # noqa: E731
+    place = (
+        (lambda n, p: mx_placement() if id(p) in marked else Placement("block(32)")) if mx else Placement("block(32)")
+    )  # noqa: E731
     for unit in shard_units(model):
         fully_shard(unit, placement=place, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -106,8 +112,11 @@ def _gathered_bytes(mx: bool) -> dict:
         if r.op == "all_gather":
             by_dtype[str(r.dtype)] = by_dtype.get(str(r.dtype), 0) + r.bytes
     mx_buffers = [b for b in buffers_of(model) if b.mx is not None]
-    return {"by_dtype": by_dtype, "linear_numel": linear_numel,
-            "mx_gathered": sum(b.layout.gathered_size for b in mx_buffers)}
+    return {
+        "by_dtype": by_dtype,
+        "linear_numel": linear_numel,
+        "mx_gathered": sum(b.layout.gathered_size for b in mx_buffers),
+    }
 
 
 def test_the_all_gather_moves_mx_planes_instead_of_bf16_weights(ranks):
@@ -124,9 +133,11 @@ def test_the_all_gather_moves_mx_planes_instead_of_bf16_weights(ranks):
     assert saved == 2 * 2 * n  # the linears' bf16 weights, forward and backward, no longer travel
     total_bf16 = sum(bf16[0]["by_dtype"].values())
     total_mx = sum(mx[0]["by_dtype"].values())
-    print(f"all-gather bytes per step and rank: bf16 {total_bf16:,}, MXFP8 linears {total_mx:,} "
-          f"({1 - total_mx / total_bf16:.1%} less); the linears alone: {4 * n:,} -> {fp8 + e8m0:,} "
-          f"({1 - (fp8 + e8m0) / (4 * n):.1%} less)")
+    print(
+        f"all-gather bytes per step and rank: bf16 {total_bf16:,}, MXFP8 linears {total_mx:,} "
+        f"({1 - total_mx / total_bf16:.1%} less); the linears alone: {4 * n:,} -> {fp8 + e8m0:,} "
+        f"({1 - (fp8 + e8m0) / (4 * n):.1%} less)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,8 +184,14 @@ def test_a_parameter_that_cannot_be_blocked_is_refused_naming_it():
             super().__init__()
             self.proj = nn.Linear(48, 64, bias=False)  # 64 x 48: 48 is not a multiple of 32
 
-    with pytest.raises(ValueError, match=r"fully_shard\(Odd\): parameter 'proj.weight' of shape \(64, 48\): MXFP8 needs a "
-                                         r"2-D weight whose dims are both multiples of 32"):
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard\(Odd\): parameter 'proj.weight' of shape \(64, 48\): MXFP8 needs a "
+        r"2-D weight whose dims are both multiples of 32",
+    ):
         fully_shard(Odd(), placement=mx_placement())
-    with pytest.raises(ValueError, match=r"parameter 'weight': policy even can split its 32-row blocks, which MXFP8 keeps whole on one rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'weight': policy even can split its 32-row blocks, which MXFP8 keeps whole on one rank",
+    ):
         fully_shard(One(), placement=mx_placement(policy="even"))

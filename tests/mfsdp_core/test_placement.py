@@ -54,11 +54,13 @@ def _owned(ref: torch.Tensor, shard) -> torch.Tensor:
 
 # ---- two models in one process ------------------------------------------------------------
 
+
 def _two_models_alternately() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for strategy in ("no_shard", "optim_grads_params"):
-        def build(name):
+
+        def build(name, strategy=strategy):
             model = shard_model(make_model(name), strategy=strategy, policy="row")
             return model, fully_shard_optimizer(make_adamw(model.parameters()))
 
@@ -82,8 +84,10 @@ def _two_models_alternately() -> dict:
             ob.step()
             oa.zero_grad()
             ob.zero_grad()
-        together = {"mlp": [ps.main.tensor for ps in describe_shards(a, oa)],
-                    "transformer": [ps.main.tensor for ps in describe_shards(b, ob)]}
+        together = {
+            "mlp": [ps.main.tensor for ps in describe_shards(a, oa)],
+            "transformer": [ps.main.tensor for ps in describe_shards(b, ob)],
+        }
         out[strategy] = {
             "bitwise": all(torch.equal(p, q) for name in alone for p, q in zip(alone[name], together[name])),
             "reductions": reductions_in_b_backward,
@@ -101,6 +105,7 @@ def test_two_models_trained_alternately_share_nothing(ranks):
 
 
 # ---- one unit, two groups ----------------------------------------------------------------
+
 
 class PairModel(nn.Module):
     """``expert`` is placed over pairs of ranks; ``inp`` and ``out`` over all of them."""
@@ -161,13 +166,16 @@ def _two_groups(steps: int = 3) -> dict:
     out = {}
     runs = [(s, "even", world) for s in STRATEGIES] + [("optim_grads_params", "row", world), ("no_shard", "even", None)]
     for strategy, policy, divisor in runs:
-        def place(name, param):
+
+        def place(name, param, policy=policy, divisor=divisor):
             if name.startswith("expert."):
                 return Placement(policy, group="pair", grad_divisor=divisor)
             return Placement(policy)
 
         torch.manual_seed(0)
-        model = fully_shard(PairModel(), mesh={"dp": dist.group.WORLD, "pair": mine}, strategy=strategy, placement=place)
+        model = fully_shard(
+            PairModel(), mesh={"dp": dist.group.WORLD, "pair": mine}, strategy=strategy, placement=place
+        )
         optim = fully_shard_optimizer(make_adamw(model.parameters()))
         norms = []
         for step in range(steps):
@@ -206,6 +214,7 @@ def test_a_unit_with_buffers_over_two_groups_trains_like_one_process(ranks):
 
 # ---- any output type ---------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Output:  # not registered with pytree: tree_flatten sees one opaque leaf
     logits: torch.Tensor
@@ -236,8 +245,12 @@ class OutputModel(nn.Module):
     def forward(self, x: torch.Tensor):
         h = self.inner(F.gelu(self.inp(x)))
         y = self.out(h.h if self.kind == "hidden" else h)
-        return {"dataclass": Output, "namespace": lambda t: SimpleNamespace(logits=t), "tuple": lambda t: (t, None),
-                "dict": lambda t: {"logits": t}}.get(self.kind, lambda t: t)(y)
+        return {
+            "dataclass": Output,
+            "namespace": lambda t: SimpleNamespace(logits=t),
+            "tuple": lambda t: (t, None),
+            "dict": lambda t: {"logits": t},
+        }.get(self.kind, lambda t: t)(y)
 
 
 def _logits(out) -> torch.Tensor:
@@ -293,6 +306,7 @@ def test_any_output_type_trains_with_parity_under_every_strategy(ranks):
 
 # ---- norms stay inside the model's group ---------------------------------------------------
 
+
 def _clip_in_subgroups() -> dict:
     rank = dist.get_rank()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -316,6 +330,7 @@ def test_clip_grad_norm_reduces_over_the_models_group_not_the_world(ranks):
 
 
 # ---- a matrix optimizer under `tensor` -----------------------------------------------------
+
 
 class RowNormSGD(torch.optim.Optimizer):
     """Steps each matrix along its gradient with every row scaled to unit norm: needs whole rows
@@ -366,6 +381,7 @@ def test_a_matrix_optimizer_sees_whole_matrices_under_tensor(ranks):
 
 # ---- companion planes ------------------------------------------------------------------------
 
+
 def _row_absmax4(rows: torch.Tensor) -> torch.Tensor:
     """Per row, the absmax of each group of 4 columns (the last group may be short)."""
     pad = -rows.shape[1] % 4
@@ -378,8 +394,10 @@ def _block_absmax32(rows: torch.Tensor) -> torch.Tensor:
     return F.pad(rows.abs(), (0, 0, 0, pad)).view(-1, 32, rows.shape[1]).amax(1)
 
 
-PLANES = (Companion("row4", torch.float32, 1, 4, derive=_row_absmax4),
-          Companion("block32", torch.bfloat16, 32, 1, derive=lambda rows: _block_absmax32(rows).bfloat16()))
+PLANES = (
+    Companion("row4", torch.float32, 1, 4, derive=_row_absmax4),
+    Companion("block32", torch.bfloat16, 32, 1, derive=lambda rows: _block_absmax32(rows).bfloat16()),
+)
 
 
 def _companions() -> dict:

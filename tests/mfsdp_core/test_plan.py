@@ -48,8 +48,13 @@ def test_a_placement_function_splits_buffers_and_sets_group_and_divisor():
     spec, _ = by_name["fc1.bias"]
     assert spec.placement.group == "dp" and spec.grad_divisor == 4 and str(spec.policy) == "row"
     # fc1's unit holds two buffers (weight over pairs, bias over dp); buffers in module order
-    assert [b.fqns for b in plan.buffers] == [["scale", "norm.weight", "norm.bias"], ["fc1.weight"], ["fc1.bias"],
-                                              ["fc2.weight"], ["fc2.bias"]]
+    assert [b.fqns for b in plan.buffers] == [
+        ["scale", "norm.weight", "norm.bias"],
+        ["fc1.weight"],
+        ["fc1.bias"],
+        ["fc2.weight"],
+        ["fc2.bias"],
+    ]
 
 
 def test_bad_placements_are_refused_naming_the_parameter():
@@ -64,7 +69,11 @@ def test_bad_placements_are_refused_naming_the_parameter():
         Placement(grad_divisor=0)
     comp = Companion("scale", torch.float32, row_divisor=32)
     with pytest.raises(ValueError, match="parameter 'fc1.weight': policy even cuts it inside blocks of 32 rows"):
-        plan_model(model, _mlp_units(model), placement=lambda n, p: Placement("even", companions=(comp,) if p.ndim == 2 else ()))
+        plan_model(
+            model,
+            _mlp_units(model),
+            placement=lambda n, p: Placement("even", companions=(comp,) if p.ndim == 2 else ()),
+        )
 
 
 @pytest.mark.parametrize("shape", [(64, 13), (96, 7), (33, 5), (32,)])
@@ -76,8 +85,15 @@ def test_companion_layout_follows_the_rows_each_rank_owns(shape, world):
     comp = Companion("c", torch.uint8, row_divisor=rows_div, col_divisor=4)
     policy = Policy("block", 32) if rows_div == 32 else Policy("row")
     shapes = [torch.Size(shape), torch.Size((3,)), torch.Size((32, 9))]
-    spec = BufferSpec(names=("a", "b", "c"), shapes=tuple(shapes), dtype=torch.float32, requires_grad=True,
-                      strategy=_strategy(), placement=Placement(policy, companions=(comp,)), group_size=world)
+    spec = BufferSpec(
+        names=("a", "b", "c"),
+        shapes=tuple(shapes),
+        dtype=torch.float32,
+        requires_grad=True,
+        strategy=_strategy(),
+        placement=Placement(policy, companions=(comp,)),
+        group_size=world,
+    )
     layout, clayout = spec.layout, spec.companion_layouts["c"]
     for i, s in enumerate(shapes):
         cshape = comp.shape(s)
@@ -134,7 +150,9 @@ def test_plan_round_trips_through_the_manifest_form():
     assert layer0 and all(n.startswith("decoder.layers.0.") for b in layer0 for n in b["params"])
     with_planes = [b for b in text["buffers"] if b["companions"]]
     assert with_planes and all(b["policy"] == "block(32)" for b in with_planes)
-    assert with_planes[0]["companions"] == [{"name": "rowwise_scale", "dtype": "float8_e8m0fnu", "row_divisor": 1, "col_divisor": 32}]
+    assert with_planes[0]["companions"] == [
+        {"name": "rowwise_scale", "dtype": "float8_e8m0fnu", "row_divisor": 1, "col_divisor": 32}
+    ]
     # another layout of the same plan: only sizes (and asked strategy / policy) change
     resized = [b.resized(3) for b in plan.buffers]
     assert all(b.layout.group_size == 3 and b.fqns == a.fqns for a, b in zip(plan.buffers, resized))
@@ -169,5 +187,7 @@ def test_tensor_policy_spreads_one_parameter_units_over_the_ranks():
         b.pop("first_rank", None)
     assert {b.first_rank for b in ModelPlan.from_dict(old).buffers} == {0}
     # flat policies and unsharded buffers are not affected
-    assert {b.first_rank for b in plan_model(model, [*model, model], policy="row", group_sizes={"dp": 3}).buffers} == {0}
+    assert {b.first_rank for b in plan_model(model, [*model, model], policy="row", group_sizes={"dp": 3}).buffers} == {
+        0
+    }
     assert {b.first_rank for b in plan_model(model, [*model, model], policy="tensor").buffers} == {0}

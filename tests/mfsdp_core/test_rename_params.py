@@ -13,7 +13,10 @@ from mfsdp_core import describe_shards, fully_shard_optimizer, plan_of, rename_p
 from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
 
 # the Transformer test model's block: its attention norm named as a fused norm of the QKV linear
-_RENAMES = {"block.attn_norm.weight": "block.qkv.layer_norm_weight", "block.attn_norm.bias": "block.qkv.layer_norm_bias"}
+_RENAMES = {
+    "block.attn_norm.weight": "block.qkv.layer_norm_weight",
+    "block.attn_norm.bias": "block.qkv.layer_norm_bias",
+}
 
 
 def _rename(fqn: str) -> str:
@@ -32,7 +35,11 @@ def _save_renamed(path: str) -> dict:
     names = sorted(ps.fqn for ps in describe_shards(model, optim))
     plan = sorted(n for b in plan_of(model).to_dict()["buffers"] for n in b["params"])
     mfsdp_ckpt.save(path, model, optim, extra={"step": 2})
-    return {"names": names, "plan": plan, "state": {ps.fqn: ps.main.tensor.clone() for ps in describe_shards(model, optim)}}
+    return {
+        "names": names,
+        "plan": plan,
+        "state": {ps.fqn: ps.main.tensor.clone() for ps in describe_shards(model, optim)},
+    }
 
 
 def _load_renamed(path: str) -> dict:

@@ -22,14 +22,23 @@ def _describe(strategy: str, policy: str) -> list[dict]:
     optim.step()
     out = []
     for ps in describe_shards(model, optim):
-        entry = {"fqn": ps.fqn, "shape": tuple(ps.shape), "dtype": ps.dtype, "owned": ps.owned,
-                 "group": (ps.group_size, ps.group_rank)}
+        entry = {
+            "fqn": ps.fqn,
+            "shape": tuple(ps.shape),
+            "dtype": ps.dtype,
+            "owned": ps.owned,
+            "group": (ps.group_size, ps.group_rank),
+        }
         for kind in ("param", "main", "grad"):
             fs = getattr(ps, kind)
             entry[kind] = (fs.start, fs.end, fs.tensor.numel(), fs.tensor.dim())
         entry["optim"] = {k: (fs.start, fs.end, fs.tensor.numel()) for k, fs in ps.optim.items()}
         entry["extra"] = sorted(ps.optim_extra)
-        entry["optim_param"] = ps.optim_param is not None and ps.optim_param in optim.state and optim.state[ps.optim_param]["exp_avg"] is ps.optim["exp_avg"].tensor
+        entry["optim_param"] = (
+            ps.optim_param is not None
+            and ps.optim_param in optim.state
+            and optim.state[ps.optim_param]["exp_avg"] is ps.optim["exp_avg"].tensor
+        )
         # any rank's range is computable from the layout alone
         entry["all_owned"] = [(pc.start, pc.end) for pc in (ps.layout.piece(ps.index, r) for r in range(ps.group_size))]
         out.append(entry)
@@ -45,7 +54,7 @@ def test_description_covers_every_parameter_once(ranks, strategy, policy):
     shapes = {n: tuple(p.shape) for n, p in make_model("transformer").named_parameters()}
     for entries in per_rank:
         assert sorted(e["fqn"] for e in entries) == sorted(names)  # canonical names, root-relative
-    for i, fqn in enumerate(sorted(names)):
+    for fqn in sorted(names):
         entries = [next(e for e in rank_entries if e["fqn"] == fqn) for rank_entries in per_rank]
         numel = torch.Size(shapes[fqn]).numel()
         for e in entries:

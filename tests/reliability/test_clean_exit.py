@@ -42,7 +42,9 @@ GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # the names of ProcessGroup
 RUNS = 5
 
 
-def _build(strategy: str, policy: str, mesh: dist.ProcessGroup | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(
+    strategy: str, policy: str, mesh: dist.ProcessGroup | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
     for layer in model:
@@ -136,10 +138,26 @@ def _run_script(ckpt_dir: str) -> list[tuple[int, str]]:
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, ckpt_dir], cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, ckpt_dir],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     out = []
     for proc in procs:
         _, err = proc.communicate(timeout=300)

@@ -77,7 +77,12 @@ def test_damage_anywhere_is_found_or_harmless(saved, tmp_path):
             assert "\n" not in str(e), (name, how, at, str(e))
             assert faults, f"{name} {how}@{at}: verify passed what load refused: {e}"
             after = owned_pieces(model, optim)
-            assert all(torch.equal(before[k][2], after[k][2]) for k in before), (name, how, at, "a failed load changed the model")
+            assert all(torch.equal(before[k][2], after[k][2]) for k in before), (
+                name,
+                how,
+                at,
+                "a failed load changed the model",
+            )
             outcomes["refused"] += 1
             continue
         loaded = owned_pieces(model, optim)

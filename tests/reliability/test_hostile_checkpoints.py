@@ -74,6 +74,7 @@ def _outside(tmp_path, data: bytes = b"secret") -> str:
 
 def _readers(ckpt: str, clean: str, tmp: str) -> dict[str, Callable[[], Any]]:
     """Every reader of a checkpoint, each a call on ``ckpt`` (``clean``: an intact one for diff)."""
+
     def read_all() -> None:
         with CheckpointReader(ckpt) as r:
             for key in r.keys():
@@ -89,6 +90,7 @@ def _readers(ckpt: str, clean: str, tmp: str) -> dict[str, Callable[[], Any]]:
     def resume() -> None:
         from cli.model_source import GPTSource
         from cli.train import UsageError, checked_checkpoint
+
         try:
             checked_checkpoint(ckpt, GPTSource(GPTConfig.from_dict(MODEL_CONFIG), "custom"), "--resume")
         except UsageError as e:  # how the trainer reports a CheckpointError: one line, exit 1
@@ -179,8 +181,12 @@ def test_hostile_names_outside_the_checkpoint_are_refused(run, tmp_path, how):
     errors = _errors(out)
     assert "load" in errors and "read" in errors and "diff" in errors, out
     assert "verify" in errors or _faults(out["verify"]), out["verify"]
-    expected = {"dotdot": "leads out of the checkpoint directory", "absolute": "is absolute",
-                "symlink": "a symlink leads outside the checkpoint directory", "manifest": "field 'chunks["}[how]
+    expected = {
+        "dotdot": "leads out of the checkpoint directory",
+        "absolute": "is absolute",
+        "symlink": "a symlink leads outside the checkpoint directory",
+        "manifest": "field 'chunks[",
+    }[how]
     assert expected in errors["load"], errors["load"]
 
 
@@ -207,12 +213,25 @@ def test_hostile_huge_tensor_is_refused_before_any_allocation(run, tmp_path, mon
     huge = torch.Size([2**38])  # 2^38 float32 elements: 1 TiB
     metadata = read_metadata(ckpt)
     metadata.state_dict_metadata["extra.huge"] = TensorStorageMetadata(
-        TensorProperties(dtype=torch.float32), huge, [ChunkStorageMetadata(torch.Size([0]), huge)])
-    metadata.storage_data[MetadataIndex("extra.huge", torch.Size([0]))] = _StorageInfo("__0_0.distcp", offset, len(record))
+        TensorProperties(dtype=torch.float32), huge, [ChunkStorageMetadata(torch.Size([0]), huge)]
+    )
+    metadata.storage_data[MetadataIndex("extra.huge", torch.Size([0]))] = _StorageInfo(
+        "__0_0.distcp", offset, len(record)
+    )
     write_metadata(ckpt, metadata)
-    edit_manifest(ckpt, lambda m: m["chunks"].update({"extra.huge@0": {
-        "file": "__0_0.distcp", "offset": offset, "length": len(record),
-        "crc32c": google_crc32c.value(torch.arange(10.0).numpy().tobytes())}}))
+    edit_manifest(
+        ckpt,
+        lambda m: m["chunks"].update(
+            {
+                "extra.huge@0": {
+                    "file": "__0_0.distcp",
+                    "offset": offset,
+                    "length": len(record),
+                    "crc32c": google_crc32c.value(torch.arange(10.0).numpy().tobytes()),
+                }
+            }
+        ),
+    )
 
     real_empty = torch.empty
 
@@ -258,13 +277,18 @@ MANIFEST_EDITS: dict[str, tuple[Callable[[dict], Any], str]] = {
     "chunk offset negative": (lambda m: m["chunks"][_first_chunk(m)].update(offset=-1), ".offset"),
     "chunk crc a string": (lambda m: m["chunks"][_first_chunk(m)].update(crc32c="x"), ".crc32c"),
     "writer null": (lambda m: m.update(writer=None), "writer"),
-    "plan shapes a string": (lambda m: m["writer"]["plan"]["buffers"][0].update(shapes="abc"), "writer.plan.buffers[0].shapes"),
+    "plan shapes a string": (
+        lambda m: m["writer"]["plan"]["buffers"][0].update(shapes="abc"),
+        "writer.plan.buffers[0].shapes",
+    ),
     "plan unknown strategy": (lambda m: m["writer"]["plan"]["buffers"][0].update(strategy="zero9"), "strategy"),
     "model_config a list": (lambda m: m.update(model_config=[1, 2]), "model_config"),
     "created_unix a string": (lambda m: m.update(created_unix="yesterday"), "created_unix"),
     "format_version a string": (lambda m: m.update(format_version="2"), "format_version"),
-    "model_config nested 100000 deep": (lambda m: Replace(json.dumps(m)[:-1] + ', "model_config": {"a": ' + "[" * 100000
-                                                          + "0" + "]" * 100000 + "}}"), "mfsdp.json"),
+    "model_config nested 100000 deep": (
+        lambda m: Replace(json.dumps(m)[:-1] + ', "model_config": {"a": ' + "[" * 100000 + "0" + "]" * 100000 + "}}"),
+        "mfsdp.json",
+    ),
     "model_config nested 40 deep": (lambda m: m.update(model_config={"a": _deep(40)}), "nested deeper than"),
     "top level a list": (lambda m: Replace([m]), "mfsdp.json"),
 }
@@ -314,13 +338,19 @@ METADATA_EDITS: dict[str, Callable[[Any], Any]] = {
     "offset negative": lambda md: setattr(_storage(md), "offset", -5),
     "length a string": lambda md: setattr(_storage(md), "length", "abc"),
     "length 2**70": lambda md: setattr(_storage(md), "length", 2**70),
-    "chunk sizes negative": lambda md: setattr(md.state_dict_metadata["model.fc1.weight"].chunks[0], "sizes", torch.Size([-64, -13])),
-    "chunk of another rank": lambda md: setattr(md.state_dict_metadata["model.fc1.weight"].chunks[0], "offsets", torch.Size([0])),
+    "chunk sizes negative": lambda md: setattr(
+        md.state_dict_metadata["model.fc1.weight"].chunks[0], "sizes", torch.Size([-64, -13])
+    ),
+    "chunk of another rank": lambda md: setattr(
+        md.state_dict_metadata["model.fc1.weight"].chunks[0], "offsets", torch.Size([0])
+    ),
     "dtype a string": lambda md: setattr(md.state_dict_metadata["model.fc1.weight"].properties, "dtype", "float32"),
     "size a list of strings": lambda md: setattr(md.state_dict_metadata["model.fc1.weight"], "size", ["64", "13"]),
     "chunks None": lambda md: setattr(md.state_dict_metadata["model.fc1.weight"], "chunks", None),
     "storage_data None": lambda md: setattr(md, "storage_data", None),
-    "entry of another class": lambda md: md.state_dict_metadata.update({"model.fc1.weight": ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))}),
+    "entry of another class": lambda md: md.state_dict_metadata.update(
+        {"model.fc1.weight": ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))}
+    ),
     "two chunks share bytes": lambda md: setattr(_storage(md, "model.fc1.bias"), "offset", _storage(md).offset),
 }
 
@@ -394,7 +424,9 @@ def test_hostile_verify_checks_the_save_id_and_says_what_is_unprotected(run):
 PROTECTED_EDITS: dict[str, Callable[[dict], Any]] = {
     "step": lambda m: m.update(step=7),
     "model_config": lambda m: m["model_config"].update(hidden_size=128),
-    "a chunk's offset": lambda m: m["chunks"][_first_chunk(m)].update(offset=m["chunks"][_first_chunk(m)]["offset"] + 1),
+    "a chunk's offset": lambda m: m["chunks"][_first_chunk(m)].update(
+        offset=m["chunks"][_first_chunk(m)]["offset"] + 1
+    ),
     "the plan's world size": lambda m: m["writer"].update(world_size=8),
 }
 
@@ -421,8 +453,10 @@ def test_hostile_flipped_byte_in_metadata_is_refused_by_every_reader(run, tmp_pa
         flipped[pos] ^= 0x01
         with open(path, "wb") as f:
             f.write(flipped)
-        out = _outcomes({k: v for k, v in _readers(ckpt, ckpt, str(tmp_path)).items() if k in ("verify", "load", "read")},
-                        (str(tmp_path),))
+        out = _outcomes(
+            {k: v for k, v in _readers(ckpt, ckpt, str(tmp_path)).items() if k in ("verify", "load", "read")},
+            (str(tmp_path),),
+        )
         assert set(_errors(out)) == {"verify", "load", "read"}, out
 
 
@@ -437,6 +471,8 @@ def test_hostile_stock_checkpoint_with_chunk_listed_but_not_stored(tmp_path):
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
     model, optim = trained_mlp()
-    with pytest.raises(CorruptCheckpointError, match=r"model.fc1.bias at \[0\]: listed in the metadata, but not stored"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"model.fc1.bias at \[0\]: listed in the metadata, but not stored"
+    ):
         mfsdp_ckpt.load(ckpt, model, optim, require_manifest=False)
     shutil.rmtree(ckpt)

@@ -114,6 +114,7 @@ def _replace(path: str, data: bytes) -> None:
 def _run_readers(base: Base, case: str, ckpt: str, fuzz: str) -> dict[str, Any]:
     """Every reader on ``ckpt``: its result, or its CheckpointError. Fails the case on another
     exception, a hang, or a file access outside ``case`` (the clean base is readable: diff)."""
+
     def read_all() -> dict[str, Any]:
         with CheckpointReader(ckpt) as reader:
             return {k: reader.read(k) for k in reader.keys()}
@@ -159,16 +160,31 @@ def _run_readers(base: Base, case: str, ckpt: str, fuzz: str) -> dict[str, Any]:
 
 
 _REASONS = [  # (what the message says, the check that refused) for the counts
-    ("manifest_crc32c", "manifest checksum"), ("metadata_crc32c", "metadata checksum"),
-    ("field '", "manifest schema"), ("unreadable manifest", "manifest not JSON"), ("not an mfsdp-ckpt manifest", "manifest not ours"),
-    ("unreadable metadata", "unpickler: garbled"), ("refusing to load", "unpickler: class not admitted"),
-    ("outside the checkpoint", "path outside"), ("is absolute", "path outside"), ("leads out of", "path outside"),
-    ("not a regular file", "not a regular file"), ("cannot read DCP metadata", "metadata unreadable"),
-    ("no committed manifest", "no manifest"), ("not a checkpoint", "no .metadata"), ("no .metadata", "no .metadata"),
-    ("missing from the checkpoint", "state mismatch"), ("not in the model", "state mismatch"), ("shape mismatch", "state mismatch"),
-    ("chunks do not cover", "coverage"), ("truncated", "bytes missing"), ("checksum mismatch", "chunk checksum"),
-    ("do not fit in its", "sizes vs bytes"), ("the manifest places it", "manifest place"),
-    (".metadata: ", "metadata values"), ("not listed in the manifest", "chunk not in manifest"),
+    ("manifest_crc32c", "manifest checksum"),
+    ("metadata_crc32c", "metadata checksum"),
+    ("field '", "manifest schema"),
+    ("unreadable manifest", "manifest not JSON"),
+    ("not an mfsdp-ckpt manifest", "manifest not ours"),
+    ("unreadable metadata", "unpickler: garbled"),
+    ("refusing to load", "unpickler: class not admitted"),
+    ("outside the checkpoint", "path outside"),
+    ("is absolute", "path outside"),
+    ("leads out of", "path outside"),
+    ("not a regular file", "not a regular file"),
+    ("cannot read DCP metadata", "metadata unreadable"),
+    ("no committed manifest", "no manifest"),
+    ("not a checkpoint", "no .metadata"),
+    ("no .metadata", "no .metadata"),
+    ("missing from the checkpoint", "state mismatch"),
+    ("not in the model", "state mismatch"),
+    ("shape mismatch", "state mismatch"),
+    ("chunks do not cover", "coverage"),
+    ("truncated", "bytes missing"),
+    ("checksum mismatch", "chunk checksum"),
+    ("do not fit in its", "sizes vs bytes"),
+    ("the manifest places it", "manifest place"),
+    (".metadata: ", "metadata values"),
+    ("not listed in the manifest", "chunk not in manifest"),
 ]
 
 
@@ -183,25 +199,107 @@ def _gate(base: Base, out: dict[str, Any]) -> None:
         assert not isinstance(out["read"], CheckpointError), out["read"]
         for key, value in base.values.items():
             got = out["read"][key]
-            assert (torch.equal(got, value) and got.dtype == value.dtype) if isinstance(value, torch.Tensor) else got == value, key
+            assert (
+                (torch.equal(got, value) and got.dtype == value.dtype)
+                if isinstance(value, torch.Tensor)
+                else got == value
+            ), key
         STATS["gate"]["verify passed: load and every read matched"] += 1
 
 
 # ---- hostile values --------------------------------------------------------------------------------
 
 OUTSIDE = "@OUTSIDE@"  # replaced by the absolute path of a file outside the case's checkpoint
-TEXT = ["../outside/secret.distcp", "../../outside/secret.distcp", "/etc/passwd", OUTSIDE, "fifo", "__0_0.distcp",
-        "__1_0.distcp", ".metadata", "mfsdp.json", "", "a\nb", "\x00", "x" * 300, "no_shard", "block(0)", "block(32)",
-        "float32", "dp", "model.fc1.weight@0,0", "mfsdp-ckpt", "sub/dir/__0_0.distcp", "."]
-INTS = [-(2**70), -(2**63), -1, 0, 1, 2, 3, 13, 64, 2**31, 2**32 - 1, 2**32, 2**38, 2**53 + 1, 2**62, 2**63, 2**64, 10**30]
-FIELDS = ["file", "offset", "length", "crc32c", "plan", "buffers", "groups", "world_size", "shapes", "params", "strategy",
-          "policy", "group_size", "group_sizes", "dtype", "step", "chunks", "format", "format_version", "save_id",
-          "manifest_crc32c", "metadata_crc32c", "model_config", "writer", "companions", "grad_divisor", "unit"]
+TEXT = [
+    "../outside/secret.distcp",
+    "../../outside/secret.distcp",
+    "/etc/passwd",
+    OUTSIDE,
+    "fifo",
+    "__0_0.distcp",
+    "__1_0.distcp",
+    ".metadata",
+    "mfsdp.json",
+    "",
+    "a\nb",
+    "\x00",
+    "x" * 300,
+    "no_shard",
+    "block(0)",
+    "block(32)",
+    "float32",
+    "dp",
+    "model.fc1.weight@0,0",
+    "mfsdp-ckpt",
+    "sub/dir/__0_0.distcp",
+    ".",
+]
+INTS = [
+    -(2**70),
+    -(2**63),
+    -1,
+    0,
+    1,
+    2,
+    3,
+    13,
+    64,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**38,
+    2**53 + 1,
+    2**62,
+    2**63,
+    2**64,
+    10**30,
+]
+FIELDS = [
+    "file",
+    "offset",
+    "length",
+    "crc32c",
+    "plan",
+    "buffers",
+    "groups",
+    "world_size",
+    "shapes",
+    "params",
+    "strategy",
+    "policy",
+    "group_size",
+    "group_sizes",
+    "dtype",
+    "step",
+    "chunks",
+    "format",
+    "format_version",
+    "save_id",
+    "manifest_crc32c",
+    "metadata_crc32c",
+    "model_config",
+    "writer",
+    "companions",
+    "grad_divisor",
+    "unit",
+]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from(INTS), st.floats(),
-                    st.text(max_size=8), st.sampled_from(TEXT))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=3), max_leaves=6)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from(INTS),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(TEXT),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 def _nested(depth: int) -> Any:
@@ -243,16 +341,27 @@ def _container(doc: Any, path: tuple) -> tuple[Any, Any] | None:
         else:
             return None
     k = path[-1] if path else None
-    if (isinstance(node, dict) and isinstance(k, str)) or (isinstance(node, list) and isinstance(k, int) and k < len(node)):
+    if (isinstance(node, dict) and isinstance(k, str)) or (
+        isinstance(node, list) and isinstance(k, int) and k < len(node)
+    ):
         return node, k
     return None
 
 
-manifest_ops = st.lists(st.tuples(st.sampled_from(["set", "set", "set", "delete", "add", "deep"]), st.integers(0, 10**6),
-                                  json_values, st.sampled_from(FIELDS), st.sampled_from([33, 40, 200, 100000])),
-                        min_size=1, max_size=3)
+manifest_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["set", "set", "set", "delete", "add", "deep"]),
+        st.integers(0, 10**6),
+        json_values,
+        st.sampled_from(FIELDS),
+        st.sampled_from([33, 40, 200, 100000]),
+    ),
+    min_size=1,
+    max_size=3,
+)
 raw_ops = st.tuples(st.sampled_from([None] * 6 + ["flip", "truncate"]), st.integers(0, 10**9), st.integers(0, 7)).map(
-    lambda t: None if t[0] is None else t if t[0] == "flip" else t[:2])  # a quarter of the cases: bytes damaged too
+    lambda t: None if t[0] is None else t if t[0] == "flip" else t[:2]
+)  # a quarter of the cases: bytes damaged too
 
 
 def _raw(data: bytes, op: Any) -> bytes:
@@ -260,7 +369,7 @@ def _raw(data: bytes, op: Any) -> bytes:
         return data
     if op[0] == "flip":
         pos = op[1] % len(data)
-        return data[:pos] + bytes([data[pos] ^ (1 << op[2])]) + data[pos + 1:]
+        return data[:pos] + bytes([data[pos] ^ (1 << op[2])]) + data[pos + 1 :]
     return data[: op[1] % len(data)]
 
 
@@ -272,7 +381,9 @@ def _hostile_manifest(base: Base, ckpt: str, outside: str, ops: list, seal: str,
         path = paths[pick % len(paths)]
         where = _container(doc, path)
         if kind == "add":  # a new field in the object at ``path`` (or at the top)
-            target = None if where is None else where[0].get(where[1]) if isinstance(where[0], dict) else where[0][where[1]]
+            target = (
+                None if where is None else where[0].get(where[1]) if isinstance(where[0], dict) else where[0][where[1]]
+            )
             (target if isinstance(target, dict) else doc)[field] = _outsider(value, outside)
             continue
         if where is None:
@@ -319,16 +430,37 @@ def test_hostile_manifest_fuzz_heavy(base, ops, seal, raw):
 
 # ---- hostile .metadata ------------------------------------------------------------------------------
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.bool, torch.complex64,
-          torch.float8_e4m3fn, torch.uint8]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.uint8,
+]
 sizes = st.lists(st.sampled_from(INTS[1:-4] + [-5, 0, 1, 7]), max_size=3)
 metadata_values = st.one_of(
-    st.sampled_from(INTS), st.none(), st.booleans(), st.floats(), st.text(max_size=6), st.sampled_from(TEXT),
-    sizes.map(lambda s: torch.Size(s)), st.lists(st.sampled_from(INTS), max_size=3).map(tuple),
-    st.lists(st.sampled_from(INTS), max_size=3), st.sampled_from(DTYPES), st.just({}), st.just([]),
+    st.sampled_from(INTS),
+    st.none(),
+    st.booleans(),
+    st.floats(),
+    st.text(max_size=6),
+    st.sampled_from(TEXT),
+    sizes.map(lambda s: torch.Size(s)),
+    st.lists(st.sampled_from(INTS), max_size=3).map(tuple),
+    st.lists(st.sampled_from(INTS), max_size=3),
+    st.sampled_from(DTYPES),
+    st.just({}),
+    st.just([]),
     st.sampled_from(["../outside/secret.distcp", OUTSIDE]).map(PurePosixPath),
-    st.just(ChunkStorageMetadata(torch.Size([0]), torch.Size([2**38]))), st.just(_StorageInfo("fifo", 0, 10)),
-    st.just(BytesStorageMetadata()), st.just(TensorProperties(dtype=torch.float64)), st.just(MetadataIndex("x")),
+    st.just(ChunkStorageMetadata(torch.Size([0]), torch.Size([2**38]))),
+    st.just(_StorageInfo("fifo", 0, 10)),
+    st.just(BytesStorageMetadata()),
+    st.just(TensorProperties(dtype=torch.float64)),
+    st.just(MetadataIndex("x")),
 )
 
 
@@ -342,10 +474,16 @@ def _slots(md: Any) -> list[tuple]:
         if isinstance(entry, TensorStorageMetadata):
             out += [("sdm", i, f) for f in ("properties", "size", "chunks")] + [("props", i, "dtype")]
             chunks = getattr(entry, "chunks", None)
-            out += [("chunk", i, j, f) for j in range(len(chunks) if isinstance(chunks, list) else 0) for f in ("offsets", "sizes")]
+            out += [
+                ("chunk", i, j, f)
+                for j in range(len(chunks) if isinstance(chunks, list) else 0)
+                for f in ("offsets", "sizes")
+            ]
     storage = getattr(md, "storage_data", None)
     for i in range(len(storage) if isinstance(storage, dict) else 0):
-        out += [("index", i, f) for f in ("fqn", "offset")] + [("info", i, f) for f in ("relative_path", "offset", "length")]
+        out += [("index", i, f) for f in ("fqn", "offset")] + [
+            ("info", i, f) for f in ("relative_path", "offset", "length")
+        ]
     return out
 
 
@@ -370,18 +508,37 @@ def _object(md: Any, slot: tuple) -> tuple[Any, str] | None:
         return None
 
 
-metadata_ops = st.lists(st.one_of(
-    st.tuples(st.just("set"), st.integers(0, 10**6), metadata_values),
-    st.tuples(st.just("delete"), st.integers(0, 10**6), st.none()),
-    st.tuples(st.sampled_from(["drop_entry", "drop_stored", "rename_entry", "rename_stored"]), st.integers(0, 10**6),
-              st.sampled_from(["model.fc1.weight", "model.fc1.weighX", "extra.step", "a\nb", "", "x" * 300])),
-    st.tuples(st.just("shift"), st.integers(0, 10**6), st.integers(-200, 200)),
-    st.tuples(st.just("huge"), st.integers(0, 10**6), st.sampled_from([2**38, 2**62, 2**63])),
-), min_size=1, max_size=3)
-file_ops = st.one_of(*[st.none()] * 4, st.tuples(st.just("data_flip"), st.integers(0, 10**9), st.integers(0, 7)),
-                     st.tuples(st.just("data_truncate"), st.integers(0, 10**9)),
-                     st.sampled_from([("data_fifo",), ("data_symlink_out",), ("data_dir",), ("metadata_fifo",),
-                                      ("manifest_symlink_out",), ("latest_fifo",), ("metadata_symlink_out",)]))
+metadata_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.integers(0, 10**6), metadata_values),
+        st.tuples(st.just("delete"), st.integers(0, 10**6), st.none()),
+        st.tuples(
+            st.sampled_from(["drop_entry", "drop_stored", "rename_entry", "rename_stored"]),
+            st.integers(0, 10**6),
+            st.sampled_from(["model.fc1.weight", "model.fc1.weighX", "extra.step", "a\nb", "", "x" * 300]),
+        ),
+        st.tuples(st.just("shift"), st.integers(0, 10**6), st.integers(-200, 200)),
+        st.tuples(st.just("huge"), st.integers(0, 10**6), st.sampled_from([2**38, 2**62, 2**63])),
+    ),
+    min_size=1,
+    max_size=3,
+)
+file_ops = st.one_of(
+    *[st.none()] * 4,
+    st.tuples(st.just("data_flip"), st.integers(0, 10**9), st.integers(0, 7)),
+    st.tuples(st.just("data_truncate"), st.integers(0, 10**9)),
+    st.sampled_from(
+        [
+            ("data_fifo",),
+            ("data_symlink_out",),
+            ("data_dir",),
+            ("metadata_fifo",),
+            ("manifest_symlink_out",),
+            ("latest_fifo",),
+            ("metadata_symlink_out",),
+        ]
+    ),
+)
 
 
 def _apply_metadata_op(md: Any, op: tuple, outside: str) -> None:
@@ -397,10 +554,19 @@ def _apply_metadata_op(md: Any, op: tuple, outside: str) -> None:
         if kind == "delete":
             obj.__dict__.pop(attr, None)
         else:
-            object.__setattr__(obj, attr, PurePosixPath(outside) if arg == PurePosixPath(OUTSIDE) else
-                               outside if arg == OUTSIDE else copy.deepcopy(arg))
+            object.__setattr__(
+                obj,
+                attr,
+                PurePosixPath(outside)
+                if arg == PurePosixPath(OUTSIDE)
+                else outside
+                if arg == OUTSIDE
+                else copy.deepcopy(arg),
+            )
         return
-    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(getattr(md, "storage_data", None), dict):
+    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
+        getattr(md, "storage_data", None), dict
+    ):
         return
     if kind in ("drop_entry", "rename_entry") and md.state_dict_metadata:
         items = list(md.state_dict_metadata.items())
@@ -442,15 +608,21 @@ def _apply_file_op(case: str, ckpt: str, op: Any) -> None:
     outside = os.path.join(case, "outside", "secret.distcp")
     kind = op[0]
     if kind in ("data_flip", "data_truncate"):
-        _replace(data_file, _raw(open(data_file, "rb").read(), ("flip",) + op[1:] if kind == "data_flip" else ("truncate", op[1])))
+        _replace(
+            data_file,
+            _raw(open(data_file, "rb").read(), ("flip",) + op[1:] if kind == "data_flip" else ("truncate", op[1])),
+        )
     elif kind.endswith("_fifo"):
         name = {"data_fifo": "__0_0.distcp", "metadata_fifo": ".metadata", "latest_fifo": "../latest"}[kind]
         if os.path.lexists(os.path.join(ckpt, name)):
             os.remove(os.path.join(ckpt, name))
         os.mkfifo(os.path.join(ckpt, name))
     elif kind.endswith("_symlink_out"):
-        name = {"data_symlink_out": "__0_0.distcp", "manifest_symlink_out": "mfsdp.json",
-                "metadata_symlink_out": ".metadata"}[kind]
+        name = {
+            "data_symlink_out": "__0_0.distcp",
+            "manifest_symlink_out": "mfsdp.json",
+            "metadata_symlink_out": ".metadata",
+        }[kind]
         if not os.path.exists(os.path.join(ckpt, name)):
             return
         target = outside if name == "__0_0.distcp" else os.path.join(case, "outside", name)
@@ -501,8 +673,12 @@ def _metadata_case(base: Base, ops: list, seal: str, raw: Any, file_op: Any) -> 
 
 @pytest.mark.timeout(600, method="thread")
 @settings(max_examples=FAST["metadata"], deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(ops=metadata_ops, seal=st.sampled_from(["reseal", "reseal", "stale", "stock", "unprotected"]), raw=raw_ops,
-       file_op=file_ops)
+@given(
+    ops=metadata_ops,
+    seal=st.sampled_from(["reseal", "reseal", "stale", "stock", "unprotected"]),
+    raw=raw_ops,
+    file_op=file_ops,
+)
 def test_hostile_metadata_fuzz(base, ops, seal, raw, file_op):
     _metadata_case(base, ops, seal, raw, file_op)
 
@@ -510,8 +686,12 @@ def test_hostile_metadata_fuzz(base, ops, seal, raw, file_op):
 @pytest.mark.heavy
 @pytest.mark.timeout(900, method="thread")
 @settings(max_examples=HEAVY["metadata"], deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(ops=metadata_ops, seal=st.sampled_from(["reseal", "reseal", "stale", "stock", "unprotected"]), raw=raw_ops,
-       file_op=file_ops)
+@given(
+    ops=metadata_ops,
+    seal=st.sampled_from(["reseal", "reseal", "stale", "stock", "unprotected"]),
+    raw=raw_ops,
+    file_op=file_ops,
+)
 def test_hostile_metadata_fuzz_heavy(base, ops, seal, raw, file_op):
     _metadata_case(base, ops, seal, raw, file_op)
 

@@ -80,13 +80,16 @@ def _without(key: str) -> Callable[[dict], dict]:
 # 1. declared layer / expert counts are checked against the files before anything is expanded
 
 
-@pytest.mark.parametrize("arch,field,value,held", [
-    ("llama", "num_hidden_layers", 10**6, None),      # over the bound of any config
-    ("llama", "num_hidden_layers", 5000, "2 layers"),
-    ("qwen3", "num_hidden_layers", 3, "2 layers"),
-    ("mixtral", "num_local_experts", 4000, "3 experts"),
-    ("qwen3_moe", "num_experts", 4, "3 experts"),
-])
+@pytest.mark.parametrize(
+    "arch,field,value,held",
+    [
+        ("llama", "num_hidden_layers", 10**6, None),  # over the bound of any config
+        ("llama", "num_hidden_layers", 5000, "2 layers"),
+        ("qwen3", "num_hidden_layers", 3, "2 layers"),
+        ("mixtral", "num_local_experts", 4000, "3 experts"),
+        ("qwen3_moe", "num_experts", 4, "3 experts"),
+    ],
+)
 def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, value, held, tmp_path, monkeypatch):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_hf_dir(src, arch)
@@ -94,7 +97,9 @@ def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, 
     real_expand = import_module.expand
 
     def expand_no_more_than_the_files_hold(a, c):  # the files hold 2 layers of (at most) 3 experts
-        assert c.num_layers <= 2 and c.num_experts <= 3, f"expand reached with {c.num_layers} layers, {c.num_experts} experts"
+        assert c.num_layers <= 2 and c.num_experts <= 3, (
+            f"expand reached with {c.num_layers} layers, {c.num_experts} experts"
+        )
         return real_expand(a, c)
 
     monkeypatch.setattr(import_module, "expand", expand_no_more_than_the_files_hold)
@@ -107,42 +112,81 @@ def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, 
 # 2. malformed config.json and index values: one line naming the file and the field
 
 
-@pytest.mark.parametrize("arch,edit,fragments", [
-    ("llama", _set(hidden_size="32"), ["'hidden_size'", "integer"]),          # a string where an int goes
-    ("llama", _set(num_hidden_layers=2.0), ["'num_hidden_layers'"]),
-    ("llama", _set(num_attention_heads=True), ["'num_attention_heads'"]),
-    ("llama", _set(vocab_size=10**30), ["'vocab_size'"]),                       # huge
-    ("llama", _set(vocab_size=-5), ["'vocab_size'"]),                           # negative
-    ("llama", _set(head_dim=10**12), ["'head_dim'"]),
-    ("llama", _set(max_position_embeddings=10**400), ["'max_position_embeddings'"]),
-    ("llama", _set(rms_norm_eps=float("nan")), ["'rms_norm_eps'"]),            # NaN
-    ("llama", _set(rope_theta=float("inf")), ["'rope_theta'"]),
-    ("llama", _set(rope_theta="abc"), ["'rope_theta'"]),
-    ("llama", _set(rope_parameters=[1, 2]), ["'rope_parameters'"]),            # nested garbage
-    ("llama", _set(rope_parameters={"rope_type": "default", "rope_theta": {"x": [1]}}), ["rope_theta"]),
-    ("llama", _set(rope_scaling="linear"), ["'rope_scaling'"]),
-    ("llama", _set(tie_word_embeddings="false"), ["'tie_word_embeddings'"]),
-    ("llama", _set(attention_bias="no"), ["'attention_bias'"]),
-    ("llama", _set(intermediate_size=[48]), ["'intermediate_size'"]),
-    ("llama", _without("hidden_size"), ["'hidden_size'"]),                      # a missing key
-    ("llama", lambda d: [d], ["not a JSON object"]),                            # non-dict JSON
-    ("llama", lambda d: "null", ["not a JSON object"]),
-    ("llama", lambda d: '{"hidden_size": ', ["not valid JSON"]),
-    ("llama", lambda d: "[" * 100_000 + "]" * 100_000, ["config.json"]),       # deeper than the JSON parser recurses
-    ("llama", _set(model_type=["llama"]), ["'model_type'"]),
-    ("llama", lambda d: {**_without("model_type")(d), "architectures": 5}, ["'architectures'"]),
-    ("mixtral", _set(num_local_experts="3"), ["'num_local_experts'"]),
-    ("mixtral", _set(router_aux_loss_coef=float("nan")), ["'router_aux_loss_coef'"]),
-    ("mixtral", _set(sliding_window="big"), ["'sliding_window'"]),
-    ("qwen3_moe", _set(norm_topk_prob="yes"), ["'norm_topk_prob'"]),
-    ("qwen3_moe", _set(mlp_only_layers={"a": 1}), ["'mlp_only_layers'"]),
-    ("qwen3_moe", _set(decoder_sparse_step=None, num_experts_per_tok=-1), ["'num_experts_per_tok'"]),
-    ("mixtral", _set(num_experts_per_tok=4), ["num_experts_per_tok"]),             # more than the 3 experts
-    ("llama", _set(num_key_value_heads=3), ["num_key_value_heads"]),               # 2 heads in 3 groups
-    ("llama", lambda d: json.dumps(d).replace('"vocab_size": 16', '"vocab_size": ' + "9" * 2000),
-     ["not valid JSON", "2000 digits"]),                                          # past the digit bound
-], ids=['hidden_size-str', 'layers-float', 'heads-bool', 'vocab-huge', 'vocab-negative', 'head_dim-huge', 'max_pos-400-digits', 'eps-nan', 'rope_theta-inf', 'rope_theta-str', 'rope_parameters-list', 'rope_theta-nested', 'rope_scaling-str', 'tie-str', 'attention_bias-str', 'intermediate-list', 'hidden_size-missing', 'config-list', 'config-null', 'config-truncated', 'config-deep-nesting', 'model_type-list', 'architectures-int', 'mixtral-experts-str', 'mixtral-aux-nan', 'mixtral-window-str', 'qwen3moe-norm_topk-str', 'qwen3moe-mlp_only-dict', 'qwen3moe-topk-negative',
- 'mixtral-topk-over-experts', 'kv-heads-not-dividing', 'vocab-2000-digits'])
+@pytest.mark.parametrize(
+    "arch,edit,fragments",
+    [
+        ("llama", _set(hidden_size="32"), ["'hidden_size'", "integer"]),  # a string where an int goes
+        ("llama", _set(num_hidden_layers=2.0), ["'num_hidden_layers'"]),
+        ("llama", _set(num_attention_heads=True), ["'num_attention_heads'"]),
+        ("llama", _set(vocab_size=10**30), ["'vocab_size'"]),  # huge
+        ("llama", _set(vocab_size=-5), ["'vocab_size'"]),  # negative
+        ("llama", _set(head_dim=10**12), ["'head_dim'"]),
+        ("llama", _set(max_position_embeddings=10**400), ["'max_position_embeddings'"]),
+        ("llama", _set(rms_norm_eps=float("nan")), ["'rms_norm_eps'"]),  # NaN
+        ("llama", _set(rope_theta=float("inf")), ["'rope_theta'"]),
+        ("llama", _set(rope_theta="abc"), ["'rope_theta'"]),
+        ("llama", _set(rope_parameters=[1, 2]), ["'rope_parameters'"]),  # nested garbage
+        ("llama", _set(rope_parameters={"rope_type": "default", "rope_theta": {"x": [1]}}), ["rope_theta"]),
+        ("llama", _set(rope_scaling="linear"), ["'rope_scaling'"]),
+        ("llama", _set(tie_word_embeddings="false"), ["'tie_word_embeddings'"]),
+        ("llama", _set(attention_bias="no"), ["'attention_bias'"]),
+        ("llama", _set(intermediate_size=[48]), ["'intermediate_size'"]),
+        ("llama", _without("hidden_size"), ["'hidden_size'"]),  # a missing key
+        ("llama", lambda d: [d], ["not a JSON object"]),  # non-dict JSON
+        ("llama", lambda d: "null", ["not a JSON object"]),
+        ("llama", lambda d: '{"hidden_size": ', ["not valid JSON"]),
+        ("llama", lambda d: "[" * 100_000 + "]" * 100_000, ["config.json"]),  # deeper than the JSON parser recurses
+        ("llama", _set(model_type=["llama"]), ["'model_type'"]),
+        ("llama", lambda d: {**_without("model_type")(d), "architectures": 5}, ["'architectures'"]),
+        ("mixtral", _set(num_local_experts="3"), ["'num_local_experts'"]),
+        ("mixtral", _set(router_aux_loss_coef=float("nan")), ["'router_aux_loss_coef'"]),
+        ("mixtral", _set(sliding_window="big"), ["'sliding_window'"]),
+        ("qwen3_moe", _set(norm_topk_prob="yes"), ["'norm_topk_prob'"]),
+        ("qwen3_moe", _set(mlp_only_layers={"a": 1}), ["'mlp_only_layers'"]),
+        ("qwen3_moe", _set(decoder_sparse_step=None, num_experts_per_tok=-1), ["'num_experts_per_tok'"]),
+        ("mixtral", _set(num_experts_per_tok=4), ["num_experts_per_tok"]),  # more than the 3 experts
+        ("llama", _set(num_key_value_heads=3), ["num_key_value_heads"]),  # 2 heads in 3 groups
+        (
+            "llama",
+            lambda d: json.dumps(d).replace('"vocab_size": 16', '"vocab_size": ' + "9" * 2000),
+            ["not valid JSON", "2000 digits"],
+        ),  # past the digit bound
+    ],
+    ids=[
+        "hidden_size-str",
+        "layers-float",
+        "heads-bool",
+        "vocab-huge",
+        "vocab-negative",
+        "head_dim-huge",
+        "max_pos-400-digits",
+        "eps-nan",
+        "rope_theta-inf",
+        "rope_theta-str",
+        "rope_parameters-list",
+        "rope_theta-nested",
+        "rope_scaling-str",
+        "tie-str",
+        "attention_bias-str",
+        "intermediate-list",
+        "hidden_size-missing",
+        "config-list",
+        "config-null",
+        "config-truncated",
+        "config-deep-nesting",
+        "model_type-list",
+        "architectures-int",
+        "mixtral-experts-str",
+        "mixtral-aux-nan",
+        "mixtral-window-str",
+        "qwen3moe-norm_topk-str",
+        "qwen3moe-mlp_only-dict",
+        "qwen3moe-topk-negative",
+        "mixtral-topk-over-experts",
+        "kv-heads-not-dividing",
+        "vocab-2000-digits",
+    ],
+)
 def test_malformed_config_is_one_line_naming_the_field(arch, edit, fragments, tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_hf_dir(src, arch)
@@ -150,18 +194,33 @@ def test_malformed_config_is_one_line_naming_the_field(arch, edit, fragments, tm
     _refused(_import(src, dest), dest, "config.json", *fragments)
 
 
-@pytest.mark.parametrize("edit,fragments", [
-    (lambda d: {**d, "weight_map": list(d["weight_map"])}, ["'weight_map'"]),          # wrong type
-    (lambda d: {**d, "weight_map": {k: 5 for k in d["weight_map"]}}, ["'weight_map'"]),
-    (lambda d: {**d, "weight_map": {**d["weight_map"], "model.norm.weight": 7}}, ["model.norm.weight"]),
-    (lambda d: {**d, "weight_map": {k: {"f": [1]} for k in d["weight_map"]}}, ["'weight_map'"]),  # nested garbage
-    (lambda d: {"weight_map": float("nan")}, ["'weight_map'"]),                          # NaN
-    (lambda d: {"metadata": {}}, ["'weight_map'"]),                                       # a missing key
-    (lambda d: [d], ["not a JSON object"]),                                               # non-dict JSON
-    (lambda d: '{"weight_map": {"a": ', ["not valid JSON"]),
-    (lambda d: {**d, "weight_map": {k: "" for k in d["weight_map"]}}, ["file name"]),
-    (lambda d: {**d, "weight_map": {k: "bad\x00name.safetensors" for k in d["weight_map"]}}, ["file name"]),
-], ids=['weight_map-list', 'files-int', 'one-file-int', 'files-nested', 'weight_map-nan', 'weight_map-missing', 'index-list', 'index-truncated', 'file-empty-name', 'file-nul'])
+@pytest.mark.parametrize(
+    "edit,fragments",
+    [
+        (lambda d: {**d, "weight_map": list(d["weight_map"])}, ["'weight_map'"]),  # wrong type
+        (lambda d: {**d, "weight_map": {k: 5 for k in d["weight_map"]}}, ["'weight_map'"]),
+        (lambda d: {**d, "weight_map": {**d["weight_map"], "model.norm.weight": 7}}, ["model.norm.weight"]),
+        (lambda d: {**d, "weight_map": {k: {"f": [1]} for k in d["weight_map"]}}, ["'weight_map'"]),  # nested garbage
+        (lambda d: {"weight_map": float("nan")}, ["'weight_map'"]),  # NaN
+        (lambda d: {"metadata": {}}, ["'weight_map'"]),  # a missing key
+        (lambda d: [d], ["not a JSON object"]),  # non-dict JSON
+        (lambda d: '{"weight_map": {"a": ', ["not valid JSON"]),
+        (lambda d: {**d, "weight_map": {k: "" for k in d["weight_map"]}}, ["file name"]),
+        (lambda d: {**d, "weight_map": {k: "bad\x00name.safetensors" for k in d["weight_map"]}}, ["file name"]),
+    ],
+    ids=[
+        "weight_map-list",
+        "files-int",
+        "one-file-int",
+        "files-nested",
+        "weight_map-nan",
+        "weight_map-missing",
+        "index-list",
+        "index-truncated",
+        "file-empty-name",
+        "file-nul",
+    ],
+)
 def test_malformed_index_is_one_line_naming_the_field(edit, fragments, tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_hf_dir(src, "llama", shards=2)
@@ -227,10 +286,18 @@ def test_a_fifo_as_config_or_index_does_not_block(name, tmp_path):
 # 4. an integer / bool dtype relabelled over floating-point weights
 
 
-@pytest.mark.parametrize("dtype,label", [
-    (torch.float32, "I32"), (torch.bfloat16, "I16"), (torch.float16, "I16"), (torch.float64, "I64"),
-    (torch.float8_e4m3fn, "U8"), (torch.float8_e4m3fn, "I8"), (torch.float8_e4m3fn, "BOOL"),
-])
+@pytest.mark.parametrize(
+    "dtype,label",
+    [
+        (torch.float32, "I32"),
+        (torch.bfloat16, "I16"),
+        (torch.float16, "I16"),
+        (torch.float64, "I64"),
+        (torch.float8_e4m3fn, "U8"),
+        (torch.float8_e4m3fn, "I8"),
+        (torch.float8_e4m3fn, "BOOL"),
+    ],
+)
 @pytest.mark.parametrize("which", ["one", "all"])
 def test_integer_dtype_over_floating_weights_is_refused(dtype, label, which, tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
@@ -249,8 +316,8 @@ def test_integer_dtype_over_floating_weights_is_refused(dtype, label, which, tmp
 # 5. hostile safetensors headers
 
 
-EMB = "model.embed_tokens.weight"       # [16, 8] float32: 512 bytes, first in the data section
-NORM = "model.norm.weight"              # [8] float32: 32 bytes
+EMB = "model.embed_tokens.weight"  # [16, 8] float32: 512 bytes, first in the data section
+NORM = "model.norm.weight"  # [8] float32: 32 bytes
 
 
 def _entry(h: dict, key: str, **changes: Any) -> dict:
@@ -265,44 +332,77 @@ def _dup_json(h: dict, key: str) -> str:
     return text.replace(entry, entry + ", " + entry, 1)
 
 
-@pytest.mark.parametrize("edit,fragments", [
-    # the 8-byte length: beyond the file, beyond any sane header, too small
-    (lambda h, d: (h, d, 10**6), ["header length"]),
-    (lambda h, d: (h, d, 2**63), ["header length"]),
-    (lambda h, d: (h, d, 1), ["header"]),
-    (lambda h, d: (b"\xff\xfe not json at all", d), ["header"]),
-    (lambda h, d: ("[1, 2, 3]", d), ["header"]),
-    (lambda h, d: (json.dumps(h)[:-5], d), ["header"]),
-    # offsets: reversed, overlapping, outside the data section, leaving a gap
-    (lambda h, d: (_entry(h, EMB, data_offsets=[512, 0]), d), [EMB, "offsets"]),
-    (lambda h, d: (_entry(h, NORM, data_offsets=[0, 32]), d), [NORM, "overlaps"]),
-    (lambda h, d: (_entry(h, NORM, data_offsets=[len(d) + 32, len(d) + 64]), d), [NORM, "data section"]),
-    (lambda h, d: (h, d + b"\x00" * 64), ["data section"]),
-    (lambda h, d: (_entry(h, EMB, data_offsets=[0, 2**70]), d), [EMB, "offsets"]),
-    (lambda h, d: (_entry(h, EMB, data_offsets=[0]), d), [EMB, "data_offsets"]),
-    # shapes whose byte size is not the offsets' range
-    (lambda h, d: (_entry(h, EMB, shape=[16, 4]), d), [EMB, "bytes"]),
-    (lambda h, d: (_entry(h, EMB, shape=[-16, -8]), d), [EMB, "shape"]),
-    (lambda h, d: (_entry(h, EMB, shape=["16", 8]), d), [EMB, "shape"]),
-    (lambda h, d: (_entry(h, EMB, shape=[2**40, 2**40, 0]), d), [EMB, "bytes"]),
-    # dtypes: unknown, not a string
-    (lambda h, d: (_entry(h, EMB, dtype="F99"), d), [EMB, "F99"]),
-    (lambda h, d: (_entry(h, EMB, dtype=4), d), [EMB, "dtype"]),
-    # names: duplicated, not printable; entries that are not objects
-    (lambda h, d: (_dup_json(h, EMB), d), [EMB, "twice"]),
-    (lambda h, d: ({**{k: v for k, v in h.items() if k != NORM}, "model.norm\nweight": h[NORM]}, d), ["model.norm\\nweight"]),
-    (lambda h, d: ({**h, EMB: [1, 2]}, d), [EMB]),
-    # __metadata__ of the wrong type
-    (lambda h, d: ({**h, "__metadata__": ["format", "pt"]}, d), ["__metadata__"]),
-    (lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), ["__metadata__"]),
-], ids=['length-past-file', 'length-2^63', 'length-1', 'not-utf8-json', 'json-list', 'json-truncated', 'offsets-reversed', 'offsets-overlap', 'offsets-past-data', 'trailing-bytes', 'offsets-2^70', 'offsets-one-int', 'shape-bytes-mismatch', 'shape-negative', 'shape-str', 'shape-zero-huge', 'dtype-unknown', 'dtype-int', 'name-duplicate', 'name-newline', 'entry-list', 'metadata-list', 'metadata-int-value'])
+@pytest.mark.parametrize(
+    "edit,fragments",
+    [
+        # the 8-byte length: beyond the file, beyond any sane header, too small
+        (lambda h, d: (h, d, 10**6), ["header length"]),
+        (lambda h, d: (h, d, 2**63), ["header length"]),
+        (lambda h, d: (h, d, 1), ["header"]),
+        (lambda h, d: (b"\xff\xfe not json at all", d), ["header"]),
+        (lambda h, d: ("[1, 2, 3]", d), ["header"]),
+        (lambda h, d: (json.dumps(h)[:-5], d), ["header"]),
+        # offsets: reversed, overlapping, outside the data section, leaving a gap
+        (lambda h, d: (_entry(h, EMB, data_offsets=[512, 0]), d), [EMB, "offsets"]),
+        (lambda h, d: (_entry(h, NORM, data_offsets=[0, 32]), d), [NORM, "overlaps"]),
+        (lambda h, d: (_entry(h, NORM, data_offsets=[len(d) + 32, len(d) + 64]), d), [NORM, "data section"]),
+        (lambda h, d: (h, d + b"\x00" * 64), ["data section"]),
+        (lambda h, d: (_entry(h, EMB, data_offsets=[0, 2**70]), d), [EMB, "offsets"]),
+        (lambda h, d: (_entry(h, EMB, data_offsets=[0]), d), [EMB, "data_offsets"]),
+        # shapes whose byte size is not the offsets' range
+        (lambda h, d: (_entry(h, EMB, shape=[16, 4]), d), [EMB, "bytes"]),
+        (lambda h, d: (_entry(h, EMB, shape=[-16, -8]), d), [EMB, "shape"]),
+        (lambda h, d: (_entry(h, EMB, shape=["16", 8]), d), [EMB, "shape"]),
+        (lambda h, d: (_entry(h, EMB, shape=[2**40, 2**40, 0]), d), [EMB, "bytes"]),
+        # dtypes: unknown, not a string
+        (lambda h, d: (_entry(h, EMB, dtype="F99"), d), [EMB, "F99"]),
+        (lambda h, d: (_entry(h, EMB, dtype=4), d), [EMB, "dtype"]),
+        # names: duplicated, not printable; entries that are not objects
+        (lambda h, d: (_dup_json(h, EMB), d), [EMB, "twice"]),
+        (
+            lambda h, d: ({**{k: v for k, v in h.items() if k != NORM}, "model.norm\nweight": h[NORM]}, d),
+            ["model.norm\\nweight"],
+        ),
+        (lambda h, d: ({**h, EMB: [1, 2]}, d), [EMB]),
+        # __metadata__ of the wrong type
+        (lambda h, d: ({**h, "__metadata__": ["format", "pt"]}, d), ["__metadata__"]),
+        (lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), ["__metadata__"]),
+    ],
+    ids=[
+        "length-past-file",
+        "length-2^63",
+        "length-1",
+        "not-utf8-json",
+        "json-list",
+        "json-truncated",
+        "offsets-reversed",
+        "offsets-overlap",
+        "offsets-past-data",
+        "trailing-bytes",
+        "offsets-2^70",
+        "offsets-one-int",
+        "shape-bytes-mismatch",
+        "shape-negative",
+        "shape-str",
+        "shape-zero-huge",
+        "dtype-unknown",
+        "dtype-int",
+        "name-duplicate",
+        "name-newline",
+        "entry-list",
+        "metadata-list",
+        "metadata-int-value",
+    ],
+)
 def test_hostile_safetensors_header(edit, fragments, tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_hf_dir(src, "llama")
     path = os.path.join(src, "model.safetensors")
     header, data = read_raw(path)
     # lay the data out in key order from 0, so that the offsets named above are what they say
-    order = sorted((k for k in header if k != "__metadata__"), key=lambda k: (k != EMB, k != NORM, header[k]["data_offsets"][0]))
+    order = sorted(
+        (k for k in header if k != "__metadata__"), key=lambda k: (k != EMB, k != NORM, header[k]["data_offsets"][0])
+    )
     blob, laid = b"", {"__metadata__": header["__metadata__"]}
     for k in order:
         b, e = header[k]["data_offsets"]

@@ -55,23 +55,27 @@ LIMIT_S = 10.0  # per case; a normal case takes well under a second
 
 
 _SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-3, max_value=70),
-    st.sampled_from([2**16, 2**16 + 1, 2**24 + 1, 2**31, 2**63, 2**64, -2**63, 10**6, 10**30, 10**400]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-3, max_value=70),
+    st.sampled_from([2**16, 2**16 + 1, 2**24 + 1, 2**31, 2**63, 2**64, -(2**63), 10**6, 10**30, 10**400]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
     st.sampled_from(["32", "2.0", "nan", "Infinity", "-1", "silu", "default", "linear", "llama", "", "\x00", "../x"]),
 )
 #: any JSON value, nested a little; NaN and infinities included (``json.dumps`` writes them)
 JSON_VALUES = st.recursive(
-    _SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8)
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 def _text_damage(data: st.DataObject, text: bytes) -> bytes:
     """The serialized document, damaged as text."""
     how = data.draw(st.sampled_from(["truncate", "append", "nest", "bytes", "not-utf8", "pad"]), label="text damage")
     if how == "truncate":
-        return text[:data.draw(st.integers(0, max(0, len(text) - 1)), label="cut at")]
+        return text[: data.draw(st.integers(0, max(0, len(text) - 1)), label="cut at")]
     if how == "append":
         return text + data.draw(st.binary(min_size=1, max_size=16), label="appended")
     if how == "nest":
@@ -89,21 +93,56 @@ def _text_damage(data: st.DataObject, text: bytes) -> bytes:
 
 
 CONFIG_FIELDS = [
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "moe_intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-    "rope_parameters", "rope_scaling", "hidden_act", "tie_word_embeddings", "attention_bias", "mlp_bias",
-    "use_sliding_window", "sliding_window", "router_jitter_noise", "num_local_experts", "num_experts",
-    "num_experts_per_tok", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob",
-    "model_type", "architectures", "torch_dtype",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "hidden_act",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "router_jitter_noise",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "model_type",
+    "architectures",
+    "torch_dtype",
 ]
 #: fields whose small plausible values mostly make a model the files almost back
 PLAUSIBLE = {
-    "num_hidden_layers": st.integers(0, 4), "num_local_experts": st.integers(0, 5), "num_experts": st.integers(0, 5),
-    "num_experts_per_tok": st.integers(0, 4), "num_attention_heads": st.integers(0, 5),
-    "num_key_value_heads": st.integers(0, 5), "head_dim": st.integers(0, 9), "hidden_size": st.integers(0, 17),
-    "vocab_size": st.integers(0, 33), "intermediate_size": st.integers(0, 13), "moe_intermediate_size": st.integers(0, 13),
-    "max_position_embeddings": st.integers(-1, 100), "rms_norm_eps": st.floats(-1, 2), "rope_theta": st.floats(-10, 1e7),
-    "tie_word_embeddings": st.booleans(), "norm_topk_prob": st.booleans(), "attention_bias": st.booleans(),
+    "num_hidden_layers": st.integers(0, 4),
+    "num_local_experts": st.integers(0, 5),
+    "num_experts": st.integers(0, 5),
+    "num_experts_per_tok": st.integers(0, 4),
+    "num_attention_heads": st.integers(0, 5),
+    "num_key_value_heads": st.integers(0, 5),
+    "head_dim": st.integers(0, 9),
+    "hidden_size": st.integers(0, 17),
+    "vocab_size": st.integers(0, 33),
+    "intermediate_size": st.integers(0, 13),
+    "moe_intermediate_size": st.integers(0, 13),
+    "max_position_embeddings": st.integers(-1, 100),
+    "rms_norm_eps": st.floats(-1, 2),
+    "rope_theta": st.floats(-10, 1e7),
+    "tie_word_embeddings": st.booleans(),
+    "norm_topk_prob": st.booleans(),
+    "attention_bias": st.booleans(),
     "model_type": st.sampled_from(ARCHS + ["gpt2", ""]),
 }
 
@@ -113,7 +152,9 @@ def edit_config(data: st.DataObject, src: str) -> None:
     with open(path) as f:
         doc: Any = json.load(f)
     for _ in range(data.draw(st.integers(1, 3), label="edits")):
-        op = data.draw(st.sampled_from(["set", "set", "plausible", "plausible", "delete", "nested", "document"]), label="op")
+        op = data.draw(
+            st.sampled_from(["set", "set", "plausible", "plausible", "delete", "nested", "document"]), label="op"
+        )
         if not isinstance(doc, dict):
             break
         if op == "set":
@@ -127,7 +168,8 @@ def edit_config(data: st.DataObject, src: str) -> None:
         elif op == "nested":
             doc["rope_parameters"] = {
                 "rope_type": data.draw(st.sampled_from(["default", "linear", "yarn"]) | JSON_VALUES, label="rope_type"),
-                "rope_theta": data.draw(st.floats(1, 1e7) | JSON_VALUES, label="rope_theta")}
+                "rope_theta": data.draw(st.floats(1, 1e7) | JSON_VALUES, label="rope_theta"),
+            }
         else:
             doc = data.draw(JSON_VALUES, label="document")
     text = json.dumps(doc).encode()
@@ -151,10 +193,28 @@ def _special(src: str, name: str) -> None:
 
 def index_names(bait: str) -> list[str]:
     return [
-        "../bait.safetensors", bait, "/etc/passwd", "/dev/zero", "sub/x.safetensors", "./model-00001-of-00002.safetensors",
-        ".", "..", "", "config.json", INDEX_NAME, "missing.safetensors", "fifo.safetensors", "dir.safetensors",
-        "a" * 300 + ".safetensors", "x\x00y.safetensors", "x\ny.safetensors", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "..\\bait.safetensors", "~/bait.safetensors", "file:///etc/passwd",
+        "../bait.safetensors",
+        bait,
+        "/etc/passwd",
+        "/dev/zero",
+        "sub/x.safetensors",
+        "./model-00001-of-00002.safetensors",
+        ".",
+        "..",
+        "",
+        "config.json",
+        INDEX_NAME,
+        "missing.safetensors",
+        "fifo.safetensors",
+        "dir.safetensors",
+        "a" * 300 + ".safetensors",
+        "x\x00y.safetensors",
+        "x\ny.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "..\\bait.safetensors",
+        "~/bait.safetensors",
+        "file:///etc/passwd",
         "../hf/model-00001-of-00002.safetensors",
     ]
 
@@ -167,8 +227,10 @@ def edit_index(data: st.DataObject, src: str) -> None:
         doc: Any = json.load(f)
     files = sorted(set(doc["weight_map"].values()))
     for _ in range(data.draw(st.integers(1, 3), label="edits")):
-        op = data.draw(st.sampled_from(["redirect", "redirect", "one", "drop", "add", "weight_map", "document",
-                                        "no-index"]), label="op")
+        op = data.draw(
+            st.sampled_from(["redirect", "redirect", "one", "drop", "add", "weight_map", "document", "no-index"]),
+            label="op",
+        )
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if op == "no-index":
             doc = None
@@ -194,7 +256,9 @@ def edit_index(data: st.DataObject, src: str) -> None:
             doc["weight_map"] = data.draw(JSON_VALUES, label="weight_map")
     if doc is None:  # no index: every *.safetensors in the directory, odd ones included
         os.remove(path)
-        for name in data.draw(st.lists(st.sampled_from(["fifo.safetensors", "dir.safetensors"]), max_size=2), label="odd"):
+        for name in data.draw(
+            st.lists(st.sampled_from(["fifo.safetensors", "dir.safetensors"]), max_size=2), label="odd"
+        ):
             _special(src, name)
         return
     text = json.dumps(doc).encode()
@@ -204,8 +268,28 @@ def edit_index(data: st.DataObject, src: str) -> None:
         f.write(text)
 
 
-ST_DTYPES = ["F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32",
-             "U64", "F8_E8M0", "F4", "C64", "f32", ""]
+ST_DTYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "F64",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "U16",
+    "U32",
+    "U64",
+    "F8_E8M0",
+    "F4",
+    "C64",
+    "f32",
+    "",
+]
 
 
 def _header_text(items: list[tuple[str, Any]]) -> bytes:
@@ -219,14 +303,33 @@ def edit_header(data: st.DataObject, src: str) -> None:
     with open(path, "rb") as f:
         blob = f.read()
     n = int.from_bytes(blob[:8], "little")
-    items: list[tuple[str, Any]] = list(json.loads(blob[8:8 + n]).items())
-    body = blob[8 + n:]
+    items: list[tuple[str, Any]] = list(json.loads(blob[8 : 8 + n]).items())
+    body = blob[8 + n :]
     length: int | None = None
     text: bytes | None = None
     tensors = [i for i, (k, _) in enumerate(items) if k != "__metadata__"]
     for _ in range(data.draw(st.integers(1, 3), label="edits")):
-        op = data.draw(st.sampled_from(["dtype", "shape", "offsets", "offsets", "delete", "rename", "duplicate", "entry",
-                                        "field", "metadata", "reorder", "data", "length", "text"]), label="op")
+        op = data.draw(
+            st.sampled_from(
+                [
+                    "dtype",
+                    "shape",
+                    "offsets",
+                    "offsets",
+                    "delete",
+                    "rename",
+                    "duplicate",
+                    "entry",
+                    "field",
+                    "metadata",
+                    "reorder",
+                    "data",
+                    "length",
+                    "text",
+                ]
+            ),
+            label="op",
+        )
         i = data.draw(st.sampled_from(tensors), label="tensor")
         key, entry = items[i]
         entry = dict(entry) if isinstance(entry, dict) else entry
@@ -236,8 +339,9 @@ def edit_header(data: st.DataObject, src: str) -> None:
             shape = list(entry["shape"]) if isinstance(entry.get("shape"), list) else []
             how = data.draw(st.sampled_from(["ints", "swap", "drop", "add", "json"]), label="how")
             if how == "ints":
-                shape = data.draw(st.lists(st.integers(-2, 2**40) | st.sampled_from([0, 1, 2**63, 2**64]), max_size=5),
-                                  label="shape")
+                shape = data.draw(
+                    st.lists(st.integers(-2, 2**40) | st.sampled_from([0, 1, 2**63, 2**64]), max_size=5), label="shape"
+                )
             elif how == "swap":
                 shape = shape[::-1]
             elif how == "drop":
@@ -258,7 +362,9 @@ def edit_header(data: st.DataObject, src: str) -> None:
             elif how == "swap":
                 entry["data_offsets"] = [e, b]
             elif how == "ints":
-                entry["data_offsets"] = data.draw(st.lists(st.integers(-1, 2**64), min_size=0, max_size=3), label="offsets")
+                entry["data_offsets"] = data.draw(
+                    st.lists(st.integers(-1, 2**64), min_size=0, max_size=3), label="offsets"
+                )
             elif how == "other":  # another tensor's range
                 j = data.draw(st.sampled_from(tensors), label="other")
                 other = items[j][1]
@@ -273,8 +379,10 @@ def edit_header(data: st.DataObject, src: str) -> None:
                 items = [("__metadata__", {"format": "pt"})]
             continue
         elif op == "rename":
-            key = data.draw(st.text(max_size=12) | st.sampled_from([items[t][0] for t in tensors] + ["a\nb", "__metadata__"]),
-                            label="name")
+            key = data.draw(
+                st.text(max_size=12) | st.sampled_from([items[t][0] for t in tensors] + ["a\nb", "__metadata__"]),
+                label="name",
+            )
         elif op == "duplicate":
             items.insert(i, (key, entry))
             tensors = [t for t, (k, _) in enumerate(items) if k != "__metadata__"]
@@ -287,7 +395,9 @@ def edit_header(data: st.DataObject, src: str) -> None:
                 entry[data.draw(st.text(max_size=6), label="field")] = data.draw(JSON_VALUES, label="value")
         elif op == "metadata":
             m = [t for t, (k, _) in enumerate(items) if k == "__metadata__"]
-            value = data.draw(JSON_VALUES | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), label="metadata")
+            value = data.draw(
+                JSON_VALUES | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), label="metadata"
+            )
             if m:
                 items[m[0]] = ("__metadata__", value)
             else:
@@ -300,16 +410,20 @@ def edit_header(data: st.DataObject, src: str) -> None:
         elif op == "data":
             how = data.draw(st.sampled_from(["cut", "grow", "flip"]), label="how")
             if how == "cut":
-                body = body[:data.draw(st.integers(0, max(0, len(body) - 1)), label="keep")]
+                body = body[: data.draw(st.integers(0, max(0, len(body) - 1)), label="keep")]
             elif how == "grow":
                 body = body + bytes(data.draw(st.integers(1, 64), label="more"))
             elif body:
                 at = data.draw(st.integers(0, len(body) - 1), label="at")
-                body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1:]
+                body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
             continue
         elif op == "length":
-            length = data.draw(st.sampled_from([0, 1, 2, 7, 8, 2**63, 2**64 - 1, 100_000_001]) | st.integers(0, 2**64 - 1)
-                               | st.integers(-16, 16).map(lambda d: max(0, n + d)), label="length")
+            length = data.draw(
+                st.sampled_from([0, 1, 2, 7, 8, 2**63, 2**64 - 1, 100_000_001])
+                | st.integers(0, 2**64 - 1)
+                | st.integers(-16, 16).map(lambda d: max(0, n + d)),
+                label="length",
+            )
             continue
         elif op == "text":
             text = _text_damage(data, _header_text(items))
@@ -323,7 +437,11 @@ def edit_header(data: st.DataObject, src: str) -> None:
         f.write(body)
 
 
-TARGETS: dict[str, Callable[[st.DataObject, str], None]] = {"config": edit_config, "index": edit_index, "header": edit_header}
+TARGETS: dict[str, Callable[[st.DataObject, str], None]] = {
+    "config": edit_config,
+    "index": edit_index,
+    "header": edit_header,
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,7 +473,9 @@ def judge(outcome: Outcome, src: str, dest: str) -> str:
         assert_correct_import(src, dest)
         return "imported"
     if not isinstance(outcome.error, CheckpointError):
-        raise AssertionError(f"not a CheckpointError: {type(outcome.error).__name__}: {outcome.error}") from outcome.error
+        raise AssertionError(
+            f"not a CheckpointError: {type(outcome.error).__name__}: {outcome.error}"
+        ) from outcome.error
     assert "\n" not in str(outcome.error), str(outcome.error)
     assert nothing_at(dest), os.listdir(os.path.dirname(dest))
     return "refused"
@@ -366,8 +486,14 @@ def fuzz(target: str, examples: int, workspace: Any, heavy: bool) -> Counter:
     counts: Counter = Counter()
 
     @seed(zlib.crc32(f"{target}-{heavy}".encode()))
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=False, print_blob=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.data())
     def case(data: st.DataObject) -> None:
         arch = data.draw(st.sampled_from(ARCHS), label="arch")
@@ -376,8 +502,10 @@ def fuzz(target: str, examples: int, workspace: Any, heavy: bool) -> Counter:
         try:
             src = os.path.join(root, "hf")
             shutil.copytree(workspace(arch, shards), src)
-            shutil.copy(os.path.join(src, "model-00002-of-00002.safetensors" if shards == 2 else "model.safetensors"),
-                        os.path.join(root, "bait.safetensors"))
+            shutil.copy(
+                os.path.join(src, "model-00002-of-00002.safetensors" if shards == 2 else "model.safetensors"),
+                os.path.join(root, "bait.safetensors"),
+            )
             os.makedirs(os.path.join(root, "out"))
             dest = os.path.join(root, "out", "ckpt")
             TARGETS[target](data, src)
@@ -389,8 +517,10 @@ def fuzz(target: str, examples: int, workspace: Any, heavy: bool) -> Counter:
             shutil.rmtree(root, ignore_errors=True)
 
     case()
-    print(f"\nhostile-hf fuzz {target}: {counts['cases']} cases, {counts['refused']} refused, {counts['imported']} imported, "
-          f"slowest {counts['max_seconds_x1000']} ms; other exceptions 0, hangs 0, outside access 0")
+    print(
+        f"\nhostile-hf fuzz {target}: {counts['cases']} cases, {counts['refused']} refused, {counts['imported']} imported, "
+        f"slowest {counts['max_seconds_x1000']} ms; other exceptions 0, hangs 0, outside access 0"
+    )
     return counts
 
 

@@ -38,19 +38,72 @@ from tests.reliability.test_hostile_support import Hang, deadline
 
 #: a tiny model per architecture (2 layers; MoE ones with 3 experts)
 CONFIGS: dict[str, GPTConfig] = {
-    "llama": GPTConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                       kv_channels=4, ffn_hidden_size=12, seq_length=32, rotary_base=10000.0, norm_epsilon=1e-6),
-    "qwen2": GPTConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=2,
-                       kv_channels=4, ffn_hidden_size=12, seq_length=32, add_qkv_bias=True, norm_epsilon=1e-6),
-    "qwen3": GPTConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                       kv_channels=4, ffn_hidden_size=12, seq_length=32, qk_layernorm=True, tie_embeddings=True,
-                       norm_epsilon=1e-6),
-    "mixtral": GPTConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                         kv_channels=4, ffn_hidden_size=6, seq_length=32, num_experts=3, moe_router_topk=2,
-                         moe_ffn_hidden_size=6, norm_epsilon=1e-6),
-    "qwen3_moe": GPTConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                           kv_channels=4, ffn_hidden_size=12, seq_length=32, num_experts=3, moe_router_topk=1,
-                           moe_ffn_hidden_size=6, qk_layernorm=True, norm_epsilon=1e-6),
+    "llama": GPTConfig(
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        ffn_hidden_size=12,
+        seq_length=32,
+        rotary_base=10000.0,
+        norm_epsilon=1e-6,
+    ),
+    "qwen2": GPTConfig(
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_query_groups=2,
+        kv_channels=4,
+        ffn_hidden_size=12,
+        seq_length=32,
+        add_qkv_bias=True,
+        norm_epsilon=1e-6,
+    ),
+    "qwen3": GPTConfig(
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=4,
+        ffn_hidden_size=12,
+        seq_length=32,
+        qk_layernorm=True,
+        tie_embeddings=True,
+        norm_epsilon=1e-6,
+    ),
+    "mixtral": GPTConfig(
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        ffn_hidden_size=6,
+        seq_length=32,
+        num_experts=3,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=6,
+        norm_epsilon=1e-6,
+    ),
+    "qwen3_moe": GPTConfig(
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        ffn_hidden_size=12,
+        seq_length=32,
+        num_experts=3,
+        moe_router_topk=1,
+        moe_ffn_hidden_size=6,
+        qk_layernorm=True,
+        norm_epsilon=1e-6,
+    ),
 }
 
 
@@ -67,8 +120,9 @@ def hf_tensors_of(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) 
     return out
 
 
-def make_hf_dir(path: str, arch: str = "llama", *, shards: int = 1, dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> dict[str, torch.Tensor]:
+def make_hf_dir(
+    path: str, arch: str = "llama", *, shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Write a valid HF directory of the tiny ``arch`` model at ``path``: ``config.json`` and one
     ``model.safetensors`` (``shards=1``) or ``shards`` files with an index. Returns the tensors."""
     os.makedirs(path, exist_ok=True)
@@ -84,7 +138,7 @@ def make_hf_dir(path: str, arch: str = "llama", *, shards: int = 1, dtype: torch
     per = -(-len(keys) // shards)
     for k in range(shards):
         name = shard_name(k + 1, shards)
-        part = {key: tensors[key] for key in keys[k * per:(k + 1) * per]}
+        part = {key: tensors[key] for key in keys[k * per : (k + 1) * per]}
         save_file(part, os.path.join(path, name), metadata={"format": "pt"})
         weight_map.update({key: name for key in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -98,7 +152,7 @@ def read_raw(path: str) -> tuple[dict[str, Any], bytes]:
     with open(path, "rb") as f:
         blob = f.read()
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 def write_raw(path: str, header: dict[str, Any] | bytes | str, data: bytes, *, length: int | None = None) -> None:
@@ -127,7 +181,10 @@ def expected_canonical(hf_dir: str, arch: str, cfg: GPTConfig) -> dict[str, torc
         p = os.path.join(hf_dir, name)
         if name.endswith(".safetensors") and os.path.isfile(p):
             theirs.update(load_file(p))
-    return {conv.ours: conv.rule.merge([theirs[k] for k in conv.theirs], cfg) for conv in expand(get_architecture(arch), cfg)}
+    return {
+        conv.ours: conv.rule.merge([theirs[k] for k in conv.theirs], cfg)
+        for conv in expand(get_architecture(arch), cfg)
+    }
 
 
 def assert_correct_import(hf_dir: str, checkpoint: str, arch: str | None = None) -> None:
@@ -200,8 +257,9 @@ class FifoWatchdog:
 
     def __enter__(self) -> "FifoWatchdog":
         if _fifos_under(self.root):
-            self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, self.root, str(self.after)],
-                                          stdout=subprocess.PIPE, text=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, self.root, str(self.after)], stdout=subprocess.PIPE, text=True
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -216,10 +274,25 @@ class FifoWatchdog:
 
 
 _PATH_EVENTS = {
-    "open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.mkdir": (0,), "os.rmdir": (0,), "os.remove": (0,),
-    "os.rename": (0, 1), "os.replace": (0, 1), "os.link": (0, 1), "os.symlink": (0, 1), "os.truncate": (0,),
-    "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,), "shutil.rmtree": (0,), "shutil.copyfile": (0, 1),
-    "shutil.move": (0, 1), "os.mkfifo": (0,), "os.mknod": (0,),
+    "open": (0,),
+    "os.listdir": (0,),
+    "os.scandir": (0,),
+    "os.mkdir": (0,),
+    "os.rmdir": (0,),
+    "os.remove": (0,),
+    "os.rename": (0, 1),
+    "os.replace": (0, 1),
+    "os.link": (0, 1),
+    "os.symlink": (0, 1),
+    "os.truncate": (0,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.utime": (0,),
+    "shutil.rmtree": (0,),
+    "shutil.copyfile": (0, 1),
+    "shutil.move": (0, 1),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
 }
 
 

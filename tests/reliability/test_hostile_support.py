@@ -45,8 +45,9 @@ def save_small(path: str, step: int = 1, model=None, optim=None, **kwargs: Any) 
         model, optim = trained_mlp()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "assuming a single process" notice
-        return mfsdp_ckpt.save(path, model, optim, extra={"step": step, "data_position": 0}, step=step,
-                               model_config=MODEL_CONFIG, **kwargs)
+        return mfsdp_ckpt.save(
+            path, model, optim, extra={"step": step, "data_position": 0}, step=step, model_config=MODEL_CONFIG, **kwargs
+        )
 
 
 def manifest_crc(manifest: dict) -> int:
@@ -137,6 +138,7 @@ def deadline(seconds: float) -> Iterator[None]:
     """Raise :class:`Hang` in this (main) thread after ``seconds``: a blocking ``open`` of a FIFO
     is interrupted too. Tests using it take ``@pytest.mark.timeout(..., method="thread")`` so that
     pytest-timeout leaves SIGALRM alone."""
+
     def on_alarm(signum: int, frame: Any) -> None:
         raise Hang(f"still running after {seconds} s")
 
@@ -152,9 +154,17 @@ def deadline(seconds: float) -> Iterator[None]:
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # audit events that change the file system: the (path, dir_fd) argument positions of what they change
 _CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
-    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
-    "os.symlink": ((1, 2),), "os.link": ((1, 3),), "os.truncate": ((0, None),), "os.chmod": ((0, 2),),
-    "shutil.rmtree": ((0, 1),), "shutil.move": ((0, None), (1, None)), "shutil.copyfile": ((1, None),),
+    "os.remove": ((0, 1),),
+    "os.rmdir": ((0, 1),),
+    "os.mkdir": ((0, 2),),
+    "os.rename": ((0, 2), (1, 3)),
+    "os.symlink": ((1, 2),),
+    "os.link": ((1, 3),),
+    "os.truncate": ((0, None),),
+    "os.chmod": ((0, 2),),
+    "shutil.rmtree": ((0, 1),),
+    "shutil.move": ((0, None), (1, None)),
+    "shutil.copyfile": ((1, None),),
 }
 
 
@@ -209,13 +219,16 @@ class FileAudit:
                     return
                 real = os.path.realpath(os.fsdecode(path))
                 writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                    isinstance(flags, int) and flags & _WRITE_FLAGS)
+                    isinstance(flags, int) and flags & _WRITE_FLAGS
+                )
                 if writes and not self._inside(real, self.writable):
                     self.violations.append(f"opened for writing: {real}")
                 elif not self._inside(real, self.roots + self.system + self.writable):
                     self.violations.append(f"read outside the checkpoint: {real}")
             elif event in _CHANGES:
-                paths = [_resolved(args[i], args[d] if d is not None and d < len(args) else None) for i, d in _CHANGES[event]]
+                paths = [
+                    _resolved(args[i], args[d] if d is not None and d < len(args) else None) for i, d in _CHANGES[event]
+                ]
                 if not all(p is not None and self._inside(p, self.writable) for p in paths):
                     self.violations.append(f"{event}: {paths}")
         finally:

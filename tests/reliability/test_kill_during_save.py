@@ -71,8 +71,11 @@ def _load_step(path: str) -> int:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("target,when,nth,rank", POINTS, ids=[f"{t.rsplit('.', 2)[-2]}.{t.rsplit('.', 1)[-1]}-{w}{n}-rank{r}"
-                                                             for t, w, n, r in POINTS])
+@pytest.mark.parametrize(
+    "target,when,nth,rank",
+    POINTS,
+    ids=[f"{t.rsplit('.', 2)[-2]}.{t.rsplit('.', 1)[-1]}-{w}{n}-rank{r}" for t, w, n, r in POINTS],
+)
 def test_a_kill_at_any_point_leaves_a_loadable_latest(base_run, tmp_path, target, when, nth, rank):
     run = str(tmp_path / "run")
     shutil.copytree(base_run, run, symlinks=True)  # latest-checkpoint stays a link

@@ -51,6 +51,7 @@ def _one_line_error(res: subprocess.CompletedProcess, needle: str) -> None:
 
 # ---- destinations that would lose data ------------------------------------------------------
 
+
 @pytest.fixture
 def run(tmp_path) -> str:
     root = str(tmp_path / "run")
@@ -84,7 +85,9 @@ def test_overwrite_refuses_what_is_not_a_checkpoint_and_symlinks(run, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("years of work")
-    _one_line_error(_cli("reshard", src, str(home), "--world-size", "2", "--overwrite"), "is not a checkpoint directory")
+    _one_line_error(
+        _cli("reshard", src, str(home), "--world-size", "2", "--overwrite"), "is not a checkpoint directory"
+    )
     _one_line_error(_cli("export-hf", src, str(home), "--overwrite"), "is not a Hugging Face model directory")
     assert (home / "thesis.tex").read_text() == "years of work"
     # a symbolic link to a checkpoint: refused, and nothing (no .replaced-*) left beside it
@@ -103,12 +106,25 @@ def test_overwrite_refuses_what_is_not_a_checkpoint_and_symlinks(run, tmp_path):
 
 @pytest.mark.heavy
 def test_trainer_refuses_a_directory_holding_a_run_unless_resumed(tmp_path):
-    args = ("--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(tmp_path / "r"))
+    args = (
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--ckpt-dir",
+        str(tmp_path / "r"),
+    )
     first = run_train(None, *args)
     assert first.returncode == 0, failure(first)
     latest = (tmp_path / "r" / "latest").read_text()
     again = run_train(None, *args)
-    assert again.returncode == 1 and "already holds checkpoints (step_000002); pass --resume" in again.stderr, failure(again)
+    assert again.returncode == 1 and "already holds checkpoints (step_000002); pass --resume" in again.stderr, failure(
+        again
+    )
     assert (tmp_path / "r" / "latest").read_text() == latest
     resumed = run_train(None, *args, "--resume")
     assert resumed.returncode == 0, failure(resumed)
@@ -120,7 +136,9 @@ _HOLD = "import sys, time, mfsdp_ckpt\nwith mfsdp_ckpt.run_lock(sys.argv[1]):\n 
 
 
 def _hold_lock(path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -148,8 +166,13 @@ def test_two_trainers_on_one_directory(tmp_path):
     args = ("--model", "tiny", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(ckpt), "--save-every", "1")
     from tests.torchrun import train_cmd
 
-    first = subprocess.Popen(train_cmd(None, *args, "--steps", "100000"), cwd=ROOT, env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        train_cmd(None, *args, "--steps", "100000"),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while not (ckpt / "latest").exists() and time.time() < deadline:
@@ -163,6 +186,7 @@ def test_two_trainers_on_one_directory(tmp_path):
 
 
 # ---- leftovers of killed writers -------------------------------------------------------------
+
 
 def test_leftovers_are_removed_by_the_next_save_and_by_ls_clean(run):
     for name in (".step_3.partial-0123456789ab", ".step_1.replaced-42-42"):
@@ -179,6 +203,7 @@ def test_leftovers_are_removed_by_the_next_save_and_by_ls_clean(run):
 
 
 # ---- a full disk ------------------------------------------------------------------------------
+
 
 def _fill_disk_after(monkeypatch, module, room: int, match: str) -> None:
     """``open`` in ``module`` gives files that run out of space, for paths containing ``match``."""
@@ -206,7 +231,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_changes_nothing(run, monkeypa
 
     monkeypatch.setattr(pathlib.Path, "open", full_open)
     model, optim = build("optim_grads_params", "row")
-    with pytest.raises(CheckpointError, match=r"^No space left on device while writing .*/\.step_3\.partial-\w+/__0_0\.distcp$"):
+    with pytest.raises(
+        CheckpointError, match=r"^No space left on device while writing .*/\.step_3\.partial-\w+/__0_0\.distcp$"
+    ):
         mfsdp_ckpt.save(os.path.join(run, "step_3"), model, optim)
     monkeypatch.undo()
     assert _tree(run) == before and open(os.path.join(run, "latest")).read() == latest
@@ -252,7 +279,9 @@ def small_disk(tmp_path):
     mnt.mkdir()
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); the injected-ENOSPC tests above cover the same paths")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({res.stderr.strip()}); the injected-ENOSPC tests above cover the same paths"
+        )
     try:
         yield str(mnt)
     finally:
@@ -288,21 +317,32 @@ def test_a_really_full_disk(run, small_disk):
     assert not [n for n in os.listdir(ckpt) if ".partial-" in n or n == "step_000002"]
     _fill(small_disk, leave=4096)
     src = os.path.join(run, "step_2")
-    for cmd in (["reshard", src, os.path.join(small_disk, "w2"), "--world-size", "2"],
-                ["convert", src, os.path.join(small_disk, "x.pt"), "--to", "torch"],
-                ["export-hf", os.path.join(ckpt, "latest"), os.path.join(small_disk, "hf")]):
+    for cmd in (
+        ["reshard", src, os.path.join(small_disk, "w2"), "--world-size", "2"],
+        ["convert", src, os.path.join(small_disk, "x.pt"), "--to", "torch"],
+        ["export-hf", os.path.join(ckpt, "latest"), os.path.join(small_disk, "hf")],
+    ):
         _one_line_error(_cli(*cmd), "No space left on device while writing")
     assert sorted(n for n in os.listdir(small_disk) if not n.startswith("ballast")) == ["r"]
 
 
 # ---- bounds -----------------------------------------------------------------------------------
 
+
 def test_reshard_to_more_ranks_than_open_files(run, tmp_path):
     """Each target file is closed once written: 300 ranks under a limit of 64 open files."""
-    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-            "from mfsdp_ckpt.reshard import reshard\nprint(reshard(sys.argv[1], sys.argv[2], world_size=300).files)\n")
-    res = subprocess.run([sys.executable, "-c", code, os.path.join(run, "step_2"), str(tmp_path / "w300")], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=600)
+    code = (
+        "import resource, sys\nresource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from mfsdp_ckpt.reshard import reshard\nprint(reshard(sys.argv[1], sys.argv[2], world_size=300).files)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(run, "step_2"), str(tmp_path / "w300")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert verify_checkpoint(tmp_path / "w300") == []
     assert len([n for n in os.listdir(tmp_path / "w300") if n.endswith(".distcp")]) == int(res.stdout.strip())
@@ -315,13 +355,20 @@ def test_world_size_is_bounded(run, tmp_path):
 
 def test_a_bucket_that_does_not_exist(run, s3_endpoint):
     start = time.time()
-    res = subprocess.run([*CLI, "reshard", os.path.join(run, "step_2"), "s3://no-such-bucket/x", "--world-size", "2"],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ENV["PYTHONPATH"]), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [*CLI, "reshard", os.path.join(run, "step_2"), "s3://no-such-bucket/x", "--world-size", "2"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ENV["PYTHONPATH"]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     _one_line_error(res, "s3://no-such-bucket does not exist")
     assert time.time() - start < 120
 
 
 # ---- the CLI's error boundary ------------------------------------------------------------------
+
 
 def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
     import mfsdp_ckpt.inspect as inspect_mod
@@ -332,13 +379,17 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
     monkeypatch.setattr(inspect_mod, "inspect_checkpoint", broken)
     res = CliRunner().invoke(main, ["inspect", run])
     assert res.exit_code == 1 and res.output.strip().splitlines() == [
-        "error: KeyError: 'a bug somewhere' (an internal error: run with --debug for the traceback)"]
+        "error: KeyError: 'a bug somewhere' (an internal error: run with --debug for the traceback)"
+    ]
     res = CliRunner().invoke(main, ["--debug", "inspect", run])
     assert isinstance(res.exception, KeyError)
-    monkeypatch.setattr(inspect_mod, "inspect_checkpoint", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path)))
+    monkeypatch.setattr(
+        inspect_mod,
+        "inspect_checkpoint",
+        lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path)),
+    )
     res = CliRunner().invoke(main, ["inspect", run])
     assert res.exit_code == 1 and res.output.strip() == f"error: {run}: Permission denied"
-
 
 
 def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
@@ -356,7 +407,9 @@ def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
                     (b.add_tensor if hasattr(value, "dtype") else b.add_object)(key, value)
             b.commit()
     res = run_train(None, *args, "--ckpt-dir", str(tmp_path / "c"), "--resume", str(tmp_path / "b"))
-    assert res.returncode == 1 and "holds no trainer state (extra.step, extra.data_position)" in res.stderr, failure(res)
+    assert res.returncode == 1 and "holds no trainer state (extra.step, extra.data_position)" in res.stderr, failure(
+        res
+    )
 
 
 def test_reshard_never_plans_from_a_declared_model_config(run, tmp_path):

@@ -29,6 +29,7 @@ DENSE_MLP = (
 
 def attention(*, qkv_bias: bool = False, qk_norm: bool = False) -> tuple[Rule, ...]:
     """Pre-norm, fused QKV (and its bias), per-head q/k norms, output projection (``self_attn.*``)."""
+
     def qkv(kind: str) -> tuple[str, str, str]:
         return tuple(H + f"self_attn.{p}_proj.{kind}" for p in "qkv")  # type: ignore[return-value]
 
@@ -39,8 +40,10 @@ def attention(*, qkv_bias: bool = False, qk_norm: bool = False) -> tuple[Rule, .
     if qkv_bias:
         rules.append(FusedQKV(L + "self_attention.linear_qkv.bias", qkv("bias")))
     if qk_norm:
-        rules += [Direct(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight"),
-                  Direct(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight")]
+        rules += [
+            Direct(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight"),
+            Direct(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight"),
+        ]
     rules.append(Direct(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"))
     return tuple(rules)
 
@@ -65,9 +68,13 @@ def feature_problems(c: GPTConfig, *, moe: bool, qk_norm: bool, qkv_bias: bool) 
     if not moe and c.num_experts > 0:
         out.append(f"MoE layers (num_experts={c.num_experts}); this architecture is dense")
     if c.qk_layernorm != qk_norm:
-        out.append(f"qk_layernorm={c.qk_layernorm}; this architecture {'always has' if qk_norm else 'has no'} q/k norms")
+        out.append(
+            f"qk_layernorm={c.qk_layernorm}; this architecture {'always has' if qk_norm else 'has no'} q/k norms"
+        )
     if c.add_qkv_bias != qkv_bias:
-        out.append(f"add_qkv_bias={c.add_qkv_bias}; this architecture {'always has' if qkv_bias else 'has no'} q/k/v biases")
+        out.append(
+            f"add_qkv_bias={c.add_qkv_bias}; this architecture {'always has' if qkv_bias else 'has no'} q/k/v biases"
+        )
     return out
 
 

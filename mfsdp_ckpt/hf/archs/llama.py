@@ -16,8 +16,13 @@ def unsupported(c: GPTConfig) -> list[str]:
 
 
 def to_hf_config(c: GPTConfig) -> dict:
-    return {**common_to_hf(c, "llama", "LlamaForCausalLM"), "intermediate_size": c.ffn_hidden_size,
-            "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    return {
+        **common_to_hf(c, "llama", "LlamaForCausalLM"),
+        "intermediate_size": c.ffn_hidden_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+    }
 
 
 def from_hf_config(d: dict, source: str) -> GPTConfig:

@@ -29,10 +29,16 @@ def unsupported(c: GPTConfig) -> list[str]:
 
 
 def to_hf_config(c: GPTConfig) -> dict:
-    return {**common_to_hf(c, "mixtral", "MixtralForCausalLM"), "intermediate_size": c.moe_ffn_hidden_size,
-            "num_local_experts": c.num_experts, "num_experts_per_tok": c.moe_router_topk,
-            "router_aux_loss_coef": c.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
-            "output_router_logits": False, "sliding_window": None}
+    return {
+        **common_to_hf(c, "mixtral", "MixtralForCausalLM"),
+        "intermediate_size": c.moe_ffn_hidden_size,
+        "num_local_experts": c.num_experts,
+        "num_experts_per_tok": c.moe_router_topk,
+        "router_aux_loss_coef": c.moe_aux_loss_coeff,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
 
 
 def from_hf_config(d: dict, source: str) -> GPTConfig:
@@ -43,12 +49,18 @@ def from_hf_config(d: dict, source: str) -> GPTConfig:
     jitter = r.number("router_jitter_noise", 0.0, lo=0.0)
     r.refuse(jitter == 0, f"router_jitter_noise={jitter} (our router has no jitter)")
     ffn = r.integer("intermediate_size")
-    return model_config(r, {
-        **kwargs, "ffn_hidden_size": ffn, "moe_ffn_hidden_size": ffn,
-        "num_experts": r.integer(("num_local_experts", "num_experts"), 8, hi=MAX_COUNT),
-        "moe_router_topk": r.integer("num_experts_per_tok", 2, hi=MAX_COUNT), "moe_score_func": "softmax",
-        "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
-    })
+    return model_config(
+        r,
+        {
+            **kwargs,
+            "ffn_hidden_size": ffn,
+            "moe_ffn_hidden_size": ffn,
+            "num_experts": r.integer(("num_local_experts", "num_experts"), 8, hi=MAX_COUNT),
+            "moe_router_topk": r.integer("num_experts_per_tok", 2, hi=MAX_COUNT),
+            "moe_score_func": "softmax",
+            "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
+        },
+    )
 
 
 ARCH = Architecture("mixtral", "mixtral", "MixtralForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

@@ -16,8 +16,13 @@ def unsupported(c: GPTConfig) -> list[str]:
 
 
 def to_hf_config(c: GPTConfig) -> dict:
-    return {**common_to_hf(c, "qwen2", "Qwen2ForCausalLM"), "intermediate_size": c.ffn_hidden_size,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_layers}
+    return {
+        **common_to_hf(c, "qwen2", "Qwen2ForCausalLM"),
+        "intermediate_size": c.ffn_hidden_size,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": c.num_layers,
+    }
 
 
 def from_hf_config(d: dict, source: str) -> GPTConfig:

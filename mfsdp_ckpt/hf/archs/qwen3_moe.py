@@ -30,12 +30,21 @@ def unsupported(c: GPTConfig) -> list[str]:
 
 
 def to_hf_config(c: GPTConfig) -> dict:
-    return {**common_to_hf(c, "qwen3_moe", "Qwen3MoeForCausalLM"), "intermediate_size": c.ffn_hidden_size,
-            "moe_intermediate_size": c.moe_ffn_hidden_size, "num_experts": c.num_experts,
-            "num_experts_per_tok": c.moe_router_topk, "norm_topk_prob": not c.moe_router_pre_softmax,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": c.moe_aux_loss_coeff,
-            "output_router_logits": False, "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": None}
+    return {
+        **common_to_hf(c, "qwen3_moe", "Qwen3MoeForCausalLM"),
+        "intermediate_size": c.ffn_hidden_size,
+        "moe_intermediate_size": c.moe_ffn_hidden_size,
+        "num_experts": c.num_experts,
+        "num_experts_per_tok": c.moe_router_topk,
+        "norm_topk_prob": not c.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": c.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def from_hf_config(d: dict, source: str) -> GPTConfig:
@@ -47,14 +56,20 @@ def from_hf_config(d: dict, source: str) -> GPTConfig:
     r.refuse(step == 1, f"decoder_sparse_step={step} (our model has MoE in every layer)")
     dense_layers = r.integers("mlp_only_layers", [])
     r.refuse(not dense_layers, f"mlp_only_layers={short_repr(dense_layers)} (our model has MoE in every layer)")
-    return model_config(r, {
-        **kwargs, "ffn_hidden_size": r.integer("intermediate_size"),
-        "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
-        "num_experts": r.integer(("num_experts", "num_local_experts"), 128, hi=MAX_COUNT),
-        "moe_router_topk": r.integer("num_experts_per_tok", 8, hi=MAX_COUNT), "moe_score_func": "softmax",
-        "moe_router_pre_softmax": not r.flag("norm_topk_prob", False), "qk_layernorm": True,
-        "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
-    })
+    return model_config(
+        r,
+        {
+            **kwargs,
+            "ffn_hidden_size": r.integer("intermediate_size"),
+            "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
+            "num_experts": r.integer(("num_experts", "num_local_experts"), 128, hi=MAX_COUNT),
+            "moe_router_topk": r.integer("num_experts_per_tok", 8, hi=MAX_COUNT),
+            "moe_score_func": "softmax",
+            "moe_router_pre_softmax": not r.flag("norm_topk_prob", False),
+            "qk_layernorm": True,
+            "moe_aux_loss_coeff": r.number("router_aux_loss_coef", 0.001, lo=0.0),
+        },
+    )
 
 
 ARCH = Architecture("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", RULES, unsupported, to_hf_config, from_hf_config)

@@ -49,7 +49,10 @@ def _edit_config(hf_dir: str, **changes) -> None:
 
 def test_unknown_architecture(llama_dir, tmp_path):
     _edit_config(llama_dir, model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ConversionError, match=r"unknown architecture \(model_type='gpt2'.*known: llama, mixtral, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(
+        ConversionError,
+        match=r"unknown architecture \(model_type='gpt2'.*known: llama, mixtral, qwen2, qwen3, qwen3_moe",
+    ):
         hf.import_(llama_dir, tmp_path / "ckpt")
     with pytest.raises(ConversionError, match="unknown architecture 'gpt2'"):
         hf.import_(llama_dir, tmp_path / "ckpt", arch="gpt2")
@@ -61,15 +64,22 @@ def test_arch_flag_that_contradicts_config(llama_dir, tmp_path):
         hf.import_(llama_dir, tmp_path / "ckpt", arch="qwen3")
 
 
-@pytest.mark.parametrize("arch,changes,message", [
-    ("llama", dict(attention_bias=True), "attention_bias=true"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear'"),
-    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
-    ("mixtral", dict(sliding_window=16), "sliding_window=16"),
-    ("qwen3_moe", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
-])
+@pytest.mark.parametrize(
+    "arch,changes,message",
+    [
+        ("llama", dict(attention_bias=True), "attention_bias=true"),
+        ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            "rope_type='linear'",
+        ),
+        ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
+        ("mixtral", dict(sliding_window=16), "sliding_window=16"),
+        ("qwen3_moe", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
+        ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ],
+)
 def test_config_the_mapping_cannot_express(arch, changes, message, tmp_path):
     src = save_hf(random_hf_model(hf_config(arch)), str(tmp_path / "src"))
     _edit_config(src, **changes)
@@ -119,8 +129,14 @@ def _write_checkpoint(path, config, edit=None):
     state = {f"model.{k}": v.detach() for k, v in GPTModel(config).named_parameters()}
     if edit:
         edit(state)
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": config.to_dict(),
-                "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
+    manifest = {
+        "writer": {"world_size": 1, "buffers": [], "groups": []},
+        "model_config": config.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     with CheckpointBuilder(path, manifest) as b:
         for k, v in state.items():
             b.add_tensor(k, v)

@@ -19,8 +19,14 @@ def _checkpoint(path: str) -> str:
 
     torch.manual_seed(0)
     config = PRESETS["mixtral-like-small"]
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": config.to_dict(),
-                "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
+    manifest = {
+        "writer": {"world_size": 1, "buffers": [], "groups": []},
+        "model_config": config.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     with CheckpointBuilder(path, manifest) as b:
         for k, v in GPTModel(config).named_parameters():
             b.add_tensor(f"model.{k}", v.detach())

@@ -24,8 +24,16 @@ from mfsdp_core.expert_parallel import expert_index, expert_placement, init_expe
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_units
 
 # Mixtral-style (no shared expert, which Mixtral cannot express), small
-CONFIG = dataclasses.replace(get_preset("mixtral-like-small"), hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                             kv_channels=16, moe_ffn_hidden_size=32, vocab_size=128, num_experts=8)
+CONFIG = dataclasses.replace(
+    get_preset("mixtral-like-small"),
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    moe_ffn_hidden_size=32,
+    vocab_size=128,
+    num_experts=8,
+)
 
 
 def _planted(layer: int, expert: int, which: str) -> float:
@@ -41,7 +49,9 @@ def _train_plant_save(path: str) -> list[str]:
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh.groups, placement=expert_placement())
     optim = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    tokens = torch.randint(0, CONFIG.vocab_size, (2 * world, 9), generator=torch.Generator().manual_seed(0))[2 * rank : 2 * rank + 2]
+    tokens = torch.randint(0, CONFIG.vocab_size, (2 * world, 9), generator=torch.Generator().manual_seed(0))[
+        2 * rank : 2 * rank + 2
+    ]
     logits = model(tokens[:, :-1])
     (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) + model.aux_loss).backward()
     optim.step()
@@ -63,7 +73,9 @@ def test_export_of_an_ep_checkpoint_holds_every_expert_once_in_order(ranks, tmp_
     shows up, after export, in exactly that expert's Mixtral tensors, each once."""
     ckpt = tmp_path / "ckpt"
     held = ranks(_train_plant_save, 4, str(ckpt), timeout=300)
-    assert sorted(n for names in held for n in names) == sorted(set(n for names in held for n in names))  # each on one rank
+    assert sorted(n for names in held for n in names) == sorted(
+        set(n for names in held for n in names)
+    )  # each on one rank
     out = hf.export(str(ckpt), str(tmp_path / "hf"))
     with open(os.path.join(out.path, "model.safetensors.index.json")) as f:
         index = json.load(f)["weight_map"]

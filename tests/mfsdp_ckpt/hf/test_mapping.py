@@ -32,8 +32,15 @@ from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, MoELayer
 
 
 def _config(**kw) -> GPTConfig:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=8, num_query_groups=2,
-                kv_channels=8, ffn_hidden_size=48)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=48,
+    )
     return GPTConfig(**{**base, **kw})
 
 
@@ -67,7 +74,11 @@ def test_fused_qkv_split_is_our_models_per_group_layout(groups, bias):
         torch.testing.assert_close(wk @ h + bk, k.reshape(-1), rtol=0, atol=1e-6)
         torch.testing.assert_close(wv @ h + bv, v.reshape(-1), rtol=0, atol=1e-6)
         assert torch.equal(rule.merge([wq, wk, wv], c), attn.linear_qkv.weight)
-        assert [tuple(s) for s in rule.their_shapes(attn.linear_qkv.weight.shape, c)] == [tuple(wq.shape), tuple(wk.shape), tuple(wv.shape)]
+        assert [tuple(s) for s in rule.their_shapes(attn.linear_qkv.weight.shape, c)] == [
+            tuple(wq.shape),
+            tuple(wk.shape),
+            tuple(wv.shape),
+        ]
 
 
 def test_gated_mlp_is_gate_then_up():
@@ -78,12 +89,17 @@ def test_gated_mlp_is_gate_then_up():
     assert torch.equal(GatedMLP("w", ("g", "u")).merge([gate, up], c), t)
 
 
-@pytest.mark.parametrize("name,config", [
-    ("llama", _config()), ("llama", _config(tie_embeddings=True)), ("qwen2", _config(add_qkv_bias=True)),
-    ("qwen3", _config(qk_layernorm=True)),
-    ("mixtral", _config(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=1)),
-    ("qwen3_moe", _config(num_experts=4, moe_ffn_hidden_size=16, qk_layernorm=True, moe_router_pre_softmax=True)),
-])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("llama", _config()),
+        ("llama", _config(tie_embeddings=True)),
+        ("qwen2", _config(add_qkv_bias=True)),
+        ("qwen3", _config(qk_layernorm=True)),
+        ("mixtral", _config(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=1)),
+        ("qwen3_moe", _config(num_experts=4, moe_ffn_hidden_size=16, qk_layernorm=True, moe_router_pre_softmax=True)),
+    ],
+)
 def test_each_architecture_covers_its_model_exactly_and_is_inferred(name, config):
     arch = get_architecture(name)
     assert arch.unsupported(config) == []
@@ -104,7 +120,9 @@ def test_mixtral_round_trip_of_the_config_keeps_what_mixtral_stores():
 def test_what_no_architecture_can_express_is_named():
     with pytest.raises(ConversionError, match="no known architecture can express this model config.*shared expert"):
         infer_architecture(PRESETS["tiny-moe"], None, "ckpt")
-    assert "a shared expert (moe_shared_expert_ffn_hidden_size=64)" in get_architecture("mixtral").unsupported(PRESETS["tiny-moe"])
+    assert "a shared expert (moe_shared_expert_ffn_hidden_size=64)" in get_architecture("mixtral").unsupported(
+        PRESETS["tiny-moe"]
+    )
     assert any("q/k norms" in p for p in get_architecture("llama").unsupported(PRESETS["qwen3-like-small"]))
 
 
@@ -118,19 +136,33 @@ def test_a_new_architecture_is_one_declaration_with_shared_experts():
         Direct(L + "self_attention.linear_proj.weight", H + "o.weight"),
         Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
         Direct(L + "mlp.router.weight", H + "mlp.gate.weight"),
-        GatedMLP(L + "mlp.experts.linear_fc1.weight{e}", (H + "mlp.experts.{e}.gate_proj.weight", H + "mlp.experts.{e}.up_proj.weight")),
+        GatedMLP(
+            L + "mlp.experts.linear_fc1.weight{e}",
+            (H + "mlp.experts.{e}.gate_proj.weight", H + "mlp.experts.{e}.up_proj.weight"),
+        ),
         Direct(L + "mlp.experts.linear_fc2.weight{e}", H + "mlp.experts.{e}.down_proj.weight"),
-        GatedMLP(L + "mlp.shared_experts.linear_fc1.weight", (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"), when=shared_expert),
-        Direct(L + "mlp.shared_experts.linear_fc2.weight", H + "mlp.shared_experts.down_proj.weight", when=shared_expert),
+        GatedMLP(
+            L + "mlp.shared_experts.linear_fc1.weight",
+            (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"),
+            when=shared_expert,
+        ),
+        Direct(
+            L + "mlp.shared_experts.linear_fc2.weight", H + "mlp.shared_experts.down_proj.weight", when=shared_expert
+        ),
         Direct("decoder.final_layernorm.weight", "model.norm.weight"),
         Direct("output_layer.weight", "lm_head.weight", when=untied),
     )
-    arch = Architecture("test_shared", "test_shared", "TestForCausalLM", rules, lambda c: [], lambda c: {}, lambda d, s: None)
+    arch = Architecture(
+        "test_shared", "test_shared", "TestForCausalLM", rules, lambda c: [], lambda c: {}, lambda d, s: None
+    )
     c = PRESETS["tiny-moe"]
     conversions = expand(arch, c)
     check_against(conversions, c, arch)
     theirs = [k for conv in conversions for k in conv.theirs]
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in theirs and "model.layers.0.mlp.shared_experts.up_proj.weight" in theirs
+    assert (
+        "model.layers.1.mlp.experts.3.down_proj.weight" in theirs
+        and "model.layers.0.mlp.shared_experts.up_proj.weight" in theirs
+    )
     assert len(theirs) == len(set(theirs))
     register(arch)
     try:
@@ -145,7 +177,9 @@ def test_a_rule_that_writes_a_key_twice_is_refused():
     with pytest.raises(ConversionError, match="more than once: x"):
         expand(arch, _config())
     partial = Architecture("partial", "partial", "P", rules[:1], lambda c: [], lambda c: {}, lambda d, s: None)
-    with pytest.raises(ConversionError, match="no rule for model.decoder.final_layernorm.weight, model.decoder.layers.0"):
+    with pytest.raises(
+        ConversionError, match="no rule for model.decoder.final_layernorm.weight, model.decoder.layers.0"
+    ):
         check_against(expand(partial, _config()), _config(), partial)
 
 
@@ -165,7 +199,9 @@ def test_new_model_options_default_off_and_old_configs_load():
     torch.manual_seed(0)
     biased = GPTModel(_config(add_qkv_bias=True))
     assert torch.equal(biased.decoder.layers[0].self_attention.linear_qkv.bias, torch.zeros(12 * 8))
-    assert canonical_shapes(_config(add_qkv_bias=True))["model.decoder.layers.1.self_attention.linear_qkv.bias"] == (96,)
+    assert canonical_shapes(_config(add_qkv_bias=True))["model.decoder.layers.1.self_attention.linear_qkv.bias"] == (
+        96,
+    )
     with pytest.raises(ValueError, match="softmax routing only"):
         _config(num_experts=4, moe_ffn_hidden_size=16, moe_score_func="sigmoid", moe_router_pre_softmax=True)
 

@@ -34,6 +34,8 @@ from mfsdp_core.models.gpt import (
 from mfsdp_core.mx import MXFormat, dequantize, quantize
 from mfsdp_core.plan import mx_marked, placement_fn, plan_model
 
+DEFAULT_FORMAT = MXFormat()
+
 PLANES = {"row": ("rowwise_data", "rowwise_scale"), "col": ("columnwise_data", "columnwise_scale")}
 
 
@@ -41,8 +43,15 @@ PLANES = {"row": ("rowwise_data", "rowwise_scale"), "col": ("columnwise_data", "
 pytestmark = pytest.mark.filterwarnings("ignore::mfsdp_core.mx.MXNativeUnavailableWarning")
 
 
-def mx_checkpoint(path: str, preset: str = "tiny", fmt: MXFormat = MXFormat(), *, bf16: bool = True,
-                  record_rule: bool = True, seed: int = 0) -> str:
+def mx_checkpoint(
+    path: str,
+    preset: str = "tiny",
+    fmt: MXFormat = DEFAULT_FORMAT,
+    *,
+    bf16: bool = True,
+    record_rule: bool = True,
+    seed: int = 0,
+) -> str:
     """A checkpoint as MXFP8 training writes it: the transformer layers' linear weights MX
     (``cli.train --mxfp8`` placement, recorded in ``writer.plan``), ``model.*`` in bf16 with fp32
     ``optim.*.main_param`` (or fp32 ``model.*`` when not ``bf16``), and the four MX planes of each
@@ -52,14 +61,24 @@ def mx_checkpoint(path: str, preset: str = "tiny", fmt: MXFormat = MXFormat(), *
     cfg = PRESETS[preset]
     model = GPTModel(cfg)
     mx_weights = linear_weights(model)
-    plan = plan_model(model, shard_units(model), placement=mx_marked(placement_fn(None, None), dict.fromkeys(map(id, mx_weights), fmt)),
-                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16 if bf16 else None))
+    plan = plan_model(
+        model,
+        shard_units(model),
+        placement=mx_marked(placement_fn(None, None), dict.fromkeys(map(id, mx_weights), fmt)),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16 if bf16 else None),
+    )
     writer = writer_layout(1, plan)
     if not record_rule:
         for buf in writer["plan"]["buffers"]:
             buf.pop("mx", None)
-    manifest = {"writer": writer, "model_config": cfg.to_dict(), "step": 7, "include_grads": False,
-                "has_optimizer": False, "versions": {}}
+    manifest = {
+        "writer": writer,
+        "model_config": cfg.to_dict(),
+        "step": 7,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     ids = {id(p) for p in mx_weights}
     with CheckpointBuilder(path, manifest) as b:
         for name, p in model.named_parameters():
@@ -133,7 +152,7 @@ def test_bf16_export_is_the_main_params_cast(ckpt, tmp_path):
     cfg, convs = conversions(manifest)
     assert len(got) == sum(len(c.theirs) for c in convs)
     for conv in convs:
-        main_param = state[f"optim.{conv.ours[len('model.'):]}.main_param"]
+        main_param = state[f"optim.{conv.ours[len('model.') :]}.main_param"]
         for name, piece in zip(conv.theirs, conv.rule.split(main_param, cfg)):
             assert same_bytes(got[name], piece.to(torch.bfloat16)), name
 
@@ -146,7 +165,7 @@ def test_from_mx_export_is_the_dequantized_rowwise_planes(ckpt, tmp_path):
     cfg, convs = conversions(manifest)
     n_mx = 0
     for conv in convs:
-        fqn = conv.ours[len("model."):]
+        fqn = conv.ours[len("model.") :]
         if f"mx.{fqn}.rowwise_data" in state:
             n_mx += 1
             source = dequantize(state[f"mx.{fqn}.rowwise_data"], state[f"mx.{fqn}.rowwise_scale"], "row")
@@ -158,8 +177,10 @@ def test_from_mx_export_is_the_dequantized_rowwise_planes(ckpt, tmp_path):
     assert n_mx == 2 * 4  # qkv, proj, fc1, fc2 in each of 2 layers
 
 
-@pytest.mark.parametrize("preset,fmt,header", [("tiny", MXFormat("e4m3", "floor"), "F8_E4M3"),
-                                               ("mixtral-like-small", MXFormat("e5m2", "rceil"), "F8_E5M2")])
+@pytest.mark.parametrize(
+    "preset,fmt,header",
+    [("tiny", MXFormat("e4m3", "floor"), "F8_E4M3"), ("mixtral-like-small", MXFormat("e5m2", "rceil"), "F8_E5M2")],
+)
 def test_mx_export_writes_the_rowwise_planes_byte_for_byte(preset, fmt, header, tmp_path):
     ckpt = mx_checkpoint(str(tmp_path / "ckpt"), preset, fmt)
     hf.export(ckpt, tmp_path / "out", mode="mx", max_shard_size="200KB")
@@ -169,7 +190,7 @@ def test_mx_export_writes_the_rowwise_planes_byte_for_byte(preset, fmt, header, 
     cfg, convs = conversions(manifest)
     quantized = []
     for conv in convs:
-        fqn = conv.ours[len("model."):]
+        fqn = conv.ours[len("model.") :]
         if f"mx.{fqn}.rowwise_data" not in state:
             for name, piece in zip(conv.theirs, conv.rule.split(state[conv.ours], cfg)):
                 assert same_bytes(got[name], piece), name  # as the checkpoint has it (bf16)
@@ -186,8 +207,13 @@ def test_mx_export_writes_the_rowwise_planes_byte_for_byte(preset, fmt, header, 
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32] and qc["scale_fmt"] == "ue8m0"
-    assert qc["mfsdp_mx"] == {"block_size": 32, "element": fmt.element, "rule": fmt.rule,
-                              "scale_suffix": "weight_scale_inv", "quantized_modules": sorted(quantized)}
+    assert qc["mfsdp_mx"] == {
+        "block_size": 32,
+        "element": fmt.element,
+        "rule": fmt.rule,
+        "scale_suffix": "weight_scale_inv",
+        "quantized_modules": sorted(quantized),
+    }
     assert "lm_head" in qc["modules_to_not_convert"] and "model.embed_tokens" in qc["modules_to_not_convert"]
     if cfg.num_experts:  # routers stay unquantized
         assert "model.layers.0.block_sparse_moe.gate" in qc["modules_to_not_convert"]
@@ -203,8 +229,14 @@ def test_mx_export_needs_planes_and_a_rule(tmp_path):
     assert not (tmp_path / "out").exists()
     hf.export(plain, tmp_path / "out2", mode="from-mx")  # dequantizing needs no rule
     cfg = PRESETS["tiny"]
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": cfg.to_dict(),
-                "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
+    manifest = {
+        "writer": {"world_size": 1, "buffers": [], "groups": []},
+        "model_config": cfg.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     with CheckpointBuilder(str(tmp_path / "nomx"), manifest) as b:
         for k, v in GPTModel(cfg).named_parameters():
             b.add_tensor(f"model.{k}", v.detach())
@@ -239,9 +271,12 @@ def test_rules_that_move_columns_are_refused_naming_the_tensor():
     shape = torch.Size((64, 128))
     check_rows_only(Conversion(Direct("x", "a.weight"), "model.x", ("a.weight",)), shape, cfg)
     with pytest.raises(ConversionError, match=r"^a\.weight: cannot be exported as MX exactly"):
-        check_rows_only(Conversion(_ColumnSplit("x", ("a.weight", "b.weight")), "model.x", ("a.weight", "b.weight")),
-                        shape, cfg)
-    with pytest.raises(ConversionError, match=r"^a\.weight: cannot be exported as MX exactly.*moves elements within rows"):
+        check_rows_only(
+            Conversion(_ColumnSplit("x", ("a.weight", "b.weight")), "model.x", ("a.weight", "b.weight")), shape, cfg
+        )
+    with pytest.raises(
+        ConversionError, match=r"^a\.weight: cannot be exported as MX exactly.*moves elements within rows"
+    ):
         check_rows_only(Conversion(_ColumnShuffle("x", "a.weight"), "model.x", ("a.weight",)), shape, cfg)
 
 
@@ -267,8 +302,8 @@ def test_import_makes_an_mx_checkpoint_and_the_round_trip_is_byte_identical(ckpt
     hf.import_(tmp_path / "hf1", tmp_path / "back")
     state, manifest = read_ckpt(str(tmp_path / "back"))
     original, _ = read_ckpt(ckpt)
-    mx_fqns = sorted(k[len("mx."):-len(".rowwise_data")] for k in original if k.endswith(".rowwise_data"))
-    assert sorted(k[len("mx."):-len(".rowwise_data")] for k in state if k.endswith(".rowwise_data")) == mx_fqns
+    mx_fqns = sorted(k[len("mx.") : -len(".rowwise_data")] for k in original if k.endswith(".rowwise_data"))
+    assert sorted(k[len("mx.") : -len(".rowwise_data")] for k in state if k.endswith(".rowwise_data")) == mx_fqns
     fmt = MXFormat("e4m3", "floor")
     for fqn in mx_fqns:
         weight = state[f"model.{fqn}"]
@@ -277,7 +312,9 @@ def test_import_makes_an_mx_checkpoint_and_the_round_trip_is_byte_identical(ckpt
         assert torch.equal(weight, rows)  # the weights the model computed with
         for axis, (data_plane, scale_plane) in PLANES.items():
             data, scale = quantize(weight, fmt, axis)
-            assert same_bytes(state[f"mx.{fqn}.{data_plane}"], data) and same_bytes(state[f"mx.{fqn}.{scale_plane}"], scale)
+            assert same_bytes(state[f"mx.{fqn}.{data_plane}"], data) and same_bytes(
+                state[f"mx.{fqn}.{scale_plane}"], scale
+            )
         # floor quantization of dequantized values is idempotent here: the rowwise planes come back
         assert same_bytes(state[f"mx.{fqn}.rowwise_data"], original[f"mx.{fqn}.rowwise_data"])
     recorded = {p: b["mx"] for b in manifest["writer"]["plan"]["buffers"] if "mx" in b for p in b["params"]}
@@ -303,11 +340,13 @@ def test_rceil_round_trip_keeps_the_values_not_always_the_bytes(tmp_path):
         if name.endswith(".weight") and name[: -len("weight")] + "weight_scale_inv" in a:
             scale = name[: -len("weight")] + "weight_scale_inv"
             assert torch.equal(dequantize(a[name], a[scale], "row"), dequantize(b[name], b[scale], "row")), name
-            differs = (a[scale].view(torch.uint8) != b[scale].view(torch.uint8))
+            differs = a[scale].view(torch.uint8) != b[scale].view(torch.uint8)
             if differs.any():
                 changed += 1
                 rows, blocks = differs.nonzero(as_tuple=True)
-                assert (b[scale].view(torch.uint8)[differs].int() == a[scale].view(torch.uint8)[differs].int() - 1).all()
+                assert (
+                    b[scale].view(torch.uint8)[differs].int() == a[scale].view(torch.uint8)[differs].int() - 1
+                ).all()
                 block_max = a[name].float().abs().reshape(a[name].shape[0], -1, 32).amax(-1)
                 assert (block_max[rows, blocks] == 224).all()
         elif not name.endswith("weight_scale_inv"):
@@ -315,8 +354,14 @@ def test_rceil_round_trip_keeps_the_values_not_always_the_bytes(tmp_path):
     assert changed > 0
 
 
-@pytest.mark.parametrize("preset,fmt", [("tiny", MXFormat("e4m3", "floor")), ("tiny", MXFormat("e5m2", "rceil")),
-                                        ("mixtral-like-small", MXFormat("e4m3", "floor"))])
+@pytest.mark.parametrize(
+    "preset,fmt",
+    [
+        ("tiny", MXFormat("e4m3", "floor")),
+        ("tiny", MXFormat("e5m2", "rceil")),
+        ("mixtral-like-small", MXFormat("e4m3", "floor")),
+    ],
+)
 def test_transformers_loads_an_mx_export_dequantized(preset, fmt, tmp_path):
     """transformers' mxfp8 loader (its fine-grained FP8 quantizer) needs accelerate; on a machine
     without a GPU it dequantizes to bf16, giving exactly the model of the ``--from-mx`` bf16
@@ -351,27 +396,47 @@ def _rewrite(path, edit) -> None:
 
 Q = "model.layers.1.self_attn.q_proj"
 CASES = {
-    "scale shape": (lambda t, qc: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"][:, :1].contiguous()),
-                    rf"model-00001-of-00001.safetensors: tensor '{Q}.weight_scale_inv' has shape \(64, 1\), expected \(64, 2\)"),
-    "scale dtype": (lambda t, qc: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"].view(torch.uint8)),
-                    rf"model-00001-of-00001.safetensors: tensor '{Q}.weight_scale_inv' is U8, expected F8_E8M0"),
-    "missing scale": (lambda t, qc: t.pop(f"{Q}.weight_scale_inv"),
-                      rf"model-00001-of-00001.safetensors: quantized tensor '{Q}.weight' has no '{Q}.weight_scale_inv'"),
-    "weight dtype": (lambda t, qc: t.__setitem__(f"{Q}.weight", t[f"{Q}.weight"].to(torch.bfloat16)),
-                     rf"tensor '{Q}.weight' is BF16; quantization_config says MX e4m3 \(F8_E4M3\)"),
-    "unknown element": (lambda t, qc: qc["mfsdp_mx"].__setitem__("element", "e2m1"),
-                        r"config.json: quantization_config.mfsdp_mx.element: unknown MX element 'e2m1'"),
-    "unknown rule": (lambda t, qc: qc["mfsdp_mx"].__setitem__("rule", "round"),
-                     r"config.json: quantization_config.mfsdp_mx.rule: unknown MX scale rule 'round'"),
+    "scale shape": (
+        lambda t, qc: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"][:, :1].contiguous()),
+        rf"model-00001-of-00001.safetensors: tensor '{Q}.weight_scale_inv' has shape \(64, 1\), expected \(64, 2\)",
+    ),
+    "scale dtype": (
+        lambda t, qc: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"].view(torch.uint8)),
+        rf"model-00001-of-00001.safetensors: tensor '{Q}.weight_scale_inv' is U8, expected F8_E8M0",
+    ),
+    "missing scale": (
+        lambda t, qc: t.pop(f"{Q}.weight_scale_inv"),
+        rf"model-00001-of-00001.safetensors: quantized tensor '{Q}.weight' has no '{Q}.weight_scale_inv'",
+    ),
+    "weight dtype": (
+        lambda t, qc: t.__setitem__(f"{Q}.weight", t[f"{Q}.weight"].to(torch.bfloat16)),
+        rf"tensor '{Q}.weight' is BF16; quantization_config says MX e4m3 \(F8_E4M3\)",
+    ),
+    "unknown element": (
+        lambda t, qc: qc["mfsdp_mx"].__setitem__("element", "e2m1"),
+        r"config.json: quantization_config.mfsdp_mx.element: unknown MX element 'e2m1'",
+    ),
+    "unknown rule": (
+        lambda t, qc: qc["mfsdp_mx"].__setitem__("rule", "round"),
+        r"config.json: quantization_config.mfsdp_mx.rule: unknown MX scale rule 'round'",
+    ),
     "no mfsdp_mx": (lambda t, qc: qc.pop("mfsdp_mx"), r"config.json: quantization_config: no 'mfsdp_mx'"),
-    "other method": (lambda t, qc: qc.__setitem__("quant_method", "fp8"),
-                     r"config.json: quantization_config.quant_method 'fp8' is not supported"),
-    "other block": (lambda t, qc: qc.__setitem__("weight_block_size", [128, 128]),
-                    r"quantization_config.weight_block_size \[128, 128\]: MX blocks are \[1, 32\]"),
-    "half quantized": (lambda t, qc: qc["mfsdp_mx"]["quantized_modules"].remove("model.layers.0.self_attn.k_proj"),
-                       r"model.layers.0.self_attn.k_proj.weight not quantized but .*q_proj.weight, .*v_proj.weight are"),
-    "stray scale": (lambda t, qc: t.__setitem__("lm_head.weight_scale_inv", torch.zeros(256, 2).to(torch.float8_e8m0fnu)),
-                    r"unexpected tensors \(no mapping in llama\): lm_head.weight_scale_inv"),
+    "other method": (
+        lambda t, qc: qc.__setitem__("quant_method", "fp8"),
+        r"config.json: quantization_config.quant_method 'fp8' is not supported",
+    ),
+    "other block": (
+        lambda t, qc: qc.__setitem__("weight_block_size", [128, 128]),
+        r"quantization_config.weight_block_size \[128, 128\]: MX blocks are \[1, 32\]",
+    ),
+    "half quantized": (
+        lambda t, qc: qc["mfsdp_mx"]["quantized_modules"].remove("model.layers.0.self_attn.k_proj"),
+        r"model.layers.0.self_attn.k_proj.weight not quantized but .*q_proj.weight, .*v_proj.weight are",
+    ),
+    "stray scale": (
+        lambda t, qc: t.__setitem__("lm_head.weight_scale_inv", torch.zeros(256, 2).to(torch.float8_e8m0fnu)),
+        r"unexpected tensors \(no mapping in llama\): lm_head.weight_scale_inv",
+    ),
 }
 
 

@@ -32,8 +32,14 @@ def _checkpoint(path, preset: str = "mixtral-like-small", row_chunks: int = 1) -
     lays them out), so that reads have neighbouring small chunks to coalesce."""
     torch.manual_seed(0)
     config = PRESETS[preset]
-    manifest = {"writer": {"world_size": 1, "buffers": [], "groups": []}, "model_config": config.to_dict(),
-                "step": None, "include_grads": False, "has_optimizer": False, "versions": {}}
+    manifest = {
+        "writer": {"world_size": 1, "buffers": [], "groups": []},
+        "model_config": config.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": {},
+    }
     with CheckpointBuilder(path, manifest) as b:
         for k, v in GPTModel(config).named_parameters():
             v = v.detach()
@@ -111,7 +117,9 @@ def test_a_corrupt_chunk_in_one_worker_fails_the_export_in_one_line_and_leaves_n
         hf.export(ckpt, tmp_path / "out", max_shard_size=SHARD, workers=3)
     assert "\n" not in str(e.value) and "checksum mismatch" in str(e.value) and "linear_proj.weight" in str(e.value)
     assert _nothing_at(tmp_path / "out")
-    result = CliRunner().invoke(main, ["export-hf", ckpt, str(tmp_path / "out"), "--max-shard-size", SHARD, "--workers", "3"])
+    result = CliRunner().invoke(
+        main, ["export-hf", ckpt, str(tmp_path / "out"), "--max-shard-size", SHARD, "--workers", "3"]
+    )
     assert result.exit_code == 1 and result.output.count("\n") == 1
     assert result.output.startswith("error: ") and "checksum mismatch" in result.output
     assert _nothing_at(tmp_path / "out")
@@ -133,11 +141,19 @@ def _failing_writes(monkeypatch, after: int) -> None:
 def test_a_failing_write_in_one_worker_fails_the_export_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     ckpt = _checkpoint(tmp_path / "ckpt")
     _failing_writes(monkeypatch, after=20)
-    with pytest.raises(CheckpointError, match=r"^No space left on device while writing .*/model-\d{5}-of-\d{5}\.safetensors$"):
+    with pytest.raises(
+        CheckpointError, match=r"^No space left on device while writing .*/model-\d{5}-of-\d{5}\.safetensors$"
+    ):
         hf.export(ckpt, tmp_path / "out", max_shard_size=SHARD, workers=3)
     assert _nothing_at(tmp_path / "out")
-    result = CliRunner().invoke(main, ["export-hf", ckpt, str(tmp_path / "out"), "--max-shard-size", SHARD, "--workers", "3"])
-    assert result.exit_code == 1 and result.output.count("\n") == 1 and "No space left on device while writing" in result.output
+    result = CliRunner().invoke(
+        main, ["export-hf", ckpt, str(tmp_path / "out"), "--max-shard-size", SHARD, "--workers", "3"]
+    )
+    assert (
+        result.exit_code == 1
+        and result.output.count("\n") == 1
+        and "No space left on device while writing" in result.output
+    )
     assert _nothing_at(tmp_path / "out")
 
 
@@ -226,8 +242,14 @@ def test_coalesce_groups_small_neighbours_only():
         def __init__(self, path, offset, length):
             self.relative_path, self.offset, self.length = path, offset, length
 
-    chunks = [(None, Info("a", 0, 100)), (None, Info("a", 100, 50)), (None, Info("a", 150, 5 << 20)),
-              (None, Info("a", (5 << 20) + 150, 10)), (None, Info("b", 0, 10)), (None, Info("b", 10, 10)),
-              (None, Info("b", 30, 10))]
+    chunks = [
+        (None, Info("a", 0, 100)),
+        (None, Info("a", 100, 50)),
+        (None, Info("a", 150, 5 << 20)),
+        (None, Info("a", (5 << 20) + 150, 10)),
+        (None, Info("b", 0, 10)),
+        (None, Info("b", 10, 10)),
+        (None, Info("b", 30, 10)),
+    ]
     assert coalesce(chunks) == [[0, 1], [2], [3], [4, 5], [6]]
     assert coalesce(chunks[:2], limit=120) == [[0], [1]]

@@ -47,8 +47,14 @@ CASES = {
     "mixtral-top2": ("mixtral", dict()),
     "mixtral-top1-headdim16": ("mixtral", dict(num_experts_per_tok=1, head_dim=16, num_key_value_heads=4)),
     "qwen3_moe-top2-norm": ("qwen3_moe", dict()),
-    "qwen3_moe-top1-nonorm-tied": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True)),
-    "qwen3_moe-top2-nonorm-gqa4": ("qwen3_moe", dict(norm_topk_prob=False, num_attention_heads=8, num_key_value_heads=2)),
+    "qwen3_moe-top1-nonorm-tied": (
+        "qwen3_moe",
+        dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True),
+    ),
+    "qwen3_moe-top2-nonorm-gqa4": (
+        "qwen3_moe",
+        dict(norm_topk_prob=False, num_attention_heads=8, num_key_value_heads=2),
+    ),
 }
 
 
@@ -121,10 +127,25 @@ def test_single_file_and_config_round_trip(tmp_path):
     assert result.model_config["moe_router_pre_softmax"] is True and result.model_config["qk_layernorm"] is True
     hf.export(tmp_path / "ckpt", tmp_path / "out")
     back = AutoConfig.from_pretrained(str(tmp_path / "out"))
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "rms_norm_eps", "num_experts_per_tok", "moe_intermediate_size",
-                  "norm_topk_prob", "tie_word_embeddings", "max_position_embeddings"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(back, field) == getattr(config, field), field
-    assert back.num_experts == config.num_experts and back.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
+    assert (
+        back.num_experts == config.num_experts
+        and back.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
+    )
     # the re-import of the export gives the same model config
     assert hf.import_(str(tmp_path / "out"), tmp_path / "ckpt2").model_config == result.model_config

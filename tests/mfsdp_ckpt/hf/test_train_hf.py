@@ -52,7 +52,9 @@ def test_trained_on_3_ranks_exports_and_trains_again_on_2_from_the_import(tmp_pa
     hf.import_(tmp_path / "hf", tmp_path / "imported")
     # resharded for 2 ranks first: the import records the trainer's buffers, so each rank gets a file
     assert reshard(tmp_path / "imported", tmp_path / "imported_w2", world_size=2).files == 2
-    run = _train(2, "--steps", "8", "--init-from", str(tmp_path / "imported_w2"), "--metrics", str(tmp_path / "m.jsonl"))
+    run = _train(
+        2, "--steps", "8", "--init-from", str(tmp_path / "imported_w2"), "--metrics", str(tmp_path / "m.jsonl")
+    )
     assert run.returncode == 0, failure(run)
     assert "initialised from the weights of" in run.stdout
     losses = _losses(tmp_path / "m.jsonl")
@@ -70,5 +72,7 @@ def test_trained_on_3_ranks_exports_and_trains_again_on_2_from_the_import(tmp_pa
     assert refused.returncode == 1
     assert refused.stderr.strip().count("\n") == 0, refused.stderr
     assert "error: --init-from: " in refused.stderr and "was written for another model config: " in refused.stderr
-    both = _train(None, "--steps", "2", "--init-from", str(tmp_path / "imported"), "--resume", "--ckpt-dir", str(tmp_path / "x"))
+    both = _train(
+        None, "--steps", "2", "--init-from", str(tmp_path / "imported"), "--resume", "--ckpt-dir", str(tmp_path / "x")
+    )
     assert both.returncode == 1 and "--resume and --init-from exclude each other" in both.stderr

@@ -61,6 +61,9 @@ def test_export_conversions_name_every_disk_tensor_once():
 
 
 def test_fused_experts_of_an_unknown_family_are_refused_naming_it():
-    with pytest.raises(ConversionError, match=r"where: model_type 'newmoe' keeps fused expert tensors "
-                                              r"\(model.layers.0.mlp.experts.gate_up_proj\)"):
+    with pytest.raises(
+        ConversionError,
+        match=r"where: model_type 'newmoe' keeps fused expert tensors "
+        r"\(model.layers.0.mlp.experts.gate_up_proj\)",
+    ):
         disk_layout("newmoe", {"model.layers.0.mlp.experts.gate_up_proj": (4, 8, 4)}, "where")

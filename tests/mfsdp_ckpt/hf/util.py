@@ -17,10 +17,21 @@ def hf_config(arch: str, **overrides):
     """A tiny ``transformers`` config of ``arch``; ``overrides`` are its own field names."""
     import transformers as tf
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
-        return tf.LlamaConfig(**{**base, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides})
+        return tf.LlamaConfig(
+            **{**base, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, **overrides}
+        )
     if arch == "qwen2":
         return tf.Qwen2Config(**{**base, **overrides})
     if arch == "qwen3":
@@ -28,8 +39,17 @@ def hf_config(arch: str, **overrides):
     if arch == "mixtral":
         return tf.MixtralConfig(**{**base, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**{**base, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-                                    "moe_intermediate_size": 24, "norm_topk_prob": True, **overrides})
+        return tf.Qwen3MoeConfig(
+            **{
+                **base,
+                "head_dim": 8,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24,
+                "norm_topk_prob": True,
+                **overrides,
+            }
+        )
     raise ValueError(arch)
 
 
@@ -73,7 +93,7 @@ def reference_model(checkpoint: str) -> GPTModel:
     with CheckpointReader(checkpoint) as reader:
         config = GPTConfig.from_dict(reader.manifest["model_config"])
         model = GPTModel(config)
-        state = {k[len("model."):]: reader.read(k) for k in reader.keys() if k.startswith("model.")}
+        state = {k[len("model.") :]: reader.read(k) for k in reader.keys() if k.startswith("model.")}
     model.load_state_dict(state, strict=True)
     return model.float().eval()
 
