@@ -4,12 +4,9 @@
 (world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
-from mfsdp_ckpt.locate import resolve_checkpoint
-from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME
-
-from .async_save import AsyncSaveHandle, async_save
-from .checkpoint import load, save
-from .errors import (
+from mfsdp_ckpt.async_save import AsyncSaveHandle, async_save
+from mfsdp_ckpt.checkpoint import load, save
+from mfsdp_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -18,7 +15,9 @@ from .errors import (
     UncommittedCheckpointError,
     UnsafeCheckpointError,
 )
-from .lock import RunLockedError, run_lock
+from mfsdp_ckpt.locate import resolve_checkpoint
+from mfsdp_ckpt.lock import RunLockedError, run_lock
+from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME
 
 __all__ = [
     "save",

@@ -48,15 +48,14 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 
+from mfsdp_ckpt import checkpoint as _checkpoint
+from mfsdp_ckpt.checkpoint import check_save_arguments, prepare_save, write_and_commit
+from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.planner import MfsdpSavePlanner
+from mfsdp_ckpt.state import FlatEntry
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
 from mfsdp_core.fully_shard import buffers_of
-
-from . import checkpoint as _checkpoint
-from .checkpoint import check_save_arguments, prepare_save, write_and_commit
-from .errors import CheckpointError
-from .planner import MfsdpSavePlanner
-from .state import FlatEntry
 
 __all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes", "wait_for_async_save"]
 

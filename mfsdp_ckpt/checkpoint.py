@@ -26,23 +26,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME, MANIFEST_NAME, PARTIAL_MARK
-from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
-from mfsdp_core.collectives import rank0_decides, rank_and_world
-from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of
-from mfsdp_core.optim import optimizer_buffers
-from mfsdp_core.plan import DEFAULT_GROUP
-
-from . import fs
-from .chunks import ChunkFiles, coverage_faults
-from .errors import (
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.chunks import ChunkFiles, coverage_faults
+from mfsdp_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
     StateMismatchError,
     raise_key_problems,
 )
-from .experts import (
+from mfsdp_ckpt.experts import (
     expert_count_problem,
     expert_counts,
     experts_entry,
@@ -50,7 +43,7 @@ from .experts import (
     merge_param_groups,
     merge_plans,
 )
-from .keys import (
+from mfsdp_ckpt.keys import (
     MAIN_PARAM,
     PARAM_GROUPS,
     extra_key,
@@ -61,31 +54,37 @@ from .keys import (
     optim_key,
     rng_key,
 )
-from .locate import resolve_checkpoint
-from .lock import run_lock
-from .manifest import is_committed, read_manifest, versions, writer_layout
-from .mapped import map_reader_keys
-from .metadata_check import entry_faults
-from .model_source import gpt_source, transformers_source
-from .mx_load import check_planes, mx_targets, write_planes
-from .planner import MfsdpLoadPlanner, MfsdpSavePlanner
-from .staged_read import DEFAULT_READ_THREADS
-from .staging import (
+from mfsdp_ckpt.locate import resolve_checkpoint
+from mfsdp_ckpt.lock import run_lock
+from mfsdp_ckpt.manifest import is_committed, read_manifest, versions, writer_layout
+from mfsdp_ckpt.mapped import map_reader_keys
+from mfsdp_ckpt.metadata_check import entry_faults
+from mfsdp_ckpt.model_source import gpt_source, transformers_source
+from mfsdp_ckpt.mx_load import check_planes, mx_targets, write_planes
+from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME, MANIFEST_NAME, PARTIAL_MARK
+from mfsdp_ckpt.planner import MfsdpLoadPlanner, MfsdpSavePlanner
+from mfsdp_ckpt.staged_read import DEFAULT_READ_THREADS
+from mfsdp_ckpt.staging import (
     check_destination,
     fsync_dir,
     new_token,
     partial_path,
     remove_leftovers,
 )
-from .state import (
+from mfsdp_ckpt.state import (
     FlatEntry,
     load_targets,
     param_group_updates,
     param_groups_state,
     save_entries,
 )
-from .stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
-from .storage import CommittingWriter, VerifyingReader
+from mfsdp_ckpt.stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
+from mfsdp_ckpt.storage import CommittingWriter, VerifyingReader
+from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
+from mfsdp_core.collectives import rank0_decides, rank_and_world
+from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of
+from mfsdp_core.optim import optimizer_buffers
+from mfsdp_core.plan import DEFAULT_GROUP
 
 __all__ = ["save", "load", "PreparedSave", "check_save_arguments", "prepare_save", "write_and_commit"]
 
@@ -322,9 +321,8 @@ def _prepare_remote(final: str, overwrite: bool) -> str:
     checkpoint at ``final`` is refused, or with ``overwrite`` un-committed (its ``mfsdp.json``
     deleted first, so that an interrupted overwrite leaves an uncommitted prefix, never a mix that
     looks complete) and removed. Returns ``final``: the files go straight there."""
+    from mfsdp_ckpt.objstore import check_bucket, remove_uncommitted
     from mfsdp_ckpt.remote import retrying
-
-    from .objstore import check_bucket, remove_uncommitted
 
     check_bucket(final)
     parent = fs.dirname(final)

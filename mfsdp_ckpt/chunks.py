@@ -23,11 +23,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import fs
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .fs import FileSlice
-from .planner import chunk_id, payload_crc32c
-from .records import locate_raw_tensor
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
+from mfsdp_ckpt.fs import FileSlice
+from mfsdp_ckpt.planner import chunk_id, payload_crc32c
+from mfsdp_ckpt.records import locate_raw_tensor
 
 __all__ = [
     "FileSlice",

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .keys import RNG_PREFIX
+from mfsdp_ckpt.keys import RNG_PREFIX
 
 __all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
 
@@ -67,8 +67,8 @@ def diff_checkpoints(
     layout, or any without ``mfsdp.json``) is read through its key layout, and ``key_map_a`` /
     ``key_map_b`` rename prefixes of A's / B's keys first (``=model.`` for torchtitan's bare
     FQNs), so that a stock checkpoint and its ``reshard`` compare equal."""
-    from .mapped import MappedReader
-    from .stock import parse_key_map
+    from mfsdp_ckpt.mapped import MappedReader
+    from mfsdp_ckpt.stock import parse_key_map
 
     rules_a, rules_b = parse_key_map(key_map_a), parse_key_map(key_map_b)
     with MappedReader(os.fspath(a), rules_a) as ra, MappedReader(os.fspath(b), rules_b) as rb:

@@ -19,12 +19,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index, local_experts
 from mfsdp_core.layout import Policy
 from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan
 from mfsdp_core.strategy import Strategy
-
-from .errors import CheckpointError
 
 __all__ = [
     "gather_objects",

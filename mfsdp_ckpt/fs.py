@@ -18,10 +18,10 @@ import shutil
 import stat
 from typing import IO, Any
 
-from .errors import UnsafeCheckpointError
-from .names import member_name_problem
-from .remote import filesystem, upload
-from .staging import write_file_atomic
+from mfsdp_ckpt.errors import UnsafeCheckpointError
+from mfsdp_ckpt.names import member_name_problem
+from mfsdp_ckpt.remote import filesystem, upload
+from mfsdp_ckpt.staging import write_file_atomic
 
 __all__ = [
     "is_url",

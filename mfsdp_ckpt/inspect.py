@@ -19,17 +19,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.chunks import ChunkFiles, Fault
+from mfsdp_ckpt.experts import ep_owner_ranks
+from mfsdp_ckpt.keys import GROUPS, group_of, mx_plane_of
+from mfsdp_ckpt.locate import open_checkpoint
+from mfsdp_ckpt.manifest import is_protected
+from mfsdp_ckpt.metadata_check import entry_faults, orphan_faults
+from mfsdp_ckpt.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME
-
-from .chunks import ChunkFiles, Fault
-from .experts import ep_owner_ranks
-from .keys import GROUPS, group_of, mx_plane_of
-from .locate import open_checkpoint
-from .manifest import is_protected
-from .metadata_check import entry_faults, orphan_faults
-from .model_source import MEGATRON_CORE, model_source_of
-from .planner import chunk_id
-from .stock import uncommitted_reason
+from mfsdp_ckpt.planner import chunk_id
+from mfsdp_ckpt.stock import uncommitted_reason
 
 __all__ = [
     "TensorInfo",
@@ -199,7 +198,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     elif not is_protected(manifest):
         info.unknown = [UNPROTECTED]
     if manifest is None or manifest.get("key_layout") == "mcore-torch_dist":  # a Megatron-Core checkpoint
-        from .mcore.describe import describe_mcore
+        from mfsdp_ckpt.mcore.describe import describe_mcore
 
         mcore = describe_mcore(directory)
         if mcore is not None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from . import fs
-from .errors import CheckpointError, NotACheckpointError
-from .manifest import is_committed, read_manifest
-from .names import METADATA_NAME
-from .staging import is_partial_name
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import CheckpointError, NotACheckpointError
+from mfsdp_ckpt.manifest import is_committed, read_manifest
+from mfsdp_ckpt.names import METADATA_NAME
+from mfsdp_ckpt.staging import is_partial_name
 
 __all__ = ["CheckpointEntry", "list_checkpoints"]
 
@@ -73,9 +73,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
 def _stock(directory: str) -> bool:
     """Whether a directory with ``.metadata`` and no ``mfsdp.json`` is a stock DCP checkpoint, not
     one of our saves that never committed (:func:`mfsdp_ckpt.stock.uncommitted_reason`)."""
-    from .metadata_check import checked_metadata
-    from .safety import safe_load_metadata
-    from .stock import uncommitted_reason
+    from mfsdp_ckpt.metadata_check import checked_metadata
+    from mfsdp_ckpt.safety import safe_load_metadata
+    from mfsdp_ckpt.stock import uncommitted_reason
 
     path = fs.join(directory, METADATA_NAME)
     try:
@@ -91,12 +91,12 @@ def clean_run_dir(root: str | os.PathLike) -> list[str]:
     (refused while another job writes there). Returns the paths removed. On an object store (no
     lock there: one writer per prefix is the user's responsibility), the prefixes that hold only
     files a save writes and no ``mfsdp.json`` (:func:`mfsdp_ckpt.objstore.remove_uncommitted`)."""
-    from .lock import run_lock
-    from .staging import remove_leftovers
+    from mfsdp_ckpt.lock import run_lock
+    from mfsdp_ckpt.staging import remove_leftovers
 
     root = os.fspath(root)
     if fs.is_url(root):
-        from .objstore import remove_uncommitted
+        from mfsdp_ckpt.objstore import remove_uncommitted
 
         root = fs.normalize(root)
         if not fs.isdir(root):

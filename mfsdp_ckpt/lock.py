@@ -21,8 +21,8 @@ import socket
 import time
 from typing import Any, Iterator
 
-from .errors import CheckpointError
-from .names import LOCK_NAME
+from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.names import LOCK_NAME
 
 __all__ = ["RunLockedError", "run_lock", "holds_lock", "lock_holder"]
 

@@ -18,14 +18,13 @@ from typing import Any, Callable
 
 import torch
 
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.checksum import crc32c
+from mfsdp_ckpt.errors import CorruptCheckpointError, UncommittedCheckpointError
+from mfsdp_ckpt.manifest_schema import check_manifest
+from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME, shown
 from mfsdp_core.dtypes import dtype_name
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
-
-from . import fs
-from .checksum import crc32c
-from .errors import CorruptCheckpointError, UncommittedCheckpointError
-from .manifest_schema import check_manifest
-from .names import MANIFEST_NAME, METADATA_NAME, shown
 
 __all__ = [
     "FORMAT",

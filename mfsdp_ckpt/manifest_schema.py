@@ -13,15 +13,14 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.model_source import KINDS
 from mfsdp_ckpt.names import member_name_problem, shown
 from mfsdp_core.dtypes import dtype_by_name
 from mfsdp_core.layout import parse_policy
 from mfsdp_core.mx import ELEMENTS as MX_ELEMENTS
 from mfsdp_core.mx import RULES as MX_RULES
 from mfsdp_core.strategy import parse_strategy
-
-from .errors import CorruptCheckpointError
-from .model_source import KINDS
 
 __all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT"]
 

@@ -38,10 +38,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.chunks import Fault, coverage_faults
+from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.names import METADATA_NAME, member_name_problem, shown
-
-from .chunks import Fault, coverage_faults
-from .errors import CorruptCheckpointError
 
 __all__ = [
     "MAX_NDIM",

@@ -19,12 +19,11 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.keys import MAIN_PARAM, model_key, mx_key, optim_key
+from mfsdp_ckpt.state import FlatEntry, mx_planes
 from mfsdp_core import ParamShard
 from mfsdp_core.mx import quantize
-
-from .errors import CorruptCheckpointError
-from .keys import MAIN_PARAM, model_key, mx_key, optim_key
-from .state import FlatEntry, mx_planes
 
 __all__ = ["MXTarget", "mx_targets", "check_planes", "write_planes"]
 

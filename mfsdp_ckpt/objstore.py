@@ -32,10 +32,10 @@ from typing import IO, Any, Iterator
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from . import fs
-from .errors import CheckpointError
-from .names import MANIFEST_NAME
-from .remote import SPOOL_BYTES, filesystem, reason, retrying, upload
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.names import MANIFEST_NAME
+from mfsdp_ckpt.remote import SPOOL_BYTES, filesystem, reason, retrying, upload
 
 __all__ = ["RemoteFileSystem", "check_writable_prefix", "bucket_of", "remove_uncommitted", "is_checkpoint_file"]
 

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from .checksum import crc32c
-from .state import FlatEntry
+from mfsdp_ckpt.checksum import crc32c
+from mfsdp_ckpt.state import FlatEntry
 
 __all__ = ["MfsdpSavePlanner", "MfsdpLoadPlanner", "payload_crc32c", "chunk_id"]
 

@@ -19,9 +19,8 @@ from typing import Iterator
 
 import torch
 
+from mfsdp_ckpt.fs import FileSlice
 from mfsdp_core.dtypes import storage_name
-
-from .fs import FileSlice
 
 __all__ = ["RawTensorData", "locate_raw_tensor", "without_zip_crc"]
 

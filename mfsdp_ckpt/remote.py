@@ -19,7 +19,7 @@ import random
 import time
 from typing import Any, Callable
 
-from .names import shown
+from mfsdp_ckpt.names import shown
 
 __all__ = [
     "PART_BYTES",

@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import torch
 
-from .errors import UnsafeCheckpointError
+from mfsdp_ckpt.errors import UnsafeCheckpointError
 
 __all__ = ["safe_load_metadata"]
 

@@ -40,15 +40,15 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .boxes import narrow
-from .chunks import (
+from mfsdp_ckpt.boxes import narrow
+from mfsdp_ckpt.chunks import (
     ChunkFault,
     ChunkFiles,
     chunk_location,
     decode_record_at,
     tensor_view,
 )
-from .errors import CorruptCheckpointError
+from mfsdp_ckpt.errors import CorruptCheckpointError
 
 __all__ = [
     "BLOCK_BYTES",

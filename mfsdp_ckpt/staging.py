@@ -18,15 +18,15 @@ import shutil
 import time
 import uuid
 
-from .errors import CheckpointError, CheckpointExistsError
-from .names import (
+from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError
+from mfsdp_ckpt.names import (
     LATEST_NAME,
     MANIFEST_NAME,
     METADATA_NAME,
     PARTIAL_MARK,
     REPLACED_MARK,
 )
-from .write_errors import write_failed
+from mfsdp_ckpt.write_errors import write_failed
 
 __all__ = [
     "new_token",

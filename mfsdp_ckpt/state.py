@@ -17,10 +17,9 @@ from typing import Any, Sequence
 
 import torch
 
+from mfsdp_ckpt.boxes import Box, box_view, flat_range_to_boxes
+from mfsdp_ckpt.keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, mx_key, optim_key
 from mfsdp_core import ParamShard
-
-from .boxes import Box, box_view, flat_range_to_boxes
-from .keys import MAIN_PARAM, PARAM_GROUPS, grad_key, model_key, mx_key, optim_key
 
 __all__ = [
     "FlatEntry",
@@ -144,7 +143,7 @@ def param_group_updates(
     """For each of the optimizer's groups, the hyper-parameters of the saved group holding its
     parameters (by name); :class:`StateMismatchError` when a group's parameters are in no saved
     group or in several. Changes nothing."""
-    from .errors import StateMismatchError
+    from mfsdp_ckpt.errors import StateMismatchError
 
     names = _fqn_by_optim_param(shards)
     group_of = {fqn: i for i, g in enumerate(saved) for fqn in g["params"]}

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .errors import CheckpointError
-from .keys import MAIN_PARAM, PARAM_GROUPS, model_key
+from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.keys import MAIN_PARAM, PARAM_GROUPS, model_key
 
 __all__ = [
     "KeyRule",
@@ -203,8 +203,8 @@ def uncommitted_reason(directory: str, metadata: Any) -> str | None:
     a ``.partial-`` directory name; the per-rank RNG states every save of ours stores; DCP's
     record (``storage_meta``) of a ``.partial-`` directory, where a local save writes. On an
     object store a save writes in place and commits with the manifest, so only the RNG keys tell."""
-    from .keys import RNG_PREFIX
-    from .staging import is_partial_name
+    from mfsdp_ckpt.keys import RNG_PREFIX
+    from mfsdp_ckpt.staging import is_partial_name
 
     if is_partial_name(directory.rstrip("/").rsplit("/", 1)[-1]):
         return "a .partial directory"

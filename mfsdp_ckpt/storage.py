@@ -33,27 +33,26 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.boxes import box_view, narrow
+from mfsdp_ckpt.chunks import ChunkFiles, chunk_location, chunk_shapes
+from mfsdp_ckpt.errors import CheckpointError, CorruptCheckpointError
+from mfsdp_ckpt.manifest import completed, metadata_checksum_problem, write_manifest
+from mfsdp_ckpt.metadata_check import checked_metadata, stored_by_key
 from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME
-
-from . import fs
-from .boxes import box_view, narrow
-from .chunks import ChunkFiles, chunk_location, chunk_shapes
-from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import completed, metadata_checksum_problem, write_manifest
-from .metadata_check import checked_metadata, stored_by_key
-from .objstore import RemoteFileSystem
-from .planner import MfsdpSavePlanner, chunk_id
-from .records import without_zip_crc
-from .safety import safe_load_metadata
-from .staged_read import (
+from mfsdp_ckpt.objstore import RemoteFileSystem
+from mfsdp_ckpt.planner import MfsdpSavePlanner, chunk_id
+from mfsdp_ckpt.records import without_zip_crc
+from mfsdp_ckpt.safety import safe_load_metadata
+from mfsdp_ckpt.staged_read import (
     DEFAULT_READ_THREADS,
     VerifiedRange,
     read_range,
     read_verified,
     verify_chunks,
 )
-from .staging import commit_directory, fsync_dir
-from .write_errors import RecordingStream, reporting, write_failed
+from mfsdp_ckpt.staging import commit_directory, fsync_dir
+from mfsdp_ckpt.write_errors import RecordingStream, reporting, write_failed
 
 __all__ = ["CommittingWriter", "VerifyingReader", "commit_directory", "fsync_dir"]
 

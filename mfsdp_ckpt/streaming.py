@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import fs
-from .chunks import (
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.chunks import (
     ChunkFault,
     ChunkFiles,
     MemoryFile,
@@ -46,16 +46,16 @@ from .chunks import (
     coverage_faults,
     read_chunk,
 )
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from .lock import run_lock
-from .manifest import completed, write_manifest
-from .metadata_check import entry_faults
-from .names import MANIFEST_NAME, METADATA_NAME, shown
-from .planner import chunk_id, payload_crc32c
-from .records import without_zip_crc
-from .staging import check_destination, commit_directory, fsync_dir, make_partial_dir
-from .write_errors import RecordingStream, reporting
-from .writeback import WritebackStream, start_writeback
+from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from mfsdp_ckpt.lock import run_lock
+from mfsdp_ckpt.manifest import completed, write_manifest
+from mfsdp_ckpt.metadata_check import entry_faults
+from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME, shown
+from mfsdp_ckpt.planner import chunk_id, payload_crc32c
+from mfsdp_ckpt.records import without_zip_crc
+from mfsdp_ckpt.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
+from mfsdp_ckpt.write_errors import RecordingStream, reporting
+from mfsdp_ckpt.writeback import WritebackStream, start_writeback
 
 __all__ = ["CheckpointReader", "CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "compact"]
 
@@ -669,7 +669,7 @@ def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str
     """An object-store destination: never inside or around a source; replaced only when it is a
     committed checkpoint (the manifest is there) and ``overwrite`` asks for it."""
 
-    from .objstore import check_bucket
+    from mfsdp_ckpt.objstore import check_bucket
 
     check_bucket(final)  # else every upload fails, slowly, after retries
     exists = fs.exists(final)

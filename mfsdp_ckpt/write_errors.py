@@ -13,7 +13,7 @@ import contextlib
 import os
 from typing import IO, Any, Iterator, Sequence
 
-from .errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError
 
 __all__ = ["WriteFailedError", "RecordingStream", "write_failed", "reporting"]
 

@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as C
-from .fence import Fence, await_fences
-from .layout import Layout, Piece
-from .mx import dequantize
-from .mx_planes import ORIENTATIONS
-from .plan import BufferSpec
+from mfsdp_core import collectives as C
+from mfsdp_core.fence import Fence, await_fences
+from mfsdp_core.layout import Layout, Piece
+from mfsdp_core.mx import dequantize
+from mfsdp_core.mx_planes import ORIENTATIONS
+from mfsdp_core.plan import BufferSpec
 
 __all__ = ["FlatParamBuffer"]
 

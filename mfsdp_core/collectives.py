@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .dtypes import wire_view as _wire
+from mfsdp_core.dtypes import wire_view as _wire
 
 __all__ = [
     "CommRecord",

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .dtypes import dtype_by_name, dtype_name
+from mfsdp_core.dtypes import dtype_by_name, dtype_name
 
 __all__ = ["Companion", "as_matrix"]
 

@@ -29,9 +29,9 @@ from typing import Callable, Mapping
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as C
-from .layout import Policy, parse_policy
-from .plan import DEFAULT_GROUP, DEFAULT_POLICY, Placement, PlacementFn
+from mfsdp_core import collectives as C
+from mfsdp_core.layout import Policy, parse_policy
+from mfsdp_core.plan import DEFAULT_GROUP, DEFAULT_POLICY, Placement, PlacementFn
 
 __all__ = [
     "EP_GROUP",
@@ -160,7 +160,7 @@ def expert_placement(
 def ep_rank_of(module: nn.Module) -> tuple[int, int]:
     """``(EP rank, EP size)`` of this rank for a ``fully_shard``-ed module (``(0, 1)`` without
     expert parallelism): read from the ``"ep"`` group its units were given."""
-    from .fully_shard import units_of
+    from mfsdp_core.fully_shard import units_of
 
     for unit in units_of(module):
         if EP_GROUP in unit.groups:

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import collectives as C
-from .buffer import FlatParamBuffer
-from .layout import Policy
-from .mixed_precision import MixedPrecision
-from .plan import (
+from mfsdp_core import collectives as C
+from mfsdp_core.buffer import FlatParamBuffer
+from mfsdp_core.layout import Policy
+from mfsdp_core.mixed_precision import MixedPrecision
+from mfsdp_core.plan import (
     DEFAULT_GROUP,
     DEFAULT_STRATEGY,
     ModelPlan,
@@ -47,7 +47,7 @@ from .plan import (
     placement_fn,
     plan_unit,
 )
-from .strategy import Strategy, parse_strategy
+from mfsdp_core.strategy import Strategy, parse_strategy
 
 __all__ = [
     "fully_shard",

@@ -41,7 +41,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import collectives as C
+from mfsdp_core import collectives as C
 
 __all__ = ["Muon", "newton_schulz5", "muon_param_groups", "uses_muon", "muon_owners"]
 
@@ -225,7 +225,7 @@ def _flat_matrix(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
 
 
 def _owner(optimizer: torch.optim.Optimizer, p: torch.Tensor):
-    from .optim import shard_of  # the adapter, when there is one
+    from mfsdp_core.optim import shard_of  # the adapter, when there is one
 
     return shard_of(optimizer, p)
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from . import mx_native  # importing it builds nothing: the kernel is built on first use
+from mfsdp_core import mx_native  # importing it builds nothing: the kernel is built on first use
 
 __all__ = [
     "BLOCK",

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from .companion import Companion
-from .mx import MXFormat, quantize
+from mfsdp_core.companion import Companion
+from mfsdp_core.mx import MXFormat, quantize
 
 __all__ = ["MX_PLANES", "ORIENTATIONS", "mx_companions"]
 

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as C
-from .buffer import FlatParamBuffer
-from .fence import await_fences
-from .fully_shard import owner_of
+from mfsdp_core import collectives as C
+from mfsdp_core.buffer import FlatParamBuffer
+from mfsdp_core.fence import await_fences
+from mfsdp_core.fully_shard import owner_of
 
 __all__ = ["fully_shard_optimizer", "clip_grad_norm_", "optimizer_buffers", "optimizer_param", "shard_of"]
 

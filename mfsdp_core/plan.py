@@ -28,13 +28,13 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-from .companion import Companion, as_matrix
-from .dtypes import dtype_by_name, dtype_name
-from .layout import Layout, Policy, compute_layout, parse_policy
-from .mixed_precision import MixedPrecision
-from .mx import MXFormat
-from .mx_planes import mx_companions
-from .strategy import Strategy, parse_strategy
+from mfsdp_core.companion import Companion, as_matrix
+from mfsdp_core.dtypes import dtype_by_name, dtype_name
+from mfsdp_core.layout import Layout, Policy, compute_layout, parse_policy
+from mfsdp_core.mixed_precision import MixedPrecision
+from mfsdp_core.mx import MXFormat
+from mfsdp_core.mx_planes import mx_companions
+from mfsdp_core.strategy import Strategy, parse_strategy
 
 __all__ = [
     "DEFAULT_GROUP",

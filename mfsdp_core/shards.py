@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buffer import FlatParamBuffer
-from .fence import await_fences
-from .fully_shard import buffers_of
-from .layout import Layout, Policy
-from .optim import optimizer_param
-from .plan import BufferSpec
-from .strategy import Strategy
+from mfsdp_core.buffer import FlatParamBuffer
+from mfsdp_core.fence import await_fences
+from mfsdp_core.fully_shard import buffers_of
+from mfsdp_core.layout import Layout, Policy
+from mfsdp_core.optim import optimizer_param
+from mfsdp_core.plan import BufferSpec
+from mfsdp_core.strategy import Strategy
 
 __all__ = ["FlatShard", "ParamShard", "describe_shards", "refresh_compute_params"]
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import collectives as C
+from mfsdp_core import collectives as C
 
 __all__ = ["Dispatched", "dispatch_and_run"]
 

@@ -8,10 +8,10 @@ writing its own shard files); ``import_`` writes a committed checkpoint that ``m
 and ``python -m cli.train --init-from`` read at any world size. ``transformers`` is not
 needed for either."""
 
-from .export import ExportResult, export
-from .import_ import ImportResult, import_
-from .mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
-from .registry import architectures, get_architecture, register
+from mfsdp_ckpt.hf.export import ExportResult, export
+from mfsdp_ckpt.hf.import_ import ImportResult, import_
+from mfsdp_ckpt.hf.mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
+from mfsdp_ckpt.hf.registry import architectures, get_architecture, register
 
 __all__ = [
     "export",

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_core.models.gpt import GPTConfig
-
-from ..errors import ConversionError
-from .files import short_repr
 
 __all__ = [
     "HFConfigReader",

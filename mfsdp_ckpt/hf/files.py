@@ -30,12 +30,11 @@ from typing import Any
 
 import torch
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor
+from mfsdp_ckpt.write_errors import reporting
+from mfsdp_ckpt.writeback import SLICE_BYTES, start_writeback
 from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
-
-from ..errors import ConversionError
-from ..write_errors import reporting
-from ..writeback import SLICE_BYTES, start_writeback
-from .strided_io import pread_tensor, pwrite_tensor
 
 __all__ = [
     "hf_safetensors_name",

@@ -25,24 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_core.models.gpt import GPTConfig
-from mfsdp_core.mx import (
-    BLOCK,
-    MXFormat,
-    MXNativeUnavailableWarning,
-    dequantize,
-    quantize,
-)
-from mfsdp_core.mx_planes import ORIENTATIONS
-
-from ..errors import ConversionError, raise_key_problems
-from ..manifest import versions, writer_layout
-from ..planner import payload_crc32c
-from ..progress import progress_adder
-from ..streaming import CheckpointBuilder
-from .config import model_type_of
-from .files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
-from .mapping import (
+from mfsdp_ckpt.errors import ConversionError, raise_key_problems
+from mfsdp_ckpt.hf.config import model_type_of
+from mfsdp_ckpt.hf.files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
+from mfsdp_ckpt.hf.mapping import (
     Architecture,
     Conversion,
     check_against,
@@ -52,7 +38,7 @@ from .mapping import (
     indices_held,
     meta_model,
 )
-from .mx import (
+from mfsdp_ckpt.hf.mx import (
     E8M0,
     EXTENSION,
     fqn_of,
@@ -62,8 +48,21 @@ from .mx import (
     parse_quantization_config,
     scale_name,
 )
-from .registry import architecture_of_hf_config, architectures, get_architecture
-from .workers import Staging, Turns, check_workers, run_tasks
+from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get_architecture
+from mfsdp_ckpt.hf.workers import Staging, Turns, check_workers, run_tasks
+from mfsdp_ckpt.manifest import versions, writer_layout
+from mfsdp_ckpt.planner import payload_crc32c
+from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.streaming import CheckpointBuilder
+from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_core.mx import (
+    BLOCK,
+    MXFormat,
+    MXNativeUnavailableWarning,
+    dequantize,
+    quantize,
+)
+from mfsdp_core.mx_planes import ORIENTATIONS
 
 __all__ = ["import_", "ImportResult"]
 

@@ -24,11 +24,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.keys import model_key
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from mfsdp_core.plan import ModelPlan, plan_model
-
-from ..errors import ConversionError
-from ..keys import model_key
 
 __all__ = [
     "Predicate",

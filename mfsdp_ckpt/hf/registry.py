@@ -8,13 +8,12 @@ import importlib
 import pkgutil
 from typing import Any
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf import archs
+from mfsdp_ckpt.hf.config import hf_classes_of, model_type_of
+from mfsdp_ckpt.hf.files import short_repr
+from mfsdp_ckpt.hf.mapping import Architecture
 from mfsdp_core.models.gpt import GPTConfig
-
-from ..errors import ConversionError
-from . import archs
-from .config import hf_classes_of, model_type_of
-from .files import short_repr
-from .mapping import Architecture
 
 __all__ = ["architectures", "get_architecture", "architecture_of_hf_config", "infer_architecture", "register"]
 

@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..errors import ConversionError
-from .files import HFDirectory, read_regular_file
-from .mapping import Conversion, Rule
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.files import HFDirectory, read_regular_file
+from mfsdp_ckpt.hf.mapping import Conversion, Rule
 
 __all__ = [
     "FusedExperts",

@@ -37,7 +37,7 @@ def default_workers() -> int:
 def check_workers(workers: int | None) -> int:
     """``workers``, or the default for None; a one-line ConversionError for anything but a
     positive integer."""
-    from ..errors import ConversionError
+    from mfsdp_ckpt.errors import ConversionError
 
     if workers is None:
         return default_workers()

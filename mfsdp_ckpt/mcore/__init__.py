@@ -13,8 +13,8 @@ Modules: ``layout`` (key names, pure), ``config`` (our config from shapes and MC
 ``source`` (reading: backend, common state, slices), ``import_``, ``export``.
 """
 
-from .export import McoreExportResult, export_mcore
-from .import_ import McoreImportResult, import_mcore
-from .to_hf import export_hf_from_mcore
+from mfsdp_ckpt.mcore.export import McoreExportResult, export_mcore
+from mfsdp_ckpt.mcore.import_ import McoreImportResult, import_mcore
+from mfsdp_ckpt.mcore.to_hf import export_hf_from_mcore
 
 __all__ = ["import_mcore", "export_mcore", "export_hf_from_mcore", "McoreImportResult", "McoreExportResult"]

@@ -21,10 +21,9 @@ import json
 import os
 from typing import Any, Callable
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
 from mfsdp_core.models.gpt import GPTConfig
-
-from ..errors import ConversionError
-from .layout import EXPERTS, STACK
 
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.locate import is_mcore
-
-from ..errors import CheckpointError
-from .source import McoreSource
+from mfsdp_ckpt.mcore.source import McoreSource
 
 __all__ = ["describe_mcore"]
 
@@ -19,7 +18,7 @@ def describe_mcore(directory: str) -> dict[str, Any] | None:
     as unknown with the reason, not raised: inspecting needs no config."""
     if not is_mcore(directory):
         return None
-    from .import_ import plan_import
+    from mfsdp_ckpt.mcore.import_ import plan_import
 
     with McoreSource.open(directory) as source:
         backend = f"megatron-core {source.backend.get('sharded_backend')}"

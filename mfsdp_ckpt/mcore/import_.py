@@ -23,15 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_core.models.gpt import GPTConfig
-
-from .. import fs
-from ..errors import ConversionError, raise_key_problems
-from ..hf.mapping import canonical_shapes, default_plan, meta_model
-from ..manifest import versions, writer_layout
-from ..streaming import CheckpointBuilder
-from .config import infer_config, read_config_file
-from .layout import (
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import ConversionError, raise_key_problems
+from mfsdp_ckpt.hf.mapping import canonical_shapes, default_plan, meta_model
+from mfsdp_ckpt.manifest import versions, writer_layout
+from mfsdp_ckpt.mcore.config import infer_config, read_config_file
+from mfsdp_ckpt.mcore.layout import (
     COMMON_STATE,
     OPTIM_DISTRIBUTED,
     OPTIM_STATE,
@@ -40,7 +37,9 @@ from .layout import (
     model_pieces,
     optimizer_pieces,
 )
-from .source import McoreSource
+from mfsdp_ckpt.mcore.source import McoreSource
+from mfsdp_ckpt.streaming import CheckpointBuilder
+from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]
 
@@ -316,8 +315,8 @@ def import_mcore(
         if world_size == 1:
             path, total = _write(source, plan, final, overwrite, progress)
         else:
-            from ..reshard import reshard
-            from ..staging import check_destination, new_token, partial_path
+            from mfsdp_ckpt.reshard import reshard
+            from mfsdp_ckpt.staging import check_destination, new_token, partial_path
 
             if not fs.is_url(final):
                 check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .. import fs
-from ..errors import ConversionError, CorruptCheckpointError, NotACheckpointError
-from ..locate import read_small_file, resolve_checkpoint
-from ..names import MCORE_METADATA_NAME
-from ..records import locate_raw_tensor
-from ..streaming import CheckpointReader
-from .layout import COMMON_STATE
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import ConversionError, CorruptCheckpointError, NotACheckpointError
+from mfsdp_ckpt.locate import read_small_file, resolve_checkpoint
+from mfsdp_ckpt.mcore.layout import COMMON_STATE
+from mfsdp_ckpt.names import MCORE_METADATA_NAME
+from mfsdp_ckpt.records import locate_raw_tensor
+from mfsdp_ckpt.streaming import CheckpointReader
 
 __all__ = ["McoreSource", "read_backend"]
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import fs
-from ..errors import ConversionError
-from ..hf.export import export
-from ..staging import new_token, partial_path
-from .import_ import import_mcore
+from mfsdp_ckpt import fs
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.export import export
+from mfsdp_ckpt.mcore.import_ import import_mcore
+from mfsdp_ckpt.staging import new_token, partial_path
 
 __all__ = ["export_hf_from_mcore"]
 

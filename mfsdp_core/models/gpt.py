@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..expert_parallel import ExpertMesh
-from ..token_dispatch import dispatch_and_run
+from mfsdp_core.expert_parallel import ExpertMesh
+from mfsdp_core.token_dispatch import dispatch_and_run
 
 __all__ = [
     "GPTConfig",

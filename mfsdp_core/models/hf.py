@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import PlacementFn, placement_fn
+from mfsdp_core.plan import PlacementFn, placement_fn
 
 __all__ = ["decoder_layers", "shard_units", "placement", "linear_weights", "causal_lm_forward", "fused_expert_params"]
 

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..expert_parallel import ExpertMesh, expert_placement
-from ..plan import Placement, PlacementFn, placement_fn
+from mfsdp_core.expert_parallel import ExpertMesh, expert_placement
+from mfsdp_core.plan import Placement, PlacementFn, placement_fn
 
 __all__ = [
     "prepare_cpu",

@@ -4,9 +4,8 @@ An architecture module lists its rules by composing these groups with its own.""
 
 from __future__ import annotations
 
+from mfsdp_ckpt.hf.mapping import Direct, FusedQKV, GatedMLP, Rule, untied
 from mfsdp_core.models.gpt import GPTConfig
-
-from ..mapping import Direct, FusedQKV, GatedMLP, Rule, untied
 
 #: canonical layer prefix (``model.`` is added by :func:`mfsdp_ckpt.hf.mapping.expand`)
 L = "decoder.layers.{i}."

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from mfsdp_ckpt.hf.archs._common import DENSE_MLP, EMBEDDING, HEAD, attention, feature_problems
+from mfsdp_ckpt.hf.config import HFConfigReader, common_from_hf, common_to_hf, model_config
+from mfsdp_ckpt.hf.mapping import Architecture
 from mfsdp_core.models.gpt import GPTConfig
-
-from ..config import HFConfigReader, common_from_hf, common_to_hf, model_config
-from ..mapping import Architecture
-from ._common import DENSE_MLP, EMBEDDING, HEAD, attention, feature_problems
 
 RULES = (EMBEDDING, *attention(), *DENSE_MLP, *HEAD)
 

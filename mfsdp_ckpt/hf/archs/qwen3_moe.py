@@ -4,18 +4,17 @@ down_proj``, per-head q/k RMSNorm, no shared expert, no biases."""
 
 from __future__ import annotations
 
-from mfsdp_core.models.gpt import GPTConfig
-
-from ..config import (
+from mfsdp_ckpt.hf.archs._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems
+from mfsdp_ckpt.hf.config import (
     MAX_COUNT,
     HFConfigReader,
     common_from_hf,
     common_to_hf,
     model_config,
 )
-from ..files import short_repr
-from ..mapping import Architecture
-from ._common import EMBEDDING, HEAD, attention, feature_problems, moe_mlp, moe_problems
+from mfsdp_ckpt.hf.files import short_repr
+from mfsdp_ckpt.hf.mapping import Architecture
+from mfsdp_core.models.gpt import GPTConfig
 
 RULES = (
     EMBEDDING,
