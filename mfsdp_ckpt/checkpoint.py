@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from mfsdp_ckpt import fs
 from mfsdp_ckpt.chunks import ChunkFiles, coverage_faults
+from mfsdp_ckpt.dcp_reader import VerifyingReader
+from mfsdp_ckpt.dcp_writer import CommittingWriter
 from mfsdp_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -79,7 +81,6 @@ from mfsdp_ckpt.state import (
     save_entries,
 )
 from mfsdp_ckpt.stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
-from mfsdp_ckpt.storage import CommittingWriter, VerifyingReader
 from mfsdp_core import ModelPlan, describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mfsdp_ckpt import fs
+from mfsdp_ckpt.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from mfsdp_ckpt.fs import FileSlice
-from mfsdp_ckpt.planner import chunk_id, payload_crc32c
 from mfsdp_ckpt.records import locate_raw_tensor
 
 __all__ = [

@@ -22,10 +22,12 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from mfsdp_ckpt import fs
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from mfsdp_ckpt.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from mfsdp_ckpt.manifest import versions, writer_layout
 from mfsdp_ckpt.mapped import MappedReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.staging import check_destination
 from mfsdp_ckpt.stock import (
     KeyRule,
@@ -34,7 +36,6 @@ from mfsdp_ckpt.stock import (
     parse_key_map,
     to_fsdp2_key,
 )
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]

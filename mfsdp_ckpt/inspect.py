@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.checksum import chunk_id
 from mfsdp_ckpt.chunks import ChunkFiles, Fault
 from mfsdp_ckpt.experts import ep_owner_ranks
 from mfsdp_ckpt.keys import GROUPS, group_of, mx_plane_of
@@ -27,7 +28,6 @@ from mfsdp_ckpt.manifest import is_protected
 from mfsdp_ckpt.metadata_check import entry_faults, orphan_faults
 from mfsdp_ckpt.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.names import MANIFEST_NAME, METADATA_NAME
-from mfsdp_ckpt.planner import chunk_id
 from mfsdp_ckpt.stock import uncommitted_reason
 
 __all__ = [

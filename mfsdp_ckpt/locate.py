@@ -11,10 +11,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from mfsdp_ckpt import fs
+from mfsdp_ckpt.dcp_reader import VerifyingReader
 from mfsdp_ckpt.errors import ConversionError, NotACheckpointError
 from mfsdp_ckpt.manifest import is_committed, read_manifest
 from mfsdp_ckpt.names import LATEST_NAME, MCORE_METADATA_NAME, METADATA_NAME
-from mfsdp_ckpt.storage import VerifyingReader
 
 __all__ = [
     "resolve_checkpoint",

@@ -12,8 +12,8 @@ import torch
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.keys import PARAM_GROUPS
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.stock import KeyRule, canonical_names, stock_param_groups
-from mfsdp_ckpt.streaming import CheckpointReader
 
 __all__ = ["MappedReader", "is_stock", "map_reader_keys"]
 
@@ -98,9 +98,9 @@ def map_reader_keys(reader: Any, key_map: Sequence[KeyRule], manifest: dict[str,
     when there is nothing to rename (a canonical checkpoint and no rules)."""
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+    from mfsdp_ckpt.checksum import chunk_id
     from mfsdp_ckpt.chunks import chunk_shapes
     from mfsdp_ckpt.metadata_check import stored_by_key
-    from mfsdp_ckpt.planner import chunk_id
 
     metadata = reader.read_metadata()
     names = canonical_names(metadata.state_dict_metadata, key_map, stock_layout=is_stock(manifest))

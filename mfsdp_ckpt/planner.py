@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import numpy
 import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -35,31 +34,10 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from mfsdp_ckpt.checksum import crc32c
+from mfsdp_ckpt.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.state import FlatEntry
 
 __all__ = ["MfsdpSavePlanner", "MfsdpLoadPlanner", "payload_crc32c", "chunk_id"]
-
-
-def payload_crc32c(data: torch.Tensor | io.BytesIO | bytes | memoryview) -> int:
-    """crc32c of a chunk's payload: a tensor's bytes (row-major) or a serialized object's bytes."""
-    if isinstance(data, torch.Tensor):
-        flat = data.detach().contiguous().reshape(-1)
-        if flat.numel() == 0:
-            return crc32c(b"")
-        return crc32c(flat.view(torch.uint8).numpy())
-    if isinstance(data, io.BytesIO):
-        data = data.getbuffer()
-    if isinstance(data, memoryview):  # a uint8 view of any memoryview format
-        data = numpy.frombuffer(data, dtype=numpy.uint8)
-    return crc32c(data)
-
-
-def chunk_id(index: MetadataIndex) -> str:
-    """A key for one chunk: ``fqn`` or ``fqn@o0,o1,…`` (used by the manifest)."""
-    if index.offset is None:
-        return index.fqn
-    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
 
 
 class MfsdpSavePlanner(DefaultSavePlanner):

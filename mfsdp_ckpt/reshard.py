@@ -26,6 +26,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mfsdp_ckpt.boxes import box_view, flat_range_to_boxes
+from mfsdp_ckpt.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
 from mfsdp_ckpt.errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
 from mfsdp_ckpt.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
@@ -33,8 +34,8 @@ from mfsdp_ckpt.manifest import recorded_plan, versions, writer_layout
 from mfsdp_ckpt.mapped import MappedReader
 from mfsdp_ckpt.names import MANIFEST_NAME
 from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.stock import KeyRule, parse_key_map, uncommitted_reason
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader, ChunkFileWriter, ChunkRecord
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy

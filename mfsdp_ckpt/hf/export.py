@@ -51,8 +51,8 @@ from mfsdp_ckpt.locate import is_mcore
 from mfsdp_ckpt.lock import run_lock
 from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
-from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig

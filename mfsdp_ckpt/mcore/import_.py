@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from mfsdp_ckpt import fs
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.hf.mapping import canonical_shapes, default_plan, meta_model
 from mfsdp_ckpt.manifest import versions, writer_layout
@@ -38,7 +39,6 @@ from mfsdp_ckpt.mcore.layout import (
     optimizer_pieces,
 )
 from mfsdp_ckpt.mcore.source import McoreSource
-from mfsdp_ckpt.streaming import CheckpointBuilder
 from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]

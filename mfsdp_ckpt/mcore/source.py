@@ -34,8 +34,8 @@ from mfsdp_ckpt.errors import ConversionError, CorruptCheckpointError, NotACheck
 from mfsdp_ckpt.locate import read_small_file, resolve_checkpoint
 from mfsdp_ckpt.mcore.layout import COMMON_STATE
 from mfsdp_ckpt.names import MCORE_METADATA_NAME
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.records import locate_raw_tensor
-from mfsdp_ckpt.streaming import CheckpointReader
 
 __all__ = ["McoreSource", "read_backend"]
 

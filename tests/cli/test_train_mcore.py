@@ -285,7 +285,7 @@ def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp
     assert resumed.returncode == 0, failure(resumed)
     assert "finished: step 4 of 4" in resumed.stdout
     if options == ("--mxfp8",):  # MX planes for MCore's linears (attention, dense MLP, each expert), under our names
-        from mfsdp_ckpt.streaming import CheckpointReader
+        from mfsdp_ckpt.reader import CheckpointReader
 
         with CheckpointReader(str(ckpt / "step_000004")) as reader:
             mx = {k[len("mx.") :].rsplit(".", 1)[0] for k in reader.keys() if k.startswith("mx.")}

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import mfsdp_ckpt
 from mfsdp_ckpt import CheckpointError
+from mfsdp_ckpt.dcp_writer import CommittingWriter
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.storage import CommittingWriter
 from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import failure, read_metrics, run_train

@@ -8,8 +8,7 @@ import google_crc32c
 import numpy
 import pytest
 
-from mfsdp_ckpt.checksum import crc32c
-from mfsdp_ckpt.planner import payload_crc32c
+from mfsdp_ckpt.checksum import crc32c, payload_crc32c
 
 
 def test_the_castagnoli_check_value():

@@ -20,11 +20,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mfsdp_ckpt import CheckpointError, CorruptCheckpointError
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.chunks import ChunkFiles, Fault, coverage_faults
 from mfsdp_ckpt.inspect import verify_checkpoint
 from mfsdp_ckpt.locate import open_checkpoint
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.records import locate_raw_tensor
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
 
 
 def _md(shape, boxes) -> TensorStorageMetadata:

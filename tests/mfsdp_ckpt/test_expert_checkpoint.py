@@ -22,9 +22,10 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import inspect_checkpoint, verify_checkpoint
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_core import ModelPlan, describe_shards, fully_shard, fully_shard_optimizer
 from mfsdp_core.expert_parallel import expert_placement, init_expert_mesh
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_units
@@ -308,7 +309,7 @@ def _owner_of_chunks(ckpt: str) -> dict[str, set[tuple[str, int]]]:
 def _load_resharded(path: str, ep: int, native: str) -> dict:
     """At (this world, ``ep``): load ``path`` noting the files this rank reads, then save the
     same state natively at ``native``."""
-    from mfsdp_ckpt import storage
+    from mfsdp_ckpt import dcp_reader as storage
 
     model, optim = build(ep, seed=11)
     opened: dict[str, set[str]] = {}

@@ -92,7 +92,7 @@ def test_truncated_data_file_names_file_and_key(ranks, ckpt):
 def _load_while_files_change(path: str) -> dict:
     """:func:`_load_expecting`, with every data file this rank reads given a new modification time
     between the load's two passes (after every chunk was verified, before the first copy)."""
-    import mfsdp_ckpt.storage as storage
+    import mfsdp_ckpt.dcp_reader as storage
 
     original = storage.read_verified
 

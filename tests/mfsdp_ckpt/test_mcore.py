@@ -21,7 +21,7 @@ import torch
 from mfsdp_ckpt.locate import is_mcore
 from mfsdp_ckpt.mcore import export_mcore, import_mcore
 from mfsdp_ckpt.mcore.source import McoreSource
-from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -20,7 +20,7 @@ from mfsdp_ckpt.mcore import import_mcore
 from mfsdp_ckpt.mcore.import_ import plan_import
 from mfsdp_ckpt.mcore.layout import stack_of
 from mfsdp_ckpt.mcore.source import McoreSource
-from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -405,9 +405,9 @@ def test_canonical_to_mcore_and_back_for_other_model_variants(tmp_path, variant)
     """What the genuine fixtures do not cover: a shared expert, q/k norms, a QKV bias, tied
     embeddings, sigmoid routing. Ours -> export-mcore -> import-mcore (config from the
     mcore_args.json the export writes) gives back every tensor bitwise and the same config."""
+    from mfsdp_ckpt.builder import CheckpointBuilder
     from mfsdp_ckpt.manifest import versions
     from mfsdp_ckpt.mcore import export_mcore
-    from mfsdp_ckpt.streaming import CheckpointBuilder
 
     if variant == "shared-qknorm-bias-tied":
         cfg = GPTConfig(

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main as cli
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.reshard import reshard
-from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core import (
     MixedPrecision,
     Placement,

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import mfsdp_ckpt
 from mfsdp_ckpt.diff import diff_checkpoints
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.reshard import reshard
-from mfsdp_ckpt.streaming import CheckpointReader
 from mfsdp_core import (
     ModelPlan,
     Placement,

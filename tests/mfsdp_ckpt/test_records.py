@@ -51,8 +51,9 @@ def test_anything_else_is_declined():
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu], ids=str)
 def test_fp8_records_fall_back_to_torch_load_bit_exact(tmp_path, dtype):
+    from mfsdp_ckpt.builder import CheckpointBuilder
     from mfsdp_ckpt.inspect import verify_checkpoint
-    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+    from mfsdp_ckpt.reader import CheckpointReader
 
     t = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
     buf, offset, length = _record(t, crc=False)

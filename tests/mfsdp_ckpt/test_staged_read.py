@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from mfsdp_ckpt import CorruptCheckpointError, staged_read
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.chunks import ChunkFiles
 from mfsdp_ckpt.locate import open_checkpoint
 from mfsdp_ckpt.records import locate_raw_tensor
@@ -25,7 +26,6 @@ from mfsdp_ckpt.staged_read import (
     read_verified,
     verify_chunks,
 )
-from mfsdp_ckpt.streaming import CheckpointBuilder
 
 
 def _info(path: str, offset: int, length: int):

@@ -13,8 +13,9 @@ from safetensors import safe_open
 
 import mfsdp_ckpt.hf.files as hf_files
 import mfsdp_ckpt.writeback as writeback
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.hf.files import SafetensorsWriter, _row_slices
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_ckpt.writeback import WritebackStream
 
 SLICE = 4096

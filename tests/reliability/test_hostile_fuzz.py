@@ -46,7 +46,7 @@ from mfsdp_ckpt import CheckpointError
 from mfsdp_ckpt.diff import diff_checkpoints
 from mfsdp_ckpt.inspect import inspect_checkpoint, verify_checkpoint
 from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from tests.reliability.test_hostile_support import (
     AUDIT,
     Hang,

@@ -32,7 +32,7 @@ from mfsdp_ckpt.hf import get_architecture
 from mfsdp_ckpt.hf.files import INDEX_NAME, shard_name
 from mfsdp_ckpt.hf.mapping import canonical_shapes, expand
 from mfsdp_ckpt.names import LOCK_NAME
-from mfsdp_ckpt.streaming import CheckpointReader
+from mfsdp_ckpt.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig
 from tests.reliability.test_hostile_support import Hang, deadline
 

@@ -393,7 +393,8 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
 
 
 def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
-    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+    from mfsdp_ckpt.builder import CheckpointBuilder
+    from mfsdp_ckpt.reader import CheckpointReader
 
     args = ("--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16")
     first = run_train(None, *args, "--stop-at", "1", "--ckpt-dir", str(tmp_path / "a"))
@@ -415,7 +416,8 @@ def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
 def test_reshard_never_plans_from_a_declared_model_config(run, tmp_path):
     """A manifest saying num_layers = 10**7 and recording no plan: refused at once (offline
     layouts come only from recorded plans, never from a model built from a config)."""
-    from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader
+    from mfsdp_ckpt.builder import CheckpointBuilder
+    from mfsdp_ckpt.reader import CheckpointReader
     from mfsdp_core.models.gpt import PRESETS
 
     config = dict(PRESETS["tiny"].to_dict(), num_layers=10**7)

@@ -17,10 +17,11 @@ from click.testing import CliRunner
 
 from cli.main import main
 from mfsdp_ckpt import hf
+from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import CheckpointError, ConversionError, CorruptCheckpointError
 from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor, runs
 from mfsdp_ckpt.hf.workers import Staging
-from mfsdp_ckpt.streaming import CheckpointBuilder, CheckpointReader, coalesce
+from mfsdp_ckpt.reader import CheckpointReader, coalesce
 from mfsdp_core.models.gpt import PRESETS, GPTModel
 
 SHARD = "300KB"  # several shard files for the small presets
