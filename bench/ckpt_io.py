@@ -9,7 +9,7 @@ stream, or the threads) is what the disk gave a plain reader in this run: the sc
 far above stock DCP's cold read that is, i.e. how much room a load had. "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
-Then ``mfsdp_ckpt.async_save`` inside a training loop of the same model (``bench/async_train.py``
+Then ``mfsdp_ckpt.sharded.async_save`` inside a training loop of the same model (``bench/async_train.py``
 says how), in rounds with ``mfsdp_ckpt.save`` (same disk, same time): the time the call blocks,
 the time the optimizer step waits for the background copy, and the loop's slowdown over the
 steps around the save against a loop without one, each against ``save``'s time (target for the
@@ -59,7 +59,7 @@ from pagecache import (
 from torch import nn
 
 import mfsdp_ckpt
-from mfsdp_ckpt.async_save import staging_bytes as mfsdp_ckpt_staging_bytes
+from mfsdp_ckpt.sharded.async_save import staging_bytes as mfsdp_ckpt_staging_bytes
 from mfsdp_core import describe_shards, fully_shard, fully_shard_optimizer
 
 
@@ -90,7 +90,7 @@ def slowest(seconds: float) -> float:
 
 
 def time_async_saves(path: str, model, optim, rounds: int, threads: int, clear) -> dict[str, float]:
-    """``mfsdp_ckpt.async_save`` inside a training loop of this model, in rounds with a synchronous
+    """``mfsdp_ckpt.sharded.async_save`` inside a training loop of this model, in rounds with a synchronous
     ``save`` of the same state and the same training steps without a save (``bench/async_train.py``):
     the call's blocking time, the optimizer step's wait at the fence, the loop's slowdown, each
     against the synchronous save, and this rank's peak extra RSS (bytes)."""
@@ -297,7 +297,7 @@ def s3_main(args: argparse.Namespace) -> None:
     """``--s3``: mfsdp_ckpt save / load vs a plain s3fs put / get of the same tensors' bytes."""
     import io
 
-    from mfsdp_ckpt import fs
+    from mfsdp_ckpt.storage import fs
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

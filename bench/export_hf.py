@@ -63,8 +63,8 @@ def phase_make(ckpt: str, layers: str) -> dict:
     """Write the canonical checkpoint (random fp32 weights, one tensor at a time)."""
     import torch
 
-    from mfsdp_ckpt.builder import CheckpointBuilder
     from mfsdp_ckpt.hf.mapping import canonical_shapes
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
     from mfsdp_core.models.gpt import GPTConfig
 
     config = GPTConfig(

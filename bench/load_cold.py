@@ -25,7 +25,7 @@ from ckpt_io import build_state  # bench/ (the script's directory)
 from pagecache import drop_cache
 
 import mfsdp_ckpt
-import mfsdp_ckpt.storage as storage
+import mfsdp_ckpt.read.dcp_reader as storage
 
 
 def main() -> None:

@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
-from mfsdp_ckpt.checksum import crc32c
-from mfsdp_ckpt.staged_read import BLOCK_BYTES as BLOCK
-from mfsdp_ckpt.staged_read import DEFAULT_READ_THREADS
-from mfsdp_ckpt.staged_read import STAGE_BYTES as STAGE
+from mfsdp_ckpt.format.checksum import crc32c
+from mfsdp_ckpt.read.staged_read import BLOCK_BYTES as BLOCK
+from mfsdp_ckpt.read.staged_read import DEFAULT_READ_THREADS
+from mfsdp_ckpt.read.staged_read import STAGE_BYTES as STAGE
 
 WAYS = ["in place", "two passes", "undo log", "fresh memory", "fresh, huge pages"]
 

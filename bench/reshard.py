@@ -150,7 +150,7 @@ def main() -> None:
     dd_wall = med["dd"]
     rows = [(1, med["reshard1"], max(rss["reshard1"])), (2, med["reshard2"], max(rss["reshard2"]))]
 
-    baseline_rss = run_child([sys.executable, "-c", "import torch, mfsdp_ckpt.reshard"])[1]
+    baseline_rss = run_child([sys.executable, "-c", "import torch, mfsdp_ckpt.sharded.reshard"])[1]
     print(
         f"\nreshard {total / 2**30:.2f} GiB, 4 -> {args.target_world_size} ranks; largest tensor {largest_mib:.0f} MiB; "
         f"{os.cpu_count()} CPUs; median of {args.rounds} rounds (order rotated)"

@@ -59,7 +59,7 @@ def _run(fn: Callable[[], Any]) -> Any:
         if isinstance(e, CheckpointError):
             _fail(text, type(e).__name__)
         elif type(e).__name__ == "NoCredentialsError":  # botocore's, raised by any s3:// request
-            from mfsdp_ckpt.objstore import NO_CREDENTIALS
+            from mfsdp_ckpt.storage.objstore import NO_CREDENTIALS
 
             _fail(NO_CREDENTIALS, type(e).__name__)
         elif isinstance(e, OSError):

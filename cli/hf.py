@@ -75,8 +75,8 @@ def export_hf(
     (safetensors shards, index, config.json), loadable by transformers. CKPT may be a
     Megatron-Core torch_dist checkpoint (with --mcore-config)."""
     from mfsdp_ckpt.hf import export
-    from mfsdp_ckpt.locate import is_mcore
     from mfsdp_ckpt.mcore import export_hf_from_mcore
+    from mfsdp_ckpt.read.locate import is_mcore
 
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")

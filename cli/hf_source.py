@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.files import HFDirectory, read_json_file
 from mfsdp_ckpt.hf.transformers_layout import (
     DiskTensor,
@@ -38,7 +39,6 @@ from mfsdp_ckpt.hf.transformers_layout import (
     is_fused_expert,
     load_weights,
 )
-from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
 from mfsdp_core.expert_parallel import ExpertMesh, check_expert_parallel
 from mfsdp_core.models import hf
 from mfsdp_core.plan import PlacementFn

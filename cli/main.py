@@ -24,8 +24,8 @@ def main(debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def inspect(path: str, as_json: bool) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH."""
-    from mfsdp_ckpt.inspect import GROUPS, compact_ranges, inspect_checkpoint
-    from mfsdp_ckpt.model_source import describe_source
+    from mfsdp_ckpt.format.model_source import describe_source
+    from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
@@ -83,7 +83,7 @@ def inspect(path: str, as_json: bool) -> None:
 def verify(path: str, as_json: bool) -> None:
     """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
-    from mfsdp_ckpt.inspect import verify_checkpoint
+    from mfsdp_ckpt.tools.inspect import verify_checkpoint
 
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
@@ -131,7 +131,7 @@ def diff(
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
     is read through its key layout. (Per-rank RNG states are not compared: they depend on the
     world size.)"""
-    from mfsdp_ckpt.diff import diff_checkpoints
+    from mfsdp_ckpt.tools.diff import diff_checkpoints
 
     result = _run_with_progress(
         "diff",
@@ -175,7 +175,7 @@ def diff(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
-    from mfsdp_ckpt.convert import convert as run_convert
+    from mfsdp_ckpt.tools.convert import convert as run_convert
 
     out = _run_with_progress(
         "read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries"
@@ -235,7 +235,7 @@ def reshard(
     exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
     a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
     committed canonical checkpoint."""
-    from mfsdp_ckpt.reshard import reshard as run_reshard
+    from mfsdp_ckpt.sharded.reshard import reshard as run_reshard
 
     result = _run_with_progress(
         "reshard",
@@ -274,7 +274,7 @@ def reshard(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def ls(root: str, clean: bool, as_json: bool) -> None:
     """The checkpoints under a run directory ROOT: step, size, committed or not, latest."""
-    from mfsdp_ckpt.listing import clean_run_dir, list_checkpoints
+    from mfsdp_ckpt.tools.listing import clean_run_dir, list_checkpoints
 
     if clean:
         for path in _run(lambda: clean_run_dir(root)):

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
-from mfsdp_ckpt.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_core import rename_params
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import mcore

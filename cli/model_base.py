@@ -29,7 +29,7 @@ class ModelSource:
     """One model the trainer can build, described by what rebuilds it. Subclasses set the
     attributes in their constructor and implement the methods marked so."""
 
-    kind: str  # mfsdp_ckpt.model_source kind: "mfsdp-gpt", "transformers" or "megatron-core"
+    kind: str  # mfsdp_ckpt.format.model_source kind: "mfsdp-gpt", "transformers" or "megatron-core"
     name: str  # shown in the run header and saved as ``extra.model``
     vocab_size: int
     seq_length: int | None  # the longest --seq-len it takes; None: no limit

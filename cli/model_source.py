@@ -19,15 +19,15 @@ from torch import nn
 
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
-from mfsdp_ckpt.hf.registry import architecture_of_hf_config
-from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_ckpt.model_source import (
+from mfsdp_ckpt.format.model_source import (
     MEGATRON_CORE,
     MFSDP_GPT,
     TRANSFORMERS,
     gpt_source,
     model_source_of,
 )
+from mfsdp_ckpt.hf.registry import architecture_of_hf_config
+from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import gpt
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset

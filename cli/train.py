@@ -39,10 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mfsdp_ckpt
-from mfsdp_ckpt import fs as mfsdp_fs
-from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_ckpt.objstore import check_writable_prefix
+from mfsdp_ckpt.read.manifest import read_manifest
+from mfsdp_ckpt.storage import fs as mfsdp_fs
+from mfsdp_ckpt.storage.objstore import check_writable_prefix
+from mfsdp_ckpt.tools.listing import list_checkpoints
 from mfsdp_core import (
     MixedPrecision,
     clip_grad_norm_,
@@ -658,7 +658,7 @@ class _AsyncSaves:
     def start(self, path: str, *args: Any, **kwargs: Any) -> None:
         """Start saving ``path`` in the background (logged once committed: returns no line now)."""
         self.finish()  # the previous save: committed (logged) or its error raised
-        self.handle, self.logged = mfsdp_ckpt.async_save(path, *args, **kwargs), False
+        self.handle, self.logged = mfsdp_ckpt.sharded.async_save(path, *args, **kwargs), False
 
     def poll(self) -> None:
         """Log the save in flight if it has committed (never blocks, never raises)."""

@@ -4,8 +4,6 @@
 (world size, strategy, policy) loads into any other. It reads the runtime only through
 ``mfsdp_core.describe_shards`` (docs/shard_description.md)."""
 
-from mfsdp_ckpt.async_save import AsyncSaveHandle, async_save
-from mfsdp_ckpt.checkpoint import load, save
 from mfsdp_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -15,9 +13,11 @@ from mfsdp_ckpt.errors import (
     UncommittedCheckpointError,
     UnsafeCheckpointError,
 )
-from mfsdp_ckpt.locate import resolve_checkpoint
-from mfsdp_ckpt.lock import RunLockedError, run_lock
-from mfsdp_ckpt.names import LATEST_LINK_NAME, LATEST_NAME
+from mfsdp_ckpt.format.names import LATEST_LINK_NAME, LATEST_NAME
+from mfsdp_ckpt.read.locate import resolve_checkpoint
+from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_save
+from mfsdp_ckpt.sharded.checkpoint import load, save
+from mfsdp_ckpt.storage.lock import RunLockedError, run_lock
 
 __all__ = [
     "save",

@@ -9,7 +9,7 @@ configs, manifests and on the command line, and three spellings elsewhere:
   the name, so e8m0 is not listed.)
 - its **legacy storage class** as ``torch.save`` pickles it into a record's ``data.pkl``
   (``FloatStorage``); None for the dtypes torch saves as an ``UntypedStorage`` followed by the
-  dtype itself (``_rebuild_tensor_v3``: fp8 and e8m0). ``mfsdp_ckpt.records`` recognises a plain
+  dtype itself (``_rebuild_tensor_v3``: fp8 and e8m0). ``mfsdp_ckpt.read.records`` recognises a plain
   record by this name, and declines the others, which then go through ``torch.load``.
 - its **wire** dtype for collectives: gloo has no fp8 collectives, so fp8 and e8m0 travel as
   ``uint8`` views of the same bytes.

@@ -16,6 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("mfsdp_core", "mfsdp_ckpt", "cli")
 #: package -> the packages it must never import
 FORBIDDEN = {"mfsdp_core": ("mfsdp_ckpt", "cli"), "mfsdp_ckpt": ("cli",)}
+#: the layers of ``mfsdp_ckpt``, bottom first (docs/checkpoint.md): each imports only those before
+#: it (and itself); ``errors`` and ``progress`` are under all of them, the package's ``__init__``
+#: (the public API) above all
+CKPT_LAYERS = ("errors", "progress", "format", "storage", "read", "write", "sharded", "hf", "mcore", "tools")
 
 
 def _modules() -> dict[str, str]:
@@ -129,6 +133,27 @@ def test_imports_point_one_way():
         if any(target.split(".")[0] == banned for banned in FORBIDDEN.get(module.split(".")[0], ()))
     )
     assert not wrong, "; ".join(wrong)
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "mfsdp_ckpt":
+        return None
+    return len(CKPT_LAYERS) if len(parts) == 1 else CKPT_LAYERS.index(parts[1])
+
+
+def test_the_checkpoint_layers_import_downwards_only():
+    assert sorted(n for n in os.listdir(os.path.join(ROOT, "mfsdp_ckpt")) if not n.startswith(("_", "."))) == sorted(
+        f"{layer}.py" if layer in ("errors", "progress") else layer for layer in CKPT_LAYERS
+    ), "a module or subpackage of mfsdp_ckpt that is not in a layer"
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if _layer(module) is not None
+        for target in targets
+        if _layer(target) is not None and _layer(target) > _layer(module)
+    )
+    assert not upward, "; ".join(upward)
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -27,8 +27,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mfsdp_ckpt import fs
 from mfsdp_ckpt.errors import CheckpointError, ConversionError, raise_key_problems
+from mfsdp_ckpt.format.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
+from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from mfsdp_ckpt.hf.mapping import Architecture, Conversion, check_against, expand
 from mfsdp_ckpt.hf.mx import (
@@ -46,13 +47,12 @@ from mfsdp_ckpt.hf.mx import (
 from mfsdp_ckpt.hf.registry import get_architecture, infer_architecture
 from mfsdp_ckpt.hf.transformers_layout import checked_carried_name, export_conversions
 from mfsdp_ckpt.hf.workers import Staging, check_workers, run_tasks
-from mfsdp_ckpt.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
-from mfsdp_ckpt.locate import is_mcore
-from mfsdp_ckpt.lock import run_lock
-from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.progress import progress_adder
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
+from mfsdp_ckpt.read.locate import is_mcore
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.lock import run_lock
+from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.models.gpt import GPTConfig

@@ -32,8 +32,8 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor
-from mfsdp_ckpt.write_errors import reporting
-from mfsdp_ckpt.writeback import SLICE_BYTES, start_writeback
+from mfsdp_ckpt.storage.write_errors import reporting
+from mfsdp_ckpt.storage.writeback import SLICE_BYTES, start_writeback
 from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
 
 __all__ = [

@@ -25,9 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.checksum import payload_crc32c
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
+from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.hf.config import model_type_of
 from mfsdp_ckpt.hf.files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
 from mfsdp_ckpt.hf.mapping import (
@@ -52,8 +51,9 @@ from mfsdp_ckpt.hf.mx import (
 )
 from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get_architecture
 from mfsdp_ckpt.hf.workers import Staging, Turns, check_workers, run_tasks
-from mfsdp_ckpt.manifest import versions, writer_layout
 from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import GPTConfig
 from mfsdp_core.mx import (
     BLOCK,

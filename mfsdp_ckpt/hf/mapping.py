@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 import torch
 
 from mfsdp_ckpt.errors import ConversionError
-from mfsdp_ckpt.keys import model_key
+from mfsdp_ckpt.format.keys import model_key
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from mfsdp_core.plan import ModelPlan, plan_model
 

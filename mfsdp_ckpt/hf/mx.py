@@ -25,9 +25,9 @@ from typing import Any, Mapping
 import torch
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.format.keys import fqn_of_model_key, mx_key
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Conversion
-from mfsdp_ckpt.keys import fqn_of_model_key, mx_key
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from mfsdp_core.mx import BLOCK, ELEMENTS, RULES, MXFormat
 from mfsdp_core.mx_planes import MX_PLANES

@@ -7,7 +7,7 @@
 - :func:`export_hf_from_mcore`: an MCore checkpoint → a Hugging Face model directory (imported
   first, in one process);
 
-Whether a directory is an MCore checkpoint: :func:`mfsdp_ckpt.locate.is_mcore`.
+Whether a directory is an MCore checkpoint: :func:`mfsdp_ckpt.read.locate.is_mcore`.
 
 Modules: ``layout`` (key names, pure), ``config`` (our config from shapes and MCore arguments),
 ``source`` (reading: backend, common state, slices), ``import_``, ``export``.

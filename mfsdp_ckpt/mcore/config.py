@@ -75,7 +75,7 @@ _ALIASES = {
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of MCore arguments in ``path`` (a small local file)."""
-    from mfsdp_ckpt.locate import _read_small
+    from mfsdp_ckpt.read.locate import _read_small
 
     text = _read_small(os.fspath(path), "config")
     try:

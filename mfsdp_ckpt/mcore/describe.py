@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_ckpt.locate import is_mcore
 from mfsdp_ckpt.mcore.source import McoreSource
+from mfsdp_ckpt.read.locate import is_mcore
 
 __all__ = ["describe_mcore"]
 

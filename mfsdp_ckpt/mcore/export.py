@@ -26,15 +26,15 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt import fs
-from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import ConversionError
-from mfsdp_ckpt.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
-from mfsdp_ckpt.manifest import versions
-from mfsdp_ckpt.mapped import MappedReader
+from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
+from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
-from mfsdp_ckpt.model_source import TRANSFORMERS, model_source_of
+from mfsdp_ckpt.read.manifest import versions
+from mfsdp_ckpt.read.mapped import MappedReader
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]

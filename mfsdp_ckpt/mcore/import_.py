@@ -23,11 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt import fs
-from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.hf.mapping import canonical_shapes, default_plan, meta_model
-from mfsdp_ckpt.manifest import versions, writer_layout
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.layout import (
     COMMON_STATE,
@@ -39,6 +36,9 @@ from mfsdp_ckpt.mcore.layout import (
     optimizer_pieces,
 )
 from mfsdp_ckpt.mcore.source import McoreSource
+from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]
@@ -315,8 +315,8 @@ def import_mcore(
         if world_size == 1:
             path, total = _write(source, plan, final, overwrite, progress)
         else:
-            from mfsdp_ckpt.reshard import reshard
-            from mfsdp_ckpt.staging import check_destination, new_token, partial_path
+            from mfsdp_ckpt.sharded.reshard import reshard
+            from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path
 
             if not fs.is_url(final):
                 check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))

@@ -3,7 +3,7 @@
 MCore stores a GPT model's transformer layers *stacked*: one DCP entry per kind of weight with a
 leading layer axis, ``decoder.layers.<rest>`` of shape ``(L, …)``; routed experts have a second
 axis, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight`` of shape ``(L, E, …)``. Ours
-are per layer and per expert under ``model.`` (see :mod:`mfsdp_ckpt.keys`). A :class:`Piece`
+are per layer and per expert under ``model.`` (see :mod:`mfsdp_ckpt.format.keys`). A :class:`Piece`
 says which canonical tensor is the slice ``stored[index]`` of which stored entry; a reader reads
 that slice alone and a writer writes each canonical tensor as that one chunk of the stack.
 

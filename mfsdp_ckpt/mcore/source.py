@@ -6,7 +6,7 @@ a stock DCP checkpoint (``.metadata`` and ``__<rank>_<i>.distcp``), and the non-
 ``common.pt`` (MCore ≤ 0.16 and what 0.17+ still reads; ``"common_backend": "torch"`` in
 ``metadata.json``) or a DCP object ``common_state…`` (0.17+). Everything is read through the
 project's checked readers: ``.metadata`` by the restricted unpickler and the metadata checks,
-chunks by :class:`~mfsdp_ckpt.streaming.CheckpointReader` (files inside the directory, regular
+chunks by :class:`~mfsdp_ckpt.read.reader.CheckpointReader` (files inside the directory, regular
 files only, byte ranges inside their files), objects and ``common.pt`` with ``weights_only``.
 
 :meth:`McoreSource.read_slice` reads one layer (or one layer's expert) of a stacked tensor: only
@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mfsdp_ckpt import fs
 from mfsdp_ckpt.errors import ConversionError, CorruptCheckpointError, NotACheckpointError
-from mfsdp_ckpt.locate import read_small_file, resolve_checkpoint
+from mfsdp_ckpt.format.names import MCORE_METADATA_NAME
 from mfsdp_ckpt.mcore.layout import COMMON_STATE
-from mfsdp_ckpt.names import MCORE_METADATA_NAME
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.records import locate_raw_tensor
+from mfsdp_ckpt.read.locate import read_small_file, resolve_checkpoint
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.read.records import locate_raw_tensor
+from mfsdp_ckpt.storage import fs
 
 __all__ = ["McoreSource", "read_backend"]
 

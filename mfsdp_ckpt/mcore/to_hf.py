@@ -9,11 +9,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mfsdp_ckpt import fs
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.export import export
 from mfsdp_ckpt.mcore.import_ import import_mcore
-from mfsdp_ckpt.staging import new_token, partial_path
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.staging import new_token, partial_path
 
 __all__ = ["export_hf_from_mcore"]
 

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import verify_checkpoint
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -143,7 +143,7 @@ def test_data_first_loss_is_the_models_loss_on_the_files_first_batch(tmp_path):
         str(tmp_path / "m.jsonl"),
     )
     assert run.returncode == 0, failure(run)
-    from mfsdp_ckpt.manifest import read_manifest
+    from mfsdp_ckpt.read.manifest import read_manifest
     from mfsdp_core.models.gpt import GPTModel
 
     # the weights before the step are the seeded init (seed 0): rebuild them and score the batch

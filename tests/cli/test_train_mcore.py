@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mfsdp_ckpt.manifest import read_manifest
+from mfsdp_ckpt.read.manifest import read_manifest
 from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
 
 ARGS = {
@@ -285,7 +285,7 @@ def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp
     assert resumed.returncode == 0, failure(resumed)
     assert "finished: step 4 of 4" in resumed.stdout
     if options == ("--mxfp8",):  # MX planes for MCore's linears (attention, dense MLP, each expert), under our names
-        from mfsdp_ckpt.reader import CheckpointReader
+        from mfsdp_ckpt.read.reader import CheckpointReader
 
         with CheckpointReader(str(ckpt / "step_000004")) as reader:
             mx = {k[len("mx.") :].rsplit(".", 1)[0] for k in reader.keys() if k.startswith("mx.")}

@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mfsdp_ckpt.manifest import read_manifest
+from mfsdp_ckpt.read.manifest import read_manifest
 from tests.hf_models import make_hf_dir
 from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
 

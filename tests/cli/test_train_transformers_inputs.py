@@ -129,7 +129,7 @@ def test_the_command_line_exits_1(tmp_path, llama):
 
 
 def test_a_directory_without_weights_trains_from_transformers_initialisation(tmp_path):
-    from mfsdp_ckpt.manifest import read_manifest
+    from mfsdp_ckpt.read.manifest import read_manifest
 
     src = make_hf_dir(tmp_path / "m", "qwen3", weights=False)
     run = subprocess.run(

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfsdp_ckpt.boxes import box_view, flat_range_to_boxes
+from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""``mfsdp_ckpt.checksum.crc32c`` gives the values every checkpoint already holds: the Castagnoli
+"""``mfsdp_ckpt.format.checksum.crc32c`` gives the values every checkpoint already holds: the Castagnoli
 check value, and google-crc32c's results (the library earlier checkpoints were written with) on
 buffers of odd sizes and alignments, as bytes, numpy arrays and memoryviews."""
 
@@ -8,7 +8,7 @@ import google_crc32c
 import numpy
 import pytest
 
-from mfsdp_ckpt.checksum import crc32c, payload_crc32c
+from mfsdp_ckpt.format.checksum import crc32c, payload_crc32c
 
 
 def test_the_castagnoli_check_value():

@@ -1,4 +1,4 @@
-"""``mfsdp_ckpt.chunks``: the one chunk-reading layer (open files once, read a chunk, check its
+"""``mfsdp_ckpt.read.chunks``: the one chunk-reading layer (open files once, read a chunk, check its
 crc32c) and the one coverage check, which every reader and the checkpoint builder use."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mfsdp_ckpt import CheckpointError, CorruptCheckpointError
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.chunks import ChunkFiles, Fault, coverage_faults
-from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.locate import open_checkpoint
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.records import locate_raw_tensor
+from mfsdp_ckpt.read.chunks import ChunkFiles, Fault, coverage_faults
+from mfsdp_ckpt.read.locate import open_checkpoint
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.read.records import locate_raw_tensor
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 
 
 def _md(shape, boxes) -> TensorStorageMetadata:

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.diff import diff_checkpoints
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 
 
 def _build(path: str, w: torch.Tensor, groups: list) -> None:

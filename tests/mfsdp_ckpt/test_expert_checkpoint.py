@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import inspect_checkpoint, verify_checkpoint
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import inspect_checkpoint, verify_checkpoint
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core import ModelPlan, describe_shards, fully_shard, fully_shard_optimizer
 from mfsdp_core.expert_parallel import expert_placement, init_expert_mesh
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_units
@@ -309,7 +309,7 @@ def _owner_of_chunks(ckpt: str) -> dict[str, set[tuple[str, int]]]:
 def _load_resharded(path: str, ep: int, native: str) -> dict:
     """At (this world, ``ep``): load ``path`` noting the files this rank reads, then save the
     same state natively at ``native``."""
-    from mfsdp_ckpt import dcp_reader as storage
+    from mfsdp_ckpt.read import dcp_reader as storage
 
     model, optim = build(ep, seed=11)
     opened: dict[str, set[str]] = {}
@@ -555,7 +555,7 @@ def test_reshard_ep_of_an_moe_checkpoint_trained_without_ep(source, tmp_path):
     ],
 )
 def test_manifest_schema_bounds_writer_experts(experts, field, problem):
-    from mfsdp_ckpt.manifest_schema import check_manifest
+    from mfsdp_ckpt.format.manifest_schema import check_manifest
 
     check_manifest(
         {"format": "mfsdp-ckpt", "chunks": {}, "writer": {"experts": {"ep_size": 2, "owners": [[0], [1]]}}}, "m"
@@ -566,7 +566,7 @@ def test_manifest_schema_bounds_writer_experts(experts, field, problem):
 
 
 def test_merged_param_groups_name_every_parameter_in_model_order():
-    from mfsdp_ckpt.experts import merge_param_groups
+    from mfsdp_ckpt.sharded.experts import merge_param_groups
 
     rank0 = [
         {"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},

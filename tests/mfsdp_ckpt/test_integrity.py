@@ -92,7 +92,7 @@ def test_truncated_data_file_names_file_and_key(ranks, ckpt):
 def _load_while_files_change(path: str) -> dict:
     """:func:`_load_expecting`, with every data file this rank reads given a new modification time
     between the load's two passes (after every chunk was verified, before the first copy)."""
-    import mfsdp_ckpt.dcp_reader as storage
+    import mfsdp_ckpt.read.dcp_reader as storage
 
     original = storage.read_verified
 
@@ -278,7 +278,7 @@ def test_stock_dcp_reads_the_latest_checkpoint_link(tmp_path):
     checkpoint once, and our readers accept the link too."""
     import torch.distributed.checkpoint as dcp
 
-    from mfsdp_ckpt.listing import list_checkpoints
+    from mfsdp_ckpt.tools.listing import list_checkpoints
     from tests.mfsdp_core.models import make_model, shard_model
 
     root = tmp_path / "run"

@@ -18,10 +18,10 @@ import shutil
 import pytest
 import torch
 
-from mfsdp_ckpt.locate import is_mcore
 from mfsdp_ckpt.mcore import export_mcore, import_mcore
 from mfsdp_ckpt.mcore.source import McoreSource
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.locate import is_mcore
+from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +149,7 @@ def test_round_trip_is_bitwise_per_tensor(name, tmp_path):
 
 
 def test_inspect_shows_an_mcore_checkpoint(tmp_path):
-    from mfsdp_ckpt.inspect import inspect_checkpoint
+    from mfsdp_ckpt.tools.inspect import inspect_checkpoint
 
     info = inspect_checkpoint(fixture("moe_ep2"))
     assert info.format == "megatron-core torch_dist" and info.step == 7

@@ -20,7 +20,7 @@ from mfsdp_ckpt.mcore import import_mcore
 from mfsdp_ckpt.mcore.import_ import plan_import
 from mfsdp_ckpt.mcore.layout import stack_of
 from mfsdp_ckpt.mcore.source import McoreSource
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -335,7 +335,7 @@ def test_a_declared_shape_larger_than_the_files_is_refused_before_expanding(tmp_
 
 def test_reshard_of_an_mcore_checkpoint_points_to_import_mcore(tmp_path):
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.reshard import reshard
+    from mfsdp_ckpt.sharded.reshard import reshard
 
     with pytest.raises(CheckpointError, match="import-mcore"):
         reshard(DENSE, tmp_path / "out", world_size=3)
@@ -405,9 +405,9 @@ def test_canonical_to_mcore_and_back_for_other_model_variants(tmp_path, variant)
     """What the genuine fixtures do not cover: a shared expert, q/k norms, a QKV bias, tied
     embeddings, sigmoid routing. Ours -> export-mcore -> import-mcore (config from the
     mcore_args.json the export writes) gives back every tensor bitwise and the same config."""
-    from mfsdp_ckpt.builder import CheckpointBuilder
-    from mfsdp_ckpt.manifest import versions
     from mfsdp_ckpt.mcore import export_mcore
+    from mfsdp_ckpt.read.manifest import versions
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
 
     if variant == "shared-qknorm-bias-tied":
         cfg = GPTConfig(

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 import mfsdp_ckpt
 from cli.main import main
 from mfsdp_ckpt.errors import CorruptCheckpointError
-from mfsdp_ckpt.inspect import inspect_checkpoint
-from mfsdp_ckpt.manifest import read_manifest
-from mfsdp_ckpt.manifest_schema import check_manifest
-from mfsdp_ckpt.model_source import describe_source, model_source_of
+from mfsdp_ckpt.format.manifest_schema import check_manifest
+from mfsdp_ckpt.format.model_source import describe_source, model_source_of
+from mfsdp_ckpt.read.manifest import read_manifest
+from mfsdp_ckpt.tools.inspect import inspect_checkpoint
 from tests.mfsdp_ckpt.util import build
 
 HF_RECORD = {
@@ -73,7 +73,7 @@ def test_transformers_models_are_recognised_without_importing_transformers():
     import torch
     import transformers
 
-    from mfsdp_ckpt.model_source import transformers_source
+    from mfsdp_ckpt.format.model_source import transformers_source
     from tests.hf_models import hf_config
 
     assert transformers_source(torch.nn.Linear(2, 2)) is None

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main as cli
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.reshard import reshard
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_core import (
     MixedPrecision,
     Placement,
@@ -117,7 +117,7 @@ def test_a_plane_that_disagrees_with_its_main_params_is_named_by_block(ranks, tm
 def test_a_flipped_byte_in_a_saved_scale_plane_is_caught(ranks, tmp_path):
     """A byte flipped on disk inside a scale plane's stored bytes: the load refuses it (its
     crc32c) on every rank, naming the key, and the model is unchanged."""
-    from mfsdp_ckpt.locate import open_checkpoint
+    from mfsdp_ckpt.read.locate import open_checkpoint
 
     path = tmp_path / "ckpt"
     saved = joined(ranks(_train_and_save, 3, str(path), timeout=300))

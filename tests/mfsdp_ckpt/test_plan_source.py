@@ -7,9 +7,9 @@ import pytest
 import torch.distributed as dist
 
 import mfsdp_ckpt
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.reshard import reshard
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.reshard import reshard
+from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_core import (
     ModelPlan,
     Placement,

@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from mfsdp_ckpt.records import locate_raw_tensor, without_zip_crc
+from mfsdp_ckpt.read.records import locate_raw_tensor, without_zip_crc
 
 
 def _record(tensor: torch.Tensor, crc: bool, prefix: bytes = b"x" * 77) -> tuple[io.BytesIO, int, int]:
@@ -51,9 +51,9 @@ def test_anything_else_is_declined():
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu], ids=str)
 def test_fp8_records_fall_back_to_torch_load_bit_exact(tmp_path, dtype):
-    from mfsdp_ckpt.builder import CheckpointBuilder
-    from mfsdp_ckpt.inspect import verify_checkpoint
-    from mfsdp_ckpt.reader import CheckpointReader
+    from mfsdp_ckpt.read.reader import CheckpointReader
+    from mfsdp_ckpt.tools.inspect import verify_checkpoint
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
 
     t = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
     buf, offset, length = _record(t, crc=False)
@@ -80,7 +80,7 @@ def test_the_directly_parsed_directory_and_zipfile_agree(monkeypatch, shape):
     """The hand parser of torch.save's directory (the fast path) finds the same bytes as
     ``zipfile``; a record it does not take on (an archive comment) goes to ``zipfile`` and is
     still found; with the hand parser made to decline everything, the results are the same."""
-    from mfsdp_ckpt import records
+    from mfsdp_ckpt.read import records
 
     t = torch.randn(shape)
     buf, offset, length = _record(t, crc=False)

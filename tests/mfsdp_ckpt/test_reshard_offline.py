@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.reshard import reshard
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.reshard import reshard
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core import ModelPlan, compute_layout, plan_model
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
@@ -134,7 +134,7 @@ def _save_then_reshard_then_load(ckpt_dir: str) -> dict:
     """At 4 ranks save; reshard to 3 (rank 0); at 3 ranks load and report which files each rank opened."""
     import torch.distributed as dist
 
-    from mfsdp_ckpt import dcp_reader as storage
+    from mfsdp_ckpt.read import dcp_reader as storage
 
     model, optim = build("optim_grads_params", "row", seed=1)
     if dist.get_world_size() == 4:

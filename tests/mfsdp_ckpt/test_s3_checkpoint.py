@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import mfsdp_ckpt
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.listing import clean_run_dir
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
+from mfsdp_ckpt.tools.listing import clean_run_dir
 from tests.harness import RankFailure, run_ranks
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.s3 import Faults, use_endpoint
@@ -133,7 +133,7 @@ def _save_one(path: str, endpoint: str) -> None:
 
 def _saves_through_proxy(url: str, proxy: str, attempts: int, n: int) -> list[str | None]:
     """``n`` saves through the proxy: None for a save that returned, else its error's text."""
-    from mfsdp_ckpt import remote
+    from mfsdp_ckpt.storage import remote
 
     use_endpoint(proxy)
     assert hasattr(remote, "ATTEMPTS") and hasattr(remote, "BACKOFF_S")  # a moved setting fails here, not unused

@@ -1,4 +1,4 @@
-"""``mfsdp_ckpt.staged_read``: a load's chunks read as a few large spans by several threads,
+"""``mfsdp_ckpt.read.staged_read``: a load's chunks read as a few large spans by several threads,
 each chunk verified as it arrives, tensors handed out as views of the staging memory."""
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from mfsdp_ckpt import CorruptCheckpointError, staged_read
-from mfsdp_ckpt.builder import CheckpointBuilder
-from mfsdp_ckpt.chunks import ChunkFiles
-from mfsdp_ckpt.locate import open_checkpoint
-from mfsdp_ckpt.records import locate_raw_tensor
-from mfsdp_ckpt.staged_read import (
+from mfsdp_ckpt import CorruptCheckpointError
+from mfsdp_ckpt.read import staged_read
+from mfsdp_ckpt.read.chunks import ChunkFiles
+from mfsdp_ckpt.read.locate import open_checkpoint
+from mfsdp_ckpt.read.records import locate_raw_tensor
+from mfsdp_ckpt.read.staged_read import (
     VerifiedRange,
     plan_spans,
     read_chunks,
     read_verified,
     verify_chunks,
 )
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 
 
 def _info(path: str, offset: int, length: int):

@@ -1,4 +1,4 @@
-"""``mfsdp_ckpt.staging``: the one spelling of a partial sibling, the directory commit and the
+"""``mfsdp_ckpt.storage.staging``: the one spelling of a partial sibling, the directory commit and the
 atomic single-file write that every writer uses."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import re
 import pytest
 import torch
 
-from mfsdp_ckpt import CheckpointExistsError, fs
-from mfsdp_ckpt.convert import convert, write_dcp
-from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.staging import (
+from mfsdp_ckpt import CheckpointExistsError
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.staging import (
     commit_directory,
     is_partial_name,
     make_partial_dir,
@@ -20,7 +19,9 @@ from mfsdp_ckpt.staging import (
     partial_path,
     write_file_atomic,
 )
-from mfsdp_ckpt.write_errors import WriteFailedError
+from mfsdp_ckpt.storage.write_errors import WriteFailedError
+from mfsdp_ckpt.tools.convert import convert, write_dcp
+from mfsdp_ckpt.tools.listing import list_checkpoints
 
 
 def test_partial_path_is_a_hidden_sibling_named_by_the_token(tmp_path):

@@ -1,5 +1,5 @@
 """Write-back started slice by slice: the bytes written never change, and every byte of a large
-write is handed to the disk in slices as it is written (mfsdp_ckpt/writeback.py, the HF writer's
+write is handed to the disk in slices as it is written (mfsdp_ckpt/storage/writeback.py, the HF writer's
 row slices, the chunk writer of import / reshard)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 
 import mfsdp_ckpt.hf.files as hf_files
-import mfsdp_ckpt.writeback as writeback
-from mfsdp_ckpt.builder import CheckpointBuilder
+import mfsdp_ckpt.storage.writeback as writeback
 from mfsdp_ckpt.hf.files import SafetensorsWriter, _row_slices
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.writeback import WritebackStream
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.storage.writeback import WritebackStream
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 
 SLICE = 4096
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mfsdp_ckpt
-from mfsdp_ckpt.inspect import verify_checkpoint
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 
 FLIPS_PER_FILE = 40

@@ -26,11 +26,11 @@ from torch.distributed.checkpoint.metadata import (
 
 import mfsdp_ckpt
 from mfsdp_ckpt import CheckpointError, CorruptCheckpointError
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import inspect_checkpoint, verify_checkpoint
-from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.reader import CheckpointReader
-from mfsdp_ckpt.reshard import reshard
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.reshard import reshard
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import inspect_checkpoint, verify_checkpoint
+from mfsdp_ckpt.tools.listing import list_checkpoints
 from mfsdp_core.models.gpt import GPTConfig
 from tests.reliability.test_hostile_support import (
     AUDIT,

@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.metadata import (
 
 import mfsdp_ckpt
 from mfsdp_ckpt import CheckpointError
-from mfsdp_ckpt.diff import diff_checkpoints
-from mfsdp_ckpt.inspect import inspect_checkpoint, verify_checkpoint
-from mfsdp_ckpt.listing import list_checkpoints
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.tools.diff import diff_checkpoints
+from mfsdp_ckpt.tools.inspect import inspect_checkpoint, verify_checkpoint
+from mfsdp_ckpt.tools.listing import list_checkpoints
 from tests.reliability.test_hostile_support import (
     AUDIT,
     Hang,

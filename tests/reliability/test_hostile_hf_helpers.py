@@ -28,11 +28,11 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+from mfsdp_ckpt.format.names import LOCK_NAME
 from mfsdp_ckpt.hf import get_architecture
 from mfsdp_ckpt.hf.files import INDEX_NAME, shard_name
 from mfsdp_ckpt.hf.mapping import canonical_shapes, expand
-from mfsdp_ckpt.names import LOCK_NAME
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig
 from tests.reliability.test_hostile_support import Hang, deadline
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 import mfsdp_ckpt
-from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.listing import list_checkpoints
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
+from mfsdp_ckpt.tools.listing import list_checkpoints
 from mfsdp_core import fully_shard_optimizer
 from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
 from tests.torchrun import ENV, ROOT
@@ -23,30 +23,30 @@ SCRIPT = os.path.join(ROOT, "tests", "reliability", "kill_during_save.py")
 
 # (function, before/after its call, which call, which rank dies)
 POINTS = [
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 0),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 1),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.create_global_plan", "before", 1, 0),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.resolve_data", "before", 1, 0),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.resolve_data", "before", 1, 1),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.resolve_data", "after", 5, 0),
-    ("mfsdp_ckpt.planner.MfsdpSavePlanner.resolve_data", "after", 5, 1),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 1),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_global_plan", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "before", 1, 1),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "after", 5, 0),
+    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "after", 5, 1),
     ("torch.save", "after", 3, 0),
-    ("mfsdp_ckpt.dcp_writer.CommittingWriter.write_data", "after", 1, 0),
-    ("mfsdp_ckpt.dcp_writer.CommittingWriter.write_data", "after", 1, 1),
+    ("mfsdp_ckpt.write.dcp_writer.CommittingWriter.write_data", "after", 1, 0),
+    ("mfsdp_ckpt.write.dcp_writer.CommittingWriter.write_data", "after", 1, 1),
     ("torch.distributed.checkpoint.filesystem.FileSystemWriter.finish", "before", 1, 0),
     ("torch.distributed.checkpoint.filesystem.FileSystemWriter.finish", "after", 1, 0),
-    ("mfsdp_ckpt.dcp_writer.write_manifest", "before", 1, 0),
-    ("mfsdp_ckpt.dcp_writer.write_manifest", "after", 1, 0),
-    ("mfsdp_ckpt.dcp_writer.commit_directory", "before", 1, 0),
-    ("mfsdp_ckpt.dcp_writer.commit_directory", "after", 1, 0),
-    ("mfsdp_ckpt.checkpoint._after_commit", "before", 1, 0),
-    ("mfsdp_ckpt.checkpoint.rank0_decides", "before", 2, 1),
-    ("mfsdp_ckpt.checkpoint._write_latest", "before", 1, 0),
-    ("mfsdp_ckpt.staging.os.replace", "before", 2, 0),
-    ("mfsdp_ckpt.checkpoint._write_latest", "after", 1, 0),
-    ("mfsdp_ckpt.checkpoint._prune", "before", 1, 0),
-    ("mfsdp_ckpt.checkpoint.shutil.rmtree", "after", 1, 0),
-    ("mfsdp_ckpt.checkpoint._prune", "after", 1, 0),
+    ("mfsdp_ckpt.write.dcp_writer.write_manifest", "before", 1, 0),
+    ("mfsdp_ckpt.write.dcp_writer.write_manifest", "after", 1, 0),
+    ("mfsdp_ckpt.write.dcp_writer.commit_directory", "before", 1, 0),
+    ("mfsdp_ckpt.write.dcp_writer.commit_directory", "after", 1, 0),
+    ("mfsdp_ckpt.sharded.checkpoint._after_commit", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.checkpoint.rank0_decides", "before", 2, 1),
+    ("mfsdp_ckpt.sharded.checkpoint._write_latest", "before", 1, 0),
+    ("mfsdp_ckpt.storage.staging.os.replace", "before", 2, 0),
+    ("mfsdp_ckpt.sharded.checkpoint._write_latest", "after", 1, 0),
+    ("mfsdp_ckpt.sharded.checkpoint._prune", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.checkpoint.shutil.rmtree", "after", 1, 0),
+    ("mfsdp_ckpt.sharded.checkpoint._prune", "after", 1, 0),
 ]
 
 

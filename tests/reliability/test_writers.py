@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import mfsdp_ckpt
 from cli.main import main
 from mfsdp_ckpt import CheckpointError, RunLockedError
-from mfsdp_ckpt.inspect import verify_checkpoint
-from mfsdp_ckpt.names import LOCK_NAME
+from mfsdp_ckpt.format.names import LOCK_NAME
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, train_steps
 from tests.torchrun import ENV, ROOT, failure, run_train
@@ -240,7 +240,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_changes_nothing(run, monkeypa
 
 
 def test_a_full_disk_when_moving_latest_keeps_the_previous_latest(run, monkeypatch):
-    import mfsdp_ckpt.staging as staging
+    import mfsdp_ckpt.storage.staging as staging
 
     latest = open(os.path.join(run, "latest")).read()
     _fill_disk_after(monkeypatch, staging, 0, ".latest.partial-")
@@ -254,7 +254,7 @@ def test_a_full_disk_when_moving_latest_keeps_the_previous_latest(run, monkeypat
 
 
 def test_a_full_disk_in_offline_writers_is_one_line_and_leaves_nothing(run, tmp_path, monkeypatch):
-    import mfsdp_ckpt.fs as fsmod
+    import mfsdp_ckpt.storage.fs as fsmod
 
     src = os.path.join(run, "step_2")
     real = fsmod.open_file
@@ -264,7 +264,7 @@ def test_a_full_disk_in_offline_writers_is_one_line_and_leaves_nothing(run, tmp_
         return FullDisk(f, 5000) if "w" in mode else f
 
     monkeypatch.setattr(fsmod, "open_file", full)
-    from mfsdp_ckpt.reshard import reshard
+    from mfsdp_ckpt.sharded.reshard import reshard
 
     with pytest.raises(CheckpointError, match=r"^No space left on device while writing .*__\d+_0\.distcp$"):
         reshard(src, tmp_path / "w3", world_size=3)
@@ -333,7 +333,7 @@ def test_reshard_to_more_ranks_than_open_files(run, tmp_path):
     """Each target file is closed once written: 300 ranks under a limit of 64 open files."""
     code = (
         "import resource, sys\nresource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-        "from mfsdp_ckpt.reshard import reshard\nprint(reshard(sys.argv[1], sys.argv[2], world_size=300).files)\n"
+        "from mfsdp_ckpt.sharded.reshard import reshard\nprint(reshard(sys.argv[1], sys.argv[2], world_size=300).files)\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code, os.path.join(run, "step_2"), str(tmp_path / "w300")],
@@ -371,7 +371,7 @@ def test_a_bucket_that_does_not_exist(run, s3_endpoint):
 
 
 def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
-    import mfsdp_ckpt.inspect as inspect_mod
+    import mfsdp_ckpt.tools.inspect as inspect_mod
 
     def broken(path):
         raise KeyError("a bug somewhere")
@@ -393,8 +393,8 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
 
 
 def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
-    from mfsdp_ckpt.builder import CheckpointBuilder
-    from mfsdp_ckpt.reader import CheckpointReader
+    from mfsdp_ckpt.read.reader import CheckpointReader
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
 
     args = ("--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16")
     first = run_train(None, *args, "--stop-at", "1", "--ckpt-dir", str(tmp_path / "a"))
@@ -416,8 +416,8 @@ def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
 def test_reshard_never_plans_from_a_declared_model_config(run, tmp_path):
     """A manifest saying num_layers = 10**7 and recording no plan: refused at once (offline
     layouts come only from recorded plans, never from a model built from a config)."""
-    from mfsdp_ckpt.builder import CheckpointBuilder
-    from mfsdp_ckpt.reader import CheckpointReader
+    from mfsdp_ckpt.read.reader import CheckpointReader
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
     from mfsdp_core.models.gpt import PRESETS
 
     config = dict(PRESETS["tiny"].to_dict(), num_layers=10**7)

@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 import mfsdp_ckpt  # noqa: E402
 from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import CheckpointExistsError, ConversionError  # noqa: E402
-from mfsdp_ckpt.manifest import write_manifest  # noqa: E402
+from mfsdp_ckpt.read.manifest import write_manifest  # noqa: E402
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import PRESETS, GPTModel  # noqa: E402
 
 from .util import hf_config, random_hf_model, save_hf  # noqa: E402

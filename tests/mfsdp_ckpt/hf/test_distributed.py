@@ -9,8 +9,8 @@ import os
 import torch.distributed as dist
 
 from mfsdp_ckpt import hf
-from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import PRESETS, GPTModel
 
 

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 from cli.main import main
 from mfsdp_ckpt import hf
-from mfsdp_ckpt.builder import CheckpointBuilder
 from mfsdp_ckpt.errors import CheckpointError, ConversionError, CorruptCheckpointError
 from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor, runs
 from mfsdp_ckpt.hf.workers import Staging
-from mfsdp_ckpt.reader import CheckpointReader, coalesce
+from mfsdp_ckpt.read.reader import CheckpointReader, coalesce
+from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.models.gpt import PRESETS, GPTModel
 
 SHARD = "300KB"  # several shard files for the small presets
@@ -159,7 +159,7 @@ def test_a_failing_write_in_one_worker_fails_the_export_in_one_line_and_leaves_n
 
 
 def test_a_failing_write_in_one_worker_fails_the_import_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    import mfsdp_ckpt.fs as fsmod
+    import mfsdp_ckpt.storage.fs as fsmod
     from tests.faults import FullDisk
 
     src = hf.export(_checkpoint(tmp_path / "ckpt"), tmp_path / "hf", max_shard_size=SHARD, workers=2).path

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.reshard import reshard  # noqa: E402
+from mfsdp_ckpt.sharded.reshard import reshard  # noqa: E402
 from mfsdp_core.data import SyntheticText  # noqa: E402
 from tests.torchrun import failure, run_train  # noqa: E402
 

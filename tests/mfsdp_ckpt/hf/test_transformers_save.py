@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import mfsdp_ckpt
 from mfsdp_ckpt.hf import export
-from mfsdp_ckpt.manifest import read_manifest
+from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core import fully_shard, fully_shard_optimizer
 from tests.hf_models import hf_config
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from mfsdp_ckpt.reader import CheckpointReader
+from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
 VOCAB = 96

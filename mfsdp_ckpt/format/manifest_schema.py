@@ -1,0 +1,322 @@
+"""The schema of ``mfsdp.json``: the type and bounds of every field a reader of the manifest uses.
+
+A manifest is JSON, so anything may be in it; every reader (``load``, ``verify``, ``inspect``,
+``ls``, ``diff``, ``reshard``, the pruning of ``save(keep=…)``, the trainer's ``--resume``) goes
+through :func:`check_manifest` first, and then relies on these types without checking again. A
+violation is one :class:`~mfsdp_ckpt.errors.CorruptCheckpointError` naming the file and the field
+(``writer.plan.buffers[0].shapes[1]``). Fields the schema does not list are allowed (newer writers
+add some) and left alone; the manifest's checksum covers them too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.format.model_source import KINDS
+from mfsdp_ckpt.format.names import member_name_problem, shown
+from mfsdp_core.dtypes import dtype_by_name
+from mfsdp_core.layout import parse_policy
+from mfsdp_core.mx import ELEMENTS as MX_ELEMENTS
+from mfsdp_core.mx import RULES as MX_RULES
+from mfsdp_core.strategy import parse_strategy
+
+__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT"]
+
+MAX_DEPTH = 32  # nesting of JSON values: a manifest needs 6; deeper ones only exhaust the stack
+MAX_INT = 2**63 - 1  # offsets, lengths, sizes: what a file or a tensor can hold
+
+Check = Callable[[Any, str], None]  # raises _Invalid naming the field
+
+
+class _Invalid(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.field, self.message = field, message
+
+
+def _kind(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
+
+
+def integer(lo: int = 0, hi: int = MAX_INT) -> Check:
+    def check(v: Any, at: str) -> None:
+        if type(v) is not int:
+            raise _Invalid(at, f"expected an integer, got {_kind(v)}")
+        if not lo <= v <= hi:
+            raise _Invalid(at, f"{shown(v)} is outside [{lo}, {hi}]")
+
+    return check
+
+
+def number(v: Any, at: str) -> None:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise _Invalid(at, f"expected a finite number, got {shown(v) if type(v) is float else _kind(v)}")
+
+
+def string(v: Any, at: str) -> None:
+    if type(v) is not str:
+        raise _Invalid(at, f"expected a string, got {_kind(v)}")
+
+
+def line(v: Any, at: str) -> None:
+    """A string printed in one-line messages (a key, a name): no control characters."""
+    string(v, at)
+    if not v.isprintable():
+        raise _Invalid(at, f"{shown(v)} holds control characters")
+
+
+def boolean(v: Any, at: str) -> None:
+    if type(v) is not bool:
+        raise _Invalid(at, f"expected true or false, got {_kind(v)}")
+
+
+def anything(v: Any, at: str) -> None:
+    pass
+
+
+def nullable(check: Check) -> Check:
+    def inner(v: Any, at: str) -> None:
+        if v is not None:
+            check(v, at)
+
+    return inner
+
+
+def parsed(parse: Callable[[str], Any], what: str) -> Check:
+    """A string that ``parse`` accepts (a dtype name, a strategy, a policy)."""
+
+    def check(v: Any, at: str) -> None:
+        line(v, at)
+        try:
+            parse(v)
+        except (ValueError, KeyError):
+            raise _Invalid(at, f"{shown(v)} is not a known {what}") from None
+
+    return check
+
+
+def file_name(v: Any, at: str) -> None:
+    problem = member_name_problem(v)
+    if problem is not None:
+        raise _Invalid(at, problem)
+
+
+def list_of(item: Check) -> Check:
+    def check(v: Any, at: str) -> None:
+        if type(v) is not list:
+            raise _Invalid(at, f"expected a list, got {_kind(v)}")
+        for i, x in enumerate(v):
+            item(x, f"{at}[{i}]")
+
+    return check
+
+
+def dict_of(value: Check, key: Check = line) -> Check:
+    def check(v: Any, at: str) -> None:
+        if type(v) is not dict:
+            raise _Invalid(at, f"expected an object, got {_kind(v)}")
+        for k, x in v.items():
+            key(k, f"{at} key {shown(k)}")
+            value(x, f"{at}[{shown(k)}]" if at else shown(k))
+
+    return check
+
+
+def record(
+    required: Mapping[str, Check] = {},
+    optional: Mapping[str, Check] = {},  # noqa: B006 - read only
+    then: Callable[[dict, str], None] | None = None,
+) -> Check:
+    """An object with these fields (others allowed and not checked); ``then`` checks relations
+    between the fields once each is valid."""
+
+    def check(v: Any, at: str) -> None:
+        if type(v) is not dict:
+            raise _Invalid(at or "(top level)", f"expected an object, got {_kind(v)}")
+        for name, field_check in required.items():
+            if name not in v:
+                raise _Invalid(_join(at, name), "missing")
+            field_check(v[name], _join(at, name))
+        for name, field_check in optional.items():
+            if name in v:
+                field_check(v[name], _join(at, name))
+        if then is not None:
+            then(v, at)
+
+    return check
+
+
+def _join(at: str, name: str) -> str:
+    return f"{at}.{name}" if at else name
+
+
+def _same_length(a: str, b: str) -> Callable[[dict, str], None]:
+    def then(v: dict, at: str) -> None:
+        if len(v[a]) != len(v[b]):
+            raise _Invalid(_join(at, b), f"{len(v[b])} entries for {len(v[a])} {a}")
+
+    return then
+
+
+_DTYPE = parsed(dtype_by_name, "dtype")
+_STRATEGY = parsed(parse_strategy, "sharding strategy")
+_POLICY = parsed(parse_policy, "sharding policy")
+_COUNT = integer(1)
+
+
+def _divisor(v: Any, at: str) -> None:
+    """A gradient divisor: null, a count, or the name of a group (whose size it is)."""
+    if v is None or isinstance(v, str):
+        return None if v is None else line(v, at)
+    return _COUNT(v, at)
+
+
+_COMPANION = record(required={"name": line, "dtype": _DTYPE, "row_divisor": _COUNT, "col_divisor": _COUNT})
+
+
+def _choice(*allowed: str) -> Check:
+    def check(v: Any, at: str) -> None:
+        line(v, at)
+        if v not in allowed:
+            raise _Invalid(at, f"{shown(v)} is not one of {', '.join(allowed)}")
+
+    return check
+
+
+_MODEL_SOURCE = record(
+    required={"kind": _choice(*KINDS)},
+    optional={"class": line, "config": dict_of(anything), "args": dict_of(anything), "layer_spec": line},
+)
+_MX = record(required={"element": _choice(*MX_ELEMENTS), "rule": _choice(*MX_RULES)})
+_BUFFER = record(
+    required={
+        "params": list_of(line),
+        "shapes": list_of(list_of(integer())),
+        "dtype": _DTYPE,
+        "strategy": _STRATEGY,
+        "policy": _POLICY,
+        "group_size": _COUNT,
+    },
+    optional={
+        "unit": nullable(line),
+        "param_dtype": _DTYPE,
+        "main_dtype": _DTYPE,
+        "requires_grad": boolean,
+        "group": line,
+        "grad_divisor": _divisor,
+        "divisor_size": _COUNT,
+        "is_expert": boolean,
+        "companions": list_of(_COMPANION),
+        "mx": _MX,
+    },
+    then=_same_length("params", "shapes"),
+)
+
+
+def _groups_named(v: dict, at: str) -> None:
+    for i, b in enumerate(v["buffers"]):
+        group = b.get("group", "dp")
+        if group not in v["group_sizes"]:
+            raise _Invalid(f"{_join(at, 'buffers')}[{i}].group", f"names group {shown(group)}, which group_sizes lacks")
+        divisor = b.get("grad_divisor")
+        if isinstance(divisor, str) and "divisor_size" not in b:
+            raise _Invalid(
+                f"{_join(at, 'buffers')}[{i}].divisor_size", f"missing: grad_divisor names group {shown(divisor)}"
+            )
+
+
+_PLAN = record(required={"group_sizes": dict_of(_COUNT), "buffers": list_of(_BUFFER)}, then=_groups_named)
+_LEGACY_GROUP = record(
+    required={"params": list_of(line), "strategy": _STRATEGY, "policy": _POLICY, "group_size": _COUNT},
+    optional={"is_expert": boolean},
+)
+MAX_EP_SIZE = 1 << 16  # as many EP ranks as a job has ranks (reshard's --world-size bound)
+MAX_EXPERT = 1 << 24  # a global expert index
+
+
+def _experts_placed_once(v: dict, at: str) -> None:
+    """One list of experts per EP rank, and no expert held by two EP ranks."""
+    if len(v["owners"]) != v["ep_size"]:
+        raise _Invalid(_join(at, "owners"), f"{len(v['owners'])} entries for EP size {v['ep_size']}")
+    seen: set[int] = set()
+    for p, experts in enumerate(v["owners"]):
+        for e in experts:
+            if e in seen:
+                raise _Invalid(f"{_join(at, 'owners')}[{p}]", f"expert {e} is listed twice")
+            seen.add(e)
+
+
+_EXPERTS = record(
+    required={"ep_size": integer(1, MAX_EP_SIZE), "owners": list_of(list_of(integer(0, MAX_EXPERT)))},
+    then=_experts_placed_once,
+)
+_SUMMARY = record(required={"strategy": line, "policy": line, "group_size": _COUNT}, optional={"group": line})
+_WRITER = record(
+    optional={
+        "world_size": _COUNT,
+        "buffers": list_of(_SUMMARY),
+        "plan": _PLAN,
+        "groups": list_of(_LEGACY_GROUP),
+        "experts": _EXPERTS,
+    }
+)
+_CHUNK = record(required={"file": file_name, "offset": integer(), "length": integer(), "crc32c": integer(0, 2**32 - 1)})
+_CRC = integer(0, 2**32 - 1)
+
+MANIFEST = record(
+    required={"format": line, "chunks": dict_of(_CHUNK)},
+    optional={
+        "format_version": integer(0),
+        "manifest_crc32c": _CRC,
+        "metadata_crc32c": _CRC,
+        "save_id": nullable(line),
+        "created_unix": number,
+        "total_bytes": integer(),
+        "step": nullable(integer()),
+        "model_config": nullable(dict_of(anything)),
+        "model_source": nullable(_MODEL_SOURCE),
+        "run_config": dict_of(anything),
+        "writer": _WRITER,
+        "include_grads": boolean,
+        "has_optimizer": boolean,
+        "versions": dict_of(anything),
+        "hf": record(optional={"architecture": nullable(line)}),
+        "converted_from": nullable(string),
+    },
+)
+
+
+def _too_deep(value: Any) -> str | None:
+    """The path of a value nested deeper than :data:`MAX_DEPTH` (iteratively: no recursion)."""
+    stack = [(value, "", 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return (at[:120] + "...") if len(at) > 120 else at or "(top level)"
+        if type(v) is dict:
+            stack.extend((x, f"{at}[{shown(k, 40)}]" if at else shown(k, 40), depth + 1) for k, x in v.items())
+        elif type(v) is list:
+            stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
+    return None
+
+
+def check_manifest(manifest: Any, source: str) -> None:
+    """Raise one :class:`CorruptCheckpointError` (``<source>: field '<path>': <what>``) unless
+    ``manifest`` (parsed JSON) has every field a reader uses with its type and bounds."""
+    deep = _too_deep(manifest)
+    if deep is not None:
+        raise CorruptCheckpointError(f"{source}: field '{deep}': nested deeper than {MAX_DEPTH} levels")
+    try:
+        MANIFEST(manifest, "")
+    except _Invalid as e:
+        raise CorruptCheckpointError(f"{source}: field '{e.field}': {e.message}") from None

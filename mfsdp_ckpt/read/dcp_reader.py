@@ -1,0 +1,206 @@
+"""DCP's file-system reader for our checkpoints and stock ones: the metadata read safely and
+checked once, every chunk's crc32c verified against the manifest, chunks read in spans of
+neighbours (:mod:`mfsdp_ckpt.read.staged_read`) straight into place."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+)
+from torch.futures import Future
+
+from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.format.boxes import box_view, narrow
+from mfsdp_ckpt.format.names import METADATA_NAME
+from mfsdp_ckpt.format.safety import safe_load_metadata
+from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, chunk_shapes
+from mfsdp_ckpt.read.manifest import metadata_checksum_problem
+from mfsdp_ckpt.read.metadata_check import checked_metadata, stored_by_key
+from mfsdp_ckpt.read.staged_read import (
+    DEFAULT_READ_THREADS,
+    VerifiedRange,
+    read_range,
+    read_verified,
+    verify_chunks,
+)
+from mfsdp_ckpt.storage import fs
+
+__all__ = ["VerifyingReader"]
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A piece of a verified chunk left in its file: box ``offsets``/``lengths`` of its tensor."""
+
+    verified: VerifiedRange
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+class VerifyingReader(FileSystemReader):
+    """Reads ``.metadata`` through the restricted unpickler and the value checks of
+    :mod:`mfsdp_ckpt.read.metadata_check`, and checks every chunk it reads against the manifest's crc32c
+    (when there is a manifest: a stock DCP checkpoint has none).
+
+    Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
+    rank has read everything, so a failed load changes nothing. A local checkpoint's plain tensor
+    records are held as verified file ranges, read again into their targets by :meth:`apply`
+    (:func:`~mfsdp_ckpt.read.staged_read.verify_chunks`); the data files stay open until :meth:`close`."""
+
+    def __init__(self, path: str, manifest: dict[str, Any] | None, *, thread_count: int = DEFAULT_READ_THREADS) -> None:
+        super().__init__(path)
+        self.dir = str(path)
+        self.thread_count = thread_count
+        self.manifest = manifest
+        self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
+        self.pending: list[tuple[Any, torch.Tensor | _Deferred]] = []
+        self.files: ChunkFiles | None = None
+        self.chunk_shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.stored: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+        self._metadata: Metadata | None = None
+
+    def apply(self, planner: LoadPlanner) -> None:
+        """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
+        deferred = [(req, piece) for req, piece in self.pending if isinstance(piece, _Deferred)]
+        if deferred:
+            assert self.files is not None
+            # first: it refuses a file changed since it was verified before copying anything
+            read_verified(
+                self.files,
+                [
+                    (piece.verified, piece.offsets, piece.lengths, planner.resolve_tensor(req).detach())
+                    for req, piece in deferred
+                ],
+                threads=self.thread_count,
+            )
+        for req, piece in self.pending:
+            target = planner.resolve_tensor(req).detach()
+            if not isinstance(piece, _Deferred):
+                target.copy_(piece)
+            planner.commit_tensor(req, target)
+        self.pending = []
+        self.close()
+
+    def close(self) -> None:
+        """Close the data files kept open for :meth:`apply`."""
+        if self.files is not None:
+            self.files.close()
+            self.files = None
+
+    def _piece(self, piece: torch.Tensor | _Deferred) -> torch.Tensor:
+        """A held piece as a tensor (a verified range is read again)."""
+        if not isinstance(piece, _Deferred):
+            return piece
+        assert self.files is not None
+        return narrow(read_range(self.files, piece.verified), piece.offsets, piece.lengths)
+
+    def preview(self, fqn: str, target: torch.Tensor) -> torch.Tensor:
+        """A copy of ``target`` (a whole-tensor target of key ``fqn``) holding what :meth:`apply`
+        would copy into it, to check a value before anything changes."""
+        out = target.detach().clone()
+        for req, piece in self.pending:
+            if req.dest_index.fqn == fqn:
+                narrow(out, req.dest_offsets, req.lengths).copy_(self._piece(piece))
+        return out
+
+    def preview_flat(self, key: str, entry: Any) -> torch.Tensor:
+        """A copy of a :class:`~mfsdp_ckpt.sharded.state.FlatEntry` target's tensor holding what
+        :meth:`apply` would copy into it (its boxes, in the load planner's order)."""
+        out = entry.tensor.detach().clone()
+        boxes = entry.boxes()
+        for req, piece in self.pending:
+            if req.dest_index.fqn == key:
+                view = box_view(out, entry.start, boxes[req.dest_index.index])
+                narrow(view, req.dest_offsets, req.lengths).copy_(self._piece(piece))
+        return out
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked metadata (read once: ``dcp.load`` asks again and gets the same object)."""
+        if self._metadata is not None:
+            return self._metadata
+        path = fs.join(self.dir, METADATA_NAME)
+        try:
+            data = fs.read_member(self.dir, METADATA_NAME)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror or e})") from None
+        metadata = safe_load_metadata(data, path)
+        problem = metadata_checksum_problem(self.manifest, data)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{path}: {problem}")
+        metadata = checked_metadata(metadata, path)
+        self.chunk_shapes = chunk_shapes(metadata)
+        self.stored = stored_by_key(metadata)
+        self._metadata = metadata
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_chunk: dict[MetadataIndex, list] = {}
+        for req in plan.items:
+            if req.storage_index not in self.storage_data:
+                raise CorruptCheckpointError(
+                    f"{self.dir}: key '{req.storage_index.fqn}': a chunk the load needs has no stored data"
+                )
+            by_chunk.setdefault(req.storage_index, []).append(req)
+        self.close()
+        files = self.files = ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes)
+        payloads = verify_chunks(
+            files, [(index, self.storage_data[index]) for index in by_chunk], threads=self.thread_count
+        )
+        for index, reqs in by_chunk.items():
+            self._place(files, index, payloads.pop(index), reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _place(
+        self,
+        files: ChunkFiles,
+        index: Any,
+        payload: torch.Tensor | bytes | VerifiedRange,
+        reqs: list,
+        planner: LoadPlanner,
+    ) -> None:
+        """Hand a verified chunk to its read requests: objects to the planner now, tensor pieces
+        to :meth:`apply` later."""
+        info = self.storage_data[index]
+        if isinstance(payload, bytes):
+            for req in reqs:
+                try:
+                    planner.load_bytes(req, io.BytesIO(payload))
+                except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
+                    raise CorruptCheckpointError(
+                        f"{chunk_location(files.path(info.relative_path), index)}: object not "
+                        f"loadable with weights_only ({type(e).__name__})"
+                    ) from None
+            return
+        shape = tuple(payload.shape)
+        for req in reqs:
+            if (
+                len(req.storage_offsets) != len(shape)
+                or len(req.lengths) != len(shape)
+                or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, shape))
+            ):
+                raise CorruptCheckpointError(
+                    f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                    f"{shape}, which does not fit the read"
+                )
+            if isinstance(payload, VerifiedRange):
+                self.pending.append((req, _Deferred(payload, tuple(req.storage_offsets), tuple(req.lengths))))
+                continue
+            piece = narrow(payload, req.storage_offsets, req.lengths)
+            if tuple(piece.size()) != tuple(req.lengths):
+                raise CorruptCheckpointError(
+                    f"{chunk_location(files.path(info.relative_path), index)}: chunk has shape "
+                    f"{shape}, which does not fit the read"
+                )
+            self.pending.append((req, piece))

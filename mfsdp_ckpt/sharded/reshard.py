@@ -1,0 +1,515 @@
+"""Offline resharding: rewrite a checkpoint for a target layout (world size, strategy, policy),
+one data file per target rank holding exactly the chunks that rank will read.
+
+Any checkpoint already loads into any layout; resharding makes that load cheap: each target rank
+opens one file and reads it front to back. The target ranges come from the placement plan the
+writer recorded in its manifest (every flat buffer's parameters, policy and strategy), laid out
+for the target world size by the runtime's own layout function: no model is built, and nothing
+is planned from a model's code.
+
+Streaming: a worker holds one target rank's range of one tensor plus one source chunk at a time,
+whatever the checkpoint's size. Source chunks are read whole (their crc32c is checked) and, where
+they fall inside the range, straight into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import queue
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from mfsdp_ckpt.errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
+from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
+from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
+from mfsdp_ckpt.format.names import MANIFEST_NAME
+from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.read.manifest import recorded_plan, versions, writer_layout
+from mfsdp_ckpt.read.mapped import MappedReader
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
+from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup_experts
+from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
+from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
+from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
+from mfsdp_core.layout import Layout, parse_policy
+from mfsdp_core.plan import (
+    DEFAULT_GROUP,
+    BufferSpec,
+    ModelPlan,
+    Placement,
+    check_companions,
+)
+from mfsdp_core.strategy import parse_strategy
+
+__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
+
+MAX_WORLD_SIZE = 1 << 16  # planning is linear in it; a typo of a few zeros must not run for hours
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    path: str
+    world_size: int
+    files: int  # data files written (one per target shard rank)
+    keys: int
+    bytes_written: int
+    dropped: list[str]  # keys left out (--model-only, RNG states of another world size)
+    ep_size: int | None = None  # the target's EP size (None: no expert parallelism)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields under the names every command's ``--json`` uses (``bytes``, as export-hf,
+        import-hf and ls have it)."""
+        out = dict(self.__dict__)
+        out["bytes"] = out.pop("bytes_written")
+        return out
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Write elements ``[start, end)`` of ``key`` into data file ``file``; ``start is None``
+    means the whole entry (objects and tensors that belong to no parameter group)."""
+
+    key: str
+    file: int
+    start: int | None = None
+    end: int | None = None
+    cast: torch.dtype | None = None
+    nbytes: int = 0
+
+
+def _stock_plan(reader: MappedReader) -> ModelPlan:
+    """A plan for a checkpoint that records none (stock DCP): the floating ``model.*`` tensors,
+    in key order, as one ``even`` buffer per dtype over all ranks. It only decides which target
+    file holds which range (every rank about 1/N of the bytes, one file each); any layout loads
+    the result."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Size]]] = {}
+    for key in reader.keys():
+        name = fqn_of_model_key(key)
+        if name is not None and reader.is_tensor(key) and reader.dtype(key).is_floating_point:
+            by_dtype.setdefault(reader.dtype(key), []).append((name, reader.shape(key)))
+    buffers = tuple(
+        BufferSpec(
+            names=tuple(n for n, _ in params),
+            shapes=tuple(s for _, s in params),
+            dtype=dtype,
+            requires_grad=True,
+            strategy=parse_strategy("optim_grads_params"),
+            placement=Placement("even"),
+            group_size=1,
+        )
+        for dtype, params in by_dtype.items()
+    )
+    return ModelPlan({DEFAULT_GROUP: 1}, buffers)
+
+
+def _stock_manifest(reader: MappedReader) -> dict[str, Any]:
+    """The manifest fields ``save`` writes, for a source that has no manifest."""
+    groups = {group_of(k) for k in reader.keys()}
+    return {
+        "model_config": None,
+        "step": None,
+        "include_grads": "grad" in groups,
+        "has_optimizer": "optim" in groups,
+        "versions": versions(),
+    }
+
+
+def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None) -> ModelPlan:
+    """The plan recorded in the checkpoint's manifest, or in ``plan_from``'s (a checkpoint of the
+    same model that records one). Checked against the checkpoint's ``model.*`` tensors."""
+    source = reader.directory
+    plan_source = reader
+    if plan_from is not None:
+        plan_source = CheckpointReader(plan_from)
+        plan_source.close()  # its manifest and metadata are read; no data is
+        if plan_source.manifest is None:
+            raise UncommittedCheckpointError(f"--plan-from {plan_from}: no mfsdp.json, so no plan")
+
+    tensors = {
+        n: md
+        for k, md in plan_source.metadata.state_dict_metadata.items()
+        if (n := fqn_of_model_key(k)) is not None and isinstance(md, TensorStorageMetadata)
+    }
+
+    def shape_of(name: str) -> torch.Size | None:
+        return torch.Size(tensors[name].size) if name in tensors else None
+
+    def dtype_of(name: str) -> torch.dtype | None:
+        return tensors[name].properties.dtype if name in tensors else None
+
+    where = plan_source.directory
+    try:
+        plan = recorded_plan(plan_source.manifest, shape_of, dtype_of, f"{where}/{MANIFEST_NAME}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: the manifest's placement plan is malformed ({type(e).__name__}: {e})"
+        ) from None
+    if plan is None:
+        raise CheckpointError(
+            f"{where}: the manifest records no placement plan (written by an older mfsdp-ckpt); "
+            "pass --plan-from CKPT naming a checkpoint of the same model that records one, "
+            "or load it at the target world size and save it"
+        )
+    ours = {n: reader.shape(k) for k in reader.keys() if (n := fqn_of_model_key(k)) is not None and reader.is_tensor(k)}
+    planned = plan.params()
+    missing = sorted(n for n in planned if n not in ours)
+    misshapen = sorted(
+        f"{n} (plan {tuple(spec.shapes[i])}, checkpoint {tuple(ours[n])})"
+        for n, (spec, i) in planned.items()
+        if n in ours and tuple(spec.shapes[i]) != tuple(ours[n])
+    )
+    raise_key_problems(
+        f"{source}: the placement plan of {where} does not fit",
+        [("parameters with no 'model.' tensor", missing), ("shape mismatch", misshapen)],
+    )
+    return plan
+
+
+def _target_plan(
+    plan: ModelPlan,
+    world_size: int,
+    strategy: str | None,
+    policy: str | None,
+    cast: torch.dtype | None,
+    ep: int | None = None,
+    source_ep: int | None = None,
+) -> tuple[ModelPlan, dict[str, tuple[Layout, int, tuple[int, ...]]], dict[str, Any] | None]:
+    """The source plan laid out for ``world_size`` ranks (and the strategy / policy asked), every
+    parameter's target layout, index there and the global rank of each of its shard ranks, and
+    the target's ``writer.experts`` (None without expert parallelism).
+
+    A plan with expert parallelism (expert buffers over ``edp``), or any plan with experts when
+    ``ep`` > 1, is laid out as the runtime at (``world_size``, ``ep``) builds it
+    (:func:`~mfsdp_ckpt.sharded.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
+    EP size. Any other group than ``dp`` and the experts' ``edp`` is refused."""
+    others = sorted(
+        g
+        for g in {spec.placement.group for spec in plan.buffers}
+        if g != DEFAULT_GROUP and not all(is_expert_buffer(s) for s in plan.buffers if s.placement.group == g)
+    )
+    if others:
+        raise CheckpointError(
+            f"reshard: the plan places buffers over group(s) {', '.join(others)} besides "
+            f"'{DEFAULT_GROUP}'; resharding such plans needs their target sizes, which reshard does not take yet"
+        )
+    strat = parse_strategy(strategy) if strategy else None
+    pol = parse_policy(policy) if policy else None
+    expert_parallel = any(is_expert_buffer(s) for s in plan.buffers)
+    target_ep = ep if ep is not None else (source_ep or 1) if expert_parallel else 1
+    if expert_parallel or target_ep != 1:
+        num = _check_ep(plan, world_size, target_ep, given=ep is not None)
+    if expert_parallel or target_ep > 1:
+        placed = regroup_experts(plan, world_size, target_ep, strategy=strat, policy=pol)
+        sizes = {DEFAULT_GROUP: world_size, EP_GROUP: target_ep, EDP_GROUP: world_size // target_ep}
+        experts = {"ep_size": target_ep, "owners": [list(local_experts(num, target_ep, p)) for p in range(target_ep)]}
+    else:
+        placed = [
+            (spec.resized(world_size, strategy=strat, policy=pol), tuple(range(world_size))) for spec in plan.buffers
+        ]
+        sizes, experts = {DEFAULT_GROUP: world_size}, None
+    buffers, where = [], {}
+    for target, ranks in placed:
+        if cast is not None and target.dtype.is_floating_point:
+            target = dataclasses.replace(target, dtype=cast, param_dtype=cast)
+        try:
+            layout = target.layout
+        except ValueError as e:
+            raise CheckpointError(f"--policy: {e}") from None
+        for i, name in enumerate(target.fqns):
+            where[name] = (layout, i, ranks)
+            if target.placement.mx is not None:
+                try:
+                    check_companions(name, target.shapes[i], target.placement)
+                except ValueError as e:
+                    raise CheckpointError(f"--policy {policy}: {e}") from None
+                for plane, plane_layout in target.companion_layouts.items():  # MX planes: cut on the same blocks
+                    where[mx_key(name, plane)] = (plane_layout, i, ranks)
+        buffers.append(target)
+    return ModelPlan(sizes, tuple(buffers)), where, experts
+
+
+def _check_ep(plan: ModelPlan, world_size: int, ep: int, given: bool) -> int:
+    """The number of experts, after refusing an EP size that cannot place them over
+    ``world_size`` ranks (one line naming the numbers)."""
+    flag = f"--ep {ep}" if given else f"the source's EP size {ep} (pass --ep)"
+    if ep < 1:
+        raise CheckpointError(f"--ep must be >= 1, got {ep}")
+    if world_size % ep:
+        raise CheckpointError(f"{flag} does not divide --world-size {world_size}")
+    num = num_experts_of(s for s in plan.buffers if s.is_expert)
+    if num == 0:
+        raise CheckpointError(f"{flag}: the checkpoint has no experts (expert parallelism needs them)")
+    if ep > num:
+        raise CheckpointError(f"{flag} exceeds the number of experts in the checkpoint, {num}")
+    if num % ep:
+        raise CheckpointError(f"{flag} does not divide the number of experts in the checkpoint, {num}")
+    return num
+
+
+def _plan_jobs(
+    reader: MappedReader,
+    params: dict[str, tuple[Layout, int, tuple[int, ...]]],
+    *,
+    model_only: bool,
+    cast: torch.dtype | None,
+    keep_rng: bool,
+) -> tuple[list[_Job], list[str]]:
+    """Every write: each parameter-shaped tensor cut by its target layout, shard rank r's piece
+    into the file of the global rank holding it; everything else whole into file 0."""
+    jobs, dropped = [], []
+    for key in reader.keys():
+        if model_only and group_of(key) in ("optim", "grad"):
+            dropped.append(key)
+            continue
+        if is_rng(key) and not keep_rng:
+            dropped.append(key)
+            continue
+        if not reader.is_tensor(key):
+            jobs.append(_Job(key, 0))
+            continue
+        key_cast = (
+            cast if cast is not None and group_of(key) == "model" and reader.dtype(key).is_floating_point else None
+        )
+        itemsize = (key_cast or reader.dtype(key)).itemsize
+        name = param_of(key, params)
+        placed = params[name] if name is not None else params.get(key) if mx_plane_of(key) else None
+        layout, index, ranks = placed if placed is not None else (None, 0, ())
+        if layout is None or reader.shape(key) != torch.Size(layout.shapes[index]):  # e.g. Adam's scalar step
+            jobs.append(_Job(key, 0, cast=key_cast, nbytes=reader.shape(key).numel() * itemsize))
+            continue
+        for r in range(layout.group_size):
+            piece = layout.piece(index, r)
+            if piece.numel:
+                jobs.append(_Job(key, ranks[r], piece.start, piece.end, key_cast, piece.numel * itemsize))
+    return jobs, dropped
+
+
+def _run_jobs(
+    src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
+) -> list[ChunkRecord]:
+    """Carry out ``jobs`` (all of them for a set of files that no other worker writes); keys are
+    canonical, read through ``key_map`` and the source's key layout (:class:`MappedReader`)."""
+    records: list[ChunkRecord] = []
+    writer = ChunkFileWriter(tmp)
+    try:
+        with MappedReader(src, key_map) as reader:
+            for job, after in zip(jobs, [*jobs[1:], None]):
+                if job.start is None:
+                    value = reader.read(job.key)
+                    if isinstance(value, torch.Tensor):
+                        if job.cast is not None:
+                            value = value.to(job.cast)
+                        records.append(writer.write_chunk(job.key, value, (0,) * value.dim(), value.shape, job.file))
+                    else:
+                        records.append(writer.write_object(job.key, value, job.file))
+                else:
+                    flat = reader.read_flat(job.key, job.start, job.end)
+                    if job.cast is not None:
+                        flat = flat.to(job.cast)
+                    shape = reader.shape(job.key)
+                    for box in flat_range_to_boxes(shape, job.start, job.end):
+                        records.append(
+                            writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file)
+                        )
+                    del flat
+                report(job.nbytes)
+                if after is None or after.file != job.file:
+                    writer.close_file(job.file)  # done with it: open files stay few, whatever the world size
+    finally:
+        writer.close()
+    return records
+
+
+def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any, key_map: Sequence[KeyRule] = ()) -> None:
+    try:
+        records = _run_jobs(src, tmp, jobs, lambda n: results.put(("progress", wid, n)), key_map)
+        results.put(("done", wid, records))
+    except CheckpointError as e:
+        results.put(("error", wid, str(e)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        traceback.print_exc()  # the details, on the worker's stderr; the parent raises one line
+        results.put(
+            ("error", wid, f"reshard worker {wid}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        )
+
+
+def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
+    """Whole files to workers, largest first onto the least-loaded worker."""
+    per_file: dict[int, list[_Job]] = {}
+    for job in jobs:
+        per_file.setdefault(job.file, []).append(job)
+    workers = max(min(workers, len(per_file)), 1)  # no more workers than files
+    loads = [0] * workers
+    out: list[list[_Job]] = [[] for _ in range(workers)]
+    for file in sorted(per_file, key=lambda f: -sum(j.nbytes for j in per_file[f])):
+        w = loads.index(min(loads))
+        out[w].extend(per_file[file])
+        loads[w] += sum(j.nbytes for j in per_file[file])
+    return [w for w in out if w]
+
+
+def _run_parallel(
+    src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
+) -> list[ChunkRecord]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
+        for w, jobs in enumerate(assignments)
+    ]
+    for p in procs:
+        p.start()
+    records: list[ChunkRecord] = []
+    pending = set(range(len(procs)))
+    try:
+        while pending:
+            try:
+                kind, wid, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for w in pending if not procs[w].is_alive()]
+                if dead:
+                    raise CheckpointError(
+                        f"reshard: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                    ) from None
+                continue
+            if kind == "progress":
+                report(payload)
+            elif kind == "done":
+                records.extend(payload)
+                pending.discard(wid)
+            else:
+                raise CheckpointError(payload)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    return records
+
+
+def reshard(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    world_size: int,
+    ep: int | None = None,
+    strategy: str | None = None,
+    policy: str | None = None,
+    plan_from: str | os.PathLike | None = None,
+    model_only: bool = False,
+    dtype: str | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    key_map: Sequence[str | KeyRule] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> ReshardResult:
+    """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
+    ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
+    (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
+    holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
+    the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
+
+    ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``: FSDP2's ``get_state_dict`` layout,
+    torchtitan's bare FQNs, any ``dcp.save``): its keys are mapped to canonical ones
+    (:mod:`mfsdp_ckpt.read.stock`; ``key_map``: ``OLD=NEW`` prefix renames applied first, e.g.
+    ``'=model.'`` for bare FQNs), its placement plan is ``plan_from``'s or one ``even`` buffer of
+    its ``model.*`` tensors, and the output is a committed canonical checkpoint.
+
+    ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
+    Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
+    another). ``workers`` processes write disjoint target files in parallel. ``progress(done,
+    total)`` is called with bytes. ``dst`` appears only when complete (and replaces an existing
+    one only with ``overwrite``); on any error nothing is left there.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise CheckpointError(f"--world-size must be <= {MAX_WORLD_SIZE}, got {world_size}")
+    if workers < 1:
+        raise CheckpointError(f"--workers must be >= 1, got {workers}")
+    if strategy is not None:
+        try:
+            parse_strategy(strategy)
+        except ValueError as e:
+            raise CheckpointError(f"--strategy: {e}") from None
+    if policy is not None:
+        try:
+            parse_policy(policy)
+        except ValueError as e:
+            raise CheckpointError(f"--policy: {e}") from None
+    cast = None
+    if dtype is not None:
+        if dtype not in CAST_CHOICES:
+            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        cast = dtype_by_name(dtype)
+    rules = parse_key_map(key_map)
+    from mfsdp_ckpt.read.locate import is_mcore
+
+    if not rules and is_mcore(src):  # stacked layers: its keys are not canonical ones
+        raise CheckpointError(
+            f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "
+            f"{world_size}' lays it out for {world_size} ranks"
+        )
+    with MappedReader(src, rules) as reader:
+        mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
+        if mark is not None:
+            raise UncommittedCheckpointError(
+                f"{reader.directory}: no mfsdp.json, but {mark}: a save that never committed, or a deleted manifest"
+            )
+        stock = reader.manifest is None
+        manifest = reader.manifest if not stock else _stock_manifest(reader)
+        source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
+        if stock and plan_from is None:
+            source_plan = _stock_plan(reader)
+        else:
+            source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
+        plan, params, experts = _target_plan(
+            source_plan, world_size, strategy, policy, cast, ep, source_ep or source_plan.group_sizes.get(EP_GROUP)
+        )
+        source_world = manifest.get("writer", {}).get("world_size")
+        jobs, dropped = _plan_jobs(
+            reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size
+        )
+        src_dir = reader.directory
+    files = max([j.file for j in jobs], default=0) + 1
+    out_manifest = {
+        k: v
+        for k, v in manifest.items()
+        if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")
+    }
+    out_manifest["writer"] = writer_layout(world_size, plan, experts)
+    if model_only:
+        out_manifest.update(has_optimizer=False, include_grads=False)
+    out_manifest["resharded_from"] = {
+        "path": src_dir,
+        "save_id": manifest.get("save_id"),
+        "world_size": source_world,
+        "ep_size": source_ep,
+        "model_only": model_only,
+        "dtype": dtype,
+        "format": "stock DCP" if stock else "mfsdp",
+        "key_map": [str(r) for r in rules],
+    }
+    total = sum(j.nbytes for j in jobs)
+    report = progress_adder(progress, total)
+
+    with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
+        assignments = _assign(jobs, workers)
+        if len(assignments) <= 1:
+            records = _run_jobs(src_dir, builder.tmp, assignments[0] if assignments else [], report, rules)
+        else:
+            records = _run_parallel(src_dir, builder.tmp, assignments, report, rules)
+        builder.add_records(records)
+        path = builder.commit()
+        written = builder.bytes_written
+    return ReshardResult(
+        path, world_size, files, len({j.key for j in jobs}), written, dropped, experts["ep_size"] if experts else None
+    )

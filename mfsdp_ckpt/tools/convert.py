@@ -1,0 +1,213 @@
+"""Conversions between a canonical DCP checkpoint and single-file formats other tools read:
+one ``torch.save`` file, or one flat safetensors file. Keys stay canonical (``model.<fqn>``,
+``optim.<fqn>.<state>``, …); tensors are full logical tensors. And one DCP-to-DCP conversion:
+``dcp-fsdp2`` renames the keys to the layout ``get_state_dict`` gives a stock FSDP2 model and
+optimizer, so that ``dcp.load`` + ``set_state_dict`` read it (:func:`write_fsdp2`).
+
+A single file holds everything at once, so these conversions hold the whole checkpoint in memory
+(the format requires it). Reading a DCP checkpoint goes one tensor at a time; writing one uses the
+same committed, checksummed storage as :func:`mfsdp_ckpt.save`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
+from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
+from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.read.mapped import MappedReader
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.read.stock import (
+    KeyRule,
+    apply_key_map,
+    fsdp2_param_group_entries,
+    parse_key_map,
+    to_fsdp2_key,
+)
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.staging import check_destination
+from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
+
+__all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]
+
+FORMATS = ("torch", "safetensors", "dcp", "dcp-fsdp2")
+# safetensors metadata entry holding the non-tensor entries: base64 of a torch.save archive
+# (keeps tuples and other plain types exactly; read back with weights_only=True)
+_OBJECTS_KEY = "mfsdp.objects"
+
+
+def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint as full tensors / objects (verified against the manifest
+    when there is one)."""
+    with CheckpointReader(os.fspath(path)) as reader:
+        keys = reader.keys()
+        out = {}
+        for done, key in enumerate(keys, 1):
+            out[key] = reader.read(key)
+            if progress is not None:
+                progress(done, len(keys))
+        return out
+
+
+def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
+    """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
+    may be an fsspec URL)."""
+    manifest = {
+        "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
+        "model_config": None,
+        "step": None,
+        "converted_from": source,
+        "versions": versions(),
+    }
+    with CheckpointBuilder(path, manifest, sources=(source,) if source else ()) as builder:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                builder.add_tensor(key, value)
+            else:
+                builder.add_object(key, value)
+        return builder.commit()
+
+
+def write_fsdp2(
+    src: str, dst: str, *, key_map: Sequence[KeyRule] = (), progress: Callable[[int, int], None] | None = None
+) -> str:
+    """Write the checkpoint ``src`` as ``dst`` in the key layout of ``get_state_dict`` saved as
+    ``{"model": msd, "optim": osd}`` (:func:`~mfsdp_ckpt.read.stock.to_fsdp2_key`), one entry at a
+    time, committed and checksummed like every checkpoint we write (stock DCP ignores
+    ``mfsdp.json``; ours says ``key_layout: dcp-fsdp2``, so our readers map the keys back).
+    Gradients, MX planes and RNG states are left out; the fp32 main params of a low-precision
+    model become its ``model.<fqn>``. ``key_map`` renames prefixes of the output keys last (e.g.
+    ``'model.='`` for torchtitan's bare FQNs)."""
+    with MappedReader(src) as reader:
+        source = reader.manifest or {}
+        manifest = {
+            "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
+            "model_config": source.get("model_config"),
+            "model_source": source.get("model_source"),
+            "step": source.get("step"),
+            "converted_from": src,
+            "versions": versions(),
+            "key_layout": "dcp-fsdp2",
+        }
+        with CheckpointBuilder(dst, manifest, sources=(src,)) as builder:
+            return _write_fsdp2_entries(reader, builder, key_map, progress)
+
+
+def _write_fsdp2_entries(
+    reader: MappedReader,
+    builder: CheckpointBuilder,
+    key_map: Sequence[KeyRule],
+    progress: Callable[[int, int], None] | None,
+) -> str:
+    """Every entry of ``reader`` under its FSDP2 key into ``builder``, then the commit."""
+    keys = reader.keys()
+    mains = {k for k in keys if k.startswith("optim.") and k.endswith("." + MAIN_PARAM)}
+    for done, key in enumerate(keys, 1):
+        name = fqn_of_model_key(key)
+        if name is not None and optim_key(name, MAIN_PARAM) in mains:
+            continue  # the fp32 main params stand in for the low-precision weights
+        if key == PARAM_GROUPS:
+            for out_key, value in fsdp2_param_group_entries(reader.read(key), reader.directory).items():
+                builder.add_object(apply_key_map(out_key, key_map), value)
+        elif (out_key := to_fsdp2_key(key)) is not None:
+            value = reader.read(key)
+            out_key = apply_key_map(out_key, key_map)
+            if isinstance(value, torch.Tensor):
+                builder.add_tensor(out_key, value)
+            else:
+                builder.add_object(out_key, value)
+            del value
+        if progress is not None:
+            progress(done, len(keys))
+    return builder.commit()
+
+
+def _pack_objects(objects: dict[str, Any]) -> str:
+    buf = io.BytesIO()
+    torch.save(objects, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _unpack_objects(text: str | None, source: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{source}: unreadable '{_OBJECTS_KEY}' metadata ({type(e).__name__})") from None
+
+
+def _read_single_file(src: str) -> dict[str, Any]:
+    """The state in a ``.safetensors`` or ``torch.save`` file (local or fsspec URL)."""
+    try:
+        with fs.open_regular(src) as f:  # a FIFO or a device is refused, never read from
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{src}: cannot read ({e.strerror or e})") from None
+    if src.endswith(".safetensors"):
+        try:
+            state: dict[str, Any] = dict(safetensors_load(data))
+            header_len = int.from_bytes(data[:8], "little")
+            metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        except Exception as e:
+            raise CheckpointError(f"{src}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+        state.update(_unpack_objects(metadata.get(_OBJECTS_KEY), src))
+        return state
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{src}: not a loadable torch file with plain contents ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"{src}: expected a dict with string keys")
+    return state
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str,
+    progress: Callable[[int, int], None] | None = None,
+    key_map: Sequence[str | KeyRule] = (),
+) -> str:
+    """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
+    ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file;
+    ``dcp-fsdp2`` writes a DCP checkpoint in FSDP2's ``get_state_dict`` key layout
+    (:func:`write_fsdp2`; ``key_map`` applies to it only). Either side may be an fsspec URL."""
+    src, dst = fs.normalize(src), fs.normalize(dst)
+    if to not in FORMATS:
+        raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
+    rules = parse_key_map(key_map)
+    if rules and to != "dcp-fsdp2":
+        raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
+    if fs.exists(dst):
+        raise CheckpointExistsError(f"{dst}: already exists")
+    if not fs.is_url(dst) and not fs.is_url(src):
+        check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
+    if to == "dcp-fsdp2":
+        return write_fsdp2(src, dst, key_map=rules, progress=progress)
+    if to == "dcp":
+        if not fs.isfile(src):
+            raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
+        return write_dcp(_read_single_file(src), dst, source=src)
+    state = read_full_state(src, progress)
+    if to == "torch":
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+    else:
+        tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects)})
+    del state
+    fs.write_bytes(dst, data)  # all or nothing
+    return dst

@@ -1,0 +1,108 @@
+"""The checkpoints under a run directory: step, size, committed or not (or a stock DCP checkpoint,
+which has no commit marker), which one is ``latest``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from mfsdp_ckpt.errors import CheckpointError, NotACheckpointError
+from mfsdp_ckpt.format.names import METADATA_NAME
+from mfsdp_ckpt.read.manifest import is_committed, read_manifest
+from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.staging import is_partial_name
+
+__all__ = ["CheckpointEntry", "list_checkpoints"]
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    name: str
+    step: int | None
+    bytes: int
+    committed: bool
+    latest: bool
+    format: str = "mfsdp"  # "mfsdp", "stock DCP" (complete, no mfsdp.json) or "partial" (not committed)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
+    """Every checkpoint directory under ``root`` (committed, stock DCP ones without
+    ``mfsdp.json``, and half-written ``.partial`` ones or ones whose manifest is refused), oldest
+    step first."""
+    from mfsdp_ckpt.format.names import LATEST_NAME
+    from mfsdp_ckpt.read.locate import read_pointer
+
+    root = fs.normalize(root)
+    if not fs.isdir(root):
+        raise NotACheckpointError(f"{root}: no such directory")
+    latest = None
+    pointer = fs.join(root, LATEST_NAME)
+    if fs.isfile(pointer):
+        try:
+            latest = read_pointer(pointer)
+        except CheckpointError:
+            pass  # a damaged pointer names nothing; the checkpoints are still listed
+    entries = []
+    try:
+        names = sorted(fs.listdir(root))
+    except OSError as e:
+        raise NotACheckpointError(f"{root}: cannot list ({e.strerror or e})") from None
+    for name in names:
+        d = fs.join(root, name)
+        if not fs.isdir(d) or (not fs.is_url(d) and os.path.islink(d)):
+            continue  # the latest-checkpoint symlink names a checkpoint listed under its own name
+        committed, step, kind = False, None, "partial"
+        if is_committed(d):
+            try:  # the manifest reader checks every field: a damaged one marks only its own checkpoint
+                step = read_manifest(d).get("step")
+                committed, kind = True, "mfsdp"
+            except CheckpointError:
+                pass
+        elif not (is_partial_name(name) or fs.isfile(fs.join(d, METADATA_NAME))):
+            continue  # not a checkpoint at all
+        elif not is_partial_name(name) and _stock(d):
+            kind = "stock DCP"  # DCP's own save writes .metadata last: complete, but nothing to commit or checksum
+        entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest, kind))
+    entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
+    return entries
+
+
+def _stock(directory: str) -> bool:
+    """Whether a directory with ``.metadata`` and no ``mfsdp.json`` is a stock DCP checkpoint, not
+    one of our saves that never committed (:func:`mfsdp_ckpt.read.stock.uncommitted_reason`)."""
+    from mfsdp_ckpt.format.safety import safe_load_metadata
+    from mfsdp_ckpt.read.metadata_check import checked_metadata
+    from mfsdp_ckpt.read.stock import uncommitted_reason
+
+    path = fs.join(directory, METADATA_NAME)
+    try:
+        metadata = checked_metadata(safe_load_metadata(fs.read_member(directory, METADATA_NAME), path), path)
+    except (OSError, CheckpointError):
+        return False  # unreadable: listed as not committed
+    return uncommitted_reason(directory, metadata) is None
+
+
+def clean_run_dir(root: str | os.PathLike) -> list[str]:
+    """Remove what killed writers left under the run directory ``root`` (``.partial-`` and
+    ``.replaced-`` siblings), holding its writer lock so that no live writer's work is taken
+    (refused while another job writes there). Returns the paths removed. On an object store (no
+    lock there: one writer per prefix is the user's responsibility), the prefixes that hold only
+    files a save writes and no ``mfsdp.json`` (:func:`mfsdp_ckpt.storage.objstore.remove_uncommitted`)."""
+    from mfsdp_ckpt.storage.lock import run_lock
+    from mfsdp_ckpt.storage.staging import remove_leftovers
+
+    root = os.fspath(root)
+    if fs.is_url(root):
+        from mfsdp_ckpt.storage.objstore import remove_uncommitted
+
+        root = fs.normalize(root)
+        if not fs.isdir(root):
+            raise NotACheckpointError(f"{root}: no such directory")
+        return remove_uncommitted(root)
+    if not os.path.isdir(root):
+        raise NotACheckpointError(f"{root}: no such directory")
+    with run_lock(root):
+        return remove_leftovers(os.path.abspath(root))
