@@ -4,7 +4,7 @@ Trains ``bench/ckpt_io.py``'s model (``--layers`` x ``Linear(dim, dim)``, each l
 root ``fully_shard``-ed (ZeRO-3), AdamW) on random inputs. After a warm-up (one window with a
 save, which allocates the staging buffer and is reported apart), each round times, in rotating
 order: a synchronous ``mfsdp_ckpt.save`` of the same state; a window of ``--window`` training
-steps without a save; and the same window right after ``mfsdp_ckpt.sharded.async_save``, ending with
+steps without a save; and the same window right after ``mfsdp_ckpt.async_save``, ending with
 ``handle.result()`` (whatever the background write has not finished by then counts against the
 window). Reports the medians over the rounds, the slowest rank's, of
 
@@ -97,7 +97,7 @@ def measure(
     base_peak = rss_kib("VmHWM")
 
     def save() -> mfsdp_ckpt.AsyncSaveHandle:
-        return mfsdp_ckpt.sharded.async_save(path, model, optim, thread_count=threads)
+        return mfsdp_ckpt.async_save(path, model, optim, thread_count=threads)
 
     clear(run)
     reset_peak_rss()

@@ -9,7 +9,7 @@ stream, or the threads) is what the disk gave a plain reader in this run: the sc
 far above stock DCP's cold read that is, i.e. how much room a load had. "Cold" means the files'
 pages were dropped from the page cache (``posix_fadvise(DONTNEED)`` after an fsync) before reading.
 
-Then ``mfsdp_ckpt.sharded.async_save`` inside a training loop of the same model (``bench/async_train.py``
+Then ``mfsdp_ckpt.async_save`` inside a training loop of the same model (``bench/async_train.py``
 says how), in rounds with ``mfsdp_ckpt.save`` (same disk, same time): the time the call blocks,
 the time the optimizer step waits for the background copy, and the loop's slowdown over the
 steps around the save against a loop without one, each against ``save``'s time (target for the
@@ -90,7 +90,7 @@ def slowest(seconds: float) -> float:
 
 
 def time_async_saves(path: str, model, optim, rounds: int, threads: int, clear) -> dict[str, float]:
-    """``mfsdp_ckpt.sharded.async_save`` inside a training loop of this model, in rounds with a synchronous
+    """``mfsdp_ckpt.async_save`` inside a training loop of this model, in rounds with a synchronous
     ``save`` of the same state and the same training steps without a save (``bench/async_train.py``):
     the call's blocking time, the optimizer step's wait at the fence, the loop's slowdown, each
     against the synchronous save, and this rank's peak extra RSS (bytes)."""

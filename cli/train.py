@@ -658,7 +658,7 @@ class _AsyncSaves:
     def start(self, path: str, *args: Any, **kwargs: Any) -> None:
         """Start saving ``path`` in the background (logged once committed: returns no line now)."""
         self.finish()  # the previous save: committed (logged) or its error raised
-        self.handle, self.logged = mfsdp_ckpt.sharded.async_save(path, *args, **kwargs), False
+        self.handle, self.logged = mfsdp_ckpt.async_save(path, *args, **kwargs), False
 
     def poll(self) -> None:
         """Log the save in flight if it has committed (never blocks, never raises)."""

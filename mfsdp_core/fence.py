@@ -1,6 +1,6 @@
 """Fences: the runtime's in-place writes of a model's state wait while a background reader copies it.
 
-An asynchronous checkpoint (``mfsdp_ckpt.sharded.async_save``) copies the sharded state in a background
+An asynchronous checkpoint (``mfsdp_ckpt.async_save``) copies the sharded state in a background
 thread while training goes on with the next forward and backward, which only read that state. A
 :class:`Fence` held on the model's flat buffers makes every write the runtime does to what is
 being copied wait until the copy is complete, so that the copy is bitwise the state at the moment

@@ -154,7 +154,7 @@ def save(
     the manifest records the plan merged over all ranks and ``writer.experts`` (which EP rank held
     which experts), and ``optim.param_groups`` names every rank's parameters. Returns the
     checkpoint directory. An asynchronous save of this process still in flight
-    (:func:`mfsdp_ckpt.sharded.async_save`) is waited for first (its handle reports its outcome).
+    (:func:`mfsdp_ckpt.async_save`) is waited for first (its handle reports its outcome).
 
     ``path`` may be an fsspec URL (``s3://bucket/run/step_10``): each rank uploads its data file
     straight to that prefix and rank 0 commits by writing ``mfsdp.json`` last; ``overwrite`` first

@@ -23,7 +23,7 @@ from mfsdp_core.fully_shard import buffers_of
 from tests.mfsdp_ckpt.util import owned_pieces, train_steps
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
 
-ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.sharded.async_save`` is the function)
+ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.async_save`` is the function)
 SLOW_COPY_S = 0.6
 
 
@@ -84,7 +84,7 @@ def _mutations(root: str, strategy: str, policy: str, bf16: bool) -> dict:
     try:
         for i, (name, (grads, write)) in enumerate(writes.items()):
             before = _state(model, optim)
-            handle = mfsdp_ckpt.sharded.async_save(os.path.join(root, f"ckpt_{i}"), model, optim, include_grads=grads)
+            handle = mfsdp_ckpt.async_save(os.path.join(root, f"ckpt_{i}"), model, optim, include_grads=grads)
             fenced = [buf.fence is not None for buf in buffers_of(model)]
             write()
             changed = [k for k, v in _state(model, optim).items() if not torch.equal(v, before[k])]
@@ -142,7 +142,7 @@ def test_every_write_of_the_state_waits_for_the_background_copy(ranks, tmp_path,
 def _copy_fails_on(rank_failing: int, run: str) -> dict:
     model, optim = _build("optim_grads", "even", False)
     train_steps(model, optim, 0, 1)
-    mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_1"), model, optim, step=1).result()
+    mfsdp_ckpt.async_save(os.path.join(run, "step_1"), model, optim, step=1).result()
     real_fill = ASYNC.HostStaging.fill
 
     def failing_fill(self, staged):
@@ -152,7 +152,7 @@ def _copy_fails_on(rank_failing: int, run: str) -> dict:
 
     ASYNC.HostStaging.fill = failing_fill
     try:
-        handle = mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_2"), model, optim, step=2)
+        handle = mfsdp_ckpt.async_save(os.path.join(run, "step_2"), model, optim, step=2)
         train_steps(model, optim, 1, 2)  # the step does not wait forever on a failed copy
         try:
             handle.result()
@@ -165,7 +165,7 @@ def _copy_fails_on(rank_failing: int, run: str) -> dict:
         latest = f.read().strip()
     left = sorted(n for n in os.listdir(run) if n not in ("latest", "latest-checkpoint"))
     dist.barrier()  # every rank has looked before rank 0 locks the run directory for step_3
-    handle = mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_3"), model, optim, step=3)  # a new buffer, saved
+    handle = mfsdp_ckpt.async_save(os.path.join(run, "step_3"), model, optim, step=3)  # a new buffer, saved
     handle.result()
     return {"error": error, "latest": latest, "left": left, "released": all(b.fence is None for b in buffers_of(model))}
 
@@ -186,7 +186,7 @@ def test_no_fence_is_left_and_steps_pay_nothing_without_a_save(tmp_path):
     """One process: after the copy, the buffers hold no fence; a step with none waits for nothing."""
     model, optim = _build("optim_grads_params", "even", False)
     train_steps(model, optim, 0, 1)
-    handle = mfsdp_ckpt.sharded.async_save(str(tmp_path / "step_1"), model, optim)
+    handle = mfsdp_ckpt.async_save(str(tmp_path / "step_1"), model, optim)
     handle.wait_staged()
     assert all(buf.fence is None for buf in buffers_of(model))
     train_steps(model, optim, 1, 2)

@@ -26,7 +26,7 @@ from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import failure, read_metrics, run_train
 
-ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.sharded.async_save`` is the function)
+ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.async_save`` is the function)
 STEPS = 20
 
 
@@ -68,7 +68,7 @@ def _train_with_async_saves(run: str) -> dict:
             if handle is not None:
                 fenced.append(handle.fence_s)
             states[step] = owned_pieces(model, optim)  # the state at save time
-            handle = mfsdp_ckpt.sharded.async_save(
+            handle = mfsdp_ckpt.async_save(
                 os.path.join(run, f"step_{step:02d}"), model, optim, extra={"step": step}, step=step
             )
             buffers.add(ASYNC._state.staging._buffer.data_ptr())
@@ -118,7 +118,7 @@ def _sync_and_async(root: str) -> None:
     extra = {"step": 3, "tensor": torch.arange(4.0), "nested": {"lr": [1e-3, 2e-3]}}
     mfsdp_ckpt.save(os.path.join(root, "sync", "step_3"), model, optim, extra=extra, step=3, include_grads=True)
     torch.set_rng_state(rng)
-    handle = mfsdp_ckpt.sharded.async_save(
+    handle = mfsdp_ckpt.async_save(
         os.path.join(root, "async", "step_3"), model, optim, extra=extra, step=3, include_grads=True
     )
     extra["tensor"].add_(1)  # changed after the call: the checkpoint holds the values at the call
@@ -166,32 +166,32 @@ def _failures(run: str) -> dict:
 
     out = {}
     train_steps(model, optim, 0, 1)
-    mfsdp_ckpt.sharded.async_save(path(1), model, optim, step=1).result()
+    mfsdp_ckpt.async_save(path(1), model, optim, step=1).result()
     # a failure reported by the next async_save
     with _full_disk_on_rank(1):
-        failed = mfsdp_ckpt.sharded.async_save(path(2), model, optim, step=2)
+        failed = mfsdp_ckpt.async_save(path(2), model, optim, step=2)
         failed.wait()
     out["after_first"] = (_latest(run), _partials(run), os.path.exists(path(2)))
     try:
-        mfsdp_ckpt.sharded.async_save(path(3), model, optim, step=3)
+        mfsdp_ckpt.async_save(path(3), model, optim, step=3)
         out["next"] = None
     except CheckpointError as e:
         out["next"] = str(e)
     out["not_started"] = os.path.exists(path(3)) or _partials(run) != []
     with pytest.raises(CheckpointError, match="No space left"):
         failed.result()  # the handle still tells, as often as asked
-    mfsdp_ckpt.sharded.async_save(path(3), model, optim, step=3).result()  # called again: saved
+    mfsdp_ckpt.async_save(path(3), model, optim, step=3).result()  # called again: saved
     out["after_retry"] = _latest(run)
     # a failure reported by result(): the next async_save does not raise it again
     with _full_disk_on_rank(0):
-        failed = mfsdp_ckpt.sharded.async_save(path(4), model, optim, step=4)
+        failed = mfsdp_ckpt.async_save(path(4), model, optim, step=4)
         try:
             failed.result()
             out["result"] = None
         except CheckpointError as e:
             out["result"] = str(e)
     out["after_second"] = (_latest(run), _partials(run), os.path.exists(path(4)))
-    mfsdp_ckpt.sharded.async_save(path(5), model, optim, step=5).result()
+    mfsdp_ckpt.async_save(path(5), model, optim, step=5).result()
     out["last"] = _latest(run)
     return out
 
@@ -234,10 +234,10 @@ def _one_in_flight(run: str) -> dict:
 
     CommittingWriter.write_data = slow
     try:
-        first = mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_1"), model, optim, step=1)
+        first = mfsdp_ckpt.async_save(os.path.join(run, "step_1"), model, optim, step=1)
         first_blocked = first.blocked_s
         train_steps(model, optim, 1, 2)  # training goes on while step 1 is written
-        second = mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_2"), model, optim, step=2)
+        second = mfsdp_ckpt.async_save(os.path.join(run, "step_2"), model, optim, step=2)
         seen = {
             "first_done": first.done(),
             "latest": _latest(run),
@@ -246,7 +246,7 @@ def _one_in_flight(run: str) -> dict:
         second.result()
         seen["latest_after"] = _latest(run)
         # a synchronous save waits for the save in flight too
-        third = mfsdp_ckpt.sharded.async_save(os.path.join(run, "step_3"), model, optim, step=3)
+        third = mfsdp_ckpt.async_save(os.path.join(run, "step_3"), model, optim, step=3)
         mfsdp_ckpt.save(os.path.join(run, "step_4"), model, optim, step=4)
         seen["third_done_before_sync"] = third.done()
         seen["third"] = third.result()
@@ -290,7 +290,7 @@ def _refusals(run: str) -> list:
     ]
     for path, kwargs in cases:
         said = []
-        for fn in (mfsdp_ckpt.save, mfsdp_ckpt.sharded.async_save):
+        for fn in (mfsdp_ckpt.save, mfsdp_ckpt.async_save):
             try:
                 fn(path, model, optim, **kwargs)
                 said.append(None)
