@@ -298,6 +298,7 @@ def s3_main(args: argparse.Namespace) -> None:
     import io
 
     from mfsdp_ckpt.storage import fs
+    from mfsdp_ckpt.storage.remote import filesystem
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -309,7 +310,7 @@ def s3_main(args: argparse.Namespace) -> None:
     payload = buf.getvalue()
     total = torch.tensor([len(payload)], dtype=torch.float64)
     dist.all_reduce(total)
-    store, base = fs._fs(root)
+    store, base = filesystem(root)
     plain = f"{base}/plain.{rank}"
     ours = f"{root}/run/step_1"
 

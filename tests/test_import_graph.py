@@ -156,6 +156,43 @@ def test_the_checkpoint_layers_import_downwards_only():
     assert not upward, "; ".join(upward)
 
 
+def test_every_imported_name_exists():
+    """Every ``from <project module> import name`` anywhere in the project, tests and benchmarks
+    included (function-level imports too, which run only when their function does), names
+    something the module has: a moved or renamed symbol fails here, not in the one run that
+    reaches it."""
+    import importlib
+
+    missing = []
+    for directory in (*PACKAGES, "tests", "bench", "fixtures"):
+        for folder, _, files in os.walk(os.path.join(ROOT, directory)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read(), path)
+                package = os.path.relpath(folder, ROOT).split(os.sep)
+                for node in ast.walk(tree):
+                    if not isinstance(node, ast.ImportFrom):
+                        continue
+                    if node.level:
+                        base = package[: len(package) - (node.level - 1)]
+                        target = ".".join(base + ([node.module] if node.module else []))
+                    else:
+                        target = node.module or ""
+                    if target.split(".")[0] not in PACKAGES:
+                        continue
+                    module = importlib.import_module(target)
+                    for alias in node.names:
+                        if alias.name != "*" and not hasattr(module, alias.name):
+                            try:
+                                importlib.import_module(f"{target}.{alias.name}")
+                            except ImportError:
+                                missing.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {target}.{alias.name}")
+    assert not missing, "; ".join(missing)
+
+
 def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]

@@ -75,9 +75,9 @@ _ALIASES = {
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of MCore arguments in ``path`` (a small local file)."""
-    from mfsdp_ckpt.read.locate import _read_small
+    from mfsdp_ckpt.read.locate import read_small_file
 
-    text = _read_small(os.fspath(path), "config")
+    text = read_small_file(os.fspath(path), "config")
     try:
         value = json.loads(text)
     except ValueError as e:
