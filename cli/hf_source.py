@@ -131,7 +131,7 @@ class HFSource(ModelSource):
         self.cls = _class_of(self.hf_config, config, where)
         self.config_dict = {**config, "architectures": [self.cls.__name__]}
         self.model_type = self.hf_config.model_type
-        self.files = dict(files or {})
+        self._carry(files or {})
         with torch.device("meta"):
             meta = self._new_model()
         try:
@@ -215,20 +215,20 @@ class HFSource(ModelSource):
             "files": sorted(self.files),
         }
 
-    def extra(self) -> dict[str, Any]:
-        if not self.files:
-            return {}
-        return {
-            FILES_EXTRA: {
-                n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-                for n, b in self.files.items()
-            }
+    def _carry(self, files: dict[str, bytes]) -> None:
+        """Keep the carried files as the byte tensors every checkpoint stores (made once, not per save)."""
+        self.files: dict[str, torch.Tensor] = {
+            n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+            for n, b in files.items()
         }
+
+    def extra(self) -> dict[str, Any]:
+        return {FILES_EXTRA: self.files} if self.files else {}
 
     def resumed(self, extra: dict[str, Any]) -> None:
         files = extra.get(FILES_EXTRA)
         if isinstance(files, dict):
-            self.files = {str(n): bytes(t.numpy().tobytes()) for n, t in files.items() if isinstance(t, torch.Tensor)}
+            self.files = {str(n): t for n, t in files.items() if isinstance(t, torch.Tensor) and t.dtype == torch.uint8}
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         record = model_source_of(manifest) or {}

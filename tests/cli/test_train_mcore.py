@@ -30,16 +30,19 @@ ARGS = {
 COMMON = ("--steps", "4", "--batch-size", "4", "--seq-len", "16", "--log-every", "10")
 
 
-def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
+def _stop_at_2_on_2_ranks_then_resume_on_1(tmp_path, *options: str):
+    """The MoE model trained with EP 2 on 2 ranks to step 2 (a checkpoint), then resumed on 1 rank
+    from the record alone to step 4; returns (config file, checkpoint directory, the 2-rank run)."""
     config = tmp_path / "gpt.json"
-    config.write_text(json.dumps(ARGS))
-    ckpt, whole = tmp_path / "ckpt", tmp_path / "whole.jsonl"
+    config.write_text(json.dumps(ARGS))  # every linear has whole 32-element blocks (for --mxfp8)
+    ckpt = tmp_path / "ckpt"
     run = run_train(
         2,
         "--mcore-config",
         str(config),
         "--ep",
         "2",
+        *options,
         *COMMON,
         "--stop-at",
         "2",
@@ -51,13 +54,21 @@ def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
         str(tmp_path / "a.jsonl"),
     )
     assert run.returncode == 0, failure(run)
+    resumed = run_train(
+        1, *options, *COMMON, "--ckpt-dir", str(ckpt), "--resume", "--metrics", str(tmp_path / "b.jsonl")
+    )
+    assert resumed.returncode == 0, failure(resumed)
+    assert "resumed from" in resumed.stdout and "finished: step 4 of 4" in resumed.stdout
+    return config, ckpt, run
+
+
+def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
+    config, ckpt, run = _stop_at_2_on_2_ranks_then_resume_on_1(tmp_path)
+    whole = tmp_path / "whole.jsonl"
     assert "model gpt.json (megatron-core), 33,184 parameters, world size 2, EP 2" in run.stdout
     manifest = read_manifest(str(ckpt / "step_000002"))
     assert manifest["model_source"]["kind"] == "megatron-core" and manifest["model_source"]["args"] == ARGS
     assert manifest["model_config"]["num_experts"] == 4
-    resumed = run_train(1, *COMMON, "--ckpt-dir", str(ckpt), "--resume", "--metrics", str(tmp_path / "b.jsonl"))
-    assert resumed.returncode == 0, failure(resumed)
-    assert "resumed from" in resumed.stdout and "finished: step 4 of 4" in resumed.stdout
     straight = run_train(1, "--mcore-config", str(config), *COMMON, "--metrics", str(whole))
     assert straight.returncode == 0, failure(straight)
     got = {**read_metrics(tmp_path / "a.jsonl"), **read_metrics(tmp_path / "b.jsonl")}
@@ -262,28 +273,7 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     "options", [("--mxfp8",), ("--optimizer", "muon", "--policy", "tensor")], ids=["mxfp8", "muon"]
 )
 def test_mcore_moe_with_mxfp8_or_muon_resumes_at_another_world_size(options, tmp_path):
-    config = tmp_path / "gpt.json"
-    config.write_text(json.dumps(ARGS))  # every linear has whole 32-element blocks
-    ckpt = tmp_path / "ckpt"
-    run = run_train(
-        2,
-        "--mcore-config",
-        str(config),
-        "--ep",
-        "2",
-        *options,
-        *COMMON,
-        "--stop-at",
-        "2",
-        "--ckpt-dir",
-        str(ckpt),
-        "--save-every",
-        "2",
-    )
-    assert run.returncode == 0, failure(run)
-    resumed = run_train(1, *options, *COMMON, "--ckpt-dir", str(ckpt), "--resume")
-    assert resumed.returncode == 0, failure(resumed)
-    assert "finished: step 4 of 4" in resumed.stdout
+    _, ckpt, _ = _stop_at_2_on_2_ranks_then_resume_on_1(tmp_path, *options)
     if options == ("--mxfp8",):  # MX planes for MCore's linears (attention, dense MLP, each expert), under our names
         from mfsdp_ckpt.read.reader import CheckpointReader
 
