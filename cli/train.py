@@ -277,7 +277,7 @@ def check_args(args: argparse.Namespace, world: int) -> ModelSource:
 def check_writable_dir(path: str, flag: str) -> None:
     """Raise unless ``path`` is, or could be created as, a directory this process may write. An
     object-store URL: its bucket exists and a probe object can be written and deleted there."""
-    if mfsdp_fs.is_url(path):
+    if not mfsdp_fs.is_local(path):
         try:
             check_writable_prefix(path)
         except mfsdp_ckpt.CheckpointError as e:
@@ -435,7 +435,7 @@ def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
     object store has no lock: one job per prefix is the user's responsibility."""
     if not args.ckpt_dir:
         return
-    if mfsdp_fs.is_url(args.ckpt_dir):
+    if not mfsdp_fs.is_local(args.ckpt_dir):
         if not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
             _refuse_held(args)
         return

@@ -16,7 +16,8 @@ from mfsdp_ckpt.errors import (
 from mfsdp_ckpt.format.names import LATEST_LINK_NAME, LATEST_NAME
 from mfsdp_ckpt.read.locate import resolve_checkpoint
 from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_save
-from mfsdp_ckpt.sharded.checkpoint import load, save
+from mfsdp_ckpt.sharded.load import load
+from mfsdp_ckpt.sharded.save import save
 from mfsdp_ckpt.storage.lock import RunLockedError, run_lock
 
 __all__ = [

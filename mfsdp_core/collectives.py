@@ -37,6 +37,7 @@ __all__ = [
     "all_reduce_sum",
     "all_to_all_rows",
     "exchange_counts",
+    "gather_objects",
     "rank0_decides",
     "rank_and_world",
 ]
@@ -198,6 +199,16 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (``[value]`` outside a process group). Collective;
+    between our own ranks only (pickled objects never come from a file)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def rank0_decides(fn: Callable[..., T], *args: Any, group: dist.ProcessGroup | None = None) -> T:

@@ -543,15 +543,14 @@ def export(
         )
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
-    if fs.is_url(out):
+    if not fs.is_local(out):
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
     final = os.path.abspath(os.fspath(out))
     if isinstance(dtype, str):
         if dtype not in CAST_CHOICES:
             raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         dtype = dtype_by_name(dtype)
-    sources = () if fs.is_url(source) else (source,)
-    check_destination(final, overwrite=overwrite, kind="hf", sources=sources)  # refuse early, on every rank
+    check_destination(final, overwrite=overwrite, kind="hf", sources=(source,))  # refuse early, on every rank
     max_bytes = parse_size(max_shard_size)
     workers = check_workers(workers)
     with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
@@ -560,7 +559,7 @@ def export(
             plan=_plan(reader, source, arch, dtype, max_bytes, mode),
             final=final,
             overwrite=overwrite,
-            sources=sources,
+            sources=(source,),
             lock=lock,
             progress=progress,
             start=start,

@@ -318,8 +318,7 @@ def import_mcore(
             from mfsdp_ckpt.sharded.reshard import reshard
             from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path
 
-            if not fs.is_url(final):
-                check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
+            check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
             tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed import: `ls --clean` removes it
             try:
                 _, total = _write(source, plan, tmp, False, progress)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -21,6 +21,7 @@ from torch.futures import Future
 
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.boxes import box_view, narrow
+from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.names import METADATA_NAME
 from mfsdp_ckpt.format.safety import safe_load_metadata
 from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, chunk_shapes
@@ -33,6 +34,7 @@ from mfsdp_ckpt.read.staged_read import (
     read_verified,
     verify_chunks,
 )
+from mfsdp_ckpt.read.stock import KeyRule, canonical_names, is_stock
 from mfsdp_ckpt.storage import fs
 
 __all__ = ["VerifyingReader"]
@@ -55,13 +57,31 @@ class VerifyingReader(FileSystemReader):
     Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
     rank has read everything, so a failed load changes nothing. A local checkpoint's plain tensor
     records are held as verified file ranges, read again into their targets by :meth:`apply`
-    (:func:`~mfsdp_ckpt.read.staged_read.verify_chunks`); the data files stay open until :meth:`close`."""
+    (:func:`~mfsdp_ckpt.read.staged_read.verify_chunks`); the data files stay open until :meth:`close`.
 
-    def __init__(self, path: str, manifest: dict[str, Any] | None, *, thread_count: int = DEFAULT_READ_THREADS) -> None:
+    With ``canonical`` (what ``load`` asks for), entries are shown under canonical keys: a stock
+    checkpoint's through its key layout, any one through ``key_map``'s rules (:mod:`mfsdp_ckpt.read.stock`), so that everything after
+    :meth:`read_metadata` (key checks, DCP's planner, the chunk reads) sees canonical names; the
+    stored bytes are found by their file and offset, which do not change. ``group_parts`` lists a
+    stock checkpoint's ``optim.param_groups.<…>`` entries, kept under their stored names, which
+    together make ``optim.param_groups`` (:func:`~mfsdp_ckpt.read.stock.stock_param_groups`)."""
+
+    def __init__(
+        self,
+        path: str,
+        manifest: dict[str, Any] | None,
+        *,
+        thread_count: int = DEFAULT_READ_THREADS,
+        canonical: bool = False,
+        key_map: Sequence[KeyRule] = (),
+    ) -> None:
         super().__init__(path)
         self.dir = str(path)
         self.thread_count = thread_count
         self.manifest = manifest
+        self.canonical = canonical
+        self.key_map = tuple(key_map)
+        self.group_parts: list[str] = []
         self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
         self.pending: list[tuple[Any, torch.Tensor | _Deferred]] = []
         self.files: ChunkFiles | None = None
@@ -125,7 +145,8 @@ class VerifyingReader(FileSystemReader):
         return out
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checked metadata (read once: ``dcp.load`` asks again and gets the same object)."""
+        """The checked metadata, under canonical keys when asked (read once: ``dcp.load`` asks
+        again and gets the same object)."""
         if self._metadata is not None:
             return self._metadata
         path = fs.join(self.dir, METADATA_NAME)
@@ -138,10 +159,39 @@ class VerifyingReader(FileSystemReader):
         if problem is not None:
             raise CorruptCheckpointError(f"{path}: {problem}")
         metadata = checked_metadata(metadata, path)
+        if self.canonical:
+            metadata = self._canonical(metadata)
         self.chunk_shapes = chunk_shapes(metadata)
         self.stored = stored_by_key(metadata)
         self._metadata = metadata
         return metadata
+
+    def _canonical(self, metadata: Metadata) -> Metadata:
+        """``metadata`` with its entries renamed to canonical keys (the same object when nothing
+        is renamed: a canonical checkpoint and no rules); the manifest's checksums follow their
+        chunks to the new names."""
+        names = canonical_names(metadata.state_dict_metadata, self.key_map, stock_layout=is_stock(self.manifest))
+        self.group_parts = names.group_parts
+        renamed = {src: dst for dst, src in names.sources.items() if src != dst}
+        if not renamed:
+            return metadata
+        if self.manifest_chunks is not None:
+            moved = {
+                chunk_id(old): chunk_id(MetadataIndex(renamed[old.fqn], old.offset, old.index))
+                for old in metadata.storage_data
+                if old.fqn in renamed
+            }
+            self.manifest_chunks = {moved.get(cid, cid): entry for cid, entry in self.manifest_chunks.items()}
+        return Metadata(
+            state_dict_metadata={renamed.get(k, k): v for k, v in metadata.state_dict_metadata.items()},
+            planner_data=metadata.planner_data,
+            storage_data={
+                MetadataIndex(renamed.get(i.fqn, i.fqn), i.offset, i.index): info
+                for i, info in metadata.storage_data.items()
+            },
+            storage_meta=metadata.storage_meta,
+            version=metadata.version,
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_chunk: dict[MetadataIndex, list] = {}

@@ -107,7 +107,7 @@ def is_mcore(path: str | os.PathLike) -> bool:
     ``metadata.json`` naming a ``sharded_backend``). Cheap; reads nothing else."""
     try:
         directory = fs.normalize(path)
-        if fs.is_url(directory) or not fs.isdir(directory):
+        if not fs.is_local(directory) or not fs.isdir(directory):
             return False
         meta = fs.join(directory, MCORE_METADATA_NAME)
         if not fs.isfile(meta):

@@ -13,15 +13,9 @@ import torch
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.read.stock import KeyRule, canonical_names, stock_param_groups
+from mfsdp_ckpt.read.stock import KeyRule, canonical_names, is_stock, stock_param_groups
 
-__all__ = ["MappedReader", "is_stock", "map_reader_keys"]
-
-
-def is_stock(manifest: dict[str, Any] | None) -> bool:
-    """Whether entries are named in the stock ``get_state_dict`` layout: a checkpoint without
-    ``mfsdp.json``, or one ``convert --to dcp-fsdp2`` wrote (its manifest says so)."""
-    return manifest is None or manifest.get("key_layout") == "dcp-fsdp2"
+__all__ = ["MappedReader"]
 
 
 class MappedReader:
@@ -86,44 +80,3 @@ class MappedReader:
 
     def read_flat(self, key: str, start: int, end: int) -> torch.Tensor:
         return self.raw.read_flat(self.source_key(key), start, end)
-
-
-def map_reader_keys(reader: Any, key_map: Sequence[KeyRule], manifest: dict[str, Any] | None) -> list[str]:
-    """For ``load``: rename the entries of ``reader`` (a :class:`~mfsdp_ckpt.read.dcp_reader.VerifyingReader`
-    whose metadata was read) to canonical keys, in place, so that everything after it (key
-    checks, DCP's planner, the chunk reads) sees canonical names; the stored bytes are found by
-    their file and offset, which do not change. Returns the stored ``optim.param_groups.<…>``
-    entries of a stock checkpoint, kept under their stored names, which together make
-    ``optim.param_groups`` (:func:`~mfsdp_ckpt.read.stock.stock_param_groups`). Nothing is renamed
-    when there is nothing to rename (a canonical checkpoint and no rules)."""
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
-    from mfsdp_ckpt.format.checksum import chunk_id
-    from mfsdp_ckpt.read.chunks import chunk_shapes
-    from mfsdp_ckpt.read.metadata_check import stored_by_key
-
-    metadata = reader.read_metadata()
-    names = canonical_names(metadata.state_dict_metadata, key_map, stock_layout=is_stock(manifest))
-    renamed = {src: dst for dst, src in names.sources.items() if src != dst}
-    if not renamed:
-        return names.group_parts
-    md = Metadata(
-        state_dict_metadata={renamed.get(k, k): v for k, v in metadata.state_dict_metadata.items()},
-        planner_data=metadata.planner_data,
-        storage_data={
-            MetadataIndex(renamed.get(i.fqn, i.fqn), i.offset, i.index): info
-            for i, info in metadata.storage_data.items()
-        },
-        storage_meta=metadata.storage_meta,
-        version=metadata.version,
-    )
-    if reader.manifest_chunks is not None:  # the checksums follow their chunks to the new names
-        table = reader.manifest_chunks
-        moved = {
-            chunk_id(old): chunk_id(MetadataIndex(renamed[old.fqn], old.offset, old.index))
-            for old in metadata.storage_data
-            if old.fqn in renamed
-        }
-        reader.manifest_chunks = {moved.get(cid, cid): entry for cid, entry in table.items()}
-    reader._metadata, reader.chunk_shapes, reader.stored = md, chunk_shapes(md), stored_by_key(md)
-    return names.group_parts

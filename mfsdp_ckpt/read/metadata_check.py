@@ -226,12 +226,15 @@ def chunk_nbytes(dtype: torch.dtype, sizes: Iterable[int]) -> int:
     return math.prod(sizes) * dtype.itemsize
 
 
-def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME) -> list[Fault]:
+def entry_faults(
+    key: str, md: Any, stored: Stored, source: str = METADATA_NAME, *, check_coverage: bool = True
+) -> list[Fault]:
     """What is wrong with entry ``key`` of checked metadata (``md`` its storage metadata,
     ``stored`` its stored chunks), in this order: chunks not covering the tensor exactly once
     (:func:`~mfsdp_ckpt.read.chunks.coverage_faults`, file None), then, in ``source``: stored chunks
     the chunk list lacks, listed chunks with nothing stored, chunks whose elements do not fit in
-    their stored bytes; for an object, anything but one stored record. Empty: sound."""
+    their stored bytes; for an object, anything but one stored record. Empty: sound.
+    ``check_coverage=False``: the caller already checked the coverage (``load`` does while it plans)."""
     if isinstance(md, BytesStorageMetadata):
         records = [index for index, _ in stored if index.offset is None]
         faults = [
@@ -242,7 +245,7 @@ def entry_faults(key: str, md: Any, stored: Stored, source: str = METADATA_NAME)
         if len(records) != 1:
             faults.append(Fault(source, key, None, "nothing stored" if not records else f"stored {len(records)} times"))
         return faults
-    faults = coverage_faults(key, md)
+    faults = coverage_faults(key, md) if check_coverage else []
     listed = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
     offsets = set()
     for index, info in stored:

@@ -28,6 +28,7 @@ __all__ = [
     "KeyRule",
     "parse_key_map",
     "apply_key_map",
+    "is_stock",
     "StockNames",
     "canonical_names",
     "stock_param_groups",
@@ -79,6 +80,12 @@ def apply_key_map(key: str, rules: Sequence[KeyRule]) -> str:
         if key.startswith(rule.old):
             return rule.new + key[len(rule.old) :]
     return key
+
+
+def is_stock(manifest: dict[str, Any] | None) -> bool:
+    """Whether entries are named in the stock ``get_state_dict`` layout: a checkpoint without
+    ``mfsdp.json``, or one ``convert --to dcp-fsdp2`` wrote (its manifest says so)."""
+    return manifest is None or manifest.get("key_layout") == "dcp-fsdp2"
 
 
 @dataclass

@@ -2,12 +2,12 @@
 
 ``async_save`` does everything ``save`` does before writing in the calling thread (every refusal,
 the destination's checks, the run directory's lock, the entries and the manifest: the same code,
-:func:`~mfsdp_ckpt.sharded.checkpoint.prepare_save`), copies the small values (RNG states, extras, the
+:func:`~mfsdp_ckpt.sharded.save.prepare_save`), copies the small values (RNG states, extras, the
 optimizer's groups and scalars) and returns a :class:`AsyncSaveHandle`. A background thread then
 copies the sharded state (weights, main params, optimizer state, planes, gradients) into a host
 staging buffer (:class:`HostStaging`; the only part that grows with the state), runs DCP's save
 on the staged copy with our writer, planner, manifest and commit
-(:func:`~mfsdp_ckpt.sharded.checkpoint.write_and_commit`), moves ``latest`` and prunes, exactly as
+(:func:`~mfsdp_ckpt.sharded.save.write_and_commit`), moves ``latest`` and prunes, exactly as
 ``save`` does; the result is indistinguishable from a synchronous checkpoint of the state at the
 call.
 
@@ -49,15 +49,16 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_ckpt.sharded import checkpoint as _checkpoint
-from mfsdp_ckpt.sharded.checkpoint import check_save_arguments, prepare_save, write_and_commit
+from mfsdp_ckpt.sharded.agreement import agreed
+from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
+from mfsdp_ckpt.sharded.save import check_save_arguments, prepare_save, write_and_commit
 from mfsdp_ckpt.sharded.state import FlatEntry
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
 from mfsdp_core.fully_shard import buffers_of
 
-__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes", "wait_for_async_save"]
+__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes"]
 
 GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
 _ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
@@ -312,11 +313,11 @@ class _StagedSavePlanner(MfsdpSavePlanner):
 
 
 class _AsyncState:
-    """This process's asynchronous saving: the staging buffer and the save in flight."""
+    """This process's asynchronous saving: the staging buffer (the save in flight is in
+    :mod:`mfsdp_ckpt.sharded.in_flight`)."""
 
     def __init__(self) -> None:
         self.staging = HostStaging()
-        self.in_flight: AsyncSaveHandle | None = None
 
 
 _state = _AsyncState()
@@ -325,16 +326,6 @@ _state = _AsyncState()
 def staging_bytes() -> int:
     """Bytes of this process's staging buffer (what asynchronous saving holds between saves)."""
     return _state.staging.nbytes
-
-
-def wait_for_async_save() -> None:
-    """Wait for this process's asynchronous save in flight, if any, without raising (its
-    handle reports the outcome). ``save`` calls it first."""
-    if _state.in_flight is not None:
-        _state.in_flight.wait()
-
-
-_checkpoint._before_save.append(wait_for_async_save)
 
 
 def _checkpoint_group() -> dist.ProcessGroup | None:
@@ -414,10 +405,10 @@ def async_save(
     started = time.perf_counter()
     check_save_arguments(path, keep)
     group = _checkpoint_group()
-    previous = _state.in_flight
+    previous = in_flight()
     if previous is not None:
         previous.wait()
-        _state.in_flight = None
+        set_in_flight(None)
         if previous._error is not None and not previous._reported:
             previous._reported = True
             raise CheckpointError(
@@ -443,7 +434,7 @@ def async_save(
             run_config=run_config,
             model_source=model_source,
         )
-        staged = _checkpoint._agreed(lambda: _stage(job))
+        staged = agreed(lambda: _stage(job))
         fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:
         lock.close()
@@ -485,7 +476,7 @@ def async_save(
         lock.close()
         raise
     handle.call_s = time.perf_counter() - started
-    _state.in_flight = handle
+    set_in_flight(handle)
     return handle
 
 
@@ -504,7 +495,7 @@ def _fill(staged: _Staged, planner: _StagedSavePlanner, final: str) -> None:
 def _stage(job: Any) -> _Staged:
     """Stage ``job``'s entries (the buffer allocated, the small values copied; the flat ranges
     are left to the background); a failure (no memory for the buffer) as a :class:`CheckpointError`,
-    which ``_agreed`` raises on every rank (none goes on into the background collectives alone)."""
+    which ``agreed`` raises on every rank (none goes on into the background collectives alone)."""
     try:
         return _state.staging.stage(job.entries)
     except CheckpointError:

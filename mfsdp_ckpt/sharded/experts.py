@@ -8,7 +8,7 @@ the EP size. What one rank knows (its placement plan, its optimizer's groups) co
 experts: a save gathers them from every rank and merges them, so that the manifest and
 ``optim.param_groups`` describe the whole model.
 
-Pure functions of plain data except :func:`gather_objects` (one ``all_gather_object``).
+Pure functions of plain data.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index, local_experts
@@ -26,7 +25,6 @@ from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan
 from mfsdp_core.strategy import Strategy
 
 __all__ = [
-    "gather_objects",
     "merge_plans",
     "experts_entry",
     "merge_param_groups",
@@ -36,16 +34,6 @@ __all__ = [
     "regroup_experts",
     "ep_owner_ranks",
 ]
-
-
-def gather_objects(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (``[value]`` outside a process group). Collective;
-    between our own ranks only (pickled objects never come from a file)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # ---- save: the global plan -------------------------------------------------------------------

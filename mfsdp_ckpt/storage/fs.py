@@ -9,6 +9,7 @@ writing ``mfsdp.json`` last, and readers refuse a prefix without it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -20,11 +21,13 @@ from typing import IO, Any
 
 from mfsdp_ckpt.errors import UnsafeCheckpointError
 from mfsdp_ckpt.format.names import member_name_problem
+from mfsdp_ckpt.storage.paths import is_url
 from mfsdp_ckpt.storage.remote import filesystem, upload
 from mfsdp_ckpt.storage.staging import write_file_atomic
 
 __all__ = [
     "is_url",
+    "is_local",
     "join",
     "dirname",
     "normalize",
@@ -39,6 +42,10 @@ __all__ = [
     "file_size",
     "tree_size",
     "remove_tree",
+    "remove_file",
+    "basename",
+    "islink",
+    "supports_symlinks",
     "FileSlice",
     "OutsideCheckpointError",
     "member_path",
@@ -48,10 +55,10 @@ __all__ = [
 ]
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    """True for an fsspec URL other than ``file://``."""
-    p = os.fspath(path)
-    return "://" in p and not p.startswith("file://")
+def is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is on this machine's file system: where renames are atomic, files are
+    fsync-ed, run directories are locked and keep a symlink. An object store has none of these."""
+    return not is_url(path)
 
 
 def normalize(path: str | os.PathLike) -> str:
@@ -68,6 +75,20 @@ def join(base: str, *parts: str) -> str:
 
 def dirname(path: str) -> str:
     return posixpath.dirname(path) if is_url(path) else os.path.dirname(path)
+
+
+def basename(path: str) -> str:
+    return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
+
+
+def islink(path: str) -> bool:
+    """Whether ``path`` is a symlink (never on an object store, which has none)."""
+    return not is_url(path) and os.path.islink(path)
+
+
+def supports_symlinks(path: str) -> bool:
+    """Whether ``path`` is on a local file system, where run directories keep a symlink too."""
+    return not is_url(path)
 
 
 def exists(path: str) -> bool:
@@ -156,6 +177,17 @@ def _lsize(path: str) -> int:
         return os.lstat(path).st_size
     except OSError:
         return 0
+
+
+def remove_file(path: str) -> None:
+    """Remove one file (nothing when there is none)."""
+    if not is_url(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    fs, p = filesystem(path)
+    if fs.exists(p):
+        fs.rm(p)
 
 
 def remove_tree(path: str) -> None:

@@ -26,6 +26,7 @@ from mfsdp_ckpt.format.names import (
     PARTIAL_MARK,
     REPLACED_MARK,
 )
+from mfsdp_ckpt.storage.paths import is_url
 from mfsdp_ckpt.storage.write_errors import write_failed
 
 __all__ = [
@@ -137,8 +138,11 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
     one is replaced only when it is empty or what the writer writes (``kind``: ``"checkpoint"``, a
     DCP checkpoint directory; ``"hf"``, a Hugging Face model directory; ``"file"``, a regular
     file), is not a symbolic link, contains no source, and holds no other checkpoint (a run
-    directory).
-    Local paths only."""
+    directory). For a local destination; one on an object store is checked where it is written
+    (:mod:`mfsdp_ckpt.storage.objstore`), and a source there cannot overlap a local one."""
+    if is_url(final):
+        return
+    sources = tuple(s for s in sources if not is_url(s))
     final = os.path.abspath(final)
     if os.path.lexists(final) and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")

@@ -191,8 +191,7 @@ def convert(
         raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
-    if not fs.is_url(dst) and not fs.is_url(src):
-        check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
+    check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
     if to == "dcp-fsdp2":
         return write_fsdp2(src, dst, key_map=rules, progress=progress)
     if to == "dcp":

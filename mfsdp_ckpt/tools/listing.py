@@ -52,7 +52,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         raise NotACheckpointError(f"{root}: cannot list ({e.strerror or e})") from None
     for name in names:
         d = fs.join(root, name)
-        if not fs.isdir(d) or (not fs.is_url(d) and os.path.islink(d)):
+        if not fs.isdir(d) or fs.islink(d):
             continue  # the latest-checkpoint symlink names a checkpoint listed under its own name
         committed, step, kind = False, None, "partial"
         if is_committed(d):
@@ -95,7 +95,7 @@ def clean_run_dir(root: str | os.PathLike) -> list[str]:
     from mfsdp_ckpt.storage.staging import remove_leftovers
 
     root = os.fspath(root)
-    if fs.is_url(root):
+    if not fs.is_local(root):
         from mfsdp_ckpt.storage.objstore import remove_uncommitted
 
         root = fs.normalize(root)

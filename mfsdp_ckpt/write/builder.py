@@ -154,7 +154,7 @@ class ChunkFileWriter:
         with reporting(f.path, [f]):
             try:
                 f.flush()
-                if self.sync and not fs.is_url(self.directory):
+                if self.sync and fs.is_local(self.directory):
                     os.fsync(f.fileno())
                 f.close()
             except BaseException:
@@ -195,7 +195,7 @@ class CheckpointBuilder:
         sources: Sequence[str | os.PathLike] = (),
     ) -> None:
         self.final = fs.normalize(path)
-        self.remote = fs.is_url(self.final)
+        self.remote = not fs.is_local(self.final)
         self.overwrite = overwrite
         self.sync = sync
         self.manifest = dict(manifest)
@@ -215,7 +215,7 @@ class CheckpointBuilder:
                     self.final,
                     overwrite=overwrite,
                     kind="checkpoint",
-                    sources=tuple(s for s in sources if not fs.is_url(s)),
+                    sources=sources,
                 )
                 self.tmp = make_partial_dir(self.final)
             except BaseException:

@@ -87,7 +87,7 @@ class CommittingWriter(FileSystemWriter):
         thread_count: int = 1,
         sync_files: bool = True,
     ) -> None:
-        self.remote = fs.is_url(final_dir)
+        self.remote = not fs.is_local(final_dir)
         super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files and not self.remote, overwrite=False)
         self.fs = _RecordingRemoteFileSystem() if self.remote else _RecordingFileSystem()
         if self.remote:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import mfsdp_ckpt
 from mfsdp_ckpt import CheckpointError
+from mfsdp_ckpt.sharded.in_flight import in_flight
 from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from mfsdp_ckpt.write.dcp_writer import CommittingWriter
@@ -297,7 +298,7 @@ def _refusals(run: str) -> list:
             except (CheckpointError, ValueError) as e:
                 said.append((type(e).__name__, str(e)))
         out.append(said)
-    out.append(ASYNC._state.in_flight is None and sorted(os.listdir(run)))
+    out.append(in_flight() is None and sorted(os.listdir(run)))
     return out
 
 

@@ -39,14 +39,14 @@ POINTS = [
     ("mfsdp_ckpt.write.dcp_writer.write_manifest", "after", 1, 0),
     ("mfsdp_ckpt.write.dcp_writer.commit_directory", "before", 1, 0),
     ("mfsdp_ckpt.write.dcp_writer.commit_directory", "after", 1, 0),
-    ("mfsdp_ckpt.sharded.checkpoint._after_commit", "before", 1, 0),
-    ("mfsdp_ckpt.sharded.checkpoint.rank0_decides", "before", 2, 1),
-    ("mfsdp_ckpt.sharded.checkpoint._write_latest", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.save.after_commit", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.save.rank0_decides", "before", 2, 1),
+    ("mfsdp_ckpt.write.run_dir.write_latest", "before", 1, 0),
     ("mfsdp_ckpt.storage.staging.os.replace", "before", 2, 0),
-    ("mfsdp_ckpt.sharded.checkpoint._write_latest", "after", 1, 0),
-    ("mfsdp_ckpt.sharded.checkpoint._prune", "before", 1, 0),
-    ("mfsdp_ckpt.sharded.checkpoint.shutil.rmtree", "after", 1, 0),
-    ("mfsdp_ckpt.sharded.checkpoint._prune", "after", 1, 0),
+    ("mfsdp_ckpt.write.run_dir.write_latest", "after", 1, 0),
+    ("mfsdp_ckpt.write.run_dir.prune", "before", 1, 0),
+    ("mfsdp_ckpt.storage.fs.shutil.rmtree", "after", 1, 0),
+    ("mfsdp_ckpt.write.run_dir.prune", "after", 1, 0),
 ]
 
 
