@@ -79,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resumable sharded training of a reference GPT, a "
         "Hugging Face transformers causal LM or a Megatron-Core GPTModel.",
     )
+    _add_model_arguments(p)
+    _add_parallelism_arguments(p)
+    _add_precision_arguments(p)
+    _add_optimizer_arguments(p)
+    _add_schedule_arguments(p)
+    _add_data_arguments(p)
+    _add_checkpoint_arguments(p)
+    _add_logging_arguments(p)
+    return p
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Which model to train: a preset, a config file, a Hugging Face directory or an MCore config
+    (``cli.model_source`` turns them into a model source)."""
     p.add_argument(
         "--model",
         default=None,
@@ -106,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
         "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'",
     )
+
+
+def _add_parallelism_arguments(p: argparse.ArgumentParser) -> None:
+    """How the model is sharded over the ranks: the FSDP strategy, the placement policy and the
+    expert-parallel size."""
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="even, row, block(N) or tensor")
     p.add_argument(
@@ -116,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
         "the expert count); experts are sharded over the world size / E ranks holding the same ones",
     )
+
+
+def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
+    """The number formats the model stores and computes in: MXFP8 weights and the compute dtype."""
     p.add_argument(
         "--mxfp8",
         nargs="?",
@@ -142,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype the model computes in: fp32, or bf16 for mixed precision "
         "(main params, optimizer state and gradient reduction stay fp32)",
     )
+
+
+def _add_optimizer_arguments(p: argparse.ArgumentParser) -> None:
+    """The optimizer (AdamW or Muon) and the settings only Muon has."""
     p.add_argument(
         "--optimizer",
         default="adamw",
@@ -153,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)"
     )
     p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Muon's Newton-Schulz dtype")
+
+
+def _add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """The length of the run, the batch, the learning-rate schedule and the other training
+    hyperparameters (all but ``--stop-at`` recorded in the run config that ``--resume`` compares)."""
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
     p.add_argument(
         "--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)"
@@ -166,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the samples come from: a token file, or (by default) the synthetic stream."""
     p.add_argument(
         "--data",
         default=None,
@@ -175,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "per epoch by --seed; the position is checkpointed (default: a synthetic token stream)",
     )
     p.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES), help="the token id type of --data")
+
+
+def _add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """Saving checkpoints, and starting a run from one (``--resume`` continues a run,
+    ``--init-from`` starts one from its weights)."""
     p.add_argument(
         "--ckpt-dir",
         default=None,
@@ -215,9 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
         "fresh optimizer, step 0, any world size",
     )
+
+
+def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
+    """What the run reports besides its log: per-step metrics, and how often it logs."""
     p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
     p.add_argument("--log-every", type=int, default=1)
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

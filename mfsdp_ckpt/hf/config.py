@@ -1,4 +1,4 @@
-"""Translating between our model config (``GPTConfig``) and a Hugging Face ``config.json`` dict,
+"""Translating between the model shape (``ModelShape``) and a Hugging Face ``config.json`` dict,
 for the fields every supported architecture shares (Llama-family decoders: RMSNorm, RoPE, GQA,
 SwiGLU). Architecture modules add their own fields on top.
 
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import short_repr
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 __all__ = [
     "HFConfigReader",
@@ -194,7 +194,7 @@ def hf_classes_of(d: dict[str, Any], source: str) -> list[str]:
     return value
 
 
-def common_to_hf(c: GPTConfig, model_type: str, hf_class: str) -> dict[str, Any]:
+def common_to_hf(c: ModelShape, model_type: str, hf_class: str) -> dict[str, Any]:
     """The ``config.json`` fields shared by the Llama family."""
     return {
         "architectures": [hf_class],
@@ -219,7 +219,7 @@ def common_to_hf(c: GPTConfig, model_type: str, hf_class: str) -> dict[str, Any]
 
 
 def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
-    """``GPTConfig`` keyword arguments from the shared fields, each type- and bound-checked;
+    """``ModelShape`` keyword arguments from the shared fields, each type- and bound-checked;
     notes what we cannot express."""
     heads = r.integer("num_attention_heads", hi=MAX_COUNT)
     hidden = r.integer("hidden_size")
@@ -257,7 +257,7 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
     }
 
 
-#: the ``config.json`` fields each ``GPTConfig`` field is read from, to name them in its errors
+#: the ``config.json`` fields each ``ModelShape`` field is read from, to name them in its errors
 _HF_FIELDS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
@@ -273,12 +273,12 @@ _HF_FIELDS = {
 }
 
 
-def model_config(r: HFConfigReader, kwargs: dict[str, Any]) -> GPTConfig:
+def model_config(r: HFConfigReader, kwargs: dict[str, Any]) -> ModelShape:
     """Raise for everything noted so far, then build the config (its own checks become a
     :class:`ConversionError` too, naming the ``config.json`` fields involved)."""
     r.finish()
     try:
-        return GPTConfig(**kwargs)
+        return ModelShape(**kwargs)
     except ValueError as e:
         named = [hf for ours, hf in _HF_FIELDS.items() if ours in str(e)]
         fields = f" (config.json: {', '.join(named)})" if named else ""

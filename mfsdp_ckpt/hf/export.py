@@ -50,12 +50,12 @@ from mfsdp_ckpt.hf.workers import Staging, check_workers, run_tasks
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.model_shape import ModelShape, shape_from_dict
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
-from mfsdp_core.models.gpt import GPTConfig
 from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
 __all__ = ["export", "ExportResult", "MODES"]
@@ -101,12 +101,12 @@ class _Item:
 
 @dataclass
 class _Plan:
-    """An export: the architecture and our model config (canonical checkpoints), or, for a
+    """An export: the architecture and the model shape (canonical checkpoints), or, for a
     ``transformers`` checkpoint, its recorded ``config.json`` (``hf_config``) and the files it
     carries; the shard files' items; the dtype."""
 
     arch: Architecture | None
-    config: GPTConfig | None
+    config: ModelShape | None
     shards: list[list[_Item]] = field(default_factory=list)
     dtype: torch.dtype = torch.float32
     quantization: dict[str, Any] | None = None  # config.json's quantization_config (MX exports)
@@ -119,14 +119,12 @@ class _Plan:
         return self.label or (self.arch.name if self.arch is not None else "")
 
 
-def _model_config(reader: CheckpointReader, source: str) -> GPTConfig:
+def _model_config(reader: CheckpointReader, source: str) -> ModelShape:
+    """The model shape the manifest's ``model_config`` records: what an export maps by."""
     saved = (reader.manifest or {}).get("model_config")
     if not saved:
         raise ConversionError(f"{source}: the manifest has no model_config (export needs the model's shape)")
-    try:
-        return GPTConfig.from_dict(saved)
-    except (TypeError, ValueError) as e:
-        raise ConversionError(f"{source}: model_config in the manifest is not ours: {e}") from None
+    return shape_from_dict(saved, source)
 
 
 def _nbytes(outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
@@ -153,7 +151,7 @@ def _item(
     keys: set[str],
     conv: Conversion,
     shape: torch.Size,
-    cfg: GPTConfig | None,
+    cfg: ModelShape | None,
     dtype: torch.dtype | None,
     mx: MXParam | None,
     mode: str,
@@ -342,7 +340,7 @@ def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], loc
         ) from None
 
 
-def _pieces(reader: CheckpointReader, item: _Item, cfg: GPTConfig | None) -> list[torch.Tensor]:
+def _pieces(reader: CheckpointReader, item: _Item, cfg: ModelShape | None) -> list[torch.Tensor]:
     """The HF tensors of one item, in the order of its outputs (each read is crc32c-checked)."""
     if item.kind == PLAIN:
         return item.conv.rule.split(reader.read(item.sources[0]), cfg)
@@ -394,7 +392,7 @@ class _OpenShards:
 def _convert(
     reader: CheckpointReader,
     item: _Item,
-    cfg: GPTConfig | None,
+    cfg: ModelShape | None,
     staging: Staging,
     casting: Staging,
     writer: SafetensorsWriter,

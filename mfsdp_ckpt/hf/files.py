@@ -399,19 +399,13 @@ def json_int(text: str) -> int:
     return int(text)
 
 
-def parse_safetensors_header(
-    path: str, fd: int, size: int
-) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
-    """Parse and check the header of the safetensors file open as ``fd`` (``size`` bytes):
-    every tensor (dtype, shape, absolute data offset and length) and ``__metadata__``.
+#: a checked header entry before it is placed in the file: dtype, shape, ``[begin, end)`` in the data section
+_Entry = tuple[torch.dtype, torch.Size, int, int]
 
-    Checked, each failure one :class:`ConversionError` line naming the file and the tensor: the
-    8-byte length (at most :data:`MAX_HEADER_BYTES` and inside the file); the header is a UTF-8
-    JSON object without repeated names or NaN; ``__metadata__`` maps strings to strings; every
-    name is printable; every entry has a dtype of our table (:mod:`mfsdp_core.dtypes`, or F8_E8M0), a shape
-    of non-negative integers, and ``data_offsets`` ``[begin, end]`` whose span is exactly the
-    shape's bytes; and the tensors tile the data section: no overlap, no gap, nothing after the
-    last (what the ``safetensors`` library requires too, so a file we accept it reads the same)."""
+
+def _header_length(path: str, fd: int, size: int) -> int:
+    """The header length in the first 8 bytes of a safetensors file of ``size`` bytes, checked:
+    at most :data:`MAX_HEADER_BYTES`, inside the file, and room for at least ``{}``."""
     if size < 8:
         raise ConversionError(f"{path}: {size} bytes, too short for a safetensors file (an 8-byte header length first)")
     (n,) = struct.unpack("<Q", bytes(_read_exact(fd, 0, 8, path, "safetensors header length")))
@@ -421,7 +415,13 @@ def parse_safetensors_header(
         raise ConversionError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
     if n < 2:
         raise ConversionError(f"{path}: header length {n} is too small for a JSON object")
-    raw = _read_exact(fd, 8, n, path, "safetensors header")
+    return n
+
+
+def _header_json(path: str, raw: bytearray) -> dict[str, Any]:
+    """The header bytes as a JSON object: UTF-8, starting with ``{``, no NaN / Infinity, no
+    integer of absurd length, and no name given twice (JSON lets the last one win silently; a
+    hostile file could then mean one tensor to us and another to a different reader)."""
     repeated: list[str] = []
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -443,59 +443,101 @@ def parse_safetensors_header(
         raise ConversionError(f"{path}: header is not a JSON object")
     if repeated:
         raise ConversionError(f"{path}: header names {short_repr(repeated[0])} twice")
-    data_start, data_size = 8 + n, size - 8 - n
+    return header
+
+
+def _pop_metadata(path: str, header: dict[str, Any]) -> dict[str, str]:
+    """Take ``__metadata__`` out of ``header`` (what is left are the tensors); it must map
+    strings to strings."""
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ConversionError(f"{path}: '__metadata__' must map strings to strings, got {short_repr(metadata)}")
-    entries: dict[str, tuple[torch.dtype, torch.Size, int, int]] = {}
-    for name, entry in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not name.isprintable():
-            raise ConversionError(f"{path}: tensor name {short_repr(name)} has control characters")
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-            raise ConversionError(
-                f"{where}: expected an object with dtype, shape and data_offsets, got {short_repr(entry)}"
-            )
-        st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(st_dtype, str):
-            raise ConversionError(f"{where}: dtype must be a string, got {short_repr(st_dtype)}")
-        dtype = hf_dtype_from_safetensors(st_dtype)
-        if dtype is None:
-            raise ConversionError(f"{where}: unsupported dtype {short_repr(st_dtype)}")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-            raise ConversionError(
-                f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {short_repr(shape)}"
-            )
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise ConversionError(
-                f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {short_repr(offsets)}"
-            )
-        begin, end = offsets
-        itemsize = dtype.itemsize
-        numel = 0 if 0 in shape else 1
-        for d in shape:  # stop once past the data section: a hostile shape may multiply to a huge number
-            numel *= d
-            if numel * itemsize > data_size:
-                break
-        nbytes = numel * itemsize
-        if nbytes != end - begin:
-            size_text = (
-                f"{nbytes} bytes" if nbytes <= data_size else f"more than the {data_size} bytes of the data section"
-            )
-            raise ConversionError(
-                f"{where}: shape {short_repr(shape)} of {st_dtype} is {size_text}, "
-                f"but data_offsets {short_repr(offsets)} span {end - begin} bytes"
-            )
-        if end > data_size:
-            raise ConversionError(
-                f"{where}: data_offsets {short_repr(offsets)} run past the data section ({data_size} bytes)"
-            )
-        entries[name] = (dtype, torch.Size(shape), begin, end)
+    return metadata
+
+
+def _entry_dtype(where: str, st_dtype: Any) -> torch.dtype:
+    """The dtype a tensor entry names: a string of our table (or F8_E8M0)."""
+    if not isinstance(st_dtype, str):
+        raise ConversionError(f"{where}: dtype must be a string, got {short_repr(st_dtype)}")
+    dtype = hf_dtype_from_safetensors(st_dtype)
+    if dtype is None:
+        raise ConversionError(f"{where}: unsupported dtype {short_repr(st_dtype)}")
+    return dtype
+
+
+def _check_entry_shape(where: str, shape: Any) -> None:
+    """A tensor entry's shape: a list of at most :data:`MAX_NDIM` non-negative integers (``bool``
+    is not one)."""
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise ConversionError(
+            f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {short_repr(shape)}"
+        )
+
+
+def _check_entry_offsets(where: str, offsets: Any) -> None:
+    """A tensor entry's ``data_offsets``: ``[begin, end]``, integers, ``0 <= begin <= end``."""
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ConversionError(
+            f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {short_repr(offsets)}"
+        )
+
+
+def _bounded_nbytes(shape: list[int], itemsize: int, limit: int) -> int:
+    """The bytes of a tensor of ``shape``, or, once the product passes ``limit``, some number
+    above it: a hostile shape may multiply to a huge number, and is not multiplied out."""
+    numel = 0 if 0 in shape else 1
+    for d in shape:
+        numel *= d
+        if numel * itemsize > limit:
+            break
+    return numel * itemsize
+
+
+def _check_entry_span(
+    where: str, shape: list[int], st_dtype: str, dtype: torch.dtype, offsets: list[int], data_size: int
+) -> None:
+    """A tensor entry's offsets span exactly its shape's bytes, inside the data section."""
+    begin, end = offsets
+    nbytes = _bounded_nbytes(shape, dtype.itemsize, data_size)
+    if nbytes != end - begin:
+        size_text = f"{nbytes} bytes" if nbytes <= data_size else f"more than the {data_size} bytes of the data section"
+        raise ConversionError(
+            f"{where}: shape {short_repr(shape)} of {st_dtype} is {size_text}, "
+            f"but data_offsets {short_repr(offsets)} span {end - begin} bytes"
+        )
+    if end > data_size:
+        raise ConversionError(
+            f"{where}: data_offsets {short_repr(offsets)} run past the data section ({data_size} bytes)"
+        )
+
+
+def _header_entry(path: str, name: str, entry: Any, data_size: int) -> _Entry:
+    """One tensor of the header, checked (see :func:`parse_safetensors_header`): a printable
+    name, an object with dtype, shape and data_offsets, each valid, spanning its bytes."""
+    where = f"{path}: tensor {name!r}"
+    if not name.isprintable():
+        raise ConversionError(f"{path}: tensor name {short_repr(name)} has control characters")
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise ConversionError(
+            f"{where}: expected an object with dtype, shape and data_offsets, got {short_repr(entry)}"
+        )
+    st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    dtype = _entry_dtype(where, st_dtype)
+    _check_entry_shape(where, shape)
+    _check_entry_offsets(where, offsets)
+    _check_entry_span(where, shape, st_dtype, dtype, offsets, data_size)
+    begin, end = offsets
+    return dtype, torch.Size(shape), begin, end
+
+
+def _check_tiling(path: str, entries: dict[str, _Entry], data_size: int) -> None:
+    """The tensors tile the data section, in offset order: no overlap, no gap, nothing after the
+    last (so that every byte of the file is accounted for, as the ``safetensors`` library requires)."""
     covered, last = 0, None
     for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
         if begin < covered:
@@ -507,6 +549,27 @@ def parse_safetensors_header(
         covered, last = end, name
     if covered != data_size:
         raise ConversionError(f"{path}: {data_size - covered} bytes at the end of the data section belong to no tensor")
+
+
+def parse_safetensors_header(
+    path: str, fd: int, size: int
+) -> tuple[dict[str, tuple[torch.dtype, torch.Size, _Layout]], dict[str, str]]:
+    """Parse and check the header of the safetensors file open as ``fd`` (``size`` bytes):
+    every tensor (dtype, shape, absolute data offset and length) and ``__metadata__``.
+
+    Checked, each failure one :class:`ConversionError` line naming the file and the tensor: the
+    8-byte length (at most :data:`MAX_HEADER_BYTES` and inside the file); the header is a UTF-8
+    JSON object without repeated names or NaN; ``__metadata__`` maps strings to strings; every
+    name is printable; every entry has a dtype of our table (:mod:`mfsdp_core.dtypes`, or F8_E8M0), a shape
+    of non-negative integers, and ``data_offsets`` ``[begin, end]`` whose span is exactly the
+    shape's bytes; and the tensors tile the data section: no overlap, no gap, nothing after the
+    last (what the ``safetensors`` library requires too, so a file we accept it reads the same)."""
+    n = _header_length(path, fd, size)
+    header = _header_json(path, _read_exact(fd, 8, n, path, "safetensors header"))
+    data_start, data_size = 8 + n, size - 8 - n
+    metadata = _pop_metadata(path, header)
+    entries = {name: _header_entry(path, name, entry, data_size) for name, entry in header.items()}
+    _check_tiling(path, entries, data_size)
     tensors = {
         name: (dtype, shape, _Layout(data_start + begin, end - begin))
         for name, (dtype, shape, begin, end) in entries.items()

@@ -34,10 +34,8 @@ from mfsdp_ckpt.hf.mapping import (
     Conversion,
     check_against,
     count_their_keys,
-    default_plan,
     expand,
     indices_held,
-    meta_model,
 )
 from mfsdp_ckpt.hf.mx import (
     E8M0,
@@ -53,8 +51,8 @@ from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get
 from mfsdp_ckpt.hf.workers import Staging, Turns, check_workers, run_tasks
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, default_plan, meta_model
 from mfsdp_ckpt.write.builder import CheckpointBuilder
-from mfsdp_core.models.gpt import GPTConfig
 from mfsdp_core.mx import (
     BLOCK,
     MXFormat,
@@ -63,6 +61,7 @@ from mfsdp_core.mx import (
     quantize,
 )
 from mfsdp_core.mx_planes import ORIENTATIONS
+from mfsdp_core.plan import ModelPlan
 
 __all__ = ["import_", "ImportResult"]
 
@@ -78,7 +77,7 @@ def _field_of(config: dict[str, Any], ours: str, value: int) -> str:
 
 
 def check_counts_against_files(
-    architecture: Architecture, cfg: GPTConfig, config: dict[str, Any], present: dict[str, HFTensor], config_path: str
+    architecture: Architecture, cfg: ModelShape, config: dict[str, Any], present: dict[str, HFTensor], config_path: str
 ) -> None:
     """Refuse, before anything is expanded per layer or expert, a config that declares more
     layers or experts than the files hold tensors for, or implies more HF tensors than they
@@ -197,7 +196,7 @@ def _planes(fqn: str, weight: torch.Tensor, fmt: MXFormat) -> list[tuple[str, to
 
 
 def _staged(
-    hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: GPTConfig, mx: _MXLayout, staging: Staging
+    hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: ModelShape, mx: _MXLayout, staging: Staging
 ) -> tuple[torch.Tensor, int]:
     """The canonical tensor of ``conv`` and the HF bytes read for it. Its HF tensors are read
     straight into their places in the worker's staging buffer (the rule's views: a merge without
@@ -234,7 +233,7 @@ def _convert_all(
     builder: CheckpointBuilder,
     conversions: list[Conversion],
     shapes: dict[str, torch.Size],
-    cfg: GPTConfig,
+    cfg: ModelShape,
     mx: _MXLayout,
     workers: int,
     progress: Callable[[int, int], None] | None,
@@ -291,6 +290,137 @@ class ImportResult:
         return dict(self.__dict__)
 
 
+def _architecture_for(hf: HFDirectory, arch: str | None) -> Architecture:
+    """The architecture to import ``hf`` as: ``arch`` if given (refused when ``config.json``
+    names another known ``model_type``: the two would disagree on every key), else the one
+    ``config.json`` names."""
+    source = hf.path
+    if arch is None:
+        return architecture_of_hf_config(hf.config, source)
+    architecture = get_architecture(arch)
+    model_type = model_type_of(hf.config, source)
+    known = {a.model_type for a in architectures().values()}
+    if model_type in known and model_type != architecture.model_type:
+        raise ConversionError(f"{source}: config.json says model_type {model_type!r}, --arch says {arch!r}")
+    return architecture
+
+
+def _model_shape(hf: HFDirectory, architecture: Architecture) -> ModelShape:
+    """The model shape ``config.json`` declares, as ``architecture`` reads it; refused when the
+    architecture's own rules cannot map it (a ``from_hf_config`` that accepted it has a bug)."""
+    cfg = architecture.from_hf_config(hf.config, hf.path)
+    problems = architecture.unsupported(cfg)
+    if problems:
+        raise ConversionError(f"{hf.path}: {architecture.name}: {'; '.join(problems)}")
+    return cfg
+
+
+def _hf_shapes(conversions: list[Conversion], shapes: dict[str, torch.Size], cfg: ModelShape) -> dict[str, torch.Size]:
+    """The shape each HF tensor of the mapping must have, by HF key, from the canonical shapes."""
+    planned: dict[str, torch.Size] = {}
+    for conv in conversions:
+        planned.update(zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg)))
+    return planned
+
+
+def _check_headers(
+    hf: HFDirectory,
+    architecture: Architecture,
+    conversions: list[Conversion],
+    planned: dict[str, torch.Size],
+    expected: dict[str, torch.Size],
+) -> None:
+    """Refuse, in one error naming every problem and before a byte of data is read, files whose
+    headers do not match the mapping: missing, unexpected and misshapen tensors, the pieces of one
+    canonical tensor in mixed dtypes, and non-floating dtypes over the model's weights."""
+    present = hf.tensors
+    missing = sorted(set(expected) - set(present))
+    unexpected = sorted(set(present) - set(expected))
+    misshapen = sorted(
+        f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
+        for k in set(expected) & set(present)
+        if present[k].shape != expected[k]
+    )
+    mixed = sorted(
+        conv.ours for conv in conversions if len({present[k].dtype for k in conv.theirs if k in present}) > 1
+    )
+    # every parameter of our model is floating-point: an integer / bool dtype over one is a
+    # relabelled header (the same bytes would be read as numbers of another kind), not weights;
+    # nor is E8M0 (powers of two only: MX scales, which travel next to their weights)
+    not_floating = sorted(
+        f"{k} ({hf_safetensors_name(present[k].dtype)} in {present[k].file})"
+        for k in set(planned) & set(present)
+        if not present[k].dtype.is_floating_point or present[k].dtype == E8M0
+    )
+    raise_key_problems(
+        hf.path,
+        [
+            ("missing tensors", missing),
+            (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
+            ("shape mismatch", misshapen),
+            ("pieces of one tensor in different dtypes", mixed),
+            ("integer / bool / E8M0 dtype where the model has floating-point weights", not_floating),
+        ],
+        ConversionError,
+    )
+
+
+def _placement_plan(cfg: ModelShape, model: ShapeModel, mx: _MXLayout) -> ModelPlan:
+    """The placement plan the manifest records (what ``reshard`` lays the checkpoint out from):
+    the default one, with MX placements for the quantized parameters of an MX directory."""
+    if mx.quantized:
+        return mx_plan(cfg, model, {fqn_of(k): mx.fmt for k in mx.quantized})
+    return default_plan(cfg, model)
+
+
+@dataclass
+class _ImportPlan:
+    """An import, checked against the directory's config and headers before any data is read:
+    the architecture, the model shape, the conversions with the canonical shapes they produce,
+    the MX layout, every HF tensor expected (by key, with its shape) and the placement plan."""
+
+    architecture: Architecture
+    cfg: ModelShape
+    conversions: list[Conversion]
+    shapes: dict[str, torch.Size]
+    mx: _MXLayout
+    expected: dict[str, torch.Size]
+    plan: ModelPlan
+
+
+def _plan_import(hf: HFDirectory, arch: str | None) -> _ImportPlan:
+    """Everything an import of ``hf`` will do, from its config and headers alone, every check in
+    order: the architecture and model shape; the declared counts against the files (before anything
+    is expanded per layer or expert); the mapping against the model; the MX layout; the headers."""
+    architecture = _architecture_for(hf, arch)
+    cfg = _model_shape(hf, architecture)
+    check_counts_against_files(architecture, cfg, hf.config, hf.tensors, os.path.join(hf.path, "config.json"))
+    conversions = expand(architecture, cfg)
+    model = meta_model(cfg)  # built once: for the shapes now, for the plan once the files match
+    shapes = check_against(conversions, cfg, architecture, model)
+    planned = _hf_shapes(conversions, shapes, cfg)
+    mx = _mx_layout(hf, conversions, shapes, planned)  # MX exports: the quantized conversions and their scales
+    expected = {**planned, **mx.scale_shapes}
+    _check_headers(hf, architecture, conversions, planned, expected)
+    plan = _placement_plan(cfg, model, mx)
+    return _ImportPlan(architecture, cfg, conversions, shapes, mx, expected, plan)
+
+
+def _manifest(hf: HFDirectory, p: _ImportPlan) -> dict[str, Any]:
+    """The manifest of the checkpoint an import writes: the layout for ``reshard``, the model
+    shape, and where the checkpoint was converted from."""
+    return {
+        "writer": writer_layout(1, p.plan),  # so that reshard can place ranges
+        "model_config": p.cfg.to_dict(),
+        "step": None,
+        "include_grads": False,
+        "has_optimizer": False,
+        "versions": versions(),
+        "converted_from": hf.path,
+        "hf": {"architecture": p.architecture.name, "model_type": model_type_of(hf.config, hf.path)},
+    }
+
+
 def import_(
     hf_dir: str | os.PathLike,
     checkpoint: str | os.PathLike,
@@ -322,83 +452,16 @@ def import_(
     start = time.perf_counter()
     workers = check_workers(workers)
     with HFDirectory(hf_dir) as hf:
-        source = hf.path
-        if arch is None:
-            architecture = architecture_of_hf_config(hf.config, source)
-        else:
-            architecture = get_architecture(arch)
-            model_type = model_type_of(hf.config, source)
-            known = {a.model_type for a in architectures().values()}
-            if model_type in known and model_type != architecture.model_type:
-                raise ConversionError(f"{source}: config.json says model_type {model_type!r}, --arch says {arch!r}")
-        cfg = architecture.from_hf_config(hf.config, source)
-        problems = architecture.unsupported(cfg)
-        if problems:  # a from_hf_config that accepted what its own rules cannot map: a bug there
-            raise ConversionError(f"{source}: {architecture.name}: {'; '.join(problems)}")
-        present = hf.tensors
-        check_counts_against_files(architecture, cfg, hf.config, present, os.path.join(source, "config.json"))
-        conversions = expand(architecture, cfg)
-        model = meta_model(cfg)  # built once: for the shapes now, for the plan once the files match
-        shapes = check_against(conversions, cfg, architecture, model)
-
-        planned: dict[str, torch.Size] = {}
-        for conv in conversions:
-            planned.update(zip(conv.theirs, conv.rule.their_shapes(shapes[conv.ours], cfg)))
-        mx = _mx_layout(hf, conversions, shapes, planned)  # MX exports: the quantized conversions and their scales
-        expected = {**planned, **mx.scale_shapes}
-        missing = sorted(set(expected) - set(present))
-        unexpected = sorted(set(present) - set(expected))
-        misshapen = sorted(
-            f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
-            for k in set(expected) & set(present)
-            if present[k].shape != expected[k]
-        )
-        mixed = sorted(
-            conv.ours for conv in conversions if len({present[k].dtype for k in conv.theirs if k in present}) > 1
-        )
-        # every parameter of our model is floating-point: an integer / bool dtype over one is a
-        # relabelled header (the same bytes would be read as numbers of another kind), not weights;
-        # nor is E8M0 (powers of two only: MX scales, which travel next to their weights)
-        not_floating = sorted(
-            f"{k} ({hf_safetensors_name(present[k].dtype)} in {present[k].file})"
-            for k in set(planned) & set(present)
-            if not present[k].dtype.is_floating_point or present[k].dtype == E8M0
-        )
-        raise_key_problems(
-            source,
-            [
-                ("missing tensors", missing),
-                (f"unexpected tensors (no mapping in {architecture.name})", unexpected),
-                ("shape mismatch", misshapen),
-                ("pieces of one tensor in different dtypes", mixed),
-                ("integer / bool / E8M0 dtype where the model has floating-point weights", not_floating),
-            ],
-            ConversionError,
-        )
-        plan = (
-            mx_plan(cfg, model, {fqn_of(k): mx.fmt for k in mx.quantized}) if mx.quantized else default_plan(cfg, model)
-        )
-        del model
-
-        manifest = {
-            "writer": writer_layout(1, plan),  # so that reshard can place ranges
-            "model_config": cfg.to_dict(),
-            "step": None,
-            "include_grads": False,
-            "has_optimizer": False,
-            "versions": versions(),
-            "converted_from": source,
-            "hf": {"architecture": architecture.name, "model_type": model_type_of(hf.config, source)},
-        }
-        total = sum(present[k].shape.numel() * present[k].dtype.itemsize for k in expected)
-        with CheckpointBuilder(checkpoint, manifest, overwrite=overwrite, sources=(source,)) as builder:
-            _convert_all(hf, builder, conversions, shapes, cfg, mx, workers, progress, total)
+        p = _plan_import(hf, arch)
+        total = sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in p.expected)
+        with CheckpointBuilder(checkpoint, _manifest(hf, p), overwrite=overwrite, sources=(hf.path,)) as builder:
+            _convert_all(hf, builder, p.conversions, p.shapes, p.cfg, p.mx, workers, progress, total)
             path = builder.commit()
     return ImportResult(
         path=path,
-        architecture=architecture.name,
-        tensors=len(conversions),
+        architecture=p.architecture.name,
+        tensors=len(p.conversions),
         bytes=total,
-        model_config=cfg.to_dict(),
+        model_config=p.cfg.to_dict(),
         seconds=time.perf_counter() - start,
     )

@@ -26,8 +26,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import model_key
-from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
-from mfsdp_core.plan import ModelPlan, plan_model
+from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, meta_model
 
 __all__ = [
     "Predicate",
@@ -48,37 +47,36 @@ __all__ = [
     "check_against",
     "count_their_keys",
     "indices_held",
-    "meta_model",
 ]
 
-Predicate = Callable[[GPTConfig], bool]
+Predicate = Callable[[ModelShape], bool]
 
 
-def always(_: GPTConfig) -> bool:
+def always(_: ModelShape) -> bool:
     return True
 
 
-def dense(c: GPTConfig) -> bool:
+def dense(c: ModelShape) -> bool:
     return c.num_experts == 0
 
 
-def moe(c: GPTConfig) -> bool:
+def moe(c: ModelShape) -> bool:
     return c.num_experts > 0
 
 
-def untied(c: GPTConfig) -> bool:
+def untied(c: ModelShape) -> bool:
     return not c.tie_embeddings
 
 
-def qk_norm(c: GPTConfig) -> bool:
+def qk_norm(c: ModelShape) -> bool:
     return c.qk_layernorm
 
 
-def qkv_bias(c: GPTConfig) -> bool:
+def qkv_bias(c: ModelShape) -> bool:
     return c.add_qkv_bias
 
 
-def shared_expert(c: GPTConfig) -> bool:
+def shared_expert(c: ModelShape) -> bool:
     return c.num_experts > 0 and c.moe_shared_expert_ffn_hidden_size > 0
 
 
@@ -94,11 +92,11 @@ class Rule:
         if isinstance(self.theirs, str):
             object.__setattr__(self, "theirs", (self.theirs,))
 
-    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+    def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
         """The shapes of the HF tensors made from a canonical tensor of ``shape``."""
         raise NotImplementedError
 
-    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor] | None:
+    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor] | None:
         """The HF tensors as views of the (contiguous) canonical ``tensor``, in the order of
         ``theirs``: each holds its HF tensor's elements in row-major order, possibly strided and
         in more dimensions than the HF shape. The bridge writes them to a file, or reads a file
@@ -106,7 +104,7 @@ class Rule:
         such views (it reorders elements); :meth:`split` and :meth:`merge` are used instead."""
         return None
 
-    def split(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+    def split(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
         """Canonical tensor -> the HF tensors, in the order of ``theirs`` (contiguous): the
         :meth:`views`, copied out, for the rules that have them."""
         views = self.views(tensor.contiguous(), c)
@@ -114,7 +112,7 @@ class Rule:
             raise NotImplementedError
         return [v.contiguous().view(shape) for v, shape in zip(views, self.their_shapes(tensor.shape, c))]
 
-    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+    def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         """The HF tensors, in the order of ``theirs`` -> the canonical tensor (contiguous)."""
         raise NotImplementedError
 
@@ -122,13 +120,13 @@ class Rule:
 class Direct(Rule):
     """The same tensor under another name."""
 
-    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+    def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
         return [torch.Size(shape)]
 
-    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
         return [tensor]
 
-    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+    def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         return tensors[0].contiguous()
 
 
@@ -139,20 +137,20 @@ class FusedQKV(Rule):
     key/value head ``h // per``, the same grouping."""
 
     @staticmethod
-    def _dims(c: GPTConfig) -> tuple[int, int, int]:
+    def _dims(c: ModelShape) -> tuple[int, int, int]:
         return c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.kv_channels
 
-    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+    def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
         g, per, d = self._dims(c)
         rest = tuple(shape[1:])
         return [torch.Size((g * per * d, *rest)), torch.Size((g * d, *rest)), torch.Size((g * d, *rest))]
 
-    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
         g, per, d = self._dims(c)
         grouped = tensor.view(g, per + 2, d, *tensor.shape[1:])
         return [grouped[:, :per], grouped[:, per], grouped[:, per + 1]]  # q [g, per, d, ...], k and v [g, d, ...]
 
-    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+    def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         g, per, d = self._dims(c)
         q, k, v = tensors
         rest = tuple(q.shape[1:])
@@ -164,14 +162,14 @@ class GatedMLP(Rule):
     """``linear_fc1.weight = [gate; up]`` ``[2*ffn, hidden]`` ⇄ gate ``[ffn, hidden]``, up
     ``[ffn, hidden]``."""
 
-    def their_shapes(self, shape: torch.Size, c: GPTConfig) -> list[torch.Size]:
+    def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
         half = torch.Size((shape[0] // 2, *shape[1:]))
         return [half, half]
 
-    def views(self, tensor: torch.Tensor, c: GPTConfig) -> list[torch.Tensor]:
+    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
         return list(tensor.chunk(2, dim=0))
 
-    def merge(self, tensors: list[torch.Tensor], c: GPTConfig) -> torch.Tensor:
+    def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         return torch.cat(tensors, dim=0).contiguous()
 
 
@@ -199,16 +197,16 @@ class Architecture:
     model_type: str
     hf_class: str
     rules: tuple[Rule, ...]
-    unsupported: Callable[[GPTConfig], list[str]]
-    to_hf_config: Callable[[GPTConfig], dict]
-    from_hf_config: Callable[[dict, str], GPTConfig]
+    unsupported: Callable[[ModelShape], list[str]]
+    to_hf_config: Callable[[ModelShape], dict]
+    from_hf_config: Callable[[dict, str], ModelShape]
 
 
 def _fill(template: str, i: int | None, e: int | None) -> str:
     return template.replace("{i}", str(i)).replace("{e}", str(e))
 
 
-def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
+def expand(arch: Architecture, c: ModelShape) -> list[Conversion]:
     """The concrete conversions of ``arch`` for config ``c``, in HF key order (rules outside
     layers where they stand; a run of layer rules repeated per layer, expert rules per expert).
     Raises if two conversions share a canonical or an HF key (a broken mapping)."""
@@ -253,7 +251,7 @@ def expand(arch: Architecture, c: GPTConfig) -> list[Conversion]:
     return out
 
 
-def count_their_keys(arch: Architecture, c: GPTConfig) -> int:
+def count_their_keys(arch: Architecture, c: ModelShape) -> int:
     """How many HF keys :func:`expand` would produce for ``c``, by arithmetic alone: an import
     compares it with the tensors the files hold before expanding anything, so a config that
     declares a million layers costs nothing."""
@@ -268,7 +266,7 @@ def count_their_keys(arch: Architecture, c: GPTConfig) -> int:
     return n
 
 
-def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple[set[int], set[int]]:
+def indices_held(arch: Architecture, c: ModelShape, keys: Iterable[str]) -> tuple[set[int], set[int]]:
     """The layer indices (``{i}``) and expert indices (``{e}``) that HF ``keys`` hold under the
     HF templates of ``arch``'s rules that apply to ``c``: what a directory's files can back of
     the layer and expert counts its config declares."""
@@ -296,31 +294,15 @@ def indices_held(arch: Architecture, c: GPTConfig, keys: Iterable[str]) -> tuple
     return layers, experts
 
 
-def meta_model(c: GPTConfig) -> GPTModel:
-    """Our model with config ``c`` on the meta device (shapes, no memory). Building one costs
-    milliseconds per layer, so a caller that needs it twice (an import: shapes, then the plan)
-    builds it once and passes it to :func:`canonical_shapes` / :func:`default_plan`."""
-    with torch.device("meta"):
-        return GPTModel(c)
-
-
-def canonical_shapes(c: GPTConfig, model: GPTModel | None = None) -> dict[str, torch.Size]:
-    """Every canonical model key (``model.<fqn>``) of our model with config ``c`` and its shape,
-    from a model built on the meta device (no memory); ``model``: that model, if already built."""
+def canonical_shapes(c: ModelShape, model: ShapeModel | None = None) -> dict[str, torch.Size]:
+    """Every canonical model key (``model.<fqn>``) of the model of shape ``c`` and its tensor shape,
+    from a model built on the meta device (``model_shape.meta_model``: no memory); ``model``: that
+    model, if already built."""
     return {model_key(name): p.shape for name, p in (model or meta_model(c)).named_parameters()}
 
 
-def default_plan(c: GPTConfig, model: GPTModel | None = None) -> ModelPlan:
-    """The placement plan of the model an import writes: the units the model module names
-    (``shard_units``) with ``fully_shard``'s default placement, on one rank, computed by the
-    runtime's own planner on a meta-device model (``model``, if already built). Recorded in the
-    manifest, it is what ``reshard`` lays the checkpoint out from."""
-    model = model or meta_model(c)
-    return plan_model(model, shard_units(model))
-
-
 def check_against(
-    conversions: list[Conversion], c: GPTConfig, arch: Architecture, model: GPTModel | None = None
+    conversions: list[Conversion], c: ModelShape, arch: Architecture, model: ShapeModel | None = None
 ) -> dict[str, torch.Size]:
     """Check that ``conversions`` cover every parameter of the model exactly (a mapping that
     misses or invents a parameter is a bug in the architecture module); returns the shapes.

@@ -28,7 +28,7 @@ from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import fqn_of_model_key, mx_key
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Conversion
-from mfsdp_core.models.gpt import GPTConfig, GPTModel, shard_units
+from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, sharding_units
 from mfsdp_core.mx import BLOCK, ELEMENTS, RULES, MXFormat
 from mfsdp_core.mx_planes import MX_PLANES
 from mfsdp_core.plan import ModelPlan, mx_marked, placement_fn, plan_model
@@ -195,7 +195,7 @@ def _probe(rows: int, cols: int) -> torch.Tensor:
     return torch.arange(rows * cols, dtype=torch.int64).reshape(rows, cols)
 
 
-def check_rows_only(conv: Conversion, shape: torch.Size, cfg: GPTConfig) -> None:
+def check_rows_only(conv: Conversion, shape: torch.Size, cfg: ModelShape) -> None:
     """Refuse (naming the tensor) a conversion whose rule does anything to an ``[M, K]`` weight
     but select and reorder whole rows: only then do the rowwise scales, split the same way, still
     describe their 32-element blocks. Checked by running the rule's ``split`` on a probe of ``M``
@@ -223,7 +223,7 @@ def check_rows_only(conv: Conversion, shape: torch.Size, cfg: GPTConfig) -> None
             )
 
 
-def split_rows(conv: Conversion, tensor: torch.Tensor, cfg: GPTConfig) -> list[torch.Tensor]:
+def split_rows(conv: Conversion, tensor: torch.Tensor, cfg: ModelShape) -> list[torch.Tensor]:
     """``conv``'s split of a 1-byte tensor (FP8 data or E8M0 scales), done on its bytes (the rules
     reshape, index and concatenate, which not every kernel supports for these dtypes), each piece
     given back in ``tensor``'s dtype."""
@@ -298,13 +298,13 @@ def parse_quantization_config(qc: Any, config_path: str) -> tuple[MXFormat, set[
     return MXFormat(element, rule), set(modules)
 
 
-def mx_plan(cfg: GPTConfig, model: GPTModel, formats: Mapping[str, MXFormat]) -> ModelPlan:
-    """The placement plan an import records: the default one (see ``mapping.default_plan``),
+def mx_plan(cfg: ModelShape, model: ShapeModel, formats: Mapping[str, MXFormat]) -> ModelPlan:
+    """The placement plan an import records: the default one (see ``model_shape.default_plan``),
     except that the parameters in ``formats`` (by fqn) are MX: ``block(32)`` with their format,
     as ``cli.train --mxfp8`` places them, so that the manifest's ``writer.plan.buffers[i].mx``
     says which parameters are MX and how."""
     place = mx_marked(placement_fn(None, None), {id(model.get_parameter(fqn)): fmt for fqn, fmt in formats.items()})
-    return plan_model(model, shard_units(model), placement=place)
+    return plan_model(model, sharding_units(model), placement=place)
 
 
 def fqn_of(model_key: str) -> str:

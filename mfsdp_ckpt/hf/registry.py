@@ -13,7 +13,7 @@ from mfsdp_ckpt.hf import archs
 from mfsdp_ckpt.hf.config import hf_classes_of, model_type_of
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 __all__ = ["architectures", "get_architecture", "architecture_of_hf_config", "infer_architecture", "register"]
 
@@ -69,7 +69,7 @@ def architecture_of_hf_config(d: dict[str, Any], source: str) -> Architecture:
     )
 
 
-def infer_architecture(c: GPTConfig, manifest: dict[str, Any] | None, source: str) -> Architecture:
+def infer_architecture(c: ModelShape, manifest: dict[str, Any] | None, source: str) -> Architecture:
     """The architecture a checkpoint was imported from (recorded in its manifest), else the one
     architecture that can express ``c``."""
     recorded = ((manifest or {}).get("hf") or {}).get("architecture")

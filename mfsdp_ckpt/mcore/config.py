@@ -1,4 +1,4 @@
-"""Our model config (:class:`~mfsdp_core.models.gpt.GPTConfig`) for an MCore checkpoint: what
+"""The model shape (:data:`~mfsdp_ckpt.sharded.model_shape.ModelShape`) of an MCore checkpoint: what
 the stored shapes determine, plus MCore's arguments for what they cannot.
 
 The shapes fix the vocabulary, hidden size, layer count, FFN sizes, expert count, tied or untied
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.read.locate import read_small_file
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]
 
@@ -75,8 +77,6 @@ _ALIASES = {
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of MCore arguments in ``path`` (a small local file)."""
-    from mfsdp_ckpt.read.locate import read_small_file
-
     text = read_small_file(os.fspath(path), "config")
     try:
         value = json.loads(text)
@@ -104,13 +104,37 @@ def _normalised(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def infer_config(
-    shapes: Callable[[str], tuple[int, ...] | None], given: dict[str, Any], source: str, where: str
-) -> tuple[GPTConfig, list[str]]:
-    """``(config, assumed)``: our config from the stored shapes (``shapes(key)``: a stored
-    tensor's global shape, None when absent) and the MCore arguments ``given`` (read from
-    ``where``, named in errors); ``assumed``: the arguments taken from MCore's defaults."""
-    args = _normalised(given)
+@dataclass(frozen=True)
+class _Evidence:
+    """What a config is inferred from: the stored shapes (``shapes(key)``: a stored tensor's global
+    shape, None when absent) and the normalised arguments, with the two checks every field read
+    from a shape goes through (so each error names the checkpoint or the arguments' origin)."""
+
+    shapes: Callable[[str], tuple[int, ...] | None]
+    args: dict[str, Any]
+    source: str  # the checkpoint, named in errors about its shapes
+    where: str  # where the arguments come from, named in errors about them
+
+    def need(self, key: str) -> tuple[int, ...]:
+        """The shape of ``key``, which every GPT model MCore saves has: its absence is refused."""
+        shape = self.shapes(key)
+        if shape is None:
+            raise ConversionError(f"{self.source}: no key '{key}' (not a GPT model saved by Megatron-Core?)")
+        return shape
+
+    def agree(self, name: str, value: int, key: str) -> int:
+        """``value`` (read from the shape of ``key``), refusing a given argument ``name`` that differs."""
+        args = self.args
+        if name in args and args[name] is not None and args[name] != value:
+            raise ConversionError(
+                f"{self.where}: {name}={args[name]!r} disagrees with the checkpoint: '{key}' has shape "
+                f"{list(self.shapes(key) or ())} ({name}={value})"
+            )
+        return value
+
+
+def _refuse_unsupported(args: dict[str, Any], where: str) -> None:
+    """Refuse an argument our model cannot express: it would compute something else."""
     for name, allowed in REQUIRED_VALUES.items():
         if name in args and args[name] not in allowed:
             raise ConversionError(f"{where}: {name}={args[name]!r}: our model supports only {allowed[0]!r}")
@@ -119,34 +143,19 @@ def infer_config(
             f"{where}: moe_router_score_function={args['moe_router_score_function']!r}: only 'softmax' or 'sigmoid'"
         )
 
-    def need(key: str) -> tuple[int, ...]:
-        shape = shapes(key)
-        if shape is None:
-            raise ConversionError(f"{source}: no key '{key}' (not a GPT model saved by Megatron-Core?)")
-        return shape
 
-    def check(name: str, value: int, key: str) -> int:
-        if name in args and args[name] is not None and args[name] != value:
-            raise ConversionError(
-                f"{where}: {name}={args[name]!r} disagrees with the checkpoint: '{key}' has shape "
-                f"{list(shapes(key) or ())} ({name}={value})"
-            )
-        return value
+def _embedding_fields(ev: _Evidence) -> dict[str, int]:
+    """Vocabulary and hidden size: the word embedding's rows and columns."""
+    vocab, hidden = ev.need(EMBED)
+    return {"vocab_size": ev.agree("vocab_size", vocab, EMBED), "hidden_size": ev.agree("hidden_size", hidden, EMBED)}
 
-    vocab, hidden = need(EMBED)
-    check("vocab_size", vocab, EMBED)
-    check("hidden_size", hidden, EMBED)
-    qkv, proj = need(QKV), need(PROJ)
-    layers, rows = qkv[0], qkv[1]
-    check("num_layers", layers, QKV)
-    if proj[:2] != (layers, hidden) or qkv[2] != hidden:
-        raise ConversionError(
-            f"{source}: '{PROJ}' {list(proj)} and '{QKV}' {list(qkv)} do not fit hidden size {hidden}"
-        )
-    cols = proj[2]  # heads * kv_channels
-    kv_total = rows - cols  # 2 * groups * kv_channels
-    heads, groups, channels = (args.get(n) for n in ("num_attention_heads", "num_query_groups", "kv_channels"))
-    if args.get("group_query_attention") is False and heads is not None and groups is None:
+
+def _head_size(ev: _Evidence, qkv: tuple[int, ...], proj: tuple[int, ...]) -> int:
+    """``kv_channels``: given, or from the heads or query groups given (the shapes fix only the
+    products ``heads·kv_channels`` and ``2·groups·kv_channels``); refused when none is given."""
+    cols, kv_total = proj[2], qkv[1] - proj[2]
+    heads, groups, channels = (ev.args.get(n) for n in ("num_attention_heads", "num_query_groups", "kv_channels"))
+    if ev.args.get("group_query_attention") is False and heads is not None and groups is None:
         groups = heads
     if channels is None and heads:
         channels = cols // heads
@@ -154,10 +163,18 @@ def infer_config(
         channels = kv_total // (2 * groups)
     if not channels:
         raise ConversionError(
-            f"{where}: num_attention_heads, num_query_groups or kv_channels is needed (the shapes of "
+            f"{ev.where}: num_attention_heads, num_query_groups or kv_channels is needed (the shapes of "
             f"'{QKV}' {list(qkv)} and '{PROJ}' {list(proj)} do not tell the head size): "
             f"give the config (import-mcore --config, export-hf --mcore-config)"
         )
+    return channels
+
+
+def _head_fields(ev: _Evidence, qkv: tuple[int, ...], proj: tuple[int, ...]) -> dict[str, int]:
+    """Head size, head count and query groups: the QKV rows ``(heads + 2·groups)·kv_channels`` and
+    the output projection's columns ``heads·kv_channels`` split by the head size, in whole heads."""
+    cols, kv_total = proj[2], qkv[1] - proj[2]
+    channels = _head_size(ev, qkv, proj)
     derived = {
         "kv_channels": channels,
         "num_attention_heads": cols // channels,
@@ -165,76 +182,104 @@ def infer_config(
     }
     if cols % channels or kv_total % (2 * channels) or derived["num_query_groups"] <= 0:
         raise ConversionError(
-            f"{where}: kv_channels={channels} does not divide '{PROJ}' {list(proj)} and "
+            f"{ev.where}: kv_channels={channels} does not divide '{PROJ}' {list(proj)} and "
             f"'{QKV}' {list(qkv)} into whole heads"
         )
     for name, value in derived.items():
-        check(name, value, QKV)
+        ev.agree(name, value, QKV)
     if derived["num_attention_heads"] % derived["num_query_groups"]:
         raise ConversionError(
-            f"{where}: {derived['num_attention_heads']} heads are not a multiple of "
+            f"{ev.where}: {derived['num_attention_heads']} heads are not a multiple of "
             f"{derived['num_query_groups']} query groups ('{QKV}' {list(qkv)})"
         )
+    return derived
 
-    router = shapes(ROUTER)
+
+def _attention_fields(ev: _Evidence, hidden: int) -> dict[str, int]:
+    """Layer count and the attention heads, from the stacked QKV and output projections (which
+    must fit ``hidden``)."""
+    qkv, proj = ev.need(QKV), ev.need(PROJ)
+    layers = ev.agree("num_layers", qkv[0], QKV)
+    if proj[:2] != (layers, hidden) or qkv[2] != hidden:
+        raise ConversionError(
+            f"{ev.source}: '{PROJ}' {list(proj)} and '{QKV}' {list(qkv)} do not fit hidden size {hidden}"
+        )
+    return {"num_layers": layers, **_head_fields(ev, qkv, proj)}
+
+
+def _expert_count(ev: _Evidence) -> int:
+    """The number of experts: the router's rows (0 without a router, where none may be given)."""
+    router = ev.shapes(ROUTER)
     experts = router[1] if router else 0
     if router:
-        check("num_experts", experts, ROUTER)
-    if not router and args.get("num_experts"):
-        raise ConversionError(f"{where}: num_experts={args['num_experts']} but the checkpoint has no '{ROUTER}'")
+        ev.agree("num_experts", experts, ROUTER)
+    if not router and ev.args.get("num_experts"):
+        raise ConversionError(f"{ev.where}: num_experts={ev.args['num_experts']} but the checkpoint has no '{ROUTER}'")
+    return experts
+
+
+def _mlp_fields(ev: _Evidence) -> dict[str, int]:
+    """Experts and FFN sizes (the experts', a dense MLP's, the shared experts'); a dense MLP must
+    be gated (SwiGLU), the only kind our model has."""
+    experts = _expert_count(ev)
     moe_ffn = ffn = 0
     if experts:
-        moe_ffn = need(EXPERT_FC2)[3]
-        check("moe_ffn_hidden_size", moe_ffn, EXPERT_FC2)
-        ffn = args.get("ffn_hidden_size") or moe_ffn
+        moe_ffn = ev.agree("moe_ffn_hidden_size", ev.need(EXPERT_FC2)[3], EXPERT_FC2)
+        ffn = ev.args.get("ffn_hidden_size") or moe_ffn
     else:
-        ffn = need(DENSE_FC2)[2]
-        check("ffn_hidden_size", ffn, DENSE_FC2)
-        fc1 = need(DENSE_FC1)
+        ffn = ev.agree("ffn_hidden_size", ev.need(DENSE_FC2)[2], DENSE_FC2)
+        fc1 = ev.need(DENSE_FC1)
         if fc1[1] != 2 * ffn:
             raise ConversionError(
-                f"{source}: '{DENSE_FC1}' {list(fc1)} is not a gated (SwiGLU) projection of "
+                f"{ev.source}: '{DENSE_FC1}' {list(fc1)} is not a gated (SwiGLU) projection of "
                 f"2·{ffn} rows: our model has SwiGLU MLPs only"
             )
-    shared = shapes(SHARED_FC2)
-    shared_ffn = check("moe_shared_expert_ffn_hidden_size", shared[2], SHARED_FC2) if shared else 0
-    tied = shapes(OUTPUT) is None
+    shared = ev.shapes(SHARED_FC2)
+    shared_ffn = ev.agree("moe_shared_expert_ffn_hidden_size", shared[2], SHARED_FC2) if shared else 0
+    return {
+        "num_experts": experts,
+        "moe_ffn_hidden_size": moe_ffn,
+        "ffn_hidden_size": ffn,
+        "moe_shared_expert_ffn_hidden_size": shared_ffn,
+    }
+
+
+def _presence_fields(ev: _Evidence) -> dict[str, bool]:
+    """Tied output, q/k norms and QKV bias: whether their tensors are stored, refusing a given
+    argument that says otherwise."""
+    args = ev.args
+    tied = ev.shapes(OUTPUT) is None
     if "untie_embeddings_and_output_weights" in args and bool(args["untie_embeddings_and_output_weights"]) == tied:
         raise ConversionError(
-            f"{where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
+            f"{ev.where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
             f"disagrees with the checkpoint ('{OUTPUT}' is {'absent' if tied else 'present'})"
         )
-    q_norm = shapes(Q_NORM) is not None
-    qkv_bias = shapes(QKV_BIAS) is not None
+    q_norm = ev.shapes(Q_NORM) is not None
+    qkv_bias = ev.shapes(QKV_BIAS) is not None
     for name, present, key in (("qk_layernorm", q_norm, Q_NORM), ("add_qkv_bias", qkv_bias, QKV_BIAS)):
         if name in args and args[name] is not None and bool(args[name]) != present:
             raise ConversionError(
-                f"{where}: {name}={args[name]!r} disagrees with the checkpoint ('{key}' is "
+                f"{ev.where}: {name}={args[name]!r} disagrees with the checkpoint ('{key}' is "
                 f"{'present' if present else 'absent'})"
             )
+    return {"tie_embeddings": tied, "qk_layernorm": q_norm, "add_qkv_bias": qkv_bias}
 
+
+def _shape_with_defaults(fields: dict[str, Any], args: dict[str, Any], where: str) -> tuple[ModelShape, list[str]]:
+    """``(shape, assumed)``: the model shape of the ``fields`` the shapes fix, completed with the
+    arguments the shapes do not tell, else MCore's defaults (``assumed``: those; the router's only
+    for a MoE model)."""
+    experts = fields["num_experts"]
     assumed = [name for name in DEFAULTS if name not in args and (experts or not name.startswith("moe_"))]
     value = {**DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
     try:
-        cfg = GPTConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_attention_heads=derived["num_attention_heads"],
-            num_query_groups=derived["num_query_groups"],
-            kv_channels=channels,
-            ffn_hidden_size=ffn,
+        cfg = ModelShape(
+            **fields,
             rotary_base=float(value["rotary_base"]),
             norm_epsilon=float(value["norm_epsilon"]),
-            qk_layernorm=q_norm,
-            tie_embeddings=tied,
-            num_experts=experts,
             moe_router_topk=int(value["moe_router_topk"]) if experts else 2,
-            moe_ffn_hidden_size=moe_ffn,
             moe_score_func=str(value["moe_router_score_function"]),
-            moe_shared_expert_ffn_hidden_size=shared_ffn,
             seq_length=int(value["seq_length"]),
-            add_qkv_bias=qkv_bias,
             moe_router_pre_softmax=bool(value["moe_router_pre_softmax"]) if experts else False,
             moe_aux_loss_coeff=float(value.get("moe_aux_loss_coeff", 1e-2)),
         )
@@ -243,7 +288,24 @@ def infer_config(
     return cfg, assumed
 
 
-def to_mcore_args(cfg: GPTConfig) -> dict[str, Any]:
+def infer_config(
+    shapes: Callable[[str], tuple[int, ...] | None], given: dict[str, Any], source: str, where: str
+) -> tuple[ModelShape, list[str]]:
+    """``(config, assumed)``: the model shape (:data:`ModelShape`) from the stored shapes
+    (``shapes(key)``: a stored tensor's global shape, None when absent) and the MCore arguments
+    ``given`` (read from ``where``, named in errors); ``assumed``: the arguments taken from MCore's
+    defaults. Each group of fields is read, and checked against the arguments, in turn."""
+    args = _normalised(given)
+    _refuse_unsupported(args, where)
+    ev = _Evidence(shapes, args, source, where)
+    fields: dict[str, Any] = dict(_embedding_fields(ev))
+    fields.update(_attention_fields(ev, fields["hidden_size"]))
+    fields.update(_mlp_fields(ev))
+    fields.update(_presence_fields(ev))
+    return _shape_with_defaults(fields, args, where)
+
+
+def to_mcore_args(cfg: ModelShape) -> dict[str, Any]:
     """The MCore (Megatron-LM) arguments of our config: what ``export-mcore`` writes next to a
     checkpoint (``mcore_args.json``) and what ``import-mcore --config`` reads back."""
     out: dict[str, Any] = {

@@ -1,11 +1,12 @@
 """What ``mfsdp-ckpt inspect`` shows of a Megatron-Core checkpoint: its format, iteration and,
-where the shapes and any recorded arguments tell it, our model config."""
+where the shapes and any recorded arguments tell it, its model shape."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.mcore.import_ import plan_import
 from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.read.locate import is_mcore
 
@@ -18,8 +19,6 @@ def describe_mcore(directory: str) -> dict[str, Any] | None:
     as unknown with the reason, not raised: inspecting needs no config."""
     if not is_mcore(directory):
         return None
-    from mfsdp_ckpt.mcore.import_ import plan_import
-
     with McoreSource.open(directory) as source:
         backend = f"megatron-core {source.backend.get('sharded_backend')}"
         step = source.common.get("iteration")

@@ -33,9 +33,9 @@ from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
 from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
+from mfsdp_ckpt.sharded.model_shape import ModelShape, shape_from_dict
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder
-from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
 
@@ -75,6 +75,126 @@ def _target(key: str, moe_norm: str) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+def _moe_norm_name(moe_norm: str) -> str:
+    """The stored name of the MoE pre-MLP norm for ``moe_norm`` (``"te"`` or ``"local"``)."""
+    if moe_norm not in ("te", "local"):
+        raise ConversionError(f"moe_norm {moe_norm!r}: expected 'te' or 'local'")
+    return MOE_NORM_TE if moe_norm == "te" else MOE_NORM_LOCAL
+
+
+def _exported_shape(reader: MappedReader) -> ModelShape:
+    """The model shape the checkpoint's manifest records (``model_config``): export-mcore writes
+    only models of our canonical names, so a transformers model, and a manifest with no shape,
+    are refused."""
+    saved = (reader.manifest or {}).get("model_config")
+    source = model_source_of(reader.manifest) or {}
+    if source.get("kind") == TRANSFORMERS:
+        raise ConversionError(
+            f"{reader.directory}: holds a transformers model ({source.get('class')}), named as "
+            "transformers names it; export-mcore writes GPT models of our canonical names: run "
+            "export-hf, import-hf, then export-mcore"
+        )
+    if not saved:
+        raise ConversionError(
+            f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)"
+        )
+    return shape_from_dict(saved, reader.directory)
+
+
+_Stacks = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # stored key -> (dtype, global shape)
+_Targets = dict[str, tuple[str, tuple[int, ...]]]  # canonical key -> (stored key, leading index)
+
+
+def _stack_targets(reader: MappedReader, keys: list[str], cfg: ModelShape, norm_name: str) -> tuple[_Targets, _Stacks]:
+    """``(targets, stacks)``: where each exported tensor goes (its stored key and index in the
+    stack) and each stack's dtype and shape, refusing tensors that do not stack with the others of
+    their stored key, or whose index is outside the model's layers and experts."""
+    targets: _Targets = {}
+    stacks: _Stacks = {}
+    for key in keys:
+        if not reader.is_tensor(key):
+            continue
+        target = _target(key, norm_name)
+        if target is None:
+            continue
+        stored, index = target
+        dims = (cfg.num_layers, cfg.num_experts)[: len(index)]
+        shape = tuple(dims) + tuple(reader.shape(key))
+        dtype = reader.dtype(key)
+        if stored in stacks and stacks[stored] != (dtype, shape):
+            raise ConversionError(
+                f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
+                f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index) :])})"
+            )
+        if any(not 0 <= i < d for i, d in zip(index, dims)):
+            raise ConversionError(
+                f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
+                f"{list(dims)} (num_layers, num_experts)"
+            )
+        stacks[stored] = (dtype, shape)
+        targets[key] = (stored, index)
+    return targets, stacks
+
+
+def _common_state(reader: MappedReader, keys: list[str]) -> dict[str, Any]:
+    """What ``common.pt`` holds: the checkpoint's ``extra.*`` objects (no RNG states, no value that
+    would collide with the sharded state Megatron-LM loads), and the step as ``iteration``."""
+    common: dict[str, Any] = {}
+    for key in keys:
+        name = extra_name(key)
+        if name is not None and not is_rng(key) and not reader.is_tensor(key):
+            value = reader.read(key)
+            if _SHARDED_CONTAINERS.match(name) and not isinstance(value, dict):
+                continue  # would collide with the sharded state Megatron-LM loads under that name
+            common[name] = value
+    if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
+        common["iteration"] = reader.manifest["step"]
+    return common
+
+
+def _write_chunks(
+    builder: CheckpointBuilder,
+    reader: MappedReader,
+    targets: _Targets,
+    stacks: _Stacks,
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Write each exported tensor as one chunk of its stack, one at a time (memory: one tensor)."""
+    done = 0
+    for key, (stored, index) in targets.items():
+        tensor = reader.read(key)
+        _, shape = stacks[stored]
+        chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
+        record = builder.add_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), shape)
+        builder.start_writeback(record)
+        done += tensor.numel() * tensor.element_size()
+        del tensor, chunk
+        if progress is not None:
+            progress(done, total)
+
+
+def _write_mcore_files(builder: CheckpointBuilder, cfg: ModelShape, common: dict[str, Any]) -> None:
+    """Write what MCore reads besides the tensors: the empty ``_extra_state`` objects its loader
+    asks for, ``common.pt``, ``metadata.json``; and ``mcore_args.json`` (import-mcore reads it back)."""
+    for key in extra_state_keys(
+        cfg.num_layers,
+        cfg.num_experts,
+        dense=cfg.num_experts == 0,
+        shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0,
+    ):
+        builder.add_object(key, [None])
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    fs.write_bytes(fs.join(builder.tmp, "common.pt"), buf.getvalue(), sync=builder.sync)
+    fs.write_bytes(fs.join(builder.tmp, "metadata.json"), json.dumps(BACKEND).encode(), sync=builder.sync)
+    fs.write_bytes(
+        fs.join(builder.tmp, "mcore_args.json"),
+        (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(),
+        sync=builder.sync,
+    )
+
+
 def export_mcore(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -89,61 +209,12 @@ def export_mcore(
     ``mlp.linear_fc1.layer_norm_weight`` (MCore's local spec). Gradients and MX planes are not
     exported (MCore has no place for them)."""
     start = time.perf_counter()
-    if moe_norm not in ("te", "local"):
-        raise ConversionError(f"moe_norm {moe_norm!r}: expected 'te' or 'local'")
-    norm_name = MOE_NORM_TE if moe_norm == "te" else MOE_NORM_LOCAL
+    norm_name = _moe_norm_name(moe_norm)
     with MappedReader(src) as reader:
-        saved = (reader.manifest or {}).get("model_config")
-        source = model_source_of(reader.manifest) or {}
-        if source.get("kind") == TRANSFORMERS:
-            raise ConversionError(
-                f"{reader.directory}: holds a transformers model ({source.get('class')}), named as "
-                "transformers names it; export-mcore writes GPT models of our canonical names: run "
-                "export-hf, import-hf, then export-mcore"
-            )
-        if not saved:
-            raise ConversionError(
-                f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)"
-            )
-        try:
-            cfg = GPTConfig.from_dict(saved)
-        except (TypeError, ValueError) as e:
-            raise ConversionError(f"{reader.directory}: model_config in the manifest is not ours: {e}") from None
+        cfg = _exported_shape(reader)
         keys = reader.keys()
-        targets: dict[str, tuple[str, tuple[int, ...]]] = {}
-        stacks: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for key in keys:
-            if not reader.is_tensor(key):
-                continue
-            target = _target(key, norm_name)
-            if target is None:
-                continue
-            stored, index = target
-            dims = (cfg.num_layers, cfg.num_experts)[: len(index)]
-            shape = tuple(dims) + tuple(reader.shape(key))
-            dtype = reader.dtype(key)
-            if stored in stacks and stacks[stored] != (dtype, shape):
-                raise ConversionError(
-                    f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
-                    f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index) :])})"
-                )
-            if any(not 0 <= i < d for i, d in zip(index, dims)):
-                raise ConversionError(
-                    f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
-                    f"{list(dims)} (num_layers, num_experts)"
-                )
-            stacks[stored] = (dtype, shape)
-            targets[key] = (stored, index)
-        common: dict[str, Any] = {}
-        for key in keys:
-            name = extra_name(key)
-            if name is not None and not is_rng(key) and not reader.is_tensor(key):
-                value = reader.read(key)
-                if _SHARDED_CONTAINERS.match(name) and not isinstance(value, dict):
-                    continue  # would collide with the sharded state Megatron-LM loads under that name
-                common[name] = value
-        if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
-            common["iteration"] = reader.manifest["step"]
+        targets, stacks = _stack_targets(reader, keys, cfg, norm_name)
+        common = _common_state(reader, keys)
         total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)
         manifest = {
             "model_config": cfg.to_dict(),
@@ -152,33 +223,8 @@ def export_mcore(
             "converted_from": reader.directory,
             "key_layout": "mcore-torch_dist",
         }
-        done = 0
         with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(reader.directory,)) as builder:
-            for key, (stored, index) in targets.items():
-                tensor = reader.read(key)
-                _, shape = stacks[stored]
-                chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
-                record = builder.add_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), shape)
-                builder.start_writeback(record)
-                done += tensor.numel() * tensor.element_size()
-                del tensor, chunk
-                if progress is not None:
-                    progress(done, total)
-            for key in extra_state_keys(
-                cfg.num_layers,
-                cfg.num_experts,
-                dense=cfg.num_experts == 0,
-                shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0,
-            ):
-                builder.add_object(key, [None])
-            buf = io.BytesIO()
-            torch.save(common, buf)
-            fs.write_bytes(fs.join(builder.tmp, "common.pt"), buf.getvalue(), sync=builder.sync)
-            fs.write_bytes(fs.join(builder.tmp, "metadata.json"), json.dumps(BACKEND).encode(), sync=builder.sync)
-            fs.write_bytes(
-                fs.join(builder.tmp, "mcore_args.json"),
-                (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(),
-                sync=builder.sync,
-            )
+            _write_chunks(builder, reader, targets, stacks, total, progress)
+            _write_mcore_files(builder, cfg, common)
             path = builder.commit()
     return McoreExportResult(path=path, tensors=len(targets), bytes=total, seconds=time.perf_counter() - start)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
-from mfsdp_ckpt.hf.mapping import canonical_shapes, default_plan, meta_model
+from mfsdp_ckpt.hf.mapping import canonical_shapes
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.layout import (
     COMMON_STATE,
@@ -37,9 +37,11 @@ from mfsdp_ckpt.mcore.layout import (
 )
 from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.sharded.model_shape import ModelShape, default_plan, meta_model
+from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path
 from mfsdp_ckpt.write.builder import CheckpointBuilder
-from mfsdp_core.models.gpt import GPTConfig
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]
 
@@ -65,9 +67,9 @@ class McoreImportResult:
 
 @dataclass
 class ImportPlan:
-    """What an import will write: the config, the pieces in order, the common state, notices."""
+    """What an import will write: the model shape, the pieces in order, the common state, notices."""
 
-    config: GPTConfig
+    config: ModelShape
     assumed: list[str]
     pieces: list[Piece]
     common: dict[str, Any]
@@ -120,12 +122,13 @@ def _check_extra_state(source: McoreSource, key: str) -> None:
         )
 
 
-def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
-    """Classify every stored entry, infer and check the config, and map the keys (see the module
-    docstring); reads only small objects (``_extra_state``, common state), no tensor data. Every
-    tensor entry's chunks are checked to cover it exactly once inside the bytes its files hold
-    before it is expanded per layer and expert, so a stored shape never costs more than the
-    files back."""
+def _given_arguments(
+    source: McoreSource, config: dict[str, Any] | str | os.PathLike | None
+) -> tuple[dict[str, Any], str]:
+    """``(given, where)``: the MCore arguments to infer the model shape with, and where they come
+    from (named in errors): Megatron-LM's ``args`` in the common state, overridden by ``config``
+    (a dict or a JSON file; by default the ``mcore_args.json`` export-mcore writes next to the
+    checkpoint)."""
     where = "the checkpoint's arguments"
     given: dict[str, Any] = {}
     args = source.common.get("args")
@@ -141,8 +144,24 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         else:
             given.update(read_config_file(config))
             where = os.fspath(config)
-    notices: list[str] = list(source.notices)
-    model_keys, optim_keys, extra_states, dropped = [], [], [], []
+    return given, where
+
+
+@dataclass
+class _Entries:
+    """The stored entries of an MCore checkpoint by what an import does with them."""
+
+    model: list[str] = field(default_factory=list)  # model weights: imported
+    optimizer: list[str] = field(default_factory=list)  # ``fully_reshardable`` optimizer state: imported
+    extra_states: list[str] = field(default_factory=list)  # ``_extra_state`` objects: checked empty, dropped
+    dropped: list[str] = field(default_factory=list)  # other objects: left out with a notice
+
+
+def _classify_entries(source: McoreSource) -> _Entries:
+    """Sort every stored entry (see :class:`_Entries`; the common state is read apart), refusing
+    the distributed optimizer's ``dp_reshardable`` buckets and optimizer entries of unknown layout,
+    naming the key."""
+    out = _Entries()
     for key in sorted(source.entries):
         tensor = source.shape(key) is not None
         if key.startswith(OPTIM_DISTRIBUTED):
@@ -152,29 +171,32 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
                 "optimizer with sharding_type 'fully_reshardable' and import that"
             )
         if key.startswith(OPTIM_STATE) and tensor:
-            optim_keys.append(key)
+            out.optimizer.append(key)
         elif key.startswith("optimizer."):
             raise ConversionError(
                 f"{source.directory}: key '{key}': an optimizer entry of a layout import-mcore does not "
                 f"know (expected {OPTIM_STATE}<state>.<parameter>)"
             )
         elif is_extra_state(key):
-            extra_states.append(key)
+            out.extra_states.append(key)
         elif key.split("/", 1)[0] == COMMON_STATE:
             continue  # read with the common state
         elif tensor:
-            model_keys.append(key)
+            out.model.append(key)
         else:
-            dropped.append(key)
-    for key in model_keys + optim_keys:  # before expanding per layer / expert: the chunks must back the shape
-        source.reader.check_entry(key)
-    shape_of = {k: source.shape(k) for k in model_keys}
-    cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
-    for key in extra_states:
-        _check_extra_state(source, key)
-    if extra_states:
-        notices.append(f"dropped {len(extra_states)} empty _extra_state entries (no Transformer Engine state in them)")
-    if dropped:
+            out.dropped.append(key)
+    return out
+
+
+def _entry_notices(entries: _Entries, assumed: list[str]) -> list[str]:
+    """What an import reports of the entries it leaves out and the defaults it assumed."""
+    notices = []
+    if entries.extra_states:
+        notices.append(
+            f"dropped {len(entries.extra_states)} empty _extra_state entries (no Transformer Engine state in them)"
+        )
+    if entries.dropped:
+        dropped = entries.dropped
         notices.append(
             f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
             f"{', ...' if len(dropped) > 3 else ''})"
@@ -185,11 +207,17 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
             + ", ".join(assumed)
             + " (import-mcore --config, export-hf --mcore-config set them)"
         )
+    return notices
 
-    moe = cfg.num_experts > 0
-    pieces = [p for k in model_keys for p in model_pieces(k, shape_of[k], moe)]
-    model = meta_model(cfg)
-    expected = canonical_shapes(cfg, model)
+
+def _check_model_pieces(
+    source: McoreSource,
+    pieces: list[Piece],
+    shape_of: dict[str, tuple[int, ...]],
+    expected: dict[str, torch.Size],
+) -> None:
+    """Refuse, in one error listing every problem, model pieces that do not give our model's
+    tensors exactly: two stored keys for one tensor, missing or unexpected tensors, wrong shapes."""
     produced: dict[str, Piece] = {}
     twice = []
     for p in pieces:
@@ -218,28 +246,70 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
         ConversionError,
     )
 
-    optim_pieces: list[Piece] = []
+
+def _check_optimizer_piece(source: McoreSource, key: str, piece: Piece, expected: dict[str, torch.Size]) -> None:
+    """Refuse optimizer state (stored ``key``, one ``piece`` of it) of a parameter our model does
+    not have, or of another shape than the parameter's."""
+    model_of = "model." + piece.canonical[len("optim.") :].rsplit(".", 1)[0]
+    if model_of not in expected:
+        raise ConversionError(
+            f"{source.directory}: key '{key}': optimizer state of '{model_of[len('model.') :]}', "
+            "which our model does not have"
+        )
+    shape = torch.Size(source.shape(key)[len(piece.index) :])
+    if shape != expected[model_of]:
+        raise ConversionError(
+            f"{source.directory}: key '{key}'{list(piece.index)}: shape {list(shape)}, the parameter's "
+            f"{list(expected[model_of])}"
+        )
+
+
+def _optimizer_plan(
+    source: McoreSource,
+    keys: list[str],
+    shape_of: dict[str, tuple[int, ...]],
+    expected: dict[str, torch.Size],
+    moe: bool,
+) -> tuple[list[Piece], list[str]]:
+    """``(pieces, same_dtype)``: the checked pieces of the optimizer entries ``keys``, and the main
+    params left out for being of the weights' own dtype (a canonical checkpoint stores the weights
+    once)."""
+    pieces: list[Piece] = []
     same_dtype = []
-    for key in optim_keys:
+    for key in keys:
         state, ps = optimizer_pieces(key, source.shape(key), moe)
         weights = key[len(OPTIM_STATE) + len(state) + 1 :]
         if state == "param" and weights in shape_of and source.dtype(weights) == source.dtype(key):
             same_dtype.append(key)
             continue
         for p in ps:
-            model_of = "model." + p.canonical[len("optim.") :].rsplit(".", 1)[0]
-            if model_of not in expected:
-                raise ConversionError(
-                    f"{source.directory}: key '{key}': optimizer state of '{model_of[len('model.') :]}', "
-                    "which our model does not have"
-                )
-            shape = torch.Size(source.shape(key)[len(p.index) :])
-            if shape != expected[model_of]:
-                raise ConversionError(
-                    f"{source.directory}: key '{key}'{list(p.index)}: shape {list(shape)}, the parameter's "
-                    f"{list(expected[model_of])}"
-                )
-        optim_pieces += ps
+            _check_optimizer_piece(source, key, p, expected)
+        pieces += ps
+    return pieces, same_dtype
+
+
+def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
+    """Classify every stored entry, infer and check the model shape, and map the keys (see the
+    module docstring); reads only small objects (``_extra_state``, common state), no tensor data.
+    Every tensor entry's chunks are checked to cover it exactly once inside the bytes its files
+    hold before it is expanded per layer and expert, so a stored shape never costs more than the
+    files back."""
+    given, where = _given_arguments(source, config)
+    entries = _classify_entries(source)
+    for key in entries.model + entries.optimizer:  # before expanding per layer / expert: the chunks must back the shape
+        source.reader.check_entry(key)
+    shape_of = {k: source.shape(k) for k in entries.model}
+    cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
+    for key in entries.extra_states:
+        _check_extra_state(source, key)
+    notices = list(source.notices) + _entry_notices(entries, assumed)
+
+    moe = cfg.num_experts > 0
+    pieces = [p for k in entries.model for p in model_pieces(k, shape_of[k], moe)]
+    model = meta_model(cfg)
+    expected = canonical_shapes(cfg, model)
+    _check_model_pieces(source, pieces, shape_of, expected)
+    optim_pieces, same_dtype = _optimizer_plan(source, entries.optimizer, shape_of, expected, moe)
     if same_dtype:
         notices.append(
             f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
@@ -315,9 +385,6 @@ def import_mcore(
         if world_size == 1:
             path, total = _write(source, plan, final, overwrite, progress)
         else:
-            from mfsdp_ckpt.sharded.reshard import reshard
-            from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path
-
             check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
             tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed import: `ls --clean` removes it
             try:

@@ -371,11 +371,38 @@ def _read_spans(
     """Read ``spans`` into ``staging`` (one buffer per span) and verify every chunk as its last
     block arrives: the payloads, and the absolute file offset of each plain record's tensor
     bytes; raises the first fault in file order."""
-    # blocks to read; each chunk waits for the blocks it overlaps
-    blocks: list[tuple[int, int, int]] = []  # (span number, start, end) within the span's buffer
-    waiting: dict[tuple[int, int], int] = {}  # (span number, chunk number) -> blocks still to arrive
-    overlapping: list[list[int]] = []  # per block: the chunk numbers of its span it overlaps
-    unblocked: list[tuple[int, int]] = []
+    plan = _plan_blocks(spans)
+    reads = _SpanReads(files, spans, readers, staging, plan)
+    if sum(end - start for _, start, end in plan.blocks) <= BLOCK_BYTES:
+        for b in range(len(plan.blocks)):  # one block's worth: starting threads would cost more than they save
+            reads.read_block(b)
+    else:
+        run(reads.read_block, len(plan.blocks))
+    for s, c in plan.unblocked:
+        reads.check(s, c)
+    if reads.faults:
+        raise min(reads.faults, key=lambda fault: fault[0])[1]
+    return reads.payloads, reads.locations
+
+
+@dataclass
+class _BlockPlan:
+    """The blocks to read for a list of spans, and which chunk waits for which: ``blocks`` (span
+    number, start, end within the span's buffer); ``waiting`` (span number, chunk number) -> blocks
+    still to arrive; ``overlapping`` per block, the chunk numbers of its span it overlaps;
+    ``unblocked`` the chunks no block covers (zero-length records), checked after the reads."""
+
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    waiting: dict[tuple[int, int], int] = field(default_factory=dict)
+    overlapping: list[list[int]] = field(default_factory=list)
+    unblocked: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _plan_blocks(spans: list[Span]) -> _BlockPlan:
+    """Cut every span into blocks of :data:`BLOCK_BYTES` and count, per chunk, the blocks it
+    overlaps, so that each chunk is checked as soon as its last block has arrived."""
+    plan = _BlockPlan()
+    blocks, waiting, overlapping = plan.blocks, plan.waiting, plan.overlapping
     for s, span in enumerate(spans):
         size = span.end - span.start
         first_block = len(blocks)
@@ -389,69 +416,101 @@ def _read_spans(
             for b in covering:
                 overlapping[b].append(c)
             if not covering:  # an empty span (a zero-length record): nothing to wait for
-                unblocked.append((s, c))
+                plan.unblocked.append((s, c))
+    return plan
 
-    payloads: dict[MetadataIndex, torch.Tensor | bytes] = {}
-    locations: dict[MetadataIndex, int] = {}
-    faults: list[tuple[tuple[str, int], CorruptCheckpointError]] = []
-    short: dict[int, int] = {}  # span number -> first offset (within the span) that could not be read
-    lock = threading.Lock()
-    failed = threading.Event()
 
-    def check(s: int, c: int) -> None:
-        span = spans[s]
+class _SpanReads:
+    """The state one :func:`_read_spans` call shares between its reading threads: ``read_block``
+    reads one block and checks the chunks it completes; results and faults are collected under
+    one lock, and the first fault stops the blocks not yet started."""
+
+    __slots__ = (
+        "files",
+        "spans",
+        "readers",
+        "staging",
+        "blocks",
+        "waiting",
+        "overlapping",
+        "payloads",
+        "locations",
+        "faults",
+        "short",
+        "lock",
+        "failed",
+    )
+
+    def __init__(
+        self,
+        files: ChunkFiles,
+        spans: list[Span],
+        readers: dict[str, Callable[[int, numpy.ndarray], int]],
+        staging: list[numpy.ndarray],
+        plan: _BlockPlan,
+    ) -> None:
+        self.files, self.spans, self.readers, self.staging = files, spans, readers, staging
+        self.blocks, self.waiting, self.overlapping = plan.blocks, plan.waiting, plan.overlapping
+        self.payloads: dict[MetadataIndex, torch.Tensor | bytes] = {}
+        self.locations: dict[MetadataIndex, int] = {}
+        self.faults: list[tuple[tuple[str, int], CorruptCheckpointError]] = []
+        self.short: dict[int, int] = {}  # span number -> first offset (within the span) that could not be read
+        self.lock = threading.Lock()
+        self.failed = threading.Event()
+
+    def _fault(self, where: tuple[str, int], error: CorruptCheckpointError) -> None:
+        """Record a fault at ``where`` (file, offset: the order faults are raised in) and stop reading."""
+        with self.lock:
+            self.faults.append((where, error))
+        self.failed.set()
+
+    def check(self, s: int, c: int) -> None:
+        """Verify chunk ``c`` of span ``s`` from the bytes that arrived; keep its payload or its fault."""
+        span = self.spans[s]
         index, info = span.chunks[c]
         lo = info.offset - span.start
-        available = min(info.length, short.get(s, info.length + lo) - lo)
+        available = min(info.length, self.short.get(s, info.length + lo) - lo)
+        files = self.files
         try:
             payload, raw_offset = decode_record_at(
-                staging[s][lo : lo + max(available, 0)], info, index, files.manifest_chunks, files.shapes.get(index)
+                self.staging[s][lo : lo + max(available, 0)],
+                info,
+                index,
+                files.manifest_chunks,
+                files.shapes.get(index),
             )
         except ChunkFault as e:
             error = CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}")
-            with lock:
-                faults.append(((info.relative_path, info.offset), error))
-            failed.set()
+            self._fault((info.relative_path, info.offset), error)
             return
-        with lock:
-            payloads[index] = payload
+        with self.lock:
+            self.payloads[index] = payload
             if raw_offset is not None:
-                locations[index] = info.offset + raw_offset
+                self.locations[index] = info.offset + raw_offset
 
-    def read_block(b: int) -> None:
-        if failed.is_set():
+    def read_block(self, b: int) -> None:
+        """Read block ``b`` (unless a fault stopped the reads), then check the chunks whose last block it was."""
+        if self.failed.is_set():
             return
-        s, start, end = blocks[b]
-        span = spans[s]
+        s, start, end = self.blocks[b]
+        span = self.spans[s]
         try:
-            got = readers[span.relative_path](span.start + start, staging[s][start:end])
+            got = self.readers[span.relative_path](span.start + start, self.staging[s][start:end])
         except OSError as e:
-            index = next((span.chunks[c][0] for c in overlapping[b]), span.chunks[0][0])
+            index = next((span.chunks[c][0] for c in self.overlapping[b]), span.chunks[0][0])
             error = CorruptCheckpointError(
-                f"{chunk_location(files.path(span.relative_path), index)}: cannot read ({e.strerror or e})"
+                f"{chunk_location(self.files.path(span.relative_path), index)}: cannot read ({e.strerror or e})"
             )
-            with lock:
-                faults.append(((span.relative_path, span.start + start), error))
-            failed.set()
+            self._fault((span.relative_path, span.start + start), error)
             return
         ready = []
-        with lock:
+        with self.lock:
             if got < end - start:
-                short[s] = min(short.get(s, end), start + got)
-            for c in overlapping[b]:
+                self.short[s] = min(self.short.get(s, end), start + got)
+            waiting = self.waiting
+            for c in self.overlapping[b]:
                 waiting[(s, c)] -= 1
                 if waiting[(s, c)] == 0:
                     ready.append(c)
         for c in ready:
-            check(s, c)
-
-    if sum(end - start for _, start, end in blocks) <= BLOCK_BYTES:
-        for b in range(len(blocks)):  # one block's worth: starting threads would cost more than they save
-            read_block(b)
-    else:
-        run(read_block, len(blocks))
-    for s, c in unblocked:
-        check(s, c)
-    if faults:
-        raise min(faults, key=lambda fault: fault[0])[1]
-    return payloads, locations
+            self.check(s, c)

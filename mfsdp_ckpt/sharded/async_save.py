@@ -52,7 +52,7 @@ from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.sharded.agreement import agreed
 from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
-from mfsdp_ckpt.sharded.save import check_save_arguments, prepare_save, write_and_commit
+from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_and_commit
 from mfsdp_ckpt.sharded.state import FlatEntry
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
@@ -405,16 +405,7 @@ def async_save(
     started = time.perf_counter()
     check_save_arguments(path, keep)
     group = _checkpoint_group()
-    previous = in_flight()
-    if previous is not None:
-        previous.wait()
-        set_in_flight(None)
-        if previous._error is not None and not previous._reported:
-            previous._reported = True
-            raise CheckpointError(
-                f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
-                f"{os.path.abspath(os.fspath(path))} was not started (call async_save again)"
-            )
+    _wait_for_previous(path)
     waited = time.perf_counter() - started
     lock = contextlib.ExitStack()  # rank 0: the run directory's lock, released after the commit
     try:
@@ -441,43 +432,88 @@ def async_save(
         raise
     handle = AsyncSaveHandle(job.final, started)
     handle._fence = fence
-    planner = _StagedSavePlanner(staged.properties)
-
-    def write() -> None:
-        error = None
-        try:
-            try:
-                _fill(staged, planner, job.final)
-            finally:
-                fence.release()
-                handle._mark_staged()
-            try:
-                write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
-            except BaseException as e:  # noqa: BLE001 - reported by the handle
-                error = _one_line(e, job.final)
-                with contextlib.suppress(Exception):  # the save's error is the one reported
-                    lock.close()  # rank 0: the run directory is unlocked before any rank reports
-                if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
-                    with contextlib.suppress(Exception):
-                        dist.barrier(group=group)
-            finally:
-                lock.close()
-        except BaseException as e:  # noqa: BLE001 - releasing the lock failed
-            error = error or _one_line(e, job.final)
-        finally:
-            handle._finish(error)  # whatever happened: result() never waits forever
-
-    thread = threading.Thread(target=write, name=f"mfsdp-ckpt async save {job.final}")
     handle.waited_s = waited
+    _start_background_write(job, staged, fence, handle, lock, group)
+    handle.call_s = time.perf_counter() - started
+    set_in_flight(handle)
+    return handle
+
+
+def _wait_for_previous(path: str | os.PathLike) -> None:
+    """Wait for the save in flight and clear it, so that saves commit in call order; raise its
+    error if nothing has reported it yet (a failure must not go unnoticed because the next save
+    was started without looking at the previous handle)."""
+    previous = in_flight()
+    if previous is None:
+        return
+    previous.wait()
+    set_in_flight(None)
+    if previous._error is not None and not previous._reported:
+        previous._reported = True
+        raise CheckpointError(
+            f"the previous asynchronous save ({previous.path}) failed: {previous._error}; "
+            f"{os.path.abspath(os.fspath(path))} was not started (call async_save again)"
+        )
+
+
+def _start_background_write(
+    job: PreparedSave,
+    staged: _Staged,
+    fence: Fence,
+    handle: AsyncSaveHandle,
+    lock: contextlib.ExitStack,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Start the thread that copies, writes and commits ``job``; if it cannot start, release the
+    fence and the lock (training and the run directory must not stay held by a save that never runs)."""
+    planner = _StagedSavePlanner(staged.properties)
+    thread = threading.Thread(
+        target=_write_in_background,
+        args=(job, staged, planner, fence, handle, lock, group),
+        name=f"mfsdp-ckpt async save {job.final}",
+    )
     try:
         thread.start()
     except BaseException:
         fence.release()
         lock.close()
         raise
-    handle.call_s = time.perf_counter() - started
-    set_in_flight(handle)
-    return handle
+
+
+def _write_in_background(
+    job: PreparedSave,
+    staged: _Staged,
+    planner: _StagedSavePlanner,
+    fence: Fence,
+    handle: AsyncSaveHandle,
+    lock: contextlib.ExitStack,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """The background thread's work: fill the staging buffer (then release the fence), write and
+    commit, unlock the run directory, and finish ``handle`` with the save's one-line error (or
+    None) whatever happens, so that ``result()`` never waits forever."""
+    error = None
+    try:
+        try:
+            _fill(staged, planner, job.final)
+        finally:
+            fence.release()
+            handle._mark_staged()
+        try:
+            write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
+        except BaseException as e:  # noqa: BLE001 - reported by the handle
+            error = _one_line(e, job.final)
+            with contextlib.suppress(Exception):  # the save's error is the one reported
+                lock.close()  # rank 0: the run directory is unlocked before any rank reports
+            if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
+                with contextlib.suppress(Exception):
+                    dist.barrier(group=group)
+        finally:
+            lock.close()
+    except BaseException as e:  # noqa: BLE001 - releasing the lock failed
+        error = error or _one_line(e, job.final)
+    finally:
+        handle._finish(error)  # whatever happened: result() never waits forever
 
 
 def _fill(staged: _Staged, planner: _StagedSavePlanner, final: str) -> None:

@@ -30,6 +30,7 @@ from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME
 from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.manifest import recorded_plan, versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
@@ -429,6 +430,44 @@ def reshard(
     one only with ``overwrite``); on any error nothing is left there.
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    cast = _check_arguments(world_size, workers, strategy, policy, dtype)
+    rules = parse_key_map(key_map)
+    _refuse_mcore(src, world_size, rules)
+    planned = _plan_reshard(
+        src,
+        rules,
+        world_size=world_size,
+        ep=ep,
+        strategy=strategy,
+        policy=policy,
+        plan_from=plan_from,
+        model_only=model_only,
+        cast=cast,
+    )
+    jobs = planned.jobs
+    files = max([j.file for j in jobs], default=0) + 1
+    out_manifest = _output_manifest(planned, world_size, model_only=model_only, dtype=dtype, rules=rules)
+    report = progress_adder(progress, sum(j.nbytes for j in jobs))
+    path, written = _write_target(
+        dst, out_manifest, planned.src_dir, jobs, workers=workers, overwrite=overwrite, report=report, rules=rules
+    )
+    experts = planned.experts
+    return ReshardResult(
+        path,
+        world_size,
+        files,
+        len({j.key for j in jobs}),
+        written,
+        planned.dropped,
+        experts["ep_size"] if experts else None,
+    )
+
+
+def _check_arguments(
+    world_size: int, workers: int, strategy: str | None, policy: str | None, dtype: str | None
+) -> torch.dtype | None:
+    """Refuse bad arguments before anything is read (one line naming the flag); returns the
+    dtype ``dtype`` names (None: no cast)."""
     if world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     if world_size > MAX_WORLD_SIZE:
@@ -445,25 +484,56 @@ def reshard(
             parse_policy(policy)
         except ValueError as e:
             raise CheckpointError(f"--policy: {e}") from None
-    cast = None
-    if dtype is not None:
-        if dtype not in CAST_CHOICES:
-            raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
-        cast = dtype_by_name(dtype)
-    rules = parse_key_map(key_map)
-    from mfsdp_ckpt.read.locate import is_mcore
+    if dtype is None:
+        return None
+    if dtype not in CAST_CHOICES:
+        raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+    return dtype_by_name(dtype)
 
-    if not rules and is_mcore(src):  # stacked layers: its keys are not canonical ones
+
+def _refuse_mcore(src: str, world_size: int, rules: Sequence[KeyRule]) -> None:
+    """Refuse a Megatron-Core checkpoint read without a key map: its stacked layers' keys are not
+    canonical ones, and import-mcore is the command that lays it out."""
+    if not rules and is_mcore(src):
         raise CheckpointError(
             f"{src}: a Megatron-Core checkpoint; 'mfsdp-ckpt import-mcore {src} DST --world-size "
             f"{world_size}' lays it out for {world_size} ranks"
         )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What reading the source decided: its directory and manifest (a stock checkpoint's made up
+    by :func:`_stock_manifest`), the writer's world and EP sizes, the target plan and
+    ``writer.experts``, and the writes (with the keys left out)."""
+
+    src_dir: str
+    manifest: dict[str, Any]
+    stock: bool
+    source_world: int | None
+    source_ep: int | None
+    plan: ModelPlan
+    experts: dict[str, Any] | None
+    jobs: list[_Job]
+    dropped: list[str]
+
+
+def _plan_reshard(
+    src: str,
+    rules: Sequence[KeyRule],
+    *,
+    world_size: int,
+    ep: int | None,
+    strategy: str | None,
+    policy: str | None,
+    plan_from: str | os.PathLike | None,
+    model_only: bool,
+    cast: torch.dtype | None,
+) -> _Planned:
+    """Open the source once and plan everything from its manifest and metadata: the source plan
+    (recorded, ``plan_from``'s, or a stock checkpoint's), its target layout, and every write."""
     with MappedReader(src, rules) as reader:
-        mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
-        if mark is not None:
-            raise UncommittedCheckpointError(
-                f"{reader.directory}: no mfsdp.json, but {mark}: a save that never committed, or a deleted manifest"
-            )
+        _refuse_uncommitted(reader)
         stock = reader.manifest is None
         manifest = reader.manifest if not stock else _stock_manifest(reader)
         source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
@@ -479,28 +549,59 @@ def reshard(
             reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size
         )
         src_dir = reader.directory
-    files = max([j.file for j in jobs], default=0) + 1
+    return _Planned(src_dir, manifest, stock, source_world, source_ep, plan, experts, jobs, dropped)
+
+
+def _refuse_uncommitted(reader: MappedReader) -> None:
+    """Refuse a checkpoint without a manifest that shows signs of mfsdp's writer: a save that
+    never committed (or a deleted manifest) is not a stock DCP checkpoint."""
+    mark = uncommitted_reason(reader.directory, reader.metadata) if reader.manifest is None else None
+    if mark is not None:
+        raise UncommittedCheckpointError(
+            f"{reader.directory}: no mfsdp.json, but {mark}: a save that never committed, or a deleted manifest"
+        )
+
+
+def _output_manifest(
+    planned: _Planned, world_size: int, *, model_only: bool, dtype: str | None, rules: Sequence[KeyRule]
+) -> dict[str, Any]:
+    """The target's manifest: the source's, less what the new write records anew, with the
+    target's writer layout and where it was resharded from."""
+    manifest = planned.manifest
     out_manifest = {
         k: v
         for k, v in manifest.items()
         if k not in ("chunks", "save_id", "created_unix", "total_bytes", "format", "format_version")
     }
-    out_manifest["writer"] = writer_layout(world_size, plan, experts)
+    out_manifest["writer"] = writer_layout(world_size, planned.plan, planned.experts)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
     out_manifest["resharded_from"] = {
-        "path": src_dir,
+        "path": planned.src_dir,
         "save_id": manifest.get("save_id"),
-        "world_size": source_world,
-        "ep_size": source_ep,
+        "world_size": planned.source_world,
+        "ep_size": planned.source_ep,
         "model_only": model_only,
         "dtype": dtype,
-        "format": "stock DCP" if stock else "mfsdp",
+        "format": "stock DCP" if planned.stock else "mfsdp",
         "key_map": [str(r) for r in rules],
     }
-    total = sum(j.nbytes for j in jobs)
-    report = progress_adder(progress, total)
+    return out_manifest
 
+
+def _write_target(
+    dst: str,
+    out_manifest: dict[str, Any],
+    src_dir: str,
+    jobs: list[_Job],
+    *,
+    workers: int,
+    overwrite: bool,
+    report: Callable[[int], None],
+    rules: Sequence[KeyRule],
+) -> tuple[str, int]:
+    """Carry out ``jobs`` into a new checkpoint at ``dst`` (in this process, or over ``workers``
+    processes) and commit it; returns its path and the bytes written."""
     with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
         assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
@@ -510,6 +611,4 @@ def reshard(
         builder.add_records(records)
         path = builder.commit()
         written = builder.bytes_written
-    return ReshardResult(
-        path, world_size, files, len({j.key for j in jobs}), written, dropped, experts["ep_size"] if experts else None
-    )
+    return path, written

@@ -41,6 +41,7 @@ from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
 from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting
 from mfsdp_ckpt.storage.writeback import WritebackStream, start_writeback
+from mfsdp_ckpt.write.run_dir import remove_checkpoint
 
 __all__ = ["CheckpointBuilder", "ChunkFileWriter", "ChunkRecord"]
 
@@ -204,9 +205,7 @@ class CheckpointBuilder:
         if self.remote:
             _check_remote_destination(self.final, overwrite=overwrite, sources=sources)
             if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
-                if fs.exists(fs.join(self.final, MANIFEST_NAME)):
-                    fs.remove_tree(fs.join(self.final, MANIFEST_NAME))
-                fs.remove_tree(self.final)
+                remove_checkpoint(self.final)
             self.tmp = self.final
         else:  # one writer at a time in the parent; refuse what would lose data before writing
             self._lock.enter_context(run_lock(os.path.dirname(self.final)))

@@ -5,7 +5,7 @@ An architecture module lists its rules by composing these groups with its own.""
 from __future__ import annotations
 
 from mfsdp_ckpt.hf.mapping import Direct, FusedQKV, GatedMLP, Rule, untied
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 #: canonical layer prefix (``model.`` is added by :func:`mfsdp_ckpt.hf.mapping.expand`)
 L = "decoder.layers.{i}."
@@ -58,7 +58,7 @@ def moe_mlp(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Ru
     )
 
 
-def feature_problems(c: GPTConfig, *, moe: bool, qk_norm: bool, qkv_bias: bool) -> list[str]:
+def feature_problems(c: ModelShape, *, moe: bool, qk_norm: bool, qkv_bias: bool) -> list[str]:
     """What in ``c`` differs from an architecture that has MoE layers (or not), q/k norms (or
     not) and q/k/v biases (or not): those are fixed by the architecture, not configurable."""
     out = []
@@ -77,7 +77,7 @@ def feature_problems(c: GPTConfig, *, moe: bool, qk_norm: bool, qkv_bias: bool) 
     return out
 
 
-def moe_problems(c: GPTConfig, *, renormalises_only: bool) -> list[str]:
+def moe_problems(c: ModelShape, *, renormalises_only: bool) -> list[str]:
     """Router features our MoE layers have and these HF MoE blocks lack."""
     out = []
     if c.num_experts == 0:

@@ -13,7 +13,7 @@ from mfsdp_ckpt.hf.config import (
     model_config,
 )
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 RULES = (
     EMBEDDING,
@@ -23,11 +23,11 @@ RULES = (
 )
 
 
-def unsupported(c: GPTConfig) -> list[str]:
+def unsupported(c: ModelShape) -> list[str]:
     return feature_problems(c, moe=True, qk_norm=False, qkv_bias=False) + moe_problems(c, renormalises_only=True)
 
 
-def to_hf_config(c: GPTConfig) -> dict:
+def to_hf_config(c: ModelShape) -> dict:
     return {
         **common_to_hf(c, "mixtral", "MixtralForCausalLM"),
         "intermediate_size": c.moe_ffn_hidden_size,
@@ -40,7 +40,7 @@ def to_hf_config(c: GPTConfig) -> dict:
     }
 
 
-def from_hf_config(d: dict, source: str) -> GPTConfig:
+def from_hf_config(d: dict, source: str) -> ModelShape:
     r = HFConfigReader(d, source, "mixtral")
     kwargs = common_from_hf(r, tie_default=False)
     window = r.integer("sliding_window", None, lo=0, hi=2**63 - 1)

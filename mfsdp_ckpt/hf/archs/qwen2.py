@@ -5,16 +5,16 @@ from __future__ import annotations
 from mfsdp_ckpt.hf.archs._common import DENSE_MLP, EMBEDDING, HEAD, attention, feature_problems
 from mfsdp_ckpt.hf.config import HFConfigReader, common_from_hf, common_to_hf, model_config
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 RULES = (EMBEDDING, *attention(qkv_bias=True), *DENSE_MLP, *HEAD)
 
 
-def unsupported(c: GPTConfig) -> list[str]:
+def unsupported(c: ModelShape) -> list[str]:
     return feature_problems(c, moe=False, qk_norm=False, qkv_bias=True)
 
 
-def to_hf_config(c: GPTConfig) -> dict:
+def to_hf_config(c: ModelShape) -> dict:
     return {
         **common_to_hf(c, "qwen2", "Qwen2ForCausalLM"),
         "intermediate_size": c.ffn_hidden_size,
@@ -24,7 +24,7 @@ def to_hf_config(c: GPTConfig) -> dict:
     }
 
 
-def from_hf_config(d: dict, source: str) -> GPTConfig:
+def from_hf_config(d: dict, source: str) -> ModelShape:
     r = HFConfigReader(d, source, "qwen2")
     kwargs = common_from_hf(r, tie_default=False)
     r.refuse(not r.flag("use_sliding_window", False), "use_sliding_window=true (only full causal attention)")

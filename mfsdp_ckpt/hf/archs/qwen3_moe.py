@@ -14,7 +14,7 @@ from mfsdp_ckpt.hf.config import (
 )
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_core.models.gpt import GPTConfig
+from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 RULES = (
     EMBEDDING,
@@ -24,11 +24,11 @@ RULES = (
 )
 
 
-def unsupported(c: GPTConfig) -> list[str]:
+def unsupported(c: ModelShape) -> list[str]:
     return feature_problems(c, moe=True, qk_norm=True, qkv_bias=False) + moe_problems(c, renormalises_only=False)
 
 
-def to_hf_config(c: GPTConfig) -> dict:
+def to_hf_config(c: ModelShape) -> dict:
     return {
         **common_to_hf(c, "qwen3_moe", "Qwen3MoeForCausalLM"),
         "intermediate_size": c.ffn_hidden_size,
@@ -46,7 +46,7 @@ def to_hf_config(c: GPTConfig) -> dict:
     }
 
 
-def from_hf_config(d: dict, source: str) -> GPTConfig:
+def from_hf_config(d: dict, source: str) -> ModelShape:
     r = HFConfigReader(d, source, "qwen3_moe")
     kwargs = common_from_hf(r, tie_default=False)
     r.refuse(not r.flag("attention_bias", False), "attention_bias=true (biases on q/k/v/o projections)")

@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("transformers")
 
 from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.hf.mapping import default_plan  # noqa: E402
 from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.sharded.model_shape import default_plan  # noqa: E402
 from mfsdp_core import ModelPlan  # noqa: E402
 from mfsdp_core.models.gpt import GPTConfig  # noqa: E402
 
