@@ -27,15 +27,15 @@ def _tree(path: str) -> ast.AST:
         return ast.parse(f.read(), path)
 
 
-def test_no_function_is_longer_than_80_lines():
-    long = [
+def _long_functions(paths: list[str]) -> list[str]:
+    """``file:line name (n lines)`` of every function over :data:`MAX_FUNCTION_LINES` in ``paths``."""
+    return [
         f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for path in _files("mfsdp_ckpt", "cli")
+        for path in paths
         for node in ast.walk(_tree(path))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
-    assert long == [], "\n".join(long)
 
 
 def _imports(tree: ast.AST) -> set[str]:
@@ -49,18 +49,41 @@ def _imports(tree: ast.AST) -> set[str]:
     return out
 
 
-def test_only_the_shape_seam_imports_the_reference_model():
-    importers = [
+def _reference_model_importers(paths: list[str]) -> list[str]:
+    """The files of ``paths`` that import the reference model (at module level or in a function)."""
+    return [
         os.path.relpath(path, ROOT)
-        for path in _files("mfsdp_ckpt")
+        for path in paths
         if any(name == REFERENCE_MODEL or name.startswith(REFERENCE_MODEL + ".") for name in _imports(_tree(path)))
     ]
-    assert importers == [SHAPE_SEAM], importers
 
 
-def test_the_checks_see_what_they_are_meant_to():
-    """The seam itself is found (the scan reads the real tree), and a long function would be."""
-    assert REFERENCE_MODEL in _imports(_tree(os.path.join(ROOT, SHAPE_SEAM)))
-    body = "\n".join(["def f():"] + ["    x = 1"] * MAX_FUNCTION_LINES)
-    node = ast.parse(body).body[0]
-    assert node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+def test_no_function_is_longer_than_80_lines():
+    long = _long_functions(_files("mfsdp_ckpt", "cli"))
+    assert long == [], "\n".join(long)
+
+
+def test_only_the_shape_seam_imports_the_reference_model():
+    assert _reference_model_importers(_files("mfsdp_ckpt")) == [SHAPE_SEAM]
+
+
+def test_the_scans_catch_what_they_look_for(tmp_path):
+    """Run on files made to break each rule (and on ones that keep it), the scans report exactly
+    the breaking ones: a long nested function, and the reference model imported three ways."""
+    long = tmp_path / "long.py"
+    long.write_text("class C:\n    def f(self):\n" + "        x = 1\n" * MAX_FUNCTION_LINES)
+    short = tmp_path / "short.py"
+    short.write_text("def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1))
+    assert [line.rsplit(" ", 3)[1:] for line in _long_functions([str(long), str(short)])] == [
+        ["f", f"({MAX_FUNCTION_LINES + 1}", "lines)"]
+    ]
+    ways = {
+        "a.py": "from mfsdp_core.models.gpt import GPTConfig\n",
+        "b.py": "def f():\n    import mfsdp_core.models.gpt\n",
+        "c.py": "from mfsdp_core.models import gpt\n",
+        "d.py": "from mfsdp_core.models import mcore\nimport mfsdp_core\n",
+    }
+    for name, text in ways.items():
+        (tmp_path / name).write_text(text)
+    found = _reference_model_importers([str(tmp_path / name) for name in sorted(ways)])
+    assert [os.path.basename(f) for f in found] == ["a.py", "b.py", "c.py"]

@@ -50,7 +50,7 @@ from mfsdp_ckpt.hf.workers import Staging, check_workers, run_tasks
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.sharded.model_shape import ModelShape, shape_from_dict
+from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
@@ -121,10 +121,7 @@ class _Plan:
 
 def _model_config(reader: CheckpointReader, source: str) -> ModelShape:
     """The model shape the manifest's ``model_config`` records: what an export maps by."""
-    saved = (reader.manifest or {}).get("model_config")
-    if not saved:
-        raise ConversionError(f"{source}: the manifest has no model_config (export needs the model's shape)")
-    return shape_from_dict(saved, source)
+    return recorded_shape(reader.manifest, source, "export")
 
 
 def _nbytes(outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:

@@ -33,7 +33,7 @@ from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
 from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
-from mfsdp_ckpt.sharded.model_shape import ModelShape, shape_from_dict
+from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 
@@ -86,7 +86,6 @@ def _exported_shape(reader: MappedReader) -> ModelShape:
     """The model shape the checkpoint's manifest records (``model_config``): export-mcore writes
     only models of our canonical names, so a transformers model, and a manifest with no shape,
     are refused."""
-    saved = (reader.manifest or {}).get("model_config")
     source = model_source_of(reader.manifest) or {}
     if source.get("kind") == TRANSFORMERS:
         raise ConversionError(
@@ -94,11 +93,7 @@ def _exported_shape(reader: MappedReader) -> ModelShape:
             "transformers names it; export-mcore writes GPT models of our canonical names: run "
             "export-hf, import-hf, then export-mcore"
         )
-    if not saved:
-        raise ConversionError(
-            f"{reader.directory}: the manifest has no model_config (export-mcore needs the model's shape)"
-        )
-    return shape_from_dict(saved, reader.directory)
+    return recorded_shape(reader.manifest, reader.directory, "export-mcore")
 
 
 _Stacks = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # stored key -> (dtype, global shape)

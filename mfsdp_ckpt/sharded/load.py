@@ -113,7 +113,7 @@ class _LoadPlan:
     shards: list
     targets: dict[str, Any]  # key -> destination (a FlatEntry, a tensor, None for an object)
     scalar_objects: list[tuple[str, tuple[dict, str]]]  # optimizer scalars: key -> (state, name)
-    found: "_KeyProblems"
+    found: _KeyProblems
     mx: list[MXTarget]
     main_entries: dict[str, FlatEntry]  # the main params of MX parameters, to check planes against
     extra_keys: list[str]

@@ -45,7 +45,6 @@ __all__ = [
     "remove_file",
     "basename",
     "islink",
-    "supports_symlinks",
     "FileSlice",
     "OutsideCheckpointError",
     "member_path",
@@ -84,11 +83,6 @@ def basename(path: str) -> str:
 def islink(path: str) -> bool:
     """Whether ``path`` is a symlink (never on an object store, which has none)."""
     return not is_url(path) and os.path.islink(path)
-
-
-def supports_symlinks(path: str) -> bool:
-    """Whether ``path`` is on a local file system, where run directories keep a symlink too."""
-    return not is_url(path)
 
 
 def exists(path: str) -> bool:

@@ -47,7 +47,7 @@ def write_latest(parent: str, name: str) -> None:
     also the symlink ``<parent>/latest-checkpoint`` -> ``name``, after the pointer, which is what
     our readers follow."""
     fs.write_bytes(fs.join(parent, LATEST_NAME), (name + "\n").encode())
-    if fs.supports_symlinks(parent):
+    if fs.is_local(parent):  # an object store has no symlinks
         _link_latest(parent, name)
 
 
