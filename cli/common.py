@@ -52,7 +52,7 @@ def _run(fn: Callable[[], Any]) -> Any:
         return fn()
     except KeyboardInterrupt:
         _fail("interrupted", "KeyboardInterrupt", 130)
-    except Exception as e:  # noqa: BLE001 - the boundary: nothing escapes as a traceback
+    except Exception as e:  # the boundary: nothing escapes as a traceback
         if _debug():
             raise
         text = " ".join(str(e).split())  # one line, whatever the exception held

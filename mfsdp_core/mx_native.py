@@ -143,7 +143,7 @@ def load(device: str = "cpu") -> ModuleType | None:
         try:
             module = _build(device)
             rceil_table(device)
-        except Exception as e:  # a build failure must never break the caller: it falls back
+        except Exception as e:  # noqa: BLE001 - a build failure must never break the caller: it falls back
             module, reason = None, _first_line(e)
     _modules[device] = module
     if reason is not None:

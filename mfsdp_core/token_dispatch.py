@@ -33,12 +33,12 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_rows`` whose gradient goes back along the same routes."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         return C.all_to_all_rows(rows, send_splits, recv_splits, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
+    def backward(ctx, grad: torch.Tensor):
         send_splits, recv_splits = ctx.splits
         return C.all_to_all_rows(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
 

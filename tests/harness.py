@@ -179,7 +179,7 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: b
         result = pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         dist.destroy_process_group()
         conn.send(("ok", result))
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - every failure of a rank goes to the parent
         # Report before tearing the group down: once this rank disconnects, its peers start
         # failing too, and the parent should see the root cause first.
         conn.send(("error", time.monotonic(), _one_line(exc), traceback.format_exc()))

@@ -250,7 +250,7 @@ def _write_module(directory: Path, name: str) -> None:
 def test_child_sees_parent_sys_path(tmp_path, monkeypatch):
     _write_module(tmp_path, "harness_probe_mod")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import harness_probe_mod  # noqa: PLC0415  (only importable via the new sys.path entry)
+    import harness_probe_mod
 
     assert run_ranks(harness_probe_mod.rank_fn, 2) == [("from", "harness_probe_mod", r) for r in range(2)]
 
@@ -258,7 +258,7 @@ def test_child_sees_parent_sys_path(tmp_path, monkeypatch):
 def test_child_import_error_is_reported(tmp_path, monkeypatch):
     _write_module(tmp_path, "harness_unreachable_mod")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import harness_unreachable_mod  # noqa: PLC0415
+    import harness_unreachable_mod
 
     sys.path.remove(str(tmp_path))  # the parent can pickle it, the child cannot import it
     with pytest.raises(RankFailure) as info:

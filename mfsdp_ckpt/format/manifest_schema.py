@@ -134,7 +134,7 @@ def dict_of(value: Check, key: Check = line) -> Check:
 
 def record(
     required: Mapping[str, Check] = {},
-    optional: Mapping[str, Check] = {},  # noqa: B006 - read only
+    optional: Mapping[str, Check] = {},  # read only
     then: Callable[[dict, str], None] | None = None,
 ) -> Check:
     """An object with these fields (others allowed and not checked); ``then`` checks relations

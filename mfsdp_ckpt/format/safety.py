@@ -58,6 +58,6 @@ def safe_load_metadata(data: bytes, source: str) -> Any:
         return _MetadataUnpickler(io.BytesIO(data), source).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as e:  # truncated or garbled pickle
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle raises anything
         what = " ".join(str(e).split())[:200]  # one line, whatever the unpickler said
         raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {what})") from None

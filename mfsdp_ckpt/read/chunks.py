@@ -121,7 +121,7 @@ def _loaded_tensor(stream: IO[bytes], expect: tuple[torch.dtype, Sequence[int]] 
     """A record that is not plain, through ``torch.load(weights_only=True)``, checked against ``expect``."""
     try:
         payload = torch.load(stream, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
         first_line = (str(e).splitlines() or [""])[0]
         raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
     if not isinstance(payload, torch.Tensor):

@@ -147,7 +147,7 @@ class CheckpointReader:
             data = self._payload(*chunks[0])
             try:
                 return torch.load(io.BytesIO(data), weights_only=True)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
                 raise CorruptCheckpointError(
                     f"{self.directory}: key '{key}': object not loadable with weights_only ({type(e).__name__})"
                 ) from None

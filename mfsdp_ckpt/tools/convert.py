@@ -143,7 +143,7 @@ def _unpack_objects(text: str | None, source: str) -> dict[str, Any]:
         return {}
     try:
         return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - whatever decoding hostile text raises
         raise CheckpointError(f"{source}: unreadable '{_OBJECTS_KEY}' metadata ({type(e).__name__})") from None
 
 
@@ -159,13 +159,13 @@ def _read_single_file(src: str) -> dict[str, Any]:
             state: dict[str, Any] = dict(safetensors_load(data))
             header_len = int.from_bytes(data[:8], "little")
             metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever a garbled header raises
             raise CheckpointError(f"{src}: unreadable safetensors file ({type(e).__name__}: {e})") from None
         state.update(_unpack_objects(metadata.get(_OBJECTS_KEY), src))
         return state
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
         raise CheckpointError(f"{src}: not a loadable torch file with plain contents ({type(e).__name__})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"{src}: expected a dict with string keys")

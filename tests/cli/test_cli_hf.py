@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
-from cli.main import main  # noqa: E402
-from tests.mfsdp_ckpt.hf.util import hf_config, hf_tensors, random_hf_model, save_hf  # noqa: E402
+from cli.main import main
+from tests.mfsdp_ckpt.hf.util import hf_config, hf_tensors, random_hf_model, save_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -100,7 +100,7 @@ def torchao_to_mx():
     """torchao's reference cast, or a skip that says torchao is not installed."""
     try:
         from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
-    except Exception as e:  # ImportError, or anything its import raises on this torch
+    except Exception as e:  # noqa: BLE001 - ImportError, or anything its import raises on this torch
         pytest.skip(
             f"torchao MX reference cannot be imported ({type(e).__name__}: {e}); "
             f"install it with: pip install --no-deps 'torchao==0.18.0'"

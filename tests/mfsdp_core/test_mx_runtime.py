@@ -99,7 +99,7 @@ def _gathered_bytes(mx: bool) -> dict:
     marked = {id(p) for p in linear_weights(model)}
     place = (
         (lambda n, p: mx_placement() if id(p) in marked else Placement("block(32)")) if mx else Placement("block(32)")
-    )  # noqa: E731
+    )
     for unit in shard_units(model):
         fully_shard(unit, placement=place, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))

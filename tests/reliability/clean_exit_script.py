@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import mfsdp_ckpt  # noqa: E402
-from mfsdp_core import fully_shard, fully_shard_optimizer  # noqa: E402
+import mfsdp_ckpt
+from mfsdp_core import fully_shard, fully_shard_optimizer
 
 LAYERS = 12
 WIDTH = 24

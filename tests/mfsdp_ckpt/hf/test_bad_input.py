@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-import mfsdp_ckpt  # noqa: E402
-from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.errors import CheckpointExistsError, ConversionError  # noqa: E402
-from mfsdp_ckpt.read.manifest import write_manifest  # noqa: E402
+import mfsdp_ckpt
+from mfsdp_ckpt import hf
+from mfsdp_ckpt.errors import CheckpointExistsError, ConversionError
+from mfsdp_ckpt.read.manifest import write_manifest
 from mfsdp_ckpt.write.builder import CheckpointBuilder
-from mfsdp_core.models.gpt import PRESETS, GPTModel  # noqa: E402
+from mfsdp_core.models.gpt import PRESETS, GPTModel
 
-from .util import hf_config, random_hf_model, save_hf  # noqa: E402
+from .util import hf_config, random_hf_model, save_hf
 
 
 def _nothing_at(path) -> bool:

@@ -18,13 +18,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from mfsdp_ckpt import hf  # noqa: E402
+from mfsdp_ckpt import hf
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.sharded.model_shape import default_plan  # noqa: E402
-from mfsdp_core import ModelPlan  # noqa: E402
-from mfsdp_core.models.gpt import GPTConfig  # noqa: E402
+from mfsdp_ckpt.sharded.model_shape import default_plan
+from mfsdp_core import ModelPlan
+from mfsdp_core.models.gpt import GPTConfig
 
-from .util import (  # noqa: E402
+from .util import (
     hf_config,
     hf_tensors,
     random_hf_model,

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from mfsdp_ckpt import hf  # noqa: E402
-from mfsdp_ckpt.sharded.reshard import reshard  # noqa: E402
-from mfsdp_core.data import SyntheticText  # noqa: E402
-from tests.torchrun import failure, run_train  # noqa: E402
+from mfsdp_ckpt import hf
+from mfsdp_ckpt.sharded.reshard import reshard
+from mfsdp_core.data import SyntheticText
+from tests.torchrun import failure, run_train
 
-from .util import reference_model  # noqa: E402
+from .util import reference_model
 
 TRAIN = ("--model", "tiny", "--batch-size", "12", "--seq-len", "32", "--log-every", "100")
 
