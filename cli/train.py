@@ -52,11 +52,12 @@ from mfsdp_core import (
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import TOKEN_DTYPES, SyntheticText, TokenFile
 from mfsdp_core.expert_parallel import init_expert_mesh
+from mfsdp_core.hsdp import check_replicas, hsdp_groups, hsdp_placement
 from mfsdp_core.layout import parse_policy
 from mfsdp_core.models.gpt import PRESETS
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
-from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked
+from mfsdp_core.plan import DEFAULT_GROUP, DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
 from .model_base import ModelSource
@@ -134,6 +135,19 @@ def _add_parallelism_arguments(p: argparse.ArgumentParser) -> None:
         metavar="E",
         help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
         "the expert count); experts are sharded over the world size / E ranks holding the same ones",
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP: R replica groups of world size / R ranks; dense parameters are sharded inside a "
+        "group and replicated across the groups (gradients all-reduced across them)",
+    )
+    p.add_argument(
+        "--hfsdp",
+        action="store_true",
+        help="with --dp-replicate: shard the optimizer state and main params across the replicas too",
     )
 
 
@@ -293,6 +307,12 @@ def check_args(args: argparse.Namespace, world: int) -> ModelSource:
         source.check_parallel(world, args.ep)
     except ValueError as e:
         raise UsageError(f"--ep {args.ep}: {e}") from None
+    try:
+        check_replicas(world, args.dp_replicate)
+    except ValueError as e:
+        raise UsageError(f"--dp-replicate {args.dp_replicate}: {e}") from None
+    if args.hfsdp and args.dp_replicate == 1:
+        raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
     if args.batch_size % (world * args.micro_batches):
         raise UsageError(
             f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
@@ -369,6 +389,9 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The source's model, every unit ``fully_shard``-ed, and its sharded optimizer."""
     mesh = init_expert_mesh(args.ep, source.num_experts) if args.ep > 1 else None
+    groups: dict[str, Any] | None = None if mesh is None else dict(mesh.groups)
+    if args.dp_replicate > 1:
+        groups = {**(groups or {DEFAULT_GROUP: dist.group.WORLD}), **hsdp_groups(args.dp_replicate)}
     model = source.build(args, mesh)  # whole on every rank (same seed), so that each expert starts as in one process
     if torch.cuda.is_available():
         model = model.cuda()
@@ -378,12 +401,14 @@ def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Modul
         if not weights:
             raise UsageError(f"--mxfp8: not supported for {source.kind} models (docs/models.md)")
         place = mx_marked(place, dict.fromkeys(map(id, weights), MXFormat(args.mxfp8, args.mx_rule)))
+    if args.dp_replicate > 1:
+        place = hsdp_placement(place, shard_optim_across_replicas=args.hfsdp)
     mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
     for unit in source.shard_units(model):
         try:
             fully_shard(
                 unit,
-                mesh=None if mesh is None else mesh.groups,
+                mesh=groups,
                 strategy=args.strategy,
                 placement=place,
                 mixed_precision=mp,
@@ -543,6 +568,8 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
             print(f"initialised from the weights of {init_from} (world size {world})", flush=True)
     if rank == 0:
         ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
+        if args.dp_replicate > 1:
+            ep += f", {'HFSDP' if args.hfsdp else 'HSDP'} {args.dp_replicate} replicas x {world // args.dp_replicate}"
         kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
         print(
             f"model {args.model}{kind}, {source.n_params():,} parameters, "

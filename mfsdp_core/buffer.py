@@ -93,6 +93,10 @@ class _Plane:
         C.all_gather(self.gathered, self.shard, group)
         self.fill_spills()
 
+    def start_gather(self, group: dist.ProcessGroup | None, label: str) -> C.Pending:
+        """Issue the all-gather; its ``wait()`` also reassembles the spills."""
+        return C.Pending(C.all_gather(self.gathered, self.shard, group, async_op=True, label=label), self.fill_spills)
+
     def fill_spills(self) -> None:
         for i, spill in self.spills.items():
             for pc in self.layout.owners(i):
@@ -118,6 +122,7 @@ class FlatParamBuffer:
         *,
         group: dist.ProcessGroup | None,
         model_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.spec = spec
         self.params = params
@@ -127,12 +132,27 @@ class FlatParamBuffer:
         self.shard_group = group if spec.strategy.shards_optim else None
         self.model_group = model_group  # the model's data-parallel group: norms are summed over it
         self.shard_rank = C.group_rank(self.shard_group)
+        # HSDP: the group this buffer is replicated across (None: no replicas)
+        self.replicate_group = replicate_group
+        self.replicate_rank = C.group_rank(replicate_group)
         if spec.group_size != C.group_size(group):
             raise ValueError(
                 f"the plan is for {spec.group_size} ranks in group '{spec.placement.group}', "
                 f"the process group has {C.group_size(group)}"
             )
+        if spec.replicate_size != C.group_size(replicate_group):
+            raise ValueError(
+                f"the plan is for {spec.replicate_size} replicas over group '{spec.placement.replicate}', "
+                f"the process group has {C.group_size(replicate_group)}"
+            )
         self.layout = spec.layout
+        # who owns which main params / optimizer state / reduced grads: the layout, or under HFSDP
+        # its refinement over the replicas (this rank: shard_rank * replicas + replicate_rank)
+        self.optim_layout = spec.optim_layout
+        self.across_replicas = spec.shards_optim_across_replicas
+        self.optim_rank = (
+            self.shard_rank * spec.replicate_size + self.replicate_rank if self.across_replicas else self.shard_rank
+        )
         self.requires_grad = spec.requires_grad
         self.compute_dtype = spec.compute_dtype
         self.main_dtype = spec.storage_main_dtype
@@ -151,11 +171,11 @@ class FlatParamBuffer:
             self.plane.fill(i, flat)
         if self.own_compute_shard:
             self.plane.shard.copy_(self.plane.gathered[r * S : (r + 1) * S])
-        if self.main_dtype == self.compute_dtype and self.mx is None:
+        if self.main_dtype == self.compute_dtype and self.mx is None and not self.across_replicas:
             self.main = self.shard
         else:  # filled from the original values, not from their low-precision copy
-            self.main = torch.zeros(S, dtype=self.main_dtype, device=self.device)
-            for pc in self.layout.local_pieces(r):
+            self.main = torch.zeros(self.optim_layout.shard_size, dtype=self.main_dtype, device=self.device)
+            for pc in self.optim_layout.local_pieces(self.optim_rank):
                 self.main[pc.shard_offset : pc.shard_offset + pc.numel].copy_(originals[pc.param][pc.start : pc.end])
         self.companions = {
             c.name: (
@@ -166,7 +186,7 @@ class FlatParamBuffer:
         }
         if self.requires_grad:
             self.grad = torch.zeros(
-                S if spec.strategy.shards_grads else self.layout.gathered_size,
+                self.optim_layout.shard_size if spec.strategy.shards_grads else self.layout.gathered_size,
                 dtype=self.reduce_dtype,
                 device=self.device,
             )
@@ -175,6 +195,10 @@ class FlatParamBuffer:
             p.data = self.plane.full(i).view(p.shape)
         del originals
         self.is_unsharded = True
+        # issued all-gathers (a prefetch) whose results are not read yet; an MX buffer fills its
+        # compute params from the planes of ``_fill_orientation`` once they have arrived
+        self._gathers: list[C.Pending] = []
+        self._fill_orientation: str | None = None
         self._optim_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
         self._staging: torch.Tensor | None = None
         self._pending = 0
@@ -192,6 +216,11 @@ class FlatParamBuffer:
     def names(self) -> list[str]:
         """Canonical (root-relative) names of the parameters."""
         return self.spec.fqns
+
+    @property
+    def label(self) -> str:
+        """How this buffer names itself in communication records: its first parameter."""
+        return self.spec.fqns[0] if self.spec.fqns else ""
 
     @property
     def is_expert(self) -> bool:
@@ -227,40 +256,62 @@ class FlatParamBuffer:
 
     def local_piece(self, i: int) -> Piece:
         """The part of parameter ``i`` this rank owns (its main param / optimizer state range)."""
-        return self.layout.piece(i, self.shard_rank)
+        return self.optim_layout.piece(i, self.optim_rank)
 
     def owned(self, storage: torch.Tensor, i: int) -> torch.Tensor:
         """The owned range of parameter ``i`` in ``storage`` (main params, reduced grads), shaped
         as the plan shows it to the optimizer (see ``BufferSpec.owned_shape``)."""
         pc = self.local_piece(i)
-        return storage[pc.shard_offset : pc.shard_offset + pc.numel].view(self.spec.owned_shape(i, self.shard_rank))
+        return storage[pc.shard_offset : pc.shard_offset + pc.numel].view(self.spec.owned_shape(i, self.optim_rank))
 
     # ---- unshard / reshard ---------------------------------------------------------------
-    def unshard(self, *, backward: bool = False) -> None:
+    def unshard(self, *, backward: bool = False, async_op: bool = False) -> None:
         """Gather the full compute parameters (ZeRO-3 only; otherwise they are always there). An
         MX buffer gathers the planes of the orientation the pass needs (``backward``: columnwise)
-        and dequantizes them into the compute params, also when those are always there."""
-        if self.mx is not None:
-            self._unshard_mx("col" if backward else "row")
-            return
-        if self.is_unsharded:
-            return
-        for plane in self._planes():
-            plane.alloc()
-            plane.gather(self.shard_group)
-        self.is_unsharded = True
+        and dequantizes them into the compute params, also when those are always there.
 
-    def _unshard_mx(self, orientation: str) -> None:
-        if self.is_unsharded and self.orientation == orientation:
+        ``async_op``: only issue the all-gathers (a prefetch); the next plain ``unshard`` (or
+        :meth:`wait_unshard`) waits for them before anything reads the parameters."""
+        if self.mx is not None:
+            self._unshard_mx("col" if backward else "row", async_op)
             return
-        if self.strategy.shards_params:  # else every plane is gathered after each step
-            self.plane.alloc()
-            for name in ORIENTATIONS[orientation]:
-                plane = self.companions[name][1]
+        if not self.is_unsharded:
+            for plane in self._planes():
                 plane.alloc()
-                plane.gather(self.shard_group)
-        self._fill_from_mx(orientation)
-        self.is_unsharded = True
+                self._gathers.append(plane.start_gather(self.shard_group, self.label))
+            self.is_unsharded = True
+        if not async_op:
+            self.wait_unshard()
+
+    @property
+    def gather_in_flight(self) -> bool:
+        """Whether an issued all-gather of this buffer has not been waited for."""
+        return bool(self._gathers) or self._fill_orientation is not None
+
+    def wait_unshard(self) -> None:
+        """Wait for the all-gathers in flight (a prefetch) and finish them: spills reassembled,
+        an MX buffer's compute params dequantized from the arrived planes."""
+        gathers, self._gathers = self._gathers, []
+        for pending in gathers:
+            pending.wait()
+        if self._fill_orientation is not None:
+            orientation, self._fill_orientation = self._fill_orientation, None
+            self._fill_from_mx(orientation)
+
+    def _unshard_mx(self, orientation: str, async_op: bool = False) -> None:
+        coming = self._fill_orientation or self.orientation  # what the compute params will hold
+        if not (self.is_unsharded and coming == orientation):
+            self.wait_unshard()  # the other orientation's planes may still be in flight
+            if self.strategy.shards_params:  # else every plane is gathered after each step
+                self.plane.alloc()
+                for name in ORIENTATIONS[orientation]:
+                    plane = self.companions[name][1]
+                    plane.alloc()
+                    self._gathers.append(plane.start_gather(self.shard_group, self.label))
+            self._fill_orientation = orientation
+            self.is_unsharded = True
+        if not async_op:
+            self.wait_unshard()
 
     def _fill_from_mx(self, orientation: str) -> None:
         """The gathered compute params := the weights the ``orientation`` planes stand for."""
@@ -271,9 +322,10 @@ class FlatParamBuffer:
         self.orientation = orientation
 
     def reshard(self) -> None:
-        """Free the full compute parameters (ZeRO-3 only)."""
+        """Free the full compute parameters (ZeRO-3 only), after any all-gather in flight into them."""
         if not (self.strategy.shards_params and self.is_unsharded):
             return
+        self.wait_unshard()
         for plane in self._planes():
             plane.free()
         self.is_unsharded = False
@@ -301,7 +353,10 @@ class FlatParamBuffer:
         (unless told they were written already), and make every rank's full compute params
         current: after an optimizer step, or after a checkpoint load. Waits for a fence first."""
         await_fences((self,))
-        if self.main is not self.shard:
+        self.wait_unshard()
+        if self.across_replicas:
+            self._shard_from_replicas()
+        elif self.main is not self.shard:
             self.shard.copy_(self.main)
         if derive_companions:
             self._derive_companions()
@@ -316,6 +371,36 @@ class FlatParamBuffer:
                 plane.gather(self.shard_group)
             else:  # the shard is a view of the gathered buffer already
                 plane.fill_spills()
+
+    def _replica_parts(self) -> list[tuple[int, int]]:
+        """HFSDP: ``(offset, length)`` in this rank's compute shard of each replica's part of it."""
+        R, s = self.spec.replicate_size, self.shard_rank
+        lo, bounds = self.layout.bounds[s], self.optim_layout.bounds
+        return [(bounds[s * R + k] - lo, bounds[s * R + k + 1] - bounds[s * R + k]) for k in range(R)]
+
+    def _shard_from_replicas(self) -> None:
+        """HFSDP: the compute shard := every replica's main params of it (cast), one all-gather
+        across the replicas."""
+        R, c = self.spec.replicate_size, self.optim_layout.shard_size
+        mine = self.main.to(self.compute_dtype)
+        parts = torch.empty(R * c, dtype=self.compute_dtype, device=self.device)
+        C.all_gather(parts, mine, self.replicate_group)
+        for k, (offset, length) in enumerate(self._replica_parts()):
+            self.shard[offset : offset + length].copy_(parts[k * c : k * c + length])
+
+    def _reduce_across_replicas(self, reduced: torch.Tensor, divisor: int) -> torch.Tensor:
+        """The shard-group-reduced gradients ``reduced`` summed across the replicas and divided by
+        ``divisor``: in place (HSDP), or the part this rank owns (HFSDP: a reduce-scatter)."""
+        if not self.across_replicas:
+            C.all_reduce_avg(reduced, self.replicate_group, divisor)
+            return reduced
+        R, c = self.spec.replicate_size, self.optim_layout.shard_size
+        parts = torch.zeros(R * c, dtype=reduced.dtype, device=self.device)
+        for k, (offset, length) in enumerate(self._replica_parts()):
+            parts[k * c : k * c + length].copy_(reduced[offset : offset + length])
+        out = torch.empty(c, dtype=reduced.dtype, device=self.device)
+        C.reduce_scatter_avg(out, parts, self.replicate_group, divisor)
+        return out
 
     def _refresh_mx(self) -> None:
         """After new main params: every gathered plane current, and the compute params with them."""
@@ -337,13 +422,13 @@ class FlatParamBuffer:
         self.reduced_this_pass = False
 
     @torch.no_grad()
-    def on_grad_ready(self, i: int) -> None:
+    def on_grad_ready(self, i: int) -> bool:
         """Called once parameter ``i``'s gradient for this backward pass is accumulated: move it
-        into the staging buffer, drop it, and reduce once the whole buffer is ready."""
+        into the staging buffer and drop it. Returns whether the whole buffer is ready (then the
+        caller reduces it: :meth:`finish_backward`)."""
         self._stage(i)
         self._pending -= 1
-        if self._pending == 0:
-            self.finish_backward()
+        return self._pending == 0
 
     def _stage(self, i: int) -> None:
         """Move parameter ``i``'s ``.grad`` into the staging buffer (gathered layout)."""
@@ -356,10 +441,17 @@ class FlatParamBuffer:
         p.grad = None
 
     @torch.no_grad()
-    def finish_backward(self) -> None:
+    def finish_backward(self, *, async_op: bool = False) -> C.Pending | None:
         """Reduce this pass's gradients into the accumulated grads and, for ZeRO-3, reshard.
         Parameters that got no gradient contribute zeros. Gradients are summed over the
-        placement's group in rank order and divided by the plan's divisor."""
+        placement's group in rank order and divided by the plan's divisor.
+
+        ``async_op``: return with the reduction in flight (the parameters are resharded at once:
+        backward is done with them); the handle's ``wait()`` completes it (the sum, the step
+        across replicas, the accumulation into the grads). None when there was nothing to
+        reduce. Handles must be waited for in the order they were returned, the same on every
+        rank (the completion may issue collectives of its own)."""
+        pending = None
         if self.requires_grad and not self.reduced_this_pass:
             for i, p in enumerate(self.params):  # a gradient that reached .grad without the hook
                 if p.grad is not None:
@@ -367,19 +459,33 @@ class FlatParamBuffer:
             staging = self._staging
             if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
                 staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
-            divisor = self.spec.grad_divisor
-            if self.strategy.shards_grads:
-                reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
-                C.reduce_scatter_avg(reduced, staging, self.shard_group, divisor)
-            else:
-                C.all_reduce_avg(staging, self.group, divisor)
-                reduced = staging
-            await_fences((self,), grads_only=True)  # the accumulated grads are written from here on
-            self._restart_accumulation_if_zeroed()
-            self.grad.add_(reduced)
             self._staging = None
             self.reduced_this_pass = True
+            divisor = self.spec.grad_divisor
+            replicated = self.replicate_group is not None
+            inner = 1 if replicated else divisor  # with replicas: sum inside, divide once across
+            if self.strategy.shards_grads:
+                reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
+                exchange = C.reduce_scatter_avg(
+                    reduced, staging, self.shard_group, inner, async_op=True, label=self.label
+                )
+            else:
+                reduced = staging
+                exchange = C.all_reduce_avg(staging, self.group, inner, async_op=True, label=self.label)
+
+            def accumulate() -> None:
+                exchange.wait()
+                total = self._reduce_across_replicas(reduced, divisor) if replicated else reduced
+                await_fences((self,), grads_only=True)  # the accumulated grads are written from here on
+                self._restart_accumulation_if_zeroed()
+                self.grad.add_(total)
+
+            pending = C.Pending(None, accumulate)
         self.reshard()
+        if pending is not None and not async_op:
+            pending.wait()
+            return None
+        return pending
 
     def end_pass(self) -> None:
         self._reset_pass()
@@ -410,6 +516,8 @@ class FlatParamBuffer:
 
     @property
     def counts_in_norm(self) -> bool:
-        """Whether this rank's owned gradients enter a global norm: replicated state (no_shard)
-        counts on one replica per group; every instance of a group counts."""
-        return self.shard_group is not None or C.group_rank(self.group) == 0
+        """Whether this rank's owned gradients enter a global norm: replicated state (no_shard
+        inside the group, HSDP across groups) counts on one replica; every instance of a group
+        counts."""
+        inside = self.shard_group is not None or C.group_rank(self.group) == 0
+        return inside and (self.across_replicas or self.replicate_rank == 0)

@@ -11,12 +11,21 @@ gloo has no fp8 collectives, so fp8 / e8m0 payloads travel as ``uint8`` views.
 The counter records *logical* operations (``all_gather``, ``reduce_scatter``, ``all_reduce``) with
 the bytes of the full (unsharded) tensor each one covers on this rank, and ``all_to_all`` (token
 dispatch) with the bytes this rank sends, its own rows included; ``all_to_all_counts`` is the
-small exchange of row counts before it. Each record names the global ranks of its group.
+small exchange of row counts before it. Each record names the global ranks of its group, the
+buffer it serves (``label``) and when it was issued (``time.perf_counter_ns``), so that a test can
+check what was launched before what.
+
+**Asynchronous use.** ``all_gather``, ``reduce_scatter_avg`` and ``all_reduce_avg`` take
+``async_op=True`` and then return a :class:`Pending`: the collective is in flight (on gloo's or
+NCCL's own threads / streams) and its output may be read only after ``Pending.wait()``, which
+also runs the local step that follows the exchange (the rank-order sum of a reduce-scatter). The
+runtime issues them this way to overlap communication with compute (see ``fully_shard``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -27,6 +36,7 @@ from mfsdp_core.dtypes import wire_view as _wire
 
 __all__ = [
     "CommRecord",
+    "Pending",
     "CommCounter",
     "count_comm",
     "group_size",
@@ -51,6 +61,8 @@ class CommRecord:
     dtype: torch.dtype
     bytes: int
     ranks: tuple[int, ...] = ()  # global ranks of the group (empty: a single rank, no group)
+    label: str = ""  # what the caller says it serves (a flat buffer's first parameter)
+    issued_ns: int = 0  # time.perf_counter_ns() when it was issued
 
 
 @dataclass
@@ -80,14 +92,46 @@ def count_comm() -> Iterator[CommCounter]:
         _active_counters.remove(counter)
 
 
-def _record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+def _record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, label: str = "") -> None:
     if not _active_counters:
         return
     ranks: tuple[int, ...] = ()
     if group is not None and dist.is_initialized():
         ranks = tuple(dist.get_process_group_ranks(group))
+    record = CommRecord(op, tensor.dtype, tensor.numel() * tensor.element_size(), ranks, label, time.perf_counter_ns())
     for counter in _active_counters:
-        counter.records.append(CommRecord(op, tensor.dtype, tensor.numel() * tensor.element_size(), ranks))
+        counter.records.append(record)
+
+
+class Pending:
+    """A collective in flight: ``wait()`` blocks until it is done, then runs ``then`` (the local
+    step that completes it) once. Waiting again is a no-op."""
+
+    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._then = then
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+_DONE = Pending()
+_DONE.done = True
+
+
+def _finish(pending: Pending, async_op: bool) -> Pending:
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -103,63 +147,98 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Concatenate every rank's ``shard`` (equal sizes) into the 1-D ``output``."""
-    _record("all_gather", output, group)
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+    label: str = "",
+) -> Pending:
+    """Concatenate every rank's ``shard`` (equal sizes) into the 1-D ``output`` (read it after
+    the returned handle's ``wait()`` when ``async_op``)."""
+    _record("all_gather", output, group, label)
     n = group_size(group)
     if n == 1:
         output.copy_(shard)
-        return
+        return _DONE
     if shard.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
         shard = shard.clone()  # an input aliasing the output is not safe on every backend
-    dist.all_gather_single(_wire(output), _wire(shard), group=group)
+    work = dist.all_gather_single(_wire(output), _wire(shard), group=group, async_op=async_op)
+    return Pending(work) if async_op else _DONE
 
 
 def _reduce_scatter_avg(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int, divisor: int
-) -> None:
+) -> Pending:
+    """Issue the exchange; the returned handle's ``wait()`` sums the received chunks."""
     received = torch.empty_like(full)
-    dist.all_to_all_single(received, full, group=group)
-    chunks = received.view(n, -1)
-    output.copy_(chunks[0])
-    for r in range(1, n):  # rank order, whatever the backend's ring order
-        output.add_(chunks[r])
-    output.div_(divisor)
+    work = dist.all_to_all_single(received, full, group=group, async_op=True)
+
+    def sum_in_rank_order() -> None:
+        chunks = received.view(n, -1)
+        output.copy_(chunks[0])
+        for r in range(1, n):  # rank order, whatever the backend's ring order
+            output.add_(chunks[r])
+        if divisor != 1:
+            output.div_(divisor)
+
+    return Pending(work, sum_in_rank_order)
 
 
 def reduce_scatter_avg(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, divisor: int | None = None
-) -> None:
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    divisor: int | None = None,
+    *,
+    async_op: bool = False,
+    label: str = "",
+) -> Pending:
     """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
-    ``divisor`` (default n: the average). Deterministic."""
-    _record("reduce_scatter", full, group)
+    ``divisor`` (default n: the average). Deterministic. With ``async_op``, ``full`` must stay
+    untouched and ``output`` unread until the handle's ``wait()``."""
+    _record("reduce_scatter", full, group, label)
     n = group_size(group)
     divisor = divisor or n
     if n == 1:
         output.copy_(full)
         if divisor != 1:
             output.div_(divisor)
-        return
-    _reduce_scatter_avg(output, full, group, n, divisor)
+        return _DONE
+    return _finish(_reduce_scatter_avg(output, full, group, n, divisor), async_op)
 
 
-def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup | None, divisor: int | None = None) -> None:
+def all_reduce_avg(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    divisor: int | None = None,
+    *,
+    async_op: bool = False,
+    label: str = "",
+) -> Pending:
     """In place: the sum over ranks of a 1-D ``tensor`` divided by ``divisor`` (default n: the
-    average). Deterministic, see module doc."""
-    _record("all_reduce", tensor, group)
+    average). Deterministic, see module doc. With ``async_op``, the reduce-scatter half is in
+    flight on return; ``wait()`` sums it and runs the all-gather half."""
+    _record("all_reduce", tensor, group, label)
     n = group_size(group)
     divisor = divisor or n
     if n == 1:
         if divisor != 1:
             tensor.div_(divisor)
-        return
+        return _DONE
     chunk = -(-tensor.numel() // n)
     padded = tensor.new_zeros(chunk * n)
     padded[: tensor.numel()].copy_(tensor)
     mine = padded.new_empty(chunk)
-    _reduce_scatter_avg(mine, padded, group, n, divisor)
-    dist.all_gather_single(padded, mine, group=group)
-    tensor.copy_(padded[: tensor.numel()])
+    scattered = _reduce_scatter_avg(mine, padded, group, n, divisor)
+
+    def gather_back() -> None:
+        scattered.wait()
+        dist.all_gather_single(padded, mine, group=group)
+        tensor.copy_(padded[: tensor.numel()])
+
+    return _finish(Pending(None, gather_back), async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:

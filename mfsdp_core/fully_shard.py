@@ -6,16 +6,30 @@ plan (:mod:`mfsdp_core.plan`) packs them into flat buffers, each sharded over th
 its placement names.
 
 Hooks, per unit:
-- forward pre-hook: gather the parameters (ZeRO-3); cast floating inputs to ``param_dtype``;
+- forward pre-hook: gather the parameters (ZeRO-3), waiting for a prefetch already in flight,
+  then issue the all-gather of the unit expected to run next (see *Overlap*); cast floating
+  inputs to ``param_dtype``;
 - forward hook: free the gathered parameters again (ZeRO-3), except on the root and on a unit
   whose output hides its tensors from ``tree_flatten`` (a dataclass, a user class), which keep
   them for backward; hook the visible outputs so that the first gradient reaching them gathers
-  the parameters for backward;
+  the parameters for backward (and prefetches the next unit's);
 - per-parameter post-accumulate-grad hook: move the gradient into the buffer's staging area; when a
-  buffer has all its gradients, reduce them (deterministically, see ``collectives``) and free the
-  gathered parameters;
-- an end-of-backward callback finishes any buffer that did not see all its gradients (unused
-  parameters), in a fixed order, and resets the per-pass state.
+  buffer has all its gradients, issue their reduction (deterministic, see ``collectives``) and
+  free the gathered parameters;
+- an end-of-backward callback finishes the reductions in flight, then any buffer that did not see
+  all its gradients (unused parameters), in a fixed order, and resets the per-pass state.
+
+Overlap. The root learns the order in which its units run forward, and the order in which their
+backward starts, from the first pass, and learns it again whenever a pass runs them in another
+order (a pass that leaves the learned order prefetches nothing from there on). With an order
+known, each unit's pre-hook issues the next unit's all-gather before its own compute starts, so
+the gather travels while this unit computes; with ``reshard_after_forward`` at most two units'
+gathered parameters (besides the root's, which stay for backward) are alive at once. A buffer's
+gradient reduction is issued when its last gradient arrives and finished (the rank-order sum,
+the step across replicas, the accumulation) when the next reduction is issued or when backward
+ends, so it travels while the earlier layers' backward computes. Every read waits for its
+collective first. All ranks prefetch the same units in the same order, since all ranks run the
+same units.
 
 The backward bookkeeping lives in a context owned by the outermost sharded module (the root):
 two models in one process share nothing. All ranks must run the same units in forward and
@@ -112,6 +126,8 @@ class _RootContext:
         self.root_ref = weakref.ref(root)
         self.unit_refs = [weakref.ref(u) for u in sorted(units, key=lambda u: u.seq)]
         self.queued = False
+        self.orders = {FORWARD: _RunOrder(), BACKWARD: _RunOrder()}
+        self.reductions: list[C.Pending] = []  # issued, in order; finished in that order
 
     @property
     def units(self) -> list["ShardedUnit"]:
@@ -123,11 +139,74 @@ class _RootContext:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
+    def reduce(self, buf: FlatParamBuffer) -> None:
+        """Issue ``buf``'s gradient reduction, then finish the ones issued before it: one
+        reduction travels while backward computes on."""
+        pending = buf.finish_backward(async_op=True)
+        earlier, self.reductions = self.reductions, [pending] if pending is not None else []
+        for p in earlier:
+            p.wait()
+
+    def finish_reductions(self) -> None:
+        reductions, self.reductions = self.reductions, []
+        for p in reductions:
+            p.wait()
+
     def finish(self) -> None:
         self.queued = False
+        self.finish_reductions()
         for unit in self.units:  # creation order: the same on every rank
             if unit.used_in_forward or unit.in_backward:
                 unit.finish_pass()
+            else:  # prefetched for a pass that did not run it
+                for buf in unit.buffers:
+                    if buf.gather_in_flight and unit.reshard_after_forward:
+                        buf.reshard()
+        self.orders[BACKWARD].end()
+
+    def prefetch(self, unit: "ShardedUnit", direction: str) -> None:
+        """Record that ``unit`` runs now in ``direction`` and issue the all-gather of the unit
+        the learned order says comes next."""
+        nxt = self.orders[direction].step(unit)
+        if nxt is not None and nxt is not unit:
+            for buf in nxt.buffers:
+                buf.unshard(backward=direction == BACKWARD, async_op=True)
+
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class _RunOrder:
+    """The order in which a root's units run one direction of a pass, learned from the last pass
+    that ran them in a new order; and where the pass now running stands in it."""
+
+    def __init__(self) -> None:
+        self.learned: list[weakref.ref[ShardedUnit]] = []
+        self.seen: list[weakref.ref[ShardedUnit]] = []
+        self.on_track = True  # the pass so far ran the learned order's prefix
+        self.overflow = False  # the pass ran more units than can be recorded
+
+    def begin(self) -> None:
+        self.seen, self.on_track, self.overflow = [], True, False
+
+    def step(self, unit: "ShardedUnit") -> "ShardedUnit | None":
+        """Record ``unit``; the unit expected next, or None."""
+        k = len(self.seen)
+        if k > 4 * max(len(self.learned), 64):  # units run outside any root pass: stop recording
+            self.overflow = True
+            return None
+        self.seen.append(weakref.ref(unit))
+        self.on_track = self.on_track and k < len(self.learned) and self.learned[k]() is unit
+        if self.on_track and k + 1 < len(self.learned):
+            return self.learned[k + 1]()
+        return None
+
+    def end(self) -> None:
+        """The pass is over: learn its order if it differs from the learned one."""
+        same = len(self.seen) == len(self.learned) and all(a() is b() for a, b in zip(self.seen, self.learned))
+        if not same and not self.overflow:
+            self.learned = self.seen
+        self.begin()
 
 
 class ShardedUnit:
@@ -158,8 +237,12 @@ class ShardedUnit:
 
     # ---- forward -------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        order = self.context.orders[FORWARD]
+        if self.is_root:
+            order.begin()
         for buf in self.buffers:
             buf.unshard()
+        self.context.prefetch(self, FORWARD)
         if torch.is_grad_enabled():
             self.used_in_forward = True
         dtype = self.mixed_precision.param_dtype
@@ -180,6 +263,8 @@ class ShardedUnit:
         if self.reshard_after_forward and not self.in_backward and not keep:
             for buf in self.buffers:
                 buf.reshard()
+        if self.is_root:
+            self.context.orders[FORWARD].end()
         return output
 
     # ---- backward ------------------------------------------------------------------------
@@ -188,6 +273,7 @@ class ShardedUnit:
         self.in_backward = True
         for buf in self.buffers:
             buf.unshard(backward=True)
+        self.context.prefetch(self, BACKWARD)
 
     def finish_pass(self) -> None:
         for buf in self.buffers:
@@ -257,7 +343,13 @@ def fully_shard(
         raise ValueError(f"{what}: {e}") from None
 
     buffers = [
-        FlatParamBuffer(spec, params, group=groups[spec.placement.group], model_group=groups[DEFAULT_GROUP])
+        FlatParamBuffer(
+            spec,
+            params,
+            group=groups[spec.placement.group],
+            model_group=groups[DEFAULT_GROUP],
+            replicate_group=groups[spec.placement.replicate] if spec.placement.replicate is not None else None,
+        )
         for spec, params in planned
     ]
     _WHOLE_TENSOR_BUFFERS.update(buf for buf in buffers if buf.spec.policy.keeps_tensors_whole)
@@ -337,7 +429,8 @@ def _on_grad_accumulated(param: torch.Tensor) -> None:
     if owner is None or unit is None:
         return  # its model is gone: nothing left to reduce into
     unit.context.ensure_callback()
-    owner[0].on_grad_ready(owner[1])
+    if owner[0].on_grad_ready(owner[1]):
+        unit.context.reduce(owner[0])
 
 
 def units_of(module: nn.Module) -> list[ShardedUnit]:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Policy", "parse_policy", "Piece", "Layout", "compute_layout", "POLICY_NAMES"]
+__all__ = ["Policy", "parse_policy", "Piece", "Layout", "compute_layout", "refine_layout", "POLICY_NAMES"]
 
 POLICY_NAMES = ("even", "row", "block(n)", "tensor")
 _BLOCK_RE = re.compile(r"^block\((\d+)\)$")
@@ -225,6 +225,29 @@ def compute_layout(
         bounds = _partition(numels, atoms, group_size)
     shard_size = max((bounds[r + 1] - bounds[r] for r in range(group_size)), default=0)
     return Layout(shapes_t, group_size, pol, order, bounds, shard_size)
+
+
+def refine_layout(layout: Layout, parts: int) -> Layout:
+    """``layout`` with each rank's segment cut again into ``parts`` contiguous sub-segments on
+    the same policy's cut points: a layout over ``group_size * parts`` ranks in which rank
+    ``r * parts + k`` owns the k-th part of what rank ``r`` owns in ``layout``.
+
+    HFSDP's optimizer layout: the main params and optimizer state of a shard-group rank's
+    segment are split again over the replicas. Packing order and cut rules stay those of
+    ``layout``, so each sub-segment is a contiguous range of the segment it refines. Pure."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if parts == 1:
+        return layout
+    atoms_of = [layout.policy.atom(s) for s in layout.shapes]
+    bounds = [0]
+    for r in range(layout.group_size):
+        lo = layout.bounds[r]
+        pieces = layout.local_pieces(r)  # in packing order; each starts on an allowed cut
+        sub = _partition([pc.numel for pc in pieces], [atoms_of[pc.param] for pc in pieces], parts)
+        bounds.extend(lo + b for b in sub[1:])
+    shard_size = max((bounds[w + 1] - bounds[w] for w in range(len(bounds) - 1)), default=0)
+    return Layout(layout.shapes, layout.group_size * parts, layout.policy, layout.order, tuple(bounds), shard_size)
 
 
 def _greedy_whole_tensors(numels: list[int], n: int, first_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:

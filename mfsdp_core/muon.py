@@ -244,6 +244,11 @@ def _orthogonalized(
                 rows, cols = _matrix_shape(optimizer, p)
                 out[p] = newton_schulz5(inputs[p].view(rows, cols), group["ns_steps"], dtype).reshape(p.shape)
             continue
+        if owner[0].across_replicas:
+            raise ValueError(
+                f"Muon: parameter '{owner[0].names[owner[1]]}' is split over the replicas (HFSDP) by a flat "
+                f"policy ({owner[0].spec.policy}); use policy tensor, or HSDP"
+            )
         flat.setdefault(id(owner[0].shard_group), []).append((group, p, *owner))
     for members in flat.values():
         out.update(_owner_compute(optimizer, members, inputs))

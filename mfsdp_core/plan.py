@@ -30,7 +30,7 @@ from torch import nn
 
 from mfsdp_core.companion import Companion, as_matrix
 from mfsdp_core.dtypes import dtype_by_name, dtype_name
-from mfsdp_core.layout import Layout, Policy, compute_layout, parse_policy
+from mfsdp_core.layout import Layout, Policy, compute_layout, parse_policy, refine_layout
 from mfsdp_core.mixed_precision import MixedPrecision
 from mfsdp_core.mx import MXFormat
 from mfsdp_core.mx_planes import mx_companions
@@ -70,7 +70,14 @@ class Placement:
     ``grad_divisor`` divides the gradients summed over the group: a number, the name of a group
     (its size: an expert sharded over the expert-data-parallel group divides by ``"dp"``, since its
     summed gradient covers the tokens of every data-parallel rank), or None (``group``'s size).
-    A group name keeps its meaning when the layout changes size."""
+    A group name keeps its meaning when the layout changes size.
+
+    ``replicate`` (HSDP) names a group across which the buffer is *replicated*: each instance of
+    ``group`` holds the same parameters, their gradients are reduced inside ``group`` and then
+    across ``replicate``, and the default divisor is both groups' sizes. With
+    ``shard_optim_across_replicas`` (HFSDP) the main params and optimizer state of each rank's
+    shard are split again over ``replicate``, so they are sharded over the whole mesh while the
+    compute params and gradients travel only inside ``group``."""
 
     policy: Policy = DEFAULT_POLICY
     group: str = DEFAULT_GROUP
@@ -78,8 +85,14 @@ class Placement:
     grad_divisor: int | str | None = None
     companions: tuple[Companion, ...] = ()
     mx: MXFormat | None = None  # MXFP8: the parameter travels and computes as the MX planes (companions)
+    replicate: str | None = None  # HSDP: the group the buffer is replicated across
+    shard_optim_across_replicas: bool = False  # HFSDP: main params and optimizer state split over ``replicate`` too
 
     def __post_init__(self) -> None:
+        if self.shard_optim_across_replicas and self.replicate is None:
+            raise ValueError("shard_optim_across_replicas needs a replicate group")
+        if self.replicate is not None and self.replicate == self.group:
+            raise ValueError(f"replicate names the placement's own group '{self.group}'")
         object.__setattr__(self, "policy", parse_policy(self.policy))
         if self.mx is not None and not self.companions:
             object.__setattr__(self, "companions", mx_companions(self.mx))
@@ -148,6 +161,7 @@ class BufferSpec:
     # ``tensor`` policy: the rank the greedy owner assignment starts from. Chosen when planning as
     # the least-loaded rank of the group so far, so that one-parameter units spread over the ranks.
     first_rank: int = 0
+    replicate_size: int = 1  # ranks of placement.replicate (HSDP / HFSDP); 1 without one
 
     def __post_init__(self) -> None:
         if self.param_dtype is None:
@@ -179,7 +193,7 @@ class BufferSpec:
         """What the gradients summed over the buffer's group are divided by."""
         d = self.placement.grad_divisor
         if d is None:
-            return self.group_size
+            return self.group_size * self.replicate_size
         return self.divisor_size if isinstance(d, str) else d
 
     @property
@@ -201,6 +215,20 @@ class BufferSpec:
     def layout(self) -> Layout:
         return compute_layout(self.shapes, self.shard_size_ranks, self.policy, self.fqns, self.first_rank)
 
+    @property
+    def shards_optim_across_replicas(self) -> bool:
+        """HFSDP: the main params and optimizer state are split over the replicas as well."""
+        return self.placement.shard_optim_across_replicas and self.replicate_size > 1
+
+    @cached_property
+    def optim_layout(self) -> Layout:
+        """Who owns which range of the main params, optimizer state and reduced gradients:
+        ``layout`` itself, except under HFSDP, where each shard-group rank's segment is split
+        again over the replicas (rank ``shard_rank * replicate_size + replicate_rank``)."""
+        if self.shards_optim_across_replicas:
+            return refine_layout(self.layout, self.replicate_size)
+        return self.layout
+
     @cached_property
     def companion_layouts(self) -> dict[str, Layout]:
         """Each companion plane's layout: rank r holds the plane rows of the parameter rows it owns."""
@@ -210,7 +238,7 @@ class BufferSpec:
         """Shape of rank ``rank``'s piece of parameter ``index`` as the optimizer sees it: 1-D for
         flat policies; the whole shape (or an empty one with the same trailing dims) when the
         policy keeps parameters whole."""
-        piece = self.layout.piece(index, rank)
+        piece = self.optim_layout.piece(index, rank)
         if not self.shaped_optimizer_state:
             return torch.Size((piece.numel,))
         shape = self.shapes[index]
@@ -222,7 +250,7 @@ class BufferSpec:
     def with_prefix(self, prefix: str) -> "BufferSpec":
         """The same buffer under another unit path (its layouts carry over: names do not change them)."""
         out = dataclasses.replace(self, prefix=prefix)
-        for key in ("layout", "companion_layouts"):
+        for key in ("layout", "optim_layout", "companion_layouts"):
             if key in self.__dict__:
                 out.__dict__[key] = self.__dict__[key]
         return out
@@ -237,10 +265,21 @@ class BufferSpec:
                 raise ValueError(f"rename of parameter '{fqn}' to {new!r} leaves its unit '{self.prefix[:-1]}'")
             names.append(new[len(self.prefix) :])
         out = dataclasses.replace(self, names=tuple(names))
-        for key in ("layout", "companion_layouts"):
+        for key in ("layout", "optim_layout", "companion_layouts"):
             if key in self.__dict__:
                 out.__dict__[key] = self.__dict__[key]
         return out
+
+    def unreplicated(self, group: str = DEFAULT_GROUP) -> "BufferSpec":
+        """The same buffer sharded flat over ``group``, the whole mesh (``group_size *
+        replicate_size`` ranks), without replication: how offline tools lay out an HSDP / HFSDP
+        buffer (its checkpoint does not depend on the mesh). Other buffers are returned as they are."""
+        if self.placement.replicate is None:
+            return self
+        placement = dataclasses.replace(self.placement, group=group, replicate=None, shard_optim_across_replicas=False)
+        return dataclasses.replace(
+            self, placement=placement, group_size=self.group_size * self.replicate_size, replicate_size=1
+        )
 
     def resized(
         self,
@@ -284,6 +323,15 @@ class BufferSpec:
             "companions": [c.to_dict() for c in self.placement.companions],
             **({"mx": self.placement.mx.to_dict()} if self.placement.mx is not None else {}),
             **({"first_rank": self.first_rank} if self.first_rank else {}),
+            **(
+                {
+                    "replicate": self.placement.replicate,
+                    "replicate_size": self.replicate_size,
+                    "shard_optim_across_replicas": self.placement.shard_optim_across_replicas,
+                }
+                if self.placement.replicate is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -297,6 +345,8 @@ class BufferSpec:
             d.get("grad_divisor"),
             () if mx is not None else tuple(Companion.from_dict(c) for c in d.get("companions", ())),
             mx,
+            d.get("replicate"),
+            bool(d.get("shard_optim_across_replicas", False)),
         )
         dtype = dtype_by_name(d["dtype"])
         prefix = f"{d['unit']}." if d.get("unit") else ""
@@ -318,6 +368,7 @@ class BufferSpec:
             param_dtype=dtype_by_name(d.get("param_dtype", d["dtype"])),
             main_dtype=dtype_by_name(d.get("main_dtype", "float32")),
             first_rank=int(d.get("first_rank", 0)),
+            replicate_size=int(d.get("replicate_size", 1)),
         )
 
 
@@ -400,13 +451,19 @@ def plan_unit(
             raise ValueError(
                 f"placement function returned {type(where).__name__} for '{prefix}{name}', expected a Placement"
             )
-        for role, group in (("placement", where.group), ("placement's grad_divisor", where.grad_divisor)):
+        roles = (
+            ("placement", where.group),
+            ("placement's grad_divisor", where.grad_divisor),
+            ("placement's replicate", where.replicate),
+        )
+        for role, group in roles:
             if isinstance(group, str) and group not in group_sizes:
                 raise ValueError(
                     f"parameter '{prefix}{name}': {role} names group '{group}'; "
                     f"the groups given are {', '.join(sorted(group_sizes))}"
                 )
         check_companions(prefix + name, p.shape, where)
+        _check_replication(prefix + name, where, strategy)
         names, params = grouped.setdefault((where, p.dtype, p.requires_grad), ([], []))
         names.append(name)
         params.append(p)
@@ -423,6 +480,7 @@ def plan_unit(
             divisor_size=group_sizes[where.grad_divisor] if isinstance(where.grad_divisor, str) else None,
             param_dtype=mixed_precision.param_dtype,
             main_dtype=mixed_precision.main_dtype,
+            replicate_size=group_sizes[where.replicate] if where.replicate is not None else 1,
         )
         if spec.policy.keeps_tensors_whole and spec.shard_size_ranks > 1:
             spec = dataclasses.replace(spec, first_rank=_least_loaded(loads, where.group, spec.shard_size_ranks))
@@ -430,6 +488,21 @@ def plan_unit(
         add_owner_loads(loads, spec)
         out.append((spec, params))
     return out
+
+
+def _check_replication(name: str, where: Placement, strategy: Strategy) -> None:
+    """HFSDP splits the reduced gradients and main params of a shard again over the replicas:
+    that needs the gradients sharded (ZeRO-2 / ZeRO-3), and companion planes (derived from the
+    main params of whole rows) are not split that way."""
+    if not where.shard_optim_across_replicas:
+        return
+    if not strategy.shards_grads:
+        raise ValueError(
+            f"parameter '{name}': HFSDP (optimizer state sharded across replicas) needs strategy "
+            f"optim_grads or optim_grads_params, not {strategy.value}"
+        )
+    if where.companions:
+        raise ValueError(f"parameter '{name}': HFSDP does not support companion planes (MXFP8); use HSDP")
 
 
 def _least_loaded(loads: Mapping[str, Sequence[int]], group: str, n: int) -> int:

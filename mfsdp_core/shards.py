@@ -49,7 +49,7 @@ class ParamShard:
     main_dtype: torch.dtype  # dtype of the optimizer's main params
     spec: BufferSpec  # the plan of its flat buffer; this parameter is spec.shapes[index]
     index: int
-    group_rank: int  # this rank's index in the group the state is sharded over
+    group_rank: int  # this rank's index in the optimizer layout (the group the state is sharded over)
     param: FlatShard  # compute weights: the owned range under ZeRO-3 (and for MX params: main cast), else the whole parameter
     main: FlatShard  # main params, owned range (frozen parameters: their compute weights)
     grad: FlatShard | None  # reduced grads, owned range (ZeRO-1 also keeps replicas of the rest)
@@ -60,7 +60,8 @@ class ParamShard:
 
     @property
     def layout(self) -> Layout:
-        return self.spec.layout
+        """The layout of the main params and optimizer state (under HFSDP: over the whole mesh)."""
+        return self.spec.optim_layout
 
     @property
     def strategy(self) -> Strategy:
@@ -88,13 +89,14 @@ class ParamShard:
 
 def _param_shards(buf: FlatParamBuffer, optimizer: torch.optim.Optimizer | None) -> list[ParamShard]:
     out = []
-    r = buf.shard_rank
+    r = buf.optim_rank
     for i, name in enumerate(buf.names):
         pc = buf.local_piece(i)
         local = slice(pc.shard_offset, pc.shard_offset + pc.numel)
         numel = buf.layout.numels[i]
-        if buf.own_compute_shard:  # the weights themselves live only in the owned shard
-            param = FlatShard(pc.start, pc.end, buf.shard[local])
+        if buf.own_compute_shard:  # the weights themselves live only in the compute shard
+            cpc = buf.layout.piece(i, buf.shard_rank)  # under HFSDP: more than the owned range
+            param = FlatShard(cpc.start, cpc.end, buf.shard[cpc.shard_offset : cpc.shard_offset + cpc.numel])
         else:
             param = FlatShard(0, numel, buf.unsharded(i))
         main = FlatShard(pc.start, pc.end, buf.main[local])

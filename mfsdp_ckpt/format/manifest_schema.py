@@ -218,6 +218,10 @@ _BUFFER = record(
         "is_expert": boolean,
         "companions": list_of(_COMPANION),
         "mx": _MX,
+        "first_rank": integer(),
+        "replicate": line,  # HSDP / HFSDP: the group the buffer is replicated across
+        "replicate_size": _COUNT,
+        "shard_optim_across_replicas": boolean,
     },
     then=_same_length("params", "shapes"),
 )

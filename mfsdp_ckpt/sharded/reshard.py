@@ -189,7 +189,10 @@ def _target_plan(
     A plan with expert parallelism (expert buffers over ``edp``), or any plan with experts when
     ``ep`` > 1, is laid out as the runtime at (``world_size``, ``ep``) builds it
     (:func:`~mfsdp_ckpt.sharded.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
-    EP size. Any other group than ``dp`` and the experts' ``edp`` is refused."""
+    EP size. An HSDP / HFSDP buffer (sharded over a shard group, replicated across another) is
+    laid out flat over ``dp``, as its checkpoint does not depend on the mesh. Any other group than
+    ``dp`` and the experts' ``edp`` is refused."""
+    plan = ModelPlan(plan.group_sizes, tuple(spec.unreplicated() for spec in plan.buffers))
     others = sorted(
         g
         for g in {spec.placement.group for spec in plan.buffers}

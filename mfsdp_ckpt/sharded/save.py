@@ -80,7 +80,7 @@ def _global_plan(
     dp = plan.group_sizes.get(DEFAULT_GROUP, 1)
     ep_rank, ep_size = ep_rank_of(model)
     with_ep = EP_GROUP in plan.group_sizes
-    if all(plan.group_sizes[spec.placement.group] >= dp for spec in plan.buffers):
+    if all(plan.group_sizes[spec.placement.group] * spec.replicate_size >= dp for spec in plan.buffers):
         names = [n for spec in plan.buffers for n in spec.fqns]
         return plan, experts_entry(ep_size, [(ep_rank, names)]) if with_ep else None, None
     groups = param_groups_state(shards, optimizer) if optimizer is not None else None
