@@ -39,6 +39,7 @@ from mfsdp_core.layout import Layout, Piece
 from mfsdp_core.mx import dequantize
 from mfsdp_core.mx_planes import ORIENTATIONS
 from mfsdp_core.plan import BufferSpec
+from mfsdp_core.pool import ScratchPool
 
 __all__ = ["FlatParamBuffer"]
 
@@ -199,6 +200,7 @@ class FlatParamBuffer:
         # compute params from the planes of ``_fill_orientation`` once they have arrived
         self._gathers: list[C.Pending] = []
         self._fill_orientation: str | None = None
+        self.pool = ScratchPool()  # the reductions' scratch tensors; fully_shard gives every buffer its root's
         self._optim_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
         self._staging: torch.Tensor | None = None
         self._pending = 0
@@ -434,7 +436,7 @@ class FlatParamBuffer:
         """Move parameter ``i``'s ``.grad`` into the staging buffer (gathered layout)."""
         p = self.params[i]
         if self._staging is None:
-            self._staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
+            self._staging = self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device, zero=True)
         flat = p.grad.reshape(-1)
         for pc in self.layout.owners(i):
             self.plane.slot(pc, self._staging).copy_(flat[pc.start : pc.end])
@@ -458,16 +460,19 @@ class FlatParamBuffer:
                     self._stage(i)
             staging = self._staging
             if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
-                staging = torch.zeros(self.layout.gathered_size, dtype=self.reduce_dtype, device=self.device)
+                staging = self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device, zero=True)
             self._staging = None
             self.reduced_this_pass = True
             divisor = self.spec.grad_divisor
             replicated = self.replicate_group is not None
             inner = 1 if replicated else divisor  # with replicas: sum inside, divide once across
+            received = None
             if self.strategy.shards_grads:
-                reduced = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
+                reduced = self.pool.take(self.layout.shard_size, self.reduce_dtype, self.device)
+                if self.shard_group is not None and C.group_size(self.shard_group) > 1:
+                    received = self.pool.take(staging.numel(), staging.dtype, self.device)
                 exchange = C.reduce_scatter_avg(
-                    reduced, staging, self.shard_group, inner, async_op=True, label=self.label
+                    reduced, staging, self.shard_group, inner, async_op=True, label=self.label, scratch=received
                 )
             else:
                 reduced = staging
@@ -477,8 +482,11 @@ class FlatParamBuffer:
                 exchange.wait()
                 total = self._reduce_across_replicas(reduced, divisor) if replicated else reduced
                 await_fences((self,), grads_only=True)  # the accumulated grads are written from here on
-                self._restart_accumulation_if_zeroed()
-                self.grad.add_(total)
+                if self._restart_accumulation_if_zeroed():
+                    self.grad.copy_(total)
+                else:
+                    self.grad.add_(total)
+                self.pool.give(staging, received, reduced)
 
             pending = C.Pending(None, accumulate)
         self.reshard()
@@ -505,14 +513,16 @@ class FlatParamBuffer:
     def _linked(self) -> list[tuple[int, nn.Parameter]]:
         return [(i, sp) for i, ref in self._optim_params.items() if (sp := ref()) is not None]
 
-    def _restart_accumulation_if_zeroed(self) -> None:
+    def _restart_accumulation_if_zeroed(self) -> bool:
         """``optimizer.zero_grad()`` (set_to_none) unlinks the optimizer params' grads: then the
-        accumulated gradient starts again from zero, as PyTorch's own semantics say."""
+        accumulated gradient starts again from zero, as PyTorch's own semantics say. Returns
+        whether it restarts (the caller then overwrites the grads instead of adding to them)."""
         linked = self._linked()
-        if any(sp.grad is None for _, sp in linked):
-            self.grad.zero_()
-            for i, sp in linked:
-                sp.grad = self.owned(self.local_grad, i)
+        if not any(sp.grad is None for _, sp in linked):
+            return False
+        for i, sp in linked:
+            sp.grad = self.owned(self.local_grad, i)
+        return True
 
     @property
     def counts_in_norm(self) -> bool:

@@ -169,10 +169,16 @@ def all_gather(
 
 
 def _reduce_scatter_avg(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, n: int, divisor: int
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    n: int,
+    divisor: int,
+    received: torch.Tensor | None = None,
 ) -> Pending:
     """Issue the exchange; the returned handle's ``wait()`` sums the received chunks."""
-    received = torch.empty_like(full)
+    if received is None:
+        received = torch.empty_like(full)
     work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
     def sum_in_rank_order() -> None:
@@ -194,10 +200,12 @@ def reduce_scatter_avg(
     *,
     async_op: bool = False,
     label: str = "",
+    scratch: torch.Tensor | None = None,
 ) -> Pending:
     """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
     ``divisor`` (default n: the average). Deterministic. With ``async_op``, ``full`` must stay
-    untouched and ``output`` unread until the handle's ``wait()``."""
+    untouched and ``output`` unread until the handle's ``wait()``. ``scratch``: a tensor like
+    ``full`` to receive into (else one is allocated); free again after the wait."""
     _record("reduce_scatter", full, group, label)
     n = group_size(group)
     divisor = divisor or n
@@ -206,7 +214,7 @@ def reduce_scatter_avg(
         if divisor != 1:
             output.div_(divisor)
         return _DONE
-    return _finish(_reduce_scatter_avg(output, full, group, n, divisor), async_op)
+    return _finish(_reduce_scatter_avg(output, full, group, n, divisor, scratch), async_op)
 
 
 def all_reduce_avg(

@@ -61,6 +61,7 @@ from mfsdp_core.plan import (
     placement_fn,
     plan_unit,
 )
+from mfsdp_core.pool import ScratchPool
 from mfsdp_core.strategy import Strategy, parse_strategy
 
 __all__ = [
@@ -128,6 +129,10 @@ class _RootContext:
         self.queued = False
         self.orders = {FORWARD: _RunOrder(), BACKWARD: _RunOrder()}
         self.reductions: list[C.Pending] = []  # issued, in order; finished in that order
+        self.pool = ScratchPool()  # the reductions' scratch tensors, shared by every buffer of the root
+        for unit in units:
+            for buf in unit.buffers:
+                buf.pool = self.pool
 
     @property
     def units(self) -> list["ShardedUnit"]:
@@ -162,6 +167,7 @@ class _RootContext:
                 for buf in unit.buffers:
                     if buf.gather_in_flight and unit.reshard_after_forward:
                         buf.reshard()
+        self.pool.clear()  # memory between steps is what it would be without the pool
         self.orders[BACKWARD].end()
 
     def prefetch(self, unit: "ShardedUnit", direction: str) -> None:
