@@ -67,6 +67,7 @@ from mfsdp_core.strategy import Strategy, parse_strategy
 __all__ = [
     "fully_shard",
     "rename_params",
+    "set_overlap",
     "ShardedUnit",
     "units_of",
     "buffers_of",
@@ -130,6 +131,7 @@ class _RootContext:
         self.orders = {FORWARD: _RunOrder(), BACKWARD: _RunOrder()}
         self.reductions: list[C.Pending] = []  # issued, in order; finished in that order
         self.pool = ScratchPool()  # the reductions' scratch tensors, shared by every buffer of the root
+        self.overlap = True  # prefetch all-gathers and keep reductions in flight (set_overlap)
         for unit in units:
             for buf in unit.buffers:
                 buf.pool = self.pool
@@ -147,7 +149,7 @@ class _RootContext:
     def reduce(self, buf: FlatParamBuffer) -> None:
         """Issue ``buf``'s gradient reduction, then finish the ones issued before it: one
         reduction travels while backward computes on."""
-        pending = buf.finish_backward(async_op=True)
+        pending = buf.finish_backward(async_op=self.overlap)
         earlier, self.reductions = self.reductions, [pending] if pending is not None else []
         for p in earlier:
             p.wait()
@@ -174,7 +176,7 @@ class _RootContext:
         """Record that ``unit`` runs now in ``direction`` and issue the all-gather of the unit
         the learned order says comes next."""
         nxt = self.orders[direction].step(unit)
-        if nxt is not None and nxt is not unit:
+        if self.overlap and nxt is not None and nxt is not unit:
             for buf in nxt.buffers:
                 buf.unshard(backward=direction == BACKWARD, async_op=True)
 
@@ -392,6 +394,20 @@ def fully_shard(
     under = {id(buf) for u in (unit, *inner_units) for buf in u.buffers}
     if inner_units and all(id(buf) in under for buf in list(_WHOLE_TENSOR_BUFFERS)):
         _WHOLE_TENSOR_BUFFERS.clear()
+    return module
+
+
+def set_overlap(module: nn.Module, enabled: bool) -> nn.Module:
+    """Turn the overlap of communication with compute on (the default) or off for the sharded
+    ``module`` (the root, after its ``fully_shard``): off, each unit gathers its parameters when
+    it runs and each reduction completes before backward goes on, as without prefetching. For
+    comparing the two (``bench/step.py``) and for a run that cannot afford a second unit's
+    gathered parameters. Results are bitwise the same either way. Returns ``module``."""
+    unit = getattr(module, _UNIT_ATTR, None)
+    if unit is None or not unit.is_root:
+        raise ValueError(f"set_overlap: {type(module).__name__} is not the root of a fully_shard-ed model")
+    unit.context.finish_reductions()
+    unit.context.overlap = enabled
     return module
 
 

@@ -6,6 +6,7 @@ learned order follows a model whose order changes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 
@@ -199,3 +200,50 @@ def test_a_changed_order_is_learned_again_and_a_wrong_prefetch_is_harmless(ranks
         assert out["prefetched"] == [[], [0], [0, 1, 2, 3], [3], [0, 2, 3], [0], [0, 1]], out["prefetched"]
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert out["left_gathered"] == [0] * len(ORDERS)
+
+
+def _with_and_without_overlap() -> dict:
+    from mfsdp_core import describe_shards, set_overlap
+
+    out = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        net = GPTModel(dataclasses.replace(get_preset("tiny"), num_layers=3))
+        for unit in shard_units(net):
+            fully_shard(unit, strategy="optim_grads_params", policy="row")
+        set_overlap(net, overlap)
+        optim = fully_shard_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-2))
+        losses, early = [], 0
+        for step in range(3):
+            starts: dict[int, int] = {}
+
+            def started(_m, _a, i: int, starts: dict = starts) -> None:
+                starts.setdefault(i, time.perf_counter_ns())
+
+            hooks = [
+                layer.register_forward_pre_hook(functools.partial(started, i=i), prepend=True)
+                for i, layer in enumerate(net.decoder.layers)
+            ]
+            with count_comm() as counter:
+                loss = _loss(net, _tokens(step))
+                loss.backward()
+            for h in hooks:
+                h.remove()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+            for r in counter.records:
+                m = LAYER.match(r.label)
+                if r.op == "all_gather" and m and r.issued_ns < starts[int(m.group(1))]:
+                    early += 1  # issued before the layer's own forward began: a prefetch
+        shards = describe_shards(net, optim)
+        out[overlap] = {"losses": losses, "early": early, "main": {ps.fqn: ps.main.tensor.clone() for ps in shards}}
+    return out
+
+
+def test_overlap_off_gathers_on_demand_and_trains_bitwise_the_same(ranks):
+    for out in ranks(_with_and_without_overlap, 3, timeout=240):
+        on, off = out[True], out[False]
+        assert on["losses"] == off["losses"]
+        assert all(torch.equal(on["main"][k], off["main"][k]) for k in on["main"])
+        assert on["early"] > 0 and off["early"] == 0, (on["early"], off["early"])
