@@ -13,6 +13,8 @@ four modes:
 
 * ``ours``: every decoder layer and then the root ``mfsdp_core.fully_shard``-ed with
   ``optim_grads_params`` (ZeRO-3), AdamW under ``fully_shard_optimizer``;
+* ``ours-sync``: ours with ``set_overlap(model, False)``: each unit gathered when it runs, each
+  reduction completed before backward goes on (what prefetching and reductions in flight buy);
 * ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on the same units, plain AdamW;
 * ``ddp``: ``DistributedDataParallel`` over the whole model, AdamW;
 * ``floor``: each rank trains its own whole copy with AdamW and no process-group call inside
@@ -74,15 +76,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mfsdp_core import fully_shard, fully_shard_optimizer
+from mfsdp_core import fully_shard, fully_shard_optimizer, set_overlap
 from mfsdp_core.hsdp import hsdp_groups, hsdp_placement
 from mfsdp_core.models.gpt import GPTConfig, GPTModel, get_preset, shard_units
 from mfsdp_core.plan import DEFAULT_GROUP, placement_fn
 
 BASELINES = ("fsdp2", "ddp", "floor")
-MODES = ("ours", *BASELINES)
+SYNC = "ours-sync"
+MODES = ("ours", SYNC, *BASELINES)
 HSDP = "ours-hsdp"
-OURS_VARIANTS = ("ours", HSDP)
+OURS_VARIANTS = ("ours", SYNC, HSDP)
 PROFILE_MODES = ("ours", "floor")
 PROFILE_STEPS = 3
 MEMORY_STEPS = 2
@@ -233,12 +236,18 @@ def build_floor(config: GPTConfig, args: argparse.Namespace, device: torch.devic
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def build_sync(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> Run:
+    model, optim = build_ours(config, args, device)
+    return set_overlap(model, False), optim
+
+
 def build_hsdp(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> Run:
     return build_ours(config, args, device, replicas=args.dp_replicate)
 
 
 BUILDERS: dict[str, Builder] = {
     "ours": build_ours,
+    SYNC: build_sync,
     HSDP: build_hsdp,
     "fsdp2": build_fsdp2,
     "ddp": build_ddp,
