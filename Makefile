@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,14 @@ format: $(VENV)/.installed
 # two pytest workers (pytest-xdist), each taking whole files so that a module's fixtures are built
 # once; a one-worker run leaves much of the CPU idle (README, Tests, has the times)
 TEST_WORKERS ?= 2
-test: $(VENV)/.installed
+# the report tests render pages in a headless Chromium: installed here where apt-get can (as root)
+browser:
+	@command -v chromium >/dev/null || command -v google-chrome >/dev/null || \
+	  (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+	   (apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1)) || \
+	  echo "note: no chromium and apt-get could not install it: the browser tests will be skipped"
+
+test: $(VENV)/.installed browser
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
 import click
 
@@ -22,11 +23,17 @@ def main(debug: bool) -> None:
 @main.command(short_help="Show a checkpoint's format, step, layout, config and tensors.")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def inspect(path: str, as_json: bool) -> None:
-    """Format, step, writer layout, model config and the tensors of the checkpoint at PATH."""
+@click.option("--html", "html_out", default=None, metavar="OUT.html", help="also write a page drawing the layout")
+@click.option("--png", "png_out", default=None, metavar="OUT.png", help="also write a screenshot of that page")
+def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None) -> None:
+    """Format, step, writer layout, model config and the tensors of the checkpoint at PATH.
+    --html draws, per tensor group, a strip per rank of what it wrote and where in which file."""
     from mfsdp_ckpt.format.model_source import describe_source
     from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
+    if html_out or png_out:
+        _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
+        return
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
         click.echo(json.dumps(info.to_json(), indent=1))
@@ -75,6 +82,31 @@ def inspect(path: str, as_json: bool) -> None:
     click.echo("")
     for group, total in info.totals().items():
         click.echo(f"total {group:<6} {total['tensors']:5d} entries {_human(total['bytes']):>10}")
+
+
+def _inspect_html(path: str, out: str) -> str:
+    from mfsdp_ckpt.tools.report.inspect_page import inspect_html
+
+    return inspect_html(path, out)
+
+
+def _write_report(render: Callable[[str], str], html_out: str | None, png_out: str | None) -> None:
+    """Write the page to ``html_out`` (a temporary file when only ``png_out`` is asked for) and
+    its screenshot to ``png_out``; one line per file written."""
+    import os
+    import tempfile
+
+    def run() -> list[str]:
+        from mfsdp_ckpt.tools.report.browser import find_browser, screenshot
+
+        if png_out:
+            find_browser()  # before any work: say what is missing first
+        with tempfile.TemporaryDirectory(prefix="mfsdp-report-") as tmp:
+            page = render(html_out or os.path.join(tmp, "report.html"))
+            return [*([page] if html_out else []), *([screenshot(page, png_out)] if png_out else [])]
+
+    for written in _run(run):
+        click.echo(f"wrote {written}")
 
 
 @main.command(short_help="Check that every tensor is covered once and every chunk matches its checksum.")

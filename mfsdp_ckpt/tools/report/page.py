@@ -1,0 +1,82 @@
+"""The frame of every report page: one self-contained HTML file (inline CSS, inline SVG, one
+inline script for the search box), and writing it so that no half-written page is left.
+
+The page's Content-Security-Policy allows nothing from the network and only its own script (by
+hash): even a name that escaped escaping could neither load nor run anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import tempfile
+
+from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.tools.report.svg import esc
+
+__all__ = ["page", "write_page"]
+
+_CSS = """
+body { font: 13px/1.4 system-ui, sans-serif; margin: 16px 24px; color: #222; background: #fff; }
+h1 { font-size: 18px; margin: 0 0 8px; } h2 { font-size: 15px; margin: 22px 0 6px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 4px 0 10px; } td, th { padding: 2px 8px; text-align: left;
+  border-bottom: 1px solid #eee; vertical-align: top; } th { background: #f6f6f6; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+code, .key { font-family: ui-monospace, monospace; font-size: 12px; word-break: break-all; }
+svg text { font: 11px ui-monospace, monospace; fill: #222; }
+.tensors { display: flex; flex-wrap: wrap; gap: 8px 16px; }
+.tensor-card { width: 250px; } .tensor-card .key { display: block; margin-bottom: 2px; }
+tr.differs td { background: #fde8e8; } .hidden { display: none !important; }
+#search { width: 360px; padding: 4px 6px; margin: 6px 0; }
+.note { color: #666; }
+"""
+
+_SCRIPT = """
+document.getElementById('search').addEventListener('input', function (e) {
+  var q = e.target.value.toLowerCase();
+  var n = 0;
+  document.querySelectorAll('[data-key]').forEach(function (el) {
+    var hit = !q || el.getAttribute('data-key').toLowerCase().indexOf(q) >= 0;
+    el.classList.toggle('hidden', !hit);
+    if (hit && el.tagName === 'TR') { n += 1; }
+  });
+  document.getElementById('matches').textContent = q ? n + ' matching rows' : '';
+});
+"""
+
+
+def page(title: str, body: str) -> str:
+    """The whole document: ``title`` (escaped here) and ``body`` (markup, already escaped)."""
+    digest = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
+    csp = f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{digest}'"
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>"
+        '<input id="search" type="search" placeholder="filter tensors by name" autocomplete="off">'
+        ' <span id="matches" class="note"></span>'
+        f"{body}<script>{_SCRIPT}</script></body></html>\n"
+    )
+
+
+def write_page(text: str, out: str | os.PathLike) -> str:
+    """Write ``text`` to ``out`` whole or not at all (a temporary file beside it, then a rename);
+    an unwritable ``out`` is a one-line :class:`CheckpointError` naming it."""
+    out = os.fspath(out)
+    directory = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out}: is a directory; give the report's file name")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot write the report: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return out
