@@ -9,7 +9,7 @@ from typing import Callable
 
 import click
 
-from .common import LazyChoice, _human, _run, _run_with_progress, cast_choices
+from .common import LazyChoice, _as_json, _human, _run, _run_with_progress, cast_choices
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -90,6 +90,12 @@ def _inspect_html(path: str, out: str) -> str:
     return inspect_html(path, out)
 
 
+def _diff_html(a: str, b: str, result: object, out: str) -> str:
+    from mfsdp_ckpt.tools.report.diff_page import diff_html
+
+    return diff_html(a, b, result, out)  # type: ignore[arg-type]
+
+
 def _write_report(render: Callable[[str], str], html_out: str | None, png_out: str | None) -> None:
     """Write the page to ``html_out`` (a temporary file when only ``png_out`` is asked for) and
     its screenshot to ``png_out``; one line per file written."""
@@ -106,7 +112,7 @@ def _write_report(render: Callable[[str], str], html_out: str | None, png_out: s
             return [*([page] if html_out else []), *([screenshot(page, png_out)] if png_out else [])]
 
     for written in _run(run):
-        click.echo(f"wrote {written}")
+        click.echo(f"wrote {written}", err=_as_json())  # stdout stays one JSON document under --json
 
 
 @main.command(short_help="Check that every tensor is covered once and every chunk matches its checksum.")
@@ -156,8 +162,18 @@ def verify(path: str, as_json: bool) -> None:
 )
 @click.option("--key-map-b", "key_map_b", multiple=True, metavar="OLD=NEW", help="the same for B")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--html", "html_out", default=None, metavar="OUT.html", help="also write a page of the differences")
+@click.option("--png", "png_out", default=None, metavar="OUT.png", help="also write a screenshot of that page")
 def diff(
-    a: str, b: str, atol: float, rtol: float, key_map_a: tuple[str, ...], key_map_b: tuple[str, ...], as_json: bool
+    a: str,
+    b: str,
+    atol: float,
+    rtol: float,
+    key_map_a: tuple[str, ...],
+    key_map_b: tuple[str, ...],
+    as_json: bool,
+    html_out: str | None,
+    png_out: str | None,
 ) -> None:
     """Compare checkpoints A and B logically, whatever their layouts; exit 1 when they differ.
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
@@ -172,6 +188,8 @@ def diff(
         ),
         unit="entries",
     )
+    if html_out or png_out:
+        _write_report(lambda out: _diff_html(a, b, result, out), html_out, png_out)
     if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name
         click.echo(json.dumps({"a": a, "b": b, "ok": result.equal, **result.to_json()}, indent=1))
     else:

@@ -15,7 +15,11 @@ import torch
 
 from mfsdp_ckpt.format.keys import RNG_PREFIX
 
-__all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints"]
+__all__ = ["TensorDiff", "CheckpointDiff", "diff_checkpoints", "HISTOGRAM_BINS"]
+
+#: the bins of a differing tensor's |a - b| histogram: exactly equal, one per decade from 1e-12 up to
+#: 1e3, above it, and NaN / inf (a NaN against a number, or infinities that differ)
+HISTOGRAM_BINS = ("0", "<=1e-12", *(f"<=1e{k}" for k in range(-11, 4)), ">1e3", "nan/inf")
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class TensorDiff:
     problem: str  # "shape", "dtype", "values" or "object"
     detail: str
     max_abs: float | None = None
+    rel: float | None = None  # ||a - b||_2 / ||b||_2 over the finite differences (inf when b is all zero)
+    histogram: list[int] | None = None  # elements per bin of |a - b| (HISTOGRAM_BINS)
 
 
 @dataclass
@@ -113,9 +119,28 @@ def _compare(ra: Any, rb: Any, key: str, atol: float, rtol: float) -> TensorDiff
     score = torch.where(mismatch, torch.nan_to_num(delta, nan=math.inf), torch.zeros_like(delta))
     at = [int(i) for i in torch.unravel_index(torch.argmax(score), va.shape)] if va.dim() else []
     a_at, b_at = (va[tuple(at)], vb[tuple(at)]) if at else (va, vb)
+    norm_b = float(torch.linalg.vector_norm(torch.nan_to_num(fb, nan=0.0, posinf=0.0, neginf=0.0)))
+    norm_d = float(torch.linalg.vector_norm(finite)) if finite.numel() else math.nan
+    rel = norm_d / norm_b if norm_b else (0.0 if norm_d == 0 else math.inf)
     return TensorDiff(
-        key, "values", f"max |a - b| = {max_abs:.6g} at {at}: a = {a_at.item()!r}, b = {b_at.item()!r}", max_abs
+        key,
+        "values",
+        f"max |a - b| = {max_abs:.6g} at {at}: a = {a_at.item()!r}, b = {b_at.item()!r}",
+        max_abs,
+        rel,
+        _histogram(delta),
     )
+
+
+def _histogram(delta: torch.Tensor) -> list[int]:
+    """Counts of ``delta`` (|a - b|, float64) per :data:`HISTOGRAM_BINS`."""
+    flat = delta.reshape(-1)
+    bad = ~torch.isfinite(flat)
+    good = flat[~bad]
+    zero = good == 0
+    decades = torch.ceil(torch.log10(good[~zero])).clamp(-12, 4).long() + 12  # <=1e-12 -> 0, >1e3 -> 16
+    counts = torch.bincount(decades, minlength=17).tolist()
+    return [int(zero.sum()), *counts, int(bad.sum())]
 
 
 def _same_object(a: Any, b: Any) -> bool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from mfsdp_ckpt.tools.diff import HISTOGRAM_BINS
 from mfsdp_ckpt.tools.report.browser import BROWSERS, browser_args
 from mfsdp_ckpt.tools.report.layout import checkpoint_layout
 from mfsdp_ckpt.tools.report.svg import rank_color, rank_strips
@@ -183,3 +184,23 @@ def test_escaped_names_run_nothing_in_the_browser(tmp_path):
     ).stdout
     assert "pwned" not in re.search(r"<title>(.*?)</title>", dom, re.S).group(1)
     assert "<img" not in dom and "&lt;img src=x" in dom
+
+
+def test_diff_page_highlights_what_differs_with_its_histogram(tmp_path):
+    base = {"model.same": torch.arange(4.0), "model.w": torch.zeros(10), "model.gone": torch.ones(2)}
+    dcp.save(base, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    changed = {"model.same": torch.arange(4.0), "model.w": torch.tensor([0.0] * 8 + [5e-4, 5.0])}
+    dcp.save(changed, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    out = tmp_path / "diff.html"
+    run = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--html", str(out), "--json")
+    assert run.returncode == 1, run.stderr  # they differ
+    result = json.loads(run.stdout)
+    (w,) = [d for d in result["different"] if d["key"] == "model.w"]
+    assert w["histogram"][0] == 8 and w["histogram"][HISTOGRAM_BINS.index("<=1e-3")] == 1
+    assert w["histogram"][HISTOGRAM_BINS.index("<=1e1")] == 1 and w["rel"] == pytest.approx(
+        1.0, rel=1e-12
+    )  # a is zero: ||a - b|| = ||b||
+    text = out.read_text()
+    rows = re.findall(r'<tr class="differs" data-key="([^"]+)"', text)
+    assert rows == ["model.w", "model.gone"] and 'class="hist"' in text
+    assert "2 common entries compared: 1 differ, 1 only in A, 0 only in B" in text
