@@ -36,8 +36,8 @@ TEST_WORKERS ?= 2
 # the report tests render pages in a headless Chromium: installed here where apt-get can (as root)
 browser:
 	@command -v chromium >/dev/null || command -v google-chrome >/dev/null || \
-	  (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
-	   (apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1)) || \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+	   (apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1)) || \
 	  echo "note: no chromium and apt-get could not install it: the browser tests will be skipped"
 
 test: $(VENV)/.installed browser
