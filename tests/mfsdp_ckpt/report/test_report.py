@@ -204,3 +204,34 @@ def test_diff_page_highlights_what_differs_with_its_histogram(tmp_path):
     rows = re.findall(r'<tr class="differs" data-key="([^"]+)"', text)
     assert rows == ["model.w", "model.gone"] and 'class="hist"' in text
     assert "2 common entries compared: 1 differ, 1 only in A, 0 only in B" in text
+
+
+def test_megatron_core_checkpoint_page(tmp_path):
+    out = tmp_path / "mcore.html"
+    run = cli("inspect", os.path.join(ROOT, "fixtures", "mcore", "dense"), "--html", str(out))
+    assert run.returncode == 0, run.stderr
+    text = out.read_text()
+    assert re.search(r'<g class="strip" data-rank="0"', text) and "<h2>data files</h2>" in text
+
+
+def test_hsdp_page_names_the_replica_of_each_writer(tmp_path):
+    run = run_train(
+        4,
+        "--model",
+        "tiny",
+        "--dp-replicate",
+        "2",
+        "--steps",
+        "1",
+        "--save-every",
+        "1",
+        "--ckpt-dir",
+        str(tmp_path / "run"),
+    )
+    assert run.returncode == 0, failure(run)
+    out = tmp_path / "hsdp.html"
+    assert cli("inspect", str(tmp_path / "run" / "step_000001"), "--html", str(out)).returncode == 0
+    text = out.read_text()
+    assert "HSDP</th><td><code>2 replica groups" in text
+    for rank, replica in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        assert f"rank {rank} · replica {replica}" in text
