@@ -14,6 +14,8 @@ from typing import Any
 
 from mfsdp_core.data import describe_token_file
 
+from .train_config import resolved_settings
+
 __all__ = ["RECORDED_FLAGS", "run_config", "allowed_changes", "changed_settings"]
 
 # flag -> argparse attribute; the Muon and MXFP8 details count only when those are on
@@ -41,9 +43,13 @@ _RENAMED = {"param-dtype": "dtype"}
 _ONLY_WITH = {"muon-lr": ("optimizer", "muon"), "ns-dtype": ("optimizer", "muon"), "mx-rule": ("mxfp8", None)}
 
 
+SETTINGS_KEY = "settings"  # every resolved setting, the defaults of a resumed run (not compared)
+
+
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The recorded settings of this run, by flag name (``data``: where the samples come from)."""
-    out: dict[str, Any] = {}
+    """The recorded settings of this run, by flag name (``data``: where the samples come from),
+    and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)."""
+    out: dict[str, Any] = {SETTINGS_KEY: resolved_settings(args)}
     for flag, attr in RECORDED_FLAGS.items():
         if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
             out[flag] = describe_token_file(args.data, args.data_dtype) if args.data else "synthetic"
@@ -72,7 +78,8 @@ def allowed_changes(names: list[str]) -> set[str]:
 def changed_settings(saved: dict[str, Any], current: dict[str, Any], allowed: set[str]) -> list[str]:
     """``--flag SAVED (this run: NOW)`` for each recorded setting that differs and is not allowed."""
     out = []
-    saved = {_RENAMED.get(flag, flag): value for flag, value in saved.items()}
+    saved = {_RENAMED.get(flag, flag): value for flag, value in saved.items() if flag != SETTINGS_KEY}
+    current = {flag: value for flag, value in current.items() if flag != SETTINGS_KEY}
     for flag in sorted(set(saved) | set(current)):
         if flag in allowed or saved.get(flag) == current.get(flag):
             continue

@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import gc
+import importlib.metadata
 import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -63,6 +66,9 @@ from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 from .model_base import ModelSource
 from .model_source import DEFAULT_PRESET, source_of_run
 from .run_config import allowed_changes, changed_settings, run_config
+from .train_config import NOT_CARRIED, ConfigError, config_argv
+from .train_launch import add_launch_arguments, launch, launched_by_us
+from .train_signals import EXIT_CODES, StopRequests, stop_signal
 
 
 class UsageError(Exception):
@@ -73,25 +79,82 @@ _LATEST = "<ckpt-dir>/latest"  # --resume without a path
 _AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh start
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The trainer's command line (``parse_args`` parses with it)."""
-    p = argparse.ArgumentParser(
+class TrainerParser(argparse.ArgumentParser):
+    """The trainer's parser: a usage error is one line, printed once (by rank 0 of a job), with the
+    closest flag for a misspelt one; ``raising=True`` raises it instead (to check config entries)."""
+
+    def __init__(self, *args: Any, raising: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raising = raising
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        message = _with_suggestions(message, list(self._option_string_actions))
+        if self.raising:
+            raise ConfigError(message)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message} (mfsdp-train --help lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _with_suggestions(message: str, options: list[str]) -> str:
+    """argparse's message, with the closest known flag of each unknown ``--flag``."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    hints = []
+    for word in message.split(":", 1)[1].split():
+        close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1) if word.startswith("--") else []
+        hints += [f"{word}: did you mean {close[0]}?"] if close else []
+    return message + (f" ({'; '.join(hints)})" if hints else "")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """``--help`` says each flag's default, where its help does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def build_parser(raising: bool = False) -> TrainerParser:
+    """The trainer's command line (``parse_args`` parses with it); its argument groups are the
+    sections of a ``--config`` file."""
+    p = TrainerParser(
         prog="mfsdp-train",
         description="Resumable sharded training of a reference GPT, a "
         "Hugging Face transformers causal LM or a Megatron-Core GPTModel.",
+        formatter_class=_DefaultsShown,
+        raising=raising,
     )
-    _add_model_arguments(p)
-    _add_parallelism_arguments(p)
-    _add_precision_arguments(p)
-    _add_optimizer_arguments(p)
-    _add_schedule_arguments(p)
-    _add_data_arguments(p)
-    _add_checkpoint_arguments(p)
-    _add_logging_arguments(p)
+    p.add_argument("--version", action="version", version=f"mfsdp-train {_version()}")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read settings from this TOML file (flat, or in sections named as the groups below); "
+        "flags on the command line override it",
+    )
+    _add_model_arguments(p.add_argument_group("model"))
+    _add_parallelism_arguments(p.add_argument_group("parallelism"))
+    _add_precision_arguments(p.add_argument_group("precision"))
+    _add_optimizer_arguments(p.add_argument_group("optimizer"))
+    _add_schedule_arguments(p.add_argument_group("training"))
+    _add_data_arguments(p.add_argument_group("data"))
+    _add_checkpoint_arguments(p.add_argument_group("checkpoint"))
+    _add_logging_arguments(p.add_argument_group("logging"))
+    add_launch_arguments(p.add_argument_group("launch"))
     return p
 
 
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mfsdp-ckpt")
+    except importlib.metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _add_model_arguments(p: argparse._ActionsContainer) -> None:
     """Which model to train: a preset, a config file, a Hugging Face directory or an MCore config
     (``cli.model_source`` turns them into a model source)."""
     p.add_argument(
@@ -123,7 +186,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_parallelism_arguments(p: argparse.ArgumentParser) -> None:
+def _add_parallelism_arguments(p: argparse._ActionsContainer) -> None:
     """How the model is sharded over the ranks: the FSDP strategy, the placement policy and the
     expert-parallel size."""
     p.add_argument("--strategy", default=DEFAULT_STRATEGY.value, help=", ".join(STRATEGY_NAMES))
@@ -151,7 +214,7 @@ def _add_parallelism_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
+def _add_precision_arguments(p: argparse._ActionsContainer) -> None:
     """The number formats the model stores and computes in: MXFP8 weights and the compute dtype."""
     p.add_argument(
         "--mxfp8",
@@ -181,7 +244,7 @@ def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_optimizer_arguments(p: argparse.ArgumentParser) -> None:
+def _add_optimizer_arguments(p: argparse._ActionsContainer) -> None:
     """The optimizer (AdamW or Muon) and the settings only Muon has."""
     p.add_argument(
         "--optimizer",
@@ -196,7 +259,7 @@ def _add_optimizer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Muon's Newton-Schulz dtype")
 
 
-def _add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+def _add_schedule_arguments(p: argparse._ActionsContainer) -> None:
     """The length of the run, the batch, the learning-rate schedule and the other training
     hyperparameters (all but ``--stop-at`` recorded in the run config that ``--resume`` compares)."""
     p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
@@ -214,7 +277,7 @@ def _add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
 
 
-def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+def _add_data_arguments(p: argparse._ActionsContainer) -> None:
     """Where the samples come from: a token file, or (by default) the synthetic stream."""
     p.add_argument(
         "--data",
@@ -227,7 +290,7 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES), help="the token id type of --data")
 
 
-def _add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+def _add_checkpoint_arguments(p: argparse._ActionsContainer) -> None:
     """Saving checkpoints, and starting a run from one (``--resume`` continues a run,
     ``--init-from`` starts one from its weights)."""
     p.add_argument(
@@ -272,14 +335,47 @@ def _add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_logging_arguments(p: argparse.ArgumentParser) -> None:
+def _add_logging_arguments(p: argparse._ActionsContainer) -> None:
     """What the run reports besides its log: per-step metrics, and how often it logs."""
     p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
     p.add_argument("--log-every", type=int, default=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The run's settings: the command line over the ``--config`` file over what a resumed
+    checkpoint recorded over the defaults (:mod:`cli.train_config`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    words: list[str] = []
+    if first.config:
+        try:
+            words = config_argv(first.config, parser, build_parser(raising=True))
+        except ConfigError as e:
+            parser.error(str(e))
+    args = parser.parse_args([*words, *argv])
+    saved = _recorded_settings(args, parser)
+    if saved:
+        parser.set_defaults(**saved)
+        args = parser.parse_args([*words, *argv])
+    return args
+
+
+def _recorded_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The settings the checkpoint that ``--resume`` names recorded (none for a fresh run, or
+    when it cannot be read: ``check_args`` then says why)."""
+    if not args.resume:
+        return {}
+    try:
+        start = start_checkpoint(args)
+        if start is None:
+            return {}
+        saved = read_manifest(mfsdp_ckpt.resolve_checkpoint(start[1])).get("run_config") or {}
+    except (mfsdp_ckpt.CheckpointError, OSError, ValueError):
+        return {}
+    known = {a.dest for a in parser._actions}
+    settings = saved.get("settings") if isinstance(saved.get("settings"), dict) else {}
+    return {k: v for k, v in settings.items() if k in known and k not in NOT_CARRIED}
 
 
 _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -526,61 +622,68 @@ def _refuse_held(args: argparse.Namespace) -> None:
         )
 
 
-def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int) -> None:
+def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
+    """Run the training; the exit code (0, or the code of the signal it stopped for)."""
     if args.resume == _AUTO:
         args.resume = rank0_decides(resolve_auto_resume, args)
         if rank == 0 and args.resume is None:
             print(f"--resume auto: no checkpoint in {args.ckpt_dir}, starting fresh", flush=True)
     with contextlib.ExitStack() as run:
         rank0_decides(claim_run_dir, args, run)
-        _train(args, source, rank, world)
+        return _train(args, source, rank, world, stops)
 
 
-def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int) -> None:
-    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
-    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
-    resume_from = rank0_decides(resume_point, args, source) if args.resume else None
-    init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from") if args.init_from else None
-    model, optim = build(source, args)
-    device = next(model.parameters()).device
-    data = open_data(args, source)
+def _start(
+    args: argparse.Namespace, source: ModelSource, model: torch.nn.Module, optim: Any, rank: int, world: int
+) -> tuple[int, int]:
+    """Load what ``--resume`` / ``--init-from`` name into the fresh model; ``(step, data position)``."""
     step, position = 0, 0
-    if resume_from is not None:
+    if args.resume:
         try:
-            extra = mfsdp_ckpt.load(resume_from, model, optim)
+            extra = mfsdp_ckpt.load(args.resume, model, optim)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
             raise UsageError(
-                f"--resume: {resume_from} holds no trainer state (extra.step, extra.data_position); "
+                f"--resume: {args.resume} holds no trainer state (extra.step, extra.data_position); "
                 "it was not written by this trainer: start from its weights with --init-from instead"
             )
         step, position = extra["step"], extra["data_position"]
         source.resumed(extra)
         if rank == 0:
-            print(f"resumed from {resume_from} at step {step} (world size {world})", flush=True)
-    if init_from is not None:
+            print(f"resumed from {args.resume} at step {step} (world size {world})", flush=True)
+    if args.init_from:
         try:  # model weights only; the optimizer, step and data position start fresh
-            mfsdp_ckpt.load(init_from, model, None, restore_rng=False)
+            mfsdp_ckpt.load(args.init_from, model, None, restore_rng=False)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--init-from: {e}") from None
         if rank == 0:
-            print(f"initialised from the weights of {init_from} (world size {world})", flush=True)
+            print(f"initialised from the weights of {args.init_from} (world size {world})", flush=True)
+    return step, position
+
+
+def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
+    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
+    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
+    if args.resume:
+        args.resume = rank0_decides(resume_point, args, source)
+    if args.init_from:
+        args.init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from")
+    if args.mxfp8:
+        prepare_native_kernel(rank)
+    model, optim = build(source, args)
+    device = next(model.parameters()).device
+    data = open_data(args, source)
+    step, position = _start(args, source, model, optim, rank, world)
     if rank == 0:
-        ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
-        if args.dp_replicate > 1:
-            ep += f", {'HFSDP' if args.hfsdp else 'HSDP'} {args.dp_replicate} replicas x {world // args.dp_replicate}"
-        kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
-        print(
-            f"model {args.model}{kind}, {source.n_params():,} parameters, "
-            f"world size {world}{ep}, strategy {args.strategy}, policy {args.policy}",
-            flush=True,
-        )
+        for line in run_header(args, source, world):
+            print(line, flush=True)
     last = min(args.steps, args.stop_at or args.steps)
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if args.async_save else None
+    loop = _Loop(args, source, rank, world, model, optim, data, device, bar, saving, stops)
     try:
-        done = _loop(args, source, rank, world, model, optim, data, device, step, position, last, bar, saving)
+        done, stopped_by = loop.run(step, position, last)
         if saving is not None:
             saving.finish()  # the last save is committed before the run ends (--stop-at included)
     finally:
@@ -589,11 +692,78 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int)
     if bar is not None:
         bar.close()
     if rank == 0:
-        print(stop_reason(args, step, done), flush=True)
+        print(stop_reason(args, step, done, stopped_by), flush=True)
+    return 0 if stopped_by is None else EXIT_CODES[stopped_by]
 
 
-def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
+def run_header(args: argparse.Namespace, source: ModelSource, world: int) -> list[str]:
+    """What the run trains and how: every setting that changes the maths or the layout."""
+    ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
+    if args.dp_replicate > 1:
+        ep += f", {'HFSDP' if args.hfsdp else 'HSDP'} {args.dp_replicate} replicas x {world // args.dp_replicate}"
+    kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
+    policy = f"policy {args.policy}"
+    if args.mxfp8:
+        policy += ", MXFP8 linear weights block(32)"
+    dtype = {"float32": "fp32", "bfloat16": "bf16 (main params, optimizer state, reductions fp32)"}
+    mx = f", MXFP8 {args.mxfp8} weights (scale rule {args.mx_rule})" if args.mxfp8 else ""
+    if args.optimizer == "muon":
+        optimizer = (
+            f"muon (lr {args.muon_lr:g}, Newton-Schulz {args.ns_dtype}) for hidden matrices, adamw (lr {args.lr:g}) "
+            "for the rest"
+        )
+    else:
+        optimizer = f"adamw (lr {args.lr:g})"
+    return [
+        f"model {args.model}{kind}, {source.n_params():,} parameters, "
+        f"world size {world}{ep}, strategy {args.strategy}, {policy}",
+        f"precision compute {dtype[args.param_dtype]}{mx}; optimizer {optimizer}, min lr {args.min_lr:g}, "
+        f"warm-up {args.warmup}, weight decay {args.weight_decay:g}, clip {args.clip:g}",
+        f"data {args.data or 'synthetic'}, batch {args.batch_size} x {args.seq_len} tokens"
+        f"{f' in {args.micro_batches} micro-batches' if args.micro_batches > 1 else ''}, {args.steps} steps, "
+        f"seed {args.seed}",
+    ]
+
+
+def prepare_native_kernel(rank: int) -> None:
+    """Build (or load) the native MXFP8 cast kernel now, saying so when it is built: a first build
+    takes about a minute, which the first step would otherwise spend in silence."""
+    from mfsdp_core import mx_native
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = mx_native.build_dir(device)
+    built = any(out.glob("*.so")) if out.is_dir() else False
+    start = time.perf_counter()
+    if rank == 0 and not built:
+        print(f"building the native MXFP8 kernel (once per machine, about a minute) in {out}", flush=True)
+    module = mx_native.load(device)
+    if rank == 0 and not built:
+        if module is None:
+            print(f"native MXFP8 kernel unavailable: {mx_native.unavailable_reason(device)}", flush=True)
+        else:
+            print(f"built the native MXFP8 kernel in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def last_checkpoint(args: argparse.Namespace) -> str:
+    """Where an interrupted run can go on from: its last committed checkpoint."""
+    if not args.ckpt_dir:
+        return "no --ckpt-dir, so there is no checkpoint to continue from"
+    try:
+        committed = [e for e in list_checkpoints(args.ckpt_dir) if e.committed]
+    except (mfsdp_ckpt.CheckpointError, OSError):
+        committed = []
+    if not committed:
+        return f"no committed checkpoint in {args.ckpt_dir} yet"
+    return f"last checkpoint {committed[-1].name} (committed); continue with --resume"
+
+
+def stop_reason(args: argparse.Namespace, first: int, done: int, stopped_by: signal.Signals | None = None) -> str:
     """The run's last line: why it stopped, and how to go on when it can."""
+    if stopped_by == signal.SIGINT:
+        return f"interrupted at step {done}; {last_checkpoint(args)}"
+    if stopped_by == signal.SIGTERM:
+        saved = f"saved step_{done:06d}; continue with --resume" if args.ckpt_dir else last_checkpoint(args)
+        return f"stopped by SIGTERM after step {done}: {saved}"
     if done == first:
         limit = (
             f"--stop-at {args.stop_at}"
@@ -607,72 +777,96 @@ def stop_reason(args: argparse.Namespace, first: int, done: int) -> str:
     return f"stopped at step {done} of {args.steps}: reached --stop-at {args.stop_at}; {how}"
 
 
-def _loop(
-    args: argparse.Namespace,
-    source: ModelSource,
-    rank: int,
-    world: int,
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-    data: SyntheticText | TokenFile,
-    device: torch.device,
-    step: int,
-    position: int,
-    last: int,
-    bar: Any,
-    saving: _AsyncSaves | None,
-) -> int:
-    """Train from ``step`` to ``last``; returns the last step done."""
-    per_rank = args.batch_size // world
-    window = _StepTimes()
-    while step < last:
-        step += 1
-        start = time.perf_counter()
-        lr = lr_at(step, args)
-        for group in optim.param_groups:
+class _Loop:
+    """The training loop over ``[step, last)``: each step, its log line, its save, and the stop
+    the ranks agree on after a step when one of them was signalled."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        source: ModelSource,
+        rank: int,
+        world: int,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        data: SyntheticText | TokenFile,
+        device: torch.device,
+        bar: Any,
+        saving: _AsyncSaves | None,
+        stops: StopRequests,
+    ) -> None:
+        self.args, self.source, self.rank, self.world = args, source, rank, world
+        self.model, self.optim, self.data, self.device = model, optim, data, device
+        self.bar, self.saving, self.stops = bar, saving, stops
+        self.window = _StepTimes()
+
+    def run(self, step: int, position: int, last: int) -> tuple[int, signal.Signals | None]:
+        """Train to ``last``; the last step done, and the signal that stopped the run early if one did."""
+        args = self.args
+        while step < last:
+            step += 1
+            self.stops.step = step
+            start = time.perf_counter()
+            lr = lr_at(step, args)
+            position, mean_loss, grad_norm, stop = self.step(step, position, lr)
+            self.window.add(time.perf_counter() - start)
+            if self.rank == 0:
+                _report(args, self.bar, step, last, mean_loss, lr, grad_norm, self.window)
+            if self.saving is not None:
+                self.saving.poll()
+            due = args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last)
+            if due or (stop == signal.SIGTERM and args.ckpt_dir):
+                self.save(step, position)
+            if stop is not None:
+                return step, stop
+        return step, None
+
+    def step(self, step: int, position: int, lr: float) -> tuple[int, float, float, signal.Signals | None]:
+        """One optimizer step at ``lr``; ``(next data position, mean loss, grad norm, stop signal)``."""
+        args, per_rank = self.args, self.args.batch_size // self.world
+        for group in self.optim.param_groups:
             group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
         try:  # this rank's slice of the global batch (samples are a pure function of their index)
-            tokens = data.batch(position + rank * per_rank, per_rank).to(device)
+            tokens = self.data.batch(position + self.rank * per_rank, per_rank).to(self.device)
         except ValueError as e:  # a token id outside the vocabulary
             raise UsageError(str(e)) from None
-        position += args.batch_size
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=self.device)
         for micro in tokens.chunk(args.micro_batches):
-            logits, aux_loss = source.forward(model, micro[:, :-1])
+            logits, aux_loss = self.source.forward(self.model, micro[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
             ((loss + aux_loss) / args.micro_batches).backward()
             loss_sum += loss.detach() / args.micro_batches
-        grad_norm = clip_grad_norm_(optim, args.clip)
-        optim.step()
-        optim.zero_grad()
+        grad_norm = clip_grad_norm_(self.optim, args.clip)
+        self.optim.step()
+        self.optim.zero_grad()
+        # the loss and the ranks' stop requests in one all-reduce: every rank stops after the same step
+        totals = torch.cat([loss_sum.reshape(1), torch.tensor(self.stops.pending(), device=self.device)])
         if dist.is_initialized():
-            dist.all_reduce(loss_sum)
-        mean_loss = loss_sum.item() / world
-        window.add(time.perf_counter() - start)
-        if rank == 0:
-            _report(args, bar, step, last, mean_loss, lr, grad_norm.item(), window)
-        if saving is not None:
-            saving.poll()
-        if args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last):
-            save = _timed_save if saving is None else saving.start
-            try:
-                line = save(
-                    mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
-                    model,
-                    optim,
-                    extra={"step": step, "data_position": position, "model": args.model, **source.extra()},
-                    model_config=source.model_config(),
-                    model_source=source.record(),
-                    run_config=run_config(args),
-                    step=step,
-                    keep=args.keep,
-                    overwrite=True,
-                )
-            except mfsdp_ckpt.CheckpointError as e:
-                raise UsageError(f"saving step {step}: {e}") from None
-            if line is not None and rank == 0:
-                _log(bar, line)
-    return step
+            dist.all_reduce(totals)
+        summed = totals.tolist()
+        return position + args.batch_size, summed[0] / self.world, grad_norm.item(), stop_signal(summed[1:])
+
+    def save(self, step: int, position: int) -> None:
+        """Checkpoint ``step`` into ``--ckpt-dir`` (in the background under ``--async-save``)."""
+        args, source = self.args, self.source
+        save = _timed_save if self.saving is None else self.saving.start
+        try:
+            line = save(
+                mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
+                self.model,
+                self.optim,
+                extra={"step": step, "data_position": position, "model": args.model, **source.extra()},
+                model_config=source.model_config(),
+                model_source=source.record(),
+                run_config=run_config(args),
+                step=step,
+                keep=args.keep,
+                overwrite=True,
+            )
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"saving step {step}: {e}") from None
+        if line is not None and self.rank == 0:
+            _log(self.bar, line)
 
 
 def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
@@ -807,24 +1001,38 @@ def _log(bar: Any, line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The trainer: launches its ranks (``--nproc-per-node``) or is one of them; the exit code
+    (1 a refused run, 2 a usage error, 130 interrupted, 143 stopped by SIGTERM after saving)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.nproc_per_node is not None and not launched_by_us():
+        if "RANK" in os.environ:
+            print("error: --nproc-per-node: this process is already a rank of a torchrun job", file=sys.stderr)
+            return 2
+        return launch(args, __spec__.name if __spec__ else "mfsdp_cli.train", argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    stops = StopRequests()
+    stops.install()
     try:
         source = check_args(args, world)
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        train(args, source, rank, world)
+        return train(args, source, rank, world, stops)
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped where it was
+        if rank == 0:
+            print(f"interrupted during step {stops.step + 1}; {last_checkpoint(args)}", file=sys.stderr, flush=True)
+        return EXIT_CODES[signal.SIGINT]
     finally:
+        stops.uninstall()
         if dist.is_initialized():
             _destroy_process_group()
-    return 0
 
 
 def _destroy_process_group() -> None:

@@ -1,0 +1,116 @@
+"""``mfsdp-train --nproc-per-node N ...``: the trainer starts its own ranks, through the elastic
+launcher torchrun uses, and reports a failed run in its ranks' own words.
+
+Under plain ``torchrun`` a refused run prints its one-line reason and then torchrun's report of
+the failed child (a traceback of some thirty lines), and Ctrl-C adds the launcher's own
+traceback. Here the launcher's log is quiet below errors it does not already show, a child that
+stopped with the trainer's own exit codes (1 refused, 2 usage, 130 interrupted, 143 preempted) on
+rank 0 has said why, and any other failure gets one line naming the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+__all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us"]
+
+LAUNCHED_ENV = "MFSDP_TRAIN_LAUNCHED"  # set for the ranks this launcher starts
+# the trainer's own exit codes, which rank 0 explains itself
+_EXPLAINED = {1, 2, 130, 143}
+_LAUNCH_FLAGS = {  # dest -> (torchrun's flag, help)
+    "nnodes": ("--nnodes", "machines (or MIN:MAX), as torchrun's --nnodes"),
+    "node_rank": ("--node-rank", "this machine's rank, as torchrun's --node-rank"),
+    "rdzv_backend": ("--rdzv-backend", "rendezvous backend, as torchrun's (default: a local one)"),
+    "rdzv_endpoint": ("--rdzv-endpoint", "HOST:PORT of the rendezvous, as torchrun's"),
+    "rdzv_id": ("--rdzv-id", "the job's rendezvous id, as torchrun's"),
+    "rdzv_conf": ("--rdzv-conf", "KEY=VALUE,... rendezvous options, as torchrun's"),
+    "master_addr": ("--master-addr", "as torchrun's --master-addr (static rendezvous)"),
+    "master_port": ("--master-port", "as torchrun's --master-port (static rendezvous)"),
+    "max_restarts": ("--max-restarts", "restarts of the ranks after a failure, as torchrun's"),
+}
+LAUNCH_DESTS = frozenset({"nproc_per_node", "shutdown_timeout", *_LAUNCH_FLAGS})
+
+
+def add_launch_arguments(p: argparse._ActionsContainer) -> None:
+    """``--nproc-per-node`` and the flags passed on to the launcher for jobs of several machines."""
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine (the elastic launcher torchrun uses); without it the trainer "
+        "runs as the one process it is, or as one rank of a torchrun job",
+    )
+    for dest, (flag, text) in _LAUNCH_FLAGS.items():
+        p.add_argument(flag, dest=dest, default=None, help=text)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=120,
+        metavar="S",
+        help="seconds the ranks have, once the launcher is signalled (SIGTERM, Ctrl-C), to save and stop "
+        "before they are killed",
+    )
+
+
+def launched_by_us() -> bool:
+    """Whether this process is a rank that ``mfsdp-train --nproc-per-node`` started."""
+    return os.environ.get(LAUNCHED_ENV) == "1"
+
+
+def _torchrun_argv(args: argparse.Namespace, module: str, argv: list[str]) -> list[str]:
+    words = [f"--nproc-per-node={args.nproc_per_node}", f"--shutdown-timeout={args.shutdown_timeout}"]
+    for dest, (flag, _) in _LAUNCH_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            words.append(f"{flag}={value}")
+    if args.rdzv_endpoint is None and args.master_addr is None and args.nnodes in (None, "1"):
+        words.append("--standalone")  # one machine: a free local port, a fresh rendezvous id
+    return [*words, "-m", module, *argv]
+
+
+def _quiet_launcher_logs() -> None:
+    """The launcher's loggers (each has its own level, set when its module was imported) at
+    CRITICAL: the ranks speak for themselves."""
+    prefixes = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+    for name in [*logging.root.manager.loggerDict, *prefixes]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
+    """Run ``python -m module argv`` as ``args.nproc_per_node`` ranks; the run's exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _quiet_launcher_logs()
+    os.environ[LAUNCHED_ENV] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its warning
+    try:
+        torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(args, module, argv)))
+    except ChildFailedError as e:
+        return _report_failure(e.failures, *e.get_first_failure())
+    except SignalException as e:  # the ranks were sent the same signal and have said where they stopped
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # before the ranks started
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    return 0
+
+
+def _report_failure(failures: dict[int, Any], first_rank: int, first: Any) -> int:
+    """The job's exit code; one line naming the rank unless rank 0 stopped with a code of the
+    trainer's own (it has printed why, and the other ranks stopped with it)."""
+    codes = {rank: f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for rank, f in failures.items()}
+    if codes.get(0) in _EXPLAINED:
+        return codes[0]
+    code = codes[first_rank]
+    how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {code}"
+    print(f"error: rank {first_rank} {how}", file=sys.stderr, flush=True)
+    return code
