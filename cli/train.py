@@ -364,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _recorded_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The settings the checkpoint that ``--resume`` names recorded (none for a fresh run, or
     when it cannot be read: ``check_args`` then says why)."""
-    if not args.resume:
+    if not args.resume or (args.resume in (_LATEST, _AUTO) and not args.ckpt_dir):
         return {}
     try:
         start = start_checkpoint(args)

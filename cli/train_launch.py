@@ -108,8 +108,9 @@ def _report_failure(failures: dict[int, Any], first_rank: int, first: Any) -> in
     """The job's exit code; one line naming the rank unless rank 0 stopped with a code of the
     trainer's own (it has printed why, and the other ranks stopped with it)."""
     codes = {rank: f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for rank, f in failures.items()}
-    if codes.get(0) in _EXPLAINED:
-        return codes[0]
+    refused = sorted(c for c in codes.values() if c in (1, 2))  # ranks refusing alike; rank 0 said why
+    if codes.get(0) in _EXPLAINED:  # it may have been stopped by the launcher as the others went
+        return refused[0] if refused else codes[0]
     code = codes[first_rank]
     how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {code}"
     print(f"error: rank {first_rank} {how}", file=sys.stderr, flush=True)
