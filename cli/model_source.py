@@ -73,7 +73,11 @@ class GPTSource(ModelSource):
         return self.config.to_dict()
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
-        record = model_source_of(manifest) or {}
+        """The recorded config fields that differ from this run's; none when the checkpoint
+        records no model at all (a converted file's): the model named on the command line is used."""
+        record = model_source_of(manifest)
+        if record is None:
+            return []
         if record.get("kind", MFSDP_GPT) != MFSDP_GPT:
             return [f"kind={record.get('kind')!r} (this run: {MFSDP_GPT!r})"]
         saved = record.get("config") or {}

@@ -44,6 +44,29 @@ FORMATS = ("torch", "safetensors", "dcp", "dcp-fsdp2")
 # safetensors metadata entry holding the non-tensor entries: base64 of a torch.save archive
 # (keeps tuples and other plain types exactly; read back with weights_only=True)
 _OBJECTS_KEY = "mfsdp.objects"
+# what a single file carries of the manifest, so that a round trip back to DCP keeps it: the
+# safetensors metadata entry / the torch file's reserved key holding the JSON of these fields
+_MANIFEST_KEY = "mfsdp.manifest"
+_TORCH_MANIFEST_KEY = "__mfsdp_manifest__"
+CARRIED_FIELDS = ("step", "model_config", "model_source", "run_config", "hf")
+
+
+def carried_fields(manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields of ``manifest`` a conversion keeps (:data:`CARRIED_FIELDS`, those present)."""
+    return {k: manifest[k] for k in CARRIED_FIELDS if manifest and manifest.get(k) is not None}
+
+
+def _parse_carried(text: Any, source: str) -> dict[str, Any]:
+    """The carried manifest fields stored in a single file (JSON text), or ``{}`` when none."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError as e:
+        raise CheckpointError(f"{source}: unreadable '{_MANIFEST_KEY}' entry ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source}: '{_MANIFEST_KEY}' entry is not a JSON object")
+    return carried_fields(value)
 
 
 def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -59,15 +82,23 @@ def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None
         return out
 
 
-def write_dcp(state: dict[str, Any], path: str | os.PathLike, *, source: str | None = None) -> str:
+def write_dcp(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    source: str | None = None,
+    carried: dict[str, Any] | None = None,
+) -> str:
     """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
-    may be an fsspec URL)."""
+    may be an fsspec URL). ``carried``: manifest fields kept from the source (step, model config
+    and source, run config; :data:`CARRIED_FIELDS`)."""
     manifest = {
         "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
         "model_config": None,
         "step": None,
         "converted_from": source,
         "versions": versions(),
+        **carried_fields(carried),
     }
     with CheckpointBuilder(path, manifest, sources=(source,) if source else ()) as builder:
         for key, value in state.items():
@@ -95,6 +126,7 @@ def write_fsdp2(
             "model_config": source.get("model_config"),
             "model_source": source.get("model_source"),
             "step": source.get("step"),
+            **carried_fields(source),
             "converted_from": src,
             "versions": versions(),
             "key_layout": "dcp-fsdp2",
@@ -147,8 +179,9 @@ def _unpack_objects(text: str | None, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: unreadable '{_OBJECTS_KEY}' metadata ({type(e).__name__})") from None
 
 
-def _read_single_file(src: str) -> dict[str, Any]:
-    """The state in a ``.safetensors`` or ``torch.save`` file (local or fsspec URL)."""
+def _read_single_file(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state in a ``.safetensors`` or ``torch.save`` file (local or fsspec URL), and the
+    manifest fields it carries (``{}`` for a file we did not write)."""
     try:
         with fs.open_regular(src) as f:  # a FIFO or a device is refused, never read from
             data = f.read()
@@ -162,14 +195,14 @@ def _read_single_file(src: str) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - whatever a garbled header raises
             raise CheckpointError(f"{src}: unreadable safetensors file ({type(e).__name__}: {e})") from None
         state.update(_unpack_objects(metadata.get(_OBJECTS_KEY), src))
-        return state
+        return state, _parse_carried(metadata.get(_MANIFEST_KEY), src)
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
         raise CheckpointError(f"{src}: not a loadable torch file with plain contents ({type(e).__name__})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"{src}: expected a dict with string keys")
-    return state
+    return state, _parse_carried(state.pop(_TORCH_MANIFEST_KEY, None), src)
 
 
 def convert(
@@ -197,16 +230,19 @@ def convert(
     if to == "dcp":
         if not fs.isfile(src):
             raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
-        return write_dcp(_read_single_file(src), dst, source=src)
+        state, carried = _read_single_file(src)
+        return write_dcp(state, dst, source=src, carried=carried)
+    with CheckpointReader(src) as reader:
+        carried = json.dumps(carried_fields(reader.manifest))
     state = read_full_state(src, progress)
     if to == "torch":
         buf = io.BytesIO()
-        torch.save(state, buf)
+        torch.save({**state, _TORCH_MANIFEST_KEY: carried}, buf)
         data = buf.getvalue()
     else:
         tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
         objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-        data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects)})
+        data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects), _MANIFEST_KEY: carried})
     del state
     fs.write_bytes(dst, data)  # all or nothing
     return dst
