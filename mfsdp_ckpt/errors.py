@@ -48,3 +48,12 @@ def raise_key_problems(
     parts = [f"{label}: {', '.join(keys)}" for label, keys in problems if keys]
     if parts:
         raise error(f"{source}: " + "; ".join(parts))
+
+
+def shown_list(items: Sequence[object], limit: int = 4) -> str:
+    """``items`` joined for a one-line message, at most ``limit`` of them: ``a, b, c and 2 more``.
+    A refusal that cuts a list says how much it left out, so the reader knows it is not whole."""
+    names = [str(i) for i in items]
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"

@@ -95,11 +95,26 @@ def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, Ve
     if not fs.lexists(fs.join(directory, METADATA_NAME)):  # anything else there is refused when read
         if fs.isdir(directory) and any(n.endswith(".distcp") for n in fs.listdir(directory)):
             raise NotACheckpointError(f"{directory}: no .metadata: the save did not finish")
+        if _is_hf_model_dir(directory):
+            raise NotACheckpointError(
+                f"{directory}: a Hugging Face model directory (config.json, *.safetensors), not a checkpoint; "
+                f"'mfsdp-ckpt import-hf {directory} OUT' makes a checkpoint of it"
+            )
         raise NotACheckpointError(f"{directory}: not a checkpoint (no .metadata)")
     manifest = read_manifest(directory) if is_committed(directory) else None
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
     return directory, manifest, metadata, reader
+
+
+def _is_hf_model_dir(directory: str) -> bool:
+    """Whether ``directory`` looks like a Hugging Face model directory: a ``config.json`` beside
+    ``*.safetensors`` files (what ``import-hf`` takes), so a checkpoint command can name it."""
+    try:
+        names = fs.listdir(directory) if fs.isdir(directory) else []
+    except OSError:
+        return False
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
 
 
 def is_mcore(path: str | os.PathLike) -> bool:

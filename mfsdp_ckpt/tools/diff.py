@@ -50,6 +50,18 @@ class CheckpointDiff:
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
             "different": [d.__dict__ for d in self.different],
+            "counts": self.counts,
+        }
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many common entries are equal (within the tolerances) and how many differ, and how
+        many keys only one side has: the figures of diff's summary line."""
+        return {
+            "equal": self.compared - len(self.different),
+            "different": len(self.different),
+            "only_in_a": len(self.only_in_a),
+            "only_in_b": len(self.only_in_b),
         }
 
 
@@ -98,14 +110,37 @@ def _compare(ra: Any, rb: Any, key: str, atol: float, rtol: float) -> TensorDiff
         return TensorDiff(key, "object", "a tensor in one checkpoint, an object in the other")
     if tensor_a and ra.shape(key) != rb.shape(key):
         return TensorDiff(key, "shape", f"{tuple(ra.shape(key))} vs {tuple(rb.shape(key))}")
-    if tensor_a and ra.dtype(key) != rb.dtype(key):
-        return TensorDiff(key, "dtype", f"{ra.dtype(key)} vs {rb.dtype(key)}")
     va, vb = ra.read(key), rb.read(key)
     if not tensor_a:
         if _same_object(va, vb):
             return None
         where, da, db = _first_difference(va, vb)
         return TensorDiff(key, "object", f"{where + ': ' if where else ''}{_repr(da)} vs {_repr(db)}")
+    if va.dtype != vb.dtype:
+        return _compare_cast(key, va, vb, atol, rtol)
+    return _compare_values(key, va, vb, atol, rtol)
+
+
+def _compare_cast(key: str, va: torch.Tensor, vb: torch.Tensor, atol: float, rtol: float) -> TensorDiff | None:
+    """Two tensors of different dtypes, compared by value in the wider one (float64 holds both).
+    With ``atol = rtol = 0`` the dtype change alone makes them different (problem ``dtype``, the
+    detail saying how the values compare); with a tolerance, values within it count as equal and
+    values beyond it are a ``values`` difference whose detail names both dtypes."""
+    dtypes = f"{va.dtype} vs {vb.dtype}"
+    wide = va.double() if va.dtype.is_floating_point or vb.dtype.is_floating_point else va.long()
+    other = vb.to(wide.dtype)
+    values = _compare_values(key, wide, other, atol, rtol)
+    if atol == 0 and rtol == 0:
+        said = f"; {values.detail}" if values is not None else "; values equal after casting"
+        return TensorDiff(key, "dtype", dtypes + said, *(() if values is None else (values.max_abs, values.rel)))
+    if values is None:
+        return None
+    return TensorDiff(key, "values", f"{dtypes}; {values.detail}", values.max_abs, values.rel, values.histogram)
+
+
+def _compare_values(key: str, va: torch.Tensor, vb: torch.Tensor, atol: float, rtol: float) -> TensorDiff | None:
+    """Two tensors of one dtype and shape: ``None`` when equal within ``atol + rtol * |b|``
+    (NaNs in the same places equal), else the worst mismatch, max |a - b|, rel and histogram."""
     if va.numel() == 0 or torch.equal(va, vb):
         return None
     fa, fb = va.double(), vb.double()

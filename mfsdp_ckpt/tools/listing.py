@@ -12,7 +12,10 @@ from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import is_partial_name
 
-__all__ = ["CheckpointEntry", "list_checkpoints"]
+__all__ = ["CheckpointEntry", "list_checkpoints", "list_runs", "RUN_SEARCH_DEPTH"]
+
+#: how many directory levels below ``ls ROOT`` are searched for run directories
+RUN_SEARCH_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class CheckpointEntry:
     format: str = "mfsdp"  # "mfsdp", "stock DCP" (complete, no mfsdp.json) or "partial" (not committed)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """docs/cli.md's JSON vocabulary: ``step`` absent (not null) where none is recorded."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
@@ -68,6 +72,42 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         entries.append(CheckpointEntry(name, step, fs.tree_size(d), committed, name == latest, kind))
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return entries
+
+
+def list_runs(root: str | os.PathLike, depth: int = RUN_SEARCH_DEPTH) -> list[tuple[str, list[CheckpointEntry]]]:
+    """(run directory, its checkpoints) for ``root`` itself when it holds checkpoints, else for
+    every run directory found below it, at most ``depth`` levels down (so that ``ls out/`` over a
+    huge tree ends), in path order. A checkpoint directory is not searched into; symlinks and
+    hidden directories are not followed."""
+    root = fs.normalize(root)
+    entries = list_checkpoints(root)
+    if entries:
+        return [(root, entries)]
+    runs: list[tuple[str, list[CheckpointEntry]]] = []
+    _find_runs(root, depth, runs)
+    return runs
+
+
+def _find_runs(directory: str, depth: int, runs: list[tuple[str, list[CheckpointEntry]]]) -> None:
+    """Append the run directories below ``directory`` (up to ``depth`` levels) to ``runs``."""
+    if depth <= 0:
+        return
+    try:
+        names = sorted(fs.listdir(directory))
+    except OSError:
+        return  # an unreadable directory holds no run we can list
+    for name in names:
+        d = fs.join(directory, name)
+        if name.startswith(".") or not fs.isdir(d) or fs.islink(d) or fs.lexists(fs.join(d, METADATA_NAME)):
+            continue
+        try:
+            entries = list_checkpoints(d)
+        except CheckpointError:
+            continue
+        if entries:
+            runs.append((d, entries))
+        else:
+            _find_runs(d, depth - 1, runs)
 
 
 def _stock(directory: str) -> bool:
