@@ -14,13 +14,16 @@ they fall inside the range, straight into place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import queue
+import signal
+import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -65,10 +68,13 @@ class ReshardResult:
     ep_size: int | None = None  # the target's EP size (None: no expert parallelism)
 
     def to_json(self) -> dict[str, Any]:
-        """The fields under the names every command's ``--json`` uses (``bytes``, as export-hf,
-        import-hf and ls have it)."""
+        """The fields under the names of docs/cli.md's JSON vocabulary (``bytes``, ``entries``;
+        ``ep_size`` only for an EP target); the command adds ``seconds``."""
         out = dict(self.__dict__)
         out["bytes"] = out.pop("bytes_written")
+        out["entries"] = out.pop("keys")
+        if out["ep_size"] is None:  # absent, not null, where it does not apply
+            del out["ep_size"]
         return out
 
 
@@ -359,20 +365,42 @@ def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     return [w for w in out if w]
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT while the body runs (in the main thread: only there does Python handle it);
+    one that arrives meanwhile is delivered, as a ``KeyboardInterrupt``, when it ends. A process
+    started in the body inherits the blocked mask, and Python never unblocks it: such a process
+    does not see the terminal's Ctrl-C at all."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _run_parallel(
     src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
 ) -> list[ChunkRecord]:
+    """Carry out each worker's jobs in a spawned process of its own; their records, in no order.
+
+    The workers start with SIGINT blocked, so a Ctrl-C (sent by the terminal to the whole
+    process group) reaches only this process: its ``KeyboardInterrupt`` terminates the workers
+    and propagates, instead of a worker dying mid-write and its error being reported."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
         for w, jobs in enumerate(assignments)
     ]
-    for p in procs:
-        p.start()
     records: list[ChunkRecord] = []
     pending = set(range(len(procs)))
     try:
+        with _sigint_blocked():  # the mask is inherited by the spawned interpreters
+            for p in procs:
+                p.start()
         while pending:
             try:
                 kind, wid, payload = results.get(timeout=1.0)
@@ -392,6 +420,8 @@ def _run_parallel(
                 raise CheckpointError(payload)
     finally:
         for p in procs:
+            if p.pid is None:  # not started: interrupted while starting the others
+                continue
             if p.is_alive():
                 p.terminate()
             p.join()

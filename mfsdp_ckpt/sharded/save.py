@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -248,13 +249,15 @@ def write_and_commit(
     gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
     rank, _ = rank_and_world()
     try:
-        dcp.save(
-            entries,
-            storage_writer=job.writer,
-            planner=planner,
-            process_group=process_group,
-            no_dist=not dist.is_initialized(),
-        )
+        with warnings.catch_warnings():  # DCP's notice that no_dist writes "in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(
+                entries,
+                storage_writer=job.writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
     except CheckpointException as e:
         if rank == 0:
             discard(job.tmp)
