@@ -95,7 +95,7 @@ def export_hf(
     else:
         click.echo(
             f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
-            f"in {len(result.files)} file(s), {result.seconds:.1f} s"
+            f"of data files in {len(result.files)} file(s), {result.seconds:.1f} s"
         )
 
 
@@ -122,6 +122,6 @@ def import_hf(hf_dir: str, ckpt: str, arch: str | None, workers: int | None, ove
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
         click.echo(
-            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
-            f"{result.seconds:.1f} s"
+            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
+            f"of data files, {result.seconds:.1f} s"
         )

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Callable
 
 import click
 
 from .common import LazyChoice, _as_json, _human, _run, _run_with_progress, cast_choices
+from .interrupt import InterruptibleGroup
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.group(cls=InterruptibleGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(package_name="mfsdp-ckpt", prog_name="mfsdp-ckpt", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
 def main(debug: bool) -> None:
@@ -28,6 +30,7 @@ def main(debug: bool) -> None:
 def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH.
     --html draws, per tensor group, a strip per rank of what it wrote and where in which file."""
+    from mfsdp_ckpt.errors import shown_list
     from mfsdp_ckpt.format.model_source import describe_source
     from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
@@ -52,7 +55,7 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
         x = info.experts
         click.echo(f"experts     EP size {x.ep_size}, {x.num_experts} experts")
         for p, (ranks, experts) in enumerate(zip(x.ranks, x.experts)):
-            shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+            shown = shown_list(ranks, 8)
             click.echo(f"  EP rank {p}: ranks {shown}; experts {compact_ranges(experts)}")
     if info.mx:
         formats = sorted({m.format for m in info.mx})
@@ -121,14 +124,17 @@ def _write_report(render: Callable[[str], str], html_out: str | None, png_out: s
 def verify(path: str, as_json: bool) -> None:
     """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
+    from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.inspect import verify_checkpoint
 
+    start = time.perf_counter()
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
     if as_json:
         click.echo(
             json.dumps(
                 {
-                    "path": path,
+                    "path": normalize(path),
+                    "seconds": time.perf_counter() - start,
                     "ok": not faults,
                     "faults": [f.__dict__ for f in faults],
                     "notes": list(getattr(faults, "notes", [])),
@@ -179,8 +185,10 @@ def diff(
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
     is read through its key layout. (Per-rank RNG states are not compared: they depend on the
     world size.)"""
+    from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.diff import diff_checkpoints
 
+    start = time.perf_counter()
     result = _run_with_progress(
         "diff",
         lambda bar: diff_checkpoints(
@@ -190,8 +198,10 @@ def diff(
     )
     if html_out or png_out:
         _write_report(lambda out: _diff_html(a, b, result, out), html_out, png_out)
-    if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name
-        click.echo(json.dumps({"a": a, "b": b, "ok": result.equal, **result.to_json()}, indent=1))
+    if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name (deprecated)
+        seconds = time.perf_counter() - start
+        doc = {"a": normalize(a), "b": normalize(b), "ok": result.equal, **result.to_json(), "seconds": seconds}
+        click.echo(json.dumps(doc, indent=1))
     else:
         for key in result.only_in_a:
             click.echo(f"only in A  {key}")
@@ -199,7 +209,11 @@ def diff(
             click.echo(f"only in B  {key}")
         for d in result.different:
             click.echo(f"{d.problem:<10} {d.key}: {d.detail}")
-        click.echo(f"{'equal' if result.equal else 'different'}: {result.compared} common entries compared")
+        n = result.counts
+        click.echo(
+            f"{'equal' if result.equal else 'different'}: {n['equal']} equal, {n['different']} different, "
+            f"{n['only_in_a']} only in A, {n['only_in_b']} only in B; {result.compared} common entries compared"
+        )
     sys.exit(0 if result.equal else 1)
 
 
@@ -225,12 +239,15 @@ def diff(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
+    from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.convert import convert as run_convert
 
+    start = time.perf_counter()
     out = _run_with_progress(
         "read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries"
     )
-    click.echo(json.dumps({"path": out, "format": to}) if as_json else f"wrote {out}")
+    doc = {"path": normalize(out), "format": to, "seconds": time.perf_counter() - start}
+    click.echo(json.dumps(doc, indent=1) if as_json else f"wrote {out}")
 
 
 @main.command(short_help="Rewrite a checkpoint for another world size, strategy, policy or EP size.")
@@ -287,6 +304,7 @@ def reshard(
     committed canonical checkpoint."""
     from mfsdp_ckpt.sharded.reshard import reshard as run_reshard
 
+    start = time.perf_counter()
     result = _run_with_progress(
         "reshard",
         lambda bar: run_reshard(
@@ -305,17 +323,20 @@ def reshard(
             progress=bar,
         ),
     )
+    seconds = time.perf_counter() - start
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=1))
+        click.echo(json.dumps({**result.to_json(), "seconds": seconds}, indent=1))
         return
     click.echo(
-        f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} in {result.files} "
-        f"file(s) for world size {result.world_size}" + (f", EP size {result.ep_size}" if result.ep_size else "")
+        f"wrote {result.path}: {result.keys} entries, {_human(result.bytes_written)} of data files in {result.files} "
+        f"file(s) for world size {result.world_size}"
+        + (f", EP size {result.ep_size}" if result.ep_size else "")
+        + f", {seconds:.1f} s"
     )
     if result.dropped:
-        click.echo(
-            f"dropped {len(result.dropped)} entries ({', '.join(result.dropped[:4])}{', ...' if len(result.dropped) > 4 else ''})"
-        )
+        from mfsdp_ckpt.errors import shown_list
+
+        click.echo(f"dropped {len(result.dropped)} entries ({shown_list(result.dropped, 4)})")
 
 
 @main.command(name="ls", short_help="List the checkpoints of a run directory and which is latest.")
@@ -324,21 +345,29 @@ def reshard(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def ls(root: str, clean: bool, as_json: bool) -> None:
     """The checkpoints under a run directory ROOT: step, size, committed or not, latest."""
-    from mfsdp_ckpt.tools.listing import clean_run_dir, list_checkpoints
+    from mfsdp_ckpt.storage.fs import normalize as fs_normalize
+    from mfsdp_ckpt.tools.listing import clean_run_dir, list_runs
 
     if clean:
         for path in _run(lambda: clean_run_dir(root)):
             click.echo(f"removed {path}", err=True)
-    entries = _run(lambda: list_checkpoints(root))
-    if as_json:
-        click.echo(json.dumps([e.to_json() for e in entries], indent=1))
+    runs = _run(lambda: list_runs(root))
+    below = not (len(runs) == 1 and runs[0][0] == fs_normalize(root))  # run dirs found under ROOT
+    if as_json:  # entries gain "run" (the run directory) only when ROOT holds runs, not checkpoints
+        rows = [{**e.to_json(), **({"run": run} if below else {})} for run, entries in runs for e in entries]
+        click.echo(json.dumps(rows, indent=1))
         return
-    if not entries:
+    if not runs:
         click.echo(f"no checkpoints under {root}")
-    for e in entries:
-        state = "committed" if e.committed else "stock DCP" if e.format == "stock DCP" else "UNCOMMITTED"
-        step = e.step if e.step is not None else "-"
-        click.echo(f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}")
+    for run, entries in runs:
+        latest = next((e.name for e in entries if e.latest), "-")
+        if below:
+            click.echo(f"{run}: {len(entries)} checkpoint(s), latest {latest}")
+        for e in entries:
+            state = "committed" if e.committed else "stock DCP" if e.format == "stock DCP" else "UNCOMMITTED"
+            step = e.step if e.step is not None else "-"
+            line = f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}"
+            click.echo(("  " if below else "") + line)
 
 
 from .hf import export_hf, import_hf  # noqa: E402

@@ -47,7 +47,7 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     for notice in result.notices:
         click.echo(f"note: {notice}", err=True)
     click.echo(
-        f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} for world size {result.world_size}"
+        f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} of data files for world size {result.world_size}"
         + (f", iteration {result.step}" if result.step is not None else "")
         + f", {result.seconds:.1f} s"
     )
@@ -77,4 +77,6 @@ def export_mcore(src: str, dst: str, moe_norm: str, overwrite: bool, as_json: bo
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
-        click.echo(f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)}, {result.seconds:.1f} s")
+        click.echo(
+            f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} of data files, {result.seconds:.1f} s"
+        )

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mfsdp_ckpt
+from mfsdp_ckpt.errors import shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.objstore import check_writable_prefix
@@ -63,6 +64,7 @@ from mfsdp_core.mx import MXFormat
 from mfsdp_core.plan import DEFAULT_GROUP, DEFAULT_POLICY, DEFAULT_STRATEGY, mx_marked
 from mfsdp_core.strategy import STRATEGY_NAMES, parse_strategy
 
+from .common import _human
 from .model_base import ModelSource
 from .model_source import DEFAULT_PRESET, source_of_run
 from .run_config import allowed_changes, changed_settings, run_config
@@ -617,7 +619,7 @@ def _refuse_held(args: argparse.Namespace) -> None:
     held = [e.name for e in list_checkpoints(args.ckpt_dir) if e.committed]
     if held:
         raise UsageError(
-            f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({', '.join(held[-3:])}); "
+            f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({shown_list(held[::-1], 3)}); "
             "pass --resume to continue that run, or choose another directory"
         )
 
@@ -878,17 +880,13 @@ def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
 
 
 def _written(path: str) -> str:
-    """The bytes a committed checkpoint holds, from its manifest (``?`` if it cannot be read)."""
+    """The data-file bytes of a committed checkpoint, from its manifest, in the binary units every
+    command prints (``?`` if it cannot be read)."""
     try:
         total = read_manifest(path).get("total_bytes")
     except mfsdp_ckpt.CheckpointError:
         total = None
-    if not isinstance(total, int):
-        return "? bytes"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if total >= size:
-            return f"{total / size:.2f} {unit}"
-    return f"{total} bytes"
+    return f"{_human(total)} of data files" if isinstance(total, int) else "? bytes"
 
 
 class _StepTimes:

@@ -75,7 +75,11 @@ class ExportResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The vocabulary of docs/cli.md: ``files`` a count, ``file_names`` the list."""
+        out = dict(self.__dict__)
+        out["file_names"] = out.pop("files")
+        out["files"] = len(self.files)
+        return out
 
 
 #: what an item reads and how it makes its HF tensors

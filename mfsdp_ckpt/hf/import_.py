@@ -238,14 +238,15 @@ def _convert_all(
     workers: int,
     progress: Callable[[int, int], None] | None,
     total: int,
-) -> None:
+) -> int:
     """Every conversion, on ``workers`` threads: each reads and merges one tensor (and computes
     its crc32c and, for MX, its planes) in parallel with the others, then appends it to the
     checkpoint in conversion order (:class:`~mfsdp_ckpt.hf.workers.Turns`), so the data file is
     the same bytes for any number of workers. Checks that every HF tensor was consumed and
-    every canonical tensor written exactly once."""
+    every canonical tensor written exactly once. Returns the tensor bytes written."""
     consumed: Counter[str] = Counter()
     written: Counter[str] = Counter()
+    written_bytes = [0]  # what went into the data file (canonical tensors and MX planes), not what was read
     turns = Turns()
 
     def do(staging: Staging, task: tuple[int, Conversion]) -> int:
@@ -262,6 +263,7 @@ def _convert_all(
             for key, plane in planes:
                 records.append(builder.add_tensor(key, plane))
             written[conv.ours] += 1
+            written_bytes[0] += sum(t.numel() * t.element_size() for t in [tensor, *(pl for _, pl in planes)])
             consumed.update(conv.theirs)
             if conv.ours in mx.quantized:
                 consumed.update(scale_name(k) for k in conv.theirs)
@@ -275,6 +277,7 @@ def _convert_all(
     wrong = sorted([k for k in hf.tensors if consumed[k] != 1] + [k for k in shapes if written[k] != 1])
     if wrong:
         raise ConversionError(f"{hf.path}: not consumed / written exactly once: {', '.join(wrong)}")
+    return written_bytes[0]
 
 
 @dataclass
@@ -282,7 +285,7 @@ class ImportResult:
     path: str
     architecture: str
     tensors: int
-    bytes: int
+    bytes: int  # tensor bytes written into the checkpoint's data file
     model_config: dict[str, Any]
     seconds: float = 0.0
 
@@ -455,13 +458,13 @@ def import_(
         p = _plan_import(hf, arch)
         total = sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in p.expected)
         with CheckpointBuilder(checkpoint, _manifest(hf, p), overwrite=overwrite, sources=(hf.path,)) as builder:
-            _convert_all(hf, builder, p.conversions, p.shapes, p.cfg, p.mx, workers, progress, total)
+            written = _convert_all(hf, builder, p.conversions, p.shapes, p.cfg, p.mx, workers, progress, total)
             path = builder.commit()
     return ImportResult(
         path=path,
         architecture=p.architecture.name,
         tensors=len(p.conversions),
-        bytes=total,
+        bytes=written,  # what the checkpoint holds, not the source's size (an MX export differs)
         model_config=p.cfg.to_dict(),
         seconds=time.perf_counter() - start,
     )

@@ -62,7 +62,8 @@ class McoreImportResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """docs/cli.md's JSON vocabulary: ``step`` absent (not null) when the source records none."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass

@@ -160,7 +160,8 @@ class CheckpointInfo:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """docs/cli.md's JSON vocabulary: what does not apply (a stock checkpoint's step) is absent, not null."""
+        out = {
             "path": self.path,
             "format": self.format,
             "committed": self.committed,
@@ -175,8 +176,10 @@ class CheckpointInfo:
                 for m in self.mx
             ],
             "totals": self.totals(),
-            "tensors": [t.__dict__ for t in self.tensors],
+            "tensors": len(self.tensors),
+            "tensor_list": [t.__dict__ for t in self.tensors],
         }
+        return {k: v for k, v in out.items() if v is not None}
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:

@@ -64,7 +64,8 @@ def test_inspect_lists_groups_layout_and_totals(run_dir):
     assert "model.block.qkv.weight" in out and "96x32" in out
     data = json.loads(_cli("inspect", "--json", os.path.join(run_dir, "step_1")).output)
     assert data["step"] == 1 and data["model_config"] == {"name": "test-transformer"}
-    keys = {t["key"]: t for t in data["tensors"]}
+    keys = {t["key"]: t for t in data["tensor_list"]}
+    assert data["tensors"] == len(data["tensor_list"])
     assert (
         keys["model.block.qkv.weight"]["shape"] == [96, 32] and keys["model.block.qkv.weight"]["bytes"] == 96 * 32 * 4
     )
@@ -129,11 +130,12 @@ def test_ls_shows_steps_latest_and_uncommitted(run_dir, tmp_path):
     assert lines[1].startswith("step_2") and lines[1].endswith("<- latest")
     assert lines[2].startswith(".step_3.partial-abc") and "UNCOMMITTED" in lines[2]
     entries = json.loads(_cli("ls", "--json", root).output)
-    assert [(e["name"], e["step"], e["committed"]) for e in entries] == [
+    assert [(e["name"], e.get("step"), e["committed"]) for e in entries] == [
         ("step_1", 1, True),
         ("step_2", 2, True),
         (".step_3.partial-abc", None, False),
     ]
+    assert "step" not in entries[2]  # absent, not null: the partial save records no step
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
@@ -252,7 +254,9 @@ def test_convert_round_trips_through_torch_and_safetensors(run_dir, tmp_path):
         back = str(tmp_path / f"back_{fmt}")
         result = _cli("convert", single, back, "--to", "dcp", "--json")
         assert result.exit_code == 0, result.output + result.stderr
-        assert json.loads(result.output) == {"path": back, "format": "dcp"}
+        doc = json.loads(result.output)
+        assert doc.pop("seconds") >= 0  # the vocabulary's wall time (docs/cli.md)
+        assert doc == {"path": back, "format": "dcp"}
         assert _cli("verify", back).exit_code == 0
         result = _cli("diff", src, back)
         assert result.exit_code == 0, result.output  # every tensor and object, bitwise

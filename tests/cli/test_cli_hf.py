@@ -40,7 +40,7 @@ def test_import_then_export_round_trip(hf_dir, tmp_path):
     result = _cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "50KB", "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert info["architecture"] == "qwen3" and len(info["files"]) > 1
+    assert info["architecture"] == "qwen3" and info["files"] == len(info["file_names"]) > 1
     a, b = hf_tensors(hf_dir), hf_tensors(str(tmp_path / "out"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -78,7 +78,7 @@ def test_real_subprocess(hf_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr
     ok = run("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--json")
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["files"] == ["model-00001-of-00001.safetensors"]
+    assert json.loads(ok.stdout)["file_names"] == ["model-00001-of-00001.safetensors"]
     bad = run("import-hf", str(tmp_path / "nowhere"), str(tmp_path / "c2"))
     assert bad.returncode == 1
     assert bad.stderr == f"error: {tmp_path / 'nowhere'}: not a directory\n"
