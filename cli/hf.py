@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .common import LazyChoice, _human, _run_with_progress, cast_choices
+from .common import LazyChoice, _human, _run, _run_with_progress, cast_choices
 
 #: ``--workers``: threads converting at once (the bridge's default when not given: min(4, CPUs))
 _WORKERS = click.option(
@@ -56,6 +56,14 @@ _WORKERS = click.option(
     metavar="FILE.json",
     help="CKPT is a Megatron-Core checkpoint: MCore's arguments as JSON (see import-mcore --config)",
 )
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="FILE.json",
+    help="the model's config, for a CKPT that records none: our model_config fields, a manifest, or an HF "
+    "config.json (use with --arch)",
+)
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def export_hf(
@@ -68,6 +76,7 @@ def export_hf(
     mx: bool,
     workers: int | None,
     mcore_config: str | None,
+    model_config: str | None,
     overwrite: bool,
     as_json: bool,
 ) -> None:
@@ -84,6 +93,10 @@ def export_hf(
     options = dict(
         arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers
     )
+    if model_config is not None:
+        if is_mcore(ckpt):
+            raise click.UsageError("--model-config is for a canonical CKPT; a Megatron-Core one takes --mcore-config")
+        options["model_config"] = _run(lambda: _model_config_file(model_config))
     if is_mcore(ckpt):  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
         result = _run_with_progress(
             "export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar, **options)
@@ -125,3 +138,12 @@ def import_hf(hf_dir: str, ckpt: str, arch: str | None, workers: int | None, ove
             f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
             f"of data files, {result.seconds:.1f} s"
         )
+
+
+def _model_config_file(path: str) -> dict:
+    """``--model-config``'s file as the ``model_config`` a manifest records (the trainer's reader)."""
+    import dataclasses
+
+    from .model_source import config_from_file
+
+    return dataclasses.asdict(config_from_file(path))

@@ -232,6 +232,8 @@ class HFSource(ModelSource):
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         record = model_source_of(manifest) or {}
+        if not record and not manifest.get("model_config"):
+            return []  # the checkpoint names no model (e.g. made from a bare file): the run's flags do
         if record.get("kind") != TRANSFORMERS:
             return [f"kind={record.get('kind')!r} (this run: {TRANSFORMERS!r})"]
         out = []

@@ -259,6 +259,8 @@ class McoreSource(ModelSource):
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         record = model_source_of(manifest) or {}
+        if not record and not manifest.get("model_config"):
+            return []  # the checkpoint names no model (e.g. made from a bare file): the run's flags do
         if record.get("kind") != MEGATRON_CORE:
             return [f"kind={record.get('kind')!r} (this run: {MEGATRON_CORE!r})"]
         out = []

@@ -123,9 +123,24 @@ class _Plan:
         return self.label or (self.arch.name if self.arch is not None else "")
 
 
-def _model_config(reader: CheckpointReader, source: str) -> ModelShape:
-    """The model shape the manifest's ``model_config`` records: what an export maps by."""
-    return recorded_shape(reader.manifest, source, "export")
+def _model_config(reader: CheckpointReader, source: str, given: dict[str, Any] | None = None) -> ModelShape:
+    """The model shape the manifest's ``model_config`` records: what an export maps by. ``given``
+    (``export-hf --model-config``) names the shape of a checkpoint that records none; one that
+    records another is refused."""
+    recorded = (reader.manifest or {}).get("model_config")
+    if given is None or recorded == given:
+        if not recorded:
+            raise ConversionError(
+                f"{source}: the manifest has no model_config (export needs the model's shape): "
+                "name it with --model-config FILE.json"
+            )
+        return recorded_shape(reader.manifest, source, "export")
+    if recorded:
+        raise ConversionError(f"{source}: --model-config differs from the model_config the checkpoint records")
+    try:
+        return ModelShape.from_dict(given)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"--model-config: not a model config: {e}") from None
 
 
 def _nbytes(outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
@@ -204,6 +219,7 @@ def _plan(
     dtype: torch.dtype | None,
     max_bytes: int,
     mode: str = "weights",
+    model_config: dict[str, Any] | None = None,
 ) -> _Plan:
     """Everything an export will do, from metadata; raises naming every missing, unexpected or
     misshapen key (and, for MX modes, every MX parameter that cannot be exported) before anything
@@ -211,7 +227,7 @@ def _plan(
     record = model_source_of(reader.manifest)
     if record is not None and record.get("kind") == TRANSFORMERS:
         return _transformers_plan(reader, source, record, arch_name, dtype, max_bytes, mode)
-    cfg = _model_config(reader, source)
+    cfg = _model_config(reader, source, model_config)
     arch = get_architecture(arch_name) if arch_name else infer_architecture(cfg, reader.manifest, source)
     problems = arch.unsupported(cfg)
     if problems:
@@ -505,6 +521,7 @@ def export(
     progress: Progress | None = None,
     mode: str = "weights",
     workers: int | None = None,
+    model_config: dict[str, Any] | None = None,
 ) -> ExportResult:
     """Export the model weights of the canonical checkpoint ``checkpoint`` (any writer layout) to
     the HF model directory ``out``: ``model-0000k-of-0000n.safetensors``, the index, and a
@@ -529,6 +546,9 @@ def export(
     and config after all are done. ``out`` appears only when complete (a temporary sibling is
     renamed); on any error, on any rank, nothing is left at ``out``. ``progress(done, total)``
     gets this rank's bytes written so far.
+
+    ``model_config``: the model shape (``model_config`` as a manifest records it) of a
+    checkpoint whose manifest records none, e.g. one made by ``convert --to dcp`` from a bare file.
 
     ``workers``: threads converting and writing at once on each rank (default ``min(4, CPUs)``);
     each converts whole tensors into their planned places, so the files are the same bytes for
@@ -555,7 +575,7 @@ def export(
     with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
         return _export(
             reader,
-            plan=_plan(reader, source, arch, dtype, max_bytes, mode),
+            plan=_plan(reader, source, arch, dtype, max_bytes, mode, model_config),
             final=final,
             overwrite=overwrite,
             sources=(source,),

@@ -67,3 +67,31 @@ def test_a_checkpoint_without_a_model_config_is_named_by_model(trained, tmp_path
     assert "=None" not in run.stderr
     run = _run(None, "--init-from", bare, "--model", "tiny", "--steps", "1", "--ckpt-dir", str(tmp_path / "b"))
     assert run.returncode == 0, failure(run)
+
+
+def test_export_hf_of_a_checkpoint_without_a_model_config_takes_arch_and_model_config(trained, tmp_path):
+    """The bare checkpoint is refused by ``export-hf`` with a pointer to ``--model-config``; given
+    the config (here: the source's manifest) and ``--arch``, it exports the same tensors as the
+    source's own export, bit for bit."""
+    bare = str(tmp_path / "bare")
+    write_dcp({k: v for k, v in read_full_state(trained).items() if k.startswith("model.")}, bare)
+    refused = _cli("export-hf", bare, str(tmp_path / "no"))
+    assert refused.returncode == 1
+    assert refused.stderr.strip().endswith("name it with --model-config FILE.json"), refused.stderr
+    assert not os.path.exists(tmp_path / "no")
+    manifest = os.path.join(_resolved(trained), "mfsdp.json")
+    run = _cli("export-hf", bare, str(tmp_path / "hf"), "--arch", "llama", "--model-config", manifest)
+    assert run.returncode == 0, run.stderr
+    ref = _cli("export-hf", trained, str(tmp_path / "ref"), "--arch", "llama")
+    assert ref.returncode == 0, ref.stderr
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        out = {}
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, name)))
+        return out
+
+    a, b = tensors(tmp_path / "hf"), tensors(tmp_path / "ref")
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
