@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt.errors import ConversionError, raise_key_problems
+from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.hf.mapping import canonical_shapes
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.layout import (
@@ -198,10 +198,7 @@ def _entry_notices(entries: _Entries, assumed: list[str]) -> list[str]:
         )
     if entries.dropped:
         dropped = entries.dropped
-        notices.append(
-            f"left out {len(dropped)} stored objects that are not model state ({', '.join(dropped[:3])}"
-            f"{', ...' if len(dropped) > 3 else ''})"
-        )
+        notices.append(f"left out {len(dropped)} stored objects that are not model state ({shown_list(dropped, 3)})")
     if assumed:
         notices.append(
             "assumed MCore's defaults for "

@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 
-from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError
+from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, shown_list
 from mfsdp_ckpt.format.names import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -172,7 +172,7 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
             if os.path.isdir(os.path.join(final, n)) and _is_checkpoint_dir(os.path.join(final, n))
         )
         if others or os.path.isfile(os.path.join(final, LATEST_NAME)):
-            held = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else "a 'latest' pointer"
+            held = shown_list(others, 3) if others else "a 'latest' pointer"
             raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
     if not os.path.isdir(final) or not (_is_checkpoint_dir(final) if kind == "checkpoint" else _is_hf_dir(final)):
         raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
