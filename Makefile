@@ -13,13 +13,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps 'torchao==0.18.0'
 	touch $@
 
-# the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks
+# the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks with the
+# settings the checkpoint recorded
 DEMO_DIR ?= out/demo
-TRAIN := -m cli.train --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
+TRAIN := --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 $(TRAIN) --resume
+	$(VENV)/bin/mfsdp-train --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30
+	$(VENV)/bin/mfsdp-train --nproc-per-node 3 --ckpt-dir $(DEMO_DIR) --resume
 
 # the linter and the formatter's check (ruff, configured in pyproject.toml); `make format` applies it
 lint: $(VENV)/.installed
