@@ -126,3 +126,10 @@ def kill_past_step(proc: subprocess.Popen, metrics: str | os.PathLike, step: int
         time.sleep(0.02)
     kill_job(proc)
     return max(read_metrics(metrics), default=0)
+
+
+def as_from_a_terminal() -> None:
+    """In the child before it execs: SIGINT at its default and unblocked, as in a process a shell
+    starts (a test process may have inherited, or left, it ignored or blocked; a child inherits both)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

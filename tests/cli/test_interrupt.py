@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun import as_from_a_terminal
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 # start-up: on the first import of torch (while click parses or a command imports what it needs),
 # the process sends itself SIGINT, as if Ctrl-C came then; deterministic, unlike a timed signal
@@ -44,6 +46,7 @@ def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal,
     )
 
 

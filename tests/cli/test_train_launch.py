@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.torchrun import ENV, ROOT, failure, read_metrics, train_cmd
+from tests.torchrun import ENV, ROOT, as_from_a_terminal, failure, read_metrics, train_cmd
 from tests.torchrun import run_train as _run
 
 TRAINER = [sys.executable, "-m", "mfsdp_cli.train"]  # what the mfsdp-train script runs
@@ -59,6 +59,7 @@ def _start(tmp_path, args: list[str], launched: bool = True) -> subprocess.Popen
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal,
     )
 
 
