@@ -133,3 +133,18 @@ def as_from_a_terminal() -> None:
     starts (a test process may have inherited, or left, it ignored or blocked; a child inherits both)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_in_own_session(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str] | None) -> subprocess.Popen:
+    """``cmd`` in a session of its own, as a shell starts a job (SIGINT at its default), with its
+    output captured: a signal to its process group reaches it (and its workers) and nothing else."""
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=as_from_a_terminal,
+    )

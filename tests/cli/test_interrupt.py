@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import as_from_a_terminal
+from tests.torchrun import start_in_own_session
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # start-up: on the first import of torch (while click parses or a command imports what it needs),
@@ -38,16 +38,7 @@ INTERRUPT_ON_TORCH = textwrap.dedent(
 def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``mfsdp-ckpt ARGS`` in a process group of its own (so a signal to the group reaches it and
     its workers, and nothing else)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=as_from_a_terminal,
-    )
+    return start_in_own_session([sys.executable, "-m", "cli.main", *args], ROOT, env)
 
 
 @pytest.fixture(scope="module")

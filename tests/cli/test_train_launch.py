@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.torchrun import ENV, ROOT, as_from_a_terminal, failure, read_metrics, train_cmd
+from tests.torchrun import ENV, ROOT, failure, read_metrics, start_in_own_session, train_cmd
 from tests.torchrun import run_train as _run
 
 TRAINER = [sys.executable, "-m", "mfsdp_cli.train"]  # what the mfsdp-train script runs
@@ -51,16 +51,7 @@ def test_a_flag_typo_is_one_line_with_a_suggestion_launched_or_under_torchrun(tm
 
 def _start(tmp_path, args: list[str], launched: bool = True) -> subprocess.Popen:
     cmd = [*TRAINER, "--nproc-per-node", "2", *args] if launched else train_cmd(2, *args)
-    return subprocess.Popen(
-        cmd,
-        cwd=tmp_path if launched else ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=as_from_a_terminal,
-    )
+    return start_in_own_session(cmd, tmp_path if launched else ROOT, ENV)
 
 
 def _wait_for_step(metrics, step: int, proc: subprocess.Popen, timeout: float = 240.0) -> None:
