@@ -638,11 +638,14 @@ def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, 
 def _start(
     args: argparse.Namespace, source: ModelSource, model: torch.nn.Module, optim: Any, rank: int, world: int
 ) -> tuple[int, int]:
-    """Load what ``--resume`` / ``--init-from`` name into the fresh model; ``(step, data position)``."""
+    """Load what ``--resume`` / ``--init-from`` name into the fresh model; ``(step, data position)``.
+
+    Both load with ``atomic=False`` (read straight into place, one pass over the bytes): the model
+    is freshly initialised, so a failed load loses nothing, and the run stops with its error."""
     step, position = 0, 0
     if args.resume:
         try:
-            extra = mfsdp_ckpt.load(args.resume, model, optim)
+            extra = mfsdp_ckpt.load(args.resume, model, optim, atomic=False)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
@@ -656,7 +659,7 @@ def _start(
             print(f"resumed from {args.resume} at step {step} (world size {world})", flush=True)
     if args.init_from:
         try:  # model weights only; the optimizer, step and data position start fresh
-            mfsdp_ckpt.load(args.init_from, model, None, restore_rng=False)
+            mfsdp_ckpt.load(args.init_from, model, None, restore_rng=False, atomic=False)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--init-from: {e}") from None
         if rank == 0:

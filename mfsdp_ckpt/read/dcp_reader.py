@@ -25,6 +25,7 @@ from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.names import METADATA_NAME
 from mfsdp_ckpt.format.safety import safe_load_metadata
 from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, chunk_shapes
+from mfsdp_ckpt.read.direct_read import direct_chunk, read_into_place
 from mfsdp_ckpt.read.manifest import metadata_checksum_problem
 from mfsdp_ckpt.read.metadata_check import checked_metadata, stored_by_key
 from mfsdp_ckpt.read.staged_read import (
@@ -54,6 +55,11 @@ class VerifyingReader(FileSystemReader):
     :mod:`mfsdp_ckpt.read.metadata_check`, and checks every chunk it reads against the manifest's crc32c
     (when there is a manifest: a stock DCP checkpoint has none).
 
+    With ``direct`` (``load(atomic=False)``), the chunks of local files that can be are read
+    straight into their targets and checked as they arrive (:mod:`mfsdp_ckpt.read.direct_read`):
+    a bad chunk is still reported, but the targets read so far have changed. The others are held
+    as below.
+
     Verified chunks are held, not copied into their targets: :meth:`apply` does that once every
     rank has read everything, so a failed load changes nothing. A local checkpoint's plain tensor
     records are held as verified file ranges, read again into their targets by :meth:`apply`
@@ -74,8 +80,10 @@ class VerifyingReader(FileSystemReader):
         thread_count: int = DEFAULT_READ_THREADS,
         canonical: bool = False,
         key_map: Sequence[KeyRule] = (),
+        direct: bool = False,
     ) -> None:
         super().__init__(path)
+        self.direct = direct
         self.dir = str(path)
         self.thread_count = thread_count
         self.manifest = manifest
@@ -203,6 +211,8 @@ class VerifyingReader(FileSystemReader):
             by_chunk.setdefault(req.storage_index, []).append(req)
         self.close()
         files = self.files = ChunkFiles(self.dir, self.manifest_chunks, self.chunk_shapes)
+        if self.direct:
+            self._read_directly(files, by_chunk, planner)
         payloads = verify_chunks(
             files, [(index, self.storage_data[index]) for index in by_chunk], threads=self.thread_count
         )
@@ -211,6 +221,21 @@ class VerifyingReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_directly(self, files: ChunkFiles, by_chunk: dict[MetadataIndex, list], planner: LoadPlanner) -> None:
+        """Read the chunks that can be straight into their targets (removed from ``by_chunk``;
+        a local checkpoint's only)."""
+        chunks = []
+        for index, reqs in list(by_chunk.items()):
+            info = self.storage_data[index]
+            if _descriptor(files.open(info.relative_path, index.fqn)) is None:
+                return  # an object store: read through staging memory
+            chunk = direct_chunk(files, index, info, reqs, planner.resolve_tensor)
+            if chunk is not None:
+                chunks.append(chunk)
+                del by_chunk[index]
+        chunks.sort(key=lambda c: (c.info.relative_path, c.data_offset))
+        read_into_place(files, chunks, threads=self.thread_count)
 
     def _place(
         self,
@@ -254,3 +279,10 @@ class VerifyingReader(FileSystemReader):
                     f"{shape}, which does not fit the read"
                 )
             self.pending.append((req, piece))
+
+
+def _descriptor(f: Any) -> int | None:
+    try:
+        return f.fileno()
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return None

@@ -48,7 +48,9 @@ from mfsdp_core import describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import gather_objects, rank0_decides, rank_and_world
 from mfsdp_core.optim import optimizer_buffers
 
-__all__ = ["load"]
+__all__ = ["load", "PARTLY_LOADED"]
+
+PARTLY_LOADED = "load(atomic=False): the model and optimizer are partly loaded"
 
 
 def load(
@@ -61,13 +63,14 @@ def load(
     restore_rng: bool = True,
     thread_count: int = DEFAULT_READ_THREADS,
     key_map: Sequence[str | KeyRule] = (),
+    atomic: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it; return the
     ``extra`` values. Collective.
 
     ``strict``: every model (and optimizer) key must be in the checkpoint and vice versa; all
     mismatches are named in one error. Shapes must always match. Checksums are verified for every
-    chunk read. Nothing in the model or optimizer changes unless the whole load succeeds: every
+    chunk read. By default (``atomic``) nothing in the model or optimizer changes unless the whole load succeeds: every
     rank reads and verifies all its chunks before any is copied into place. (A fresh optimizer
     first gets its state created by a learning-rate-0 step, which leaves the parameters as they
     are.) ``require_manifest=False`` admits a stock DCP checkpoint (no ``mfsdp.json``, so no
@@ -84,12 +87,21 @@ def load(
     ``OLD=NEW`` prefix renames (e.g. ``['=model.']`` for torchtitan's bare FQNs; see
     :mod:`mfsdp_ckpt.read.stock`). With ``strict=False`` the keys not found are reported, by group, in
     one ``UserWarning`` (the same on every rank), which says so when no optimizer state was loaded.
+
+    ``atomic=False`` is for a model with nothing to protect (freshly initialised, as when a
+    trainer resumes): the bytes are read straight into place and checked as they arrive, one pass
+    over them instead of two (:mod:`mfsdp_ckpt.read.direct_read`). Every check before reading is
+    the same, and a bad chunk is still an error, the same on every rank, ending in
+    ``load(atomic=False): the model and optimizer are partly loaded``: the state is then a mix of
+    the checkpoint and what it held, and must not be trained on.
     """
     rules = parse_key_map(key_map)
     # one answer for all ranks, even if ``latest`` moves while they start
     directory = rank0_decides(resolve_checkpoint, path)
     manifest = read_manifest(directory) if require_manifest or is_committed(directory) else None
-    reader = VerifyingReader(directory, manifest, thread_count=thread_count, canonical=True, key_map=rules)
+    reader = VerifyingReader(
+        directory, manifest, thread_count=thread_count, canonical=True, key_map=rules, direct=not atomic
+    )
     try:
         saved = reader.read_metadata().state_dict_metadata  # read once; dcp.load is handed the same object
         _check_expert_count(model, saved, directory)
@@ -100,7 +112,12 @@ def load(
         _agree_before_reading(plan, reader, saved, directory, strict, optimizer is not None)
         _add_whole_entries(plan, saved)
         planner = MfsdpLoadPlanner()
-        updates = agreed(lambda: _read_and_check(plan, reader, planner, optimizer, saved, rules, directory))
+        try:
+            updates = agreed(lambda: _read_and_check(plan, reader, planner, optimizer, saved, rules, directory))
+        except CorruptCheckpointError as e:
+            if atomic:
+                raise
+            raise CorruptCheckpointError(f"{e}; {PARTLY_LOADED}") from None
         return _apply(plan, reader, planner, model, optimizer, updates)
     finally:
         reader.close()  # the data files a load keeps open between reading and copying

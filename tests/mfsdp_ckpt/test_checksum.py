@@ -4,11 +4,13 @@ buffers of odd sizes and alignments, as bytes, numpy arrays and memoryviews."""
 
 from __future__ import annotations
 
+import random
+
 import google_crc32c
 import numpy
 import pytest
 
-from mfsdp_ckpt.format.checksum import crc32c, payload_crc32c
+from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine, payload_crc32c
 
 
 def test_the_castagnoli_check_value():
@@ -25,3 +27,18 @@ def test_the_same_values_as_google_crc32c(size, start):
     assert crc32c(data.tobytes()) == want
     assert crc32c(memoryview(data)) == want
     assert payload_crc32c(memoryview(data.tobytes())) == want
+
+
+def test_combine_is_the_crc_of_the_concatenation():
+    rng = random.Random(3)
+    lengths = [0, 1, 2, 3, 7, 8, 64, 1000, 4096, (1 << 16) + 5]
+    for la in lengths:
+        for lb in lengths:
+            a, b = rng.randbytes(la), rng.randbytes(lb)
+            assert crc32c_combine(crc32c(a), crc32c(b), lb) == crc32c(a + b), (la, lb)
+    # many pieces joined left to right, as a chunk's blocks are
+    pieces = [rng.randbytes(rng.randint(0, 3000)) for _ in range(40)]
+    joined = 0
+    for i, piece in enumerate(pieces):
+        joined = crc32c(piece) if i == 0 else crc32c_combine(joined, crc32c(piece), len(piece))
+    assert joined == crc32c(b"".join(pieces))
