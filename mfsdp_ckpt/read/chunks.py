@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import IO, Any, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Sequence
 
 import numpy
 import torch
@@ -203,10 +203,13 @@ def decode_record_at(
     index: MetadataIndex,
     manifest_chunks: dict[str, Any] | None,
     expect: tuple[torch.dtype, Sequence[int]] | None,
+    crc_of: Callable[[int, int], int] | None = None,
 ) -> tuple[torch.Tensor | bytes, int | None]:
     """:func:`decode_record`, and where a plain record's tensor bytes start within ``record``
     (None for an object or a record read through ``torch.load``): the verified bytes can then be
-    read again straight from the file into their destination."""
+    read again straight from the file into their destination. ``crc_of(lo, hi)``, when given, is
+    the crc32c of ``record[lo:hi]`` from checksums the caller already has (a plain record's
+    tensor bytes are checked with it)."""
     expected = expected_crc(info, index, manifest_chunks)
     if len(record) < info.length:
         raise ChunkFault(
@@ -227,7 +230,10 @@ def decode_record_at(
         return tensor, None
     assert expect is not None
     data = record[raw.offset : raw.offset + raw.nbytes]
-    _check_crc(data, expected)
+    if crc_of is None:
+        _check_crc(data, expected)
+    elif expected is not None and crc_of(raw.offset, raw.offset + raw.nbytes) != expected:
+        raise ChunkFault("checksum mismatch")
     return tensor_view(data, expect[0], expect[1]), raw.offset
 
 

@@ -6,7 +6,10 @@ chunks are planned as a few large *spans* instead: neighbouring chunks of one fi
 most :data:`MAX_GAP` bytes read and dropped. Each span is read into one staging buffer by several
 threads at once, in blocks of :data:`BLOCK_BYTES` (local files with ``os.preadv``, object stores
 with ranged GETs), and each chunk is checked -- manifest placement, crc32c, record structure -- as
-soon as its last block has arrived, while the other threads keep reading. A plain record's tensor
+soon as its last block has arrived, while the other threads keep reading. Each block's crc32c is
+taken by the thread that read it, while the block is still in the CPU's cache; a chunk's checksum
+is then joined from those of the whole blocks it spans and of its two partial ends, instead of a
+second pass over its bytes. A plain record's tensor
 is then a view of the staging buffer: the bytes are copied once more only into their targets,
 after every rank has verified everything (see :func:`mfsdp_ckpt.load`).
 
@@ -42,6 +45,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.boxes import narrow
+from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
 from mfsdp_ckpt.read.chunks import (
     ChunkFault,
     ChunkFiles,
@@ -393,6 +397,7 @@ class _BlockPlan:
     ``unblocked`` the chunks no block covers (zero-length records), checked after the reads."""
 
     blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    first_block: list[int] = field(default_factory=list)  # per span, the number of its first block
     waiting: dict[tuple[int, int], int] = field(default_factory=dict)
     overlapping: list[list[int]] = field(default_factory=list)
     unblocked: list[tuple[int, int]] = field(default_factory=list)
@@ -406,6 +411,7 @@ def _plan_blocks(spans: list[Span]) -> _BlockPlan:
     for s, span in enumerate(spans):
         size = span.end - span.start
         first_block = len(blocks)
+        plan.first_block.append(first_block)
         for start in range(0, size, BLOCK_BYTES):
             blocks.append((s, start, min(start + BLOCK_BYTES, size)))
             overlapping.append([])
@@ -433,6 +439,8 @@ class _SpanReads:
         "blocks",
         "waiting",
         "overlapping",
+        "first_block",
+        "block_crcs",
         "payloads",
         "locations",
         "faults",
@@ -451,6 +459,8 @@ class _SpanReads:
     ) -> None:
         self.files, self.spans, self.readers, self.staging = files, spans, readers, staging
         self.blocks, self.waiting, self.overlapping = plan.blocks, plan.waiting, plan.overlapping
+        self.first_block = plan.first_block
+        self.block_crcs: list[int | None] = [None] * len(plan.blocks)  # of each block read whole
         self.payloads: dict[MetadataIndex, torch.Tensor | bytes] = {}
         self.locations: dict[MetadataIndex, int] = {}
         self.faults: list[tuple[tuple[str, int], CorruptCheckpointError]] = []
@@ -478,6 +488,7 @@ class _SpanReads:
                 index,
                 files.manifest_chunks,
                 files.shapes.get(index),
+                lambda a, b: self._span_crc(s, lo + a, lo + b),
             )
         except ChunkFault as e:
             error = CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}")
@@ -487,6 +498,21 @@ class _SpanReads:
             self.payloads[index] = payload
             if raw_offset is not None:
                 self.locations[index] = info.offset + raw_offset
+
+    def _span_crc(self, s: int, lo: int, hi: int) -> int:
+        """crc32c of bytes ``[lo, hi)`` of span ``s``'s buffer: the checksums of the whole blocks
+        inside the range, taken as they arrived, joined with those of the two partial ends."""
+        buf, first = self.staging[s], self.first_block[s]
+        k0, k1 = -(-lo // BLOCK_BYTES), hi // BLOCK_BYTES  # the whole blocks: [k0, k1)
+        if k0 >= k1:
+            return crc32c(buf[lo:hi])
+        crc = crc32c(buf[lo : k0 * BLOCK_BYTES])
+        for k in range(k0, k1):
+            block = self.block_crcs[first + k]
+            if block is None:
+                block = crc32c(buf[k * BLOCK_BYTES : (k + 1) * BLOCK_BYTES])
+            crc = crc32c_combine(crc, block, BLOCK_BYTES)
+        return crc32c_combine(crc, crc32c(buf[k1 * BLOCK_BYTES : hi]), hi - k1 * BLOCK_BYTES)
 
     def read_block(self, b: int) -> None:
         """Read block ``b`` (unless a fault stopped the reads), then check the chunks whose last block it was."""
@@ -503,6 +529,8 @@ class _SpanReads:
             )
             self._fault((span.relative_path, span.start + start), error)
             return
+        if got == end - start:  # checksummed now, while the block is still in the CPU's cache
+            self.block_crcs[b] = crc32c(self.staging[s][start:end])
         ready = []
         with self.lock:
             if got < end - start:

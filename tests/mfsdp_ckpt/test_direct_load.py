@@ -16,6 +16,7 @@ import torch
 
 import mfsdp_ckpt
 import mfsdp_ckpt.read.dcp_reader as dcp_reader
+import mfsdp_ckpt.read.direct_read as direct_read
 from mfsdp_ckpt import CorruptCheckpointError
 from mfsdp_ckpt.read.direct_read import _contiguous_range
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
@@ -36,9 +37,12 @@ def ckpt(ranks, tmp_path):
     return path
 
 
-def _both_loads(path: str, strategy: str) -> dict:
+def _both_loads(path: str, strategy: str, block: int | None = None) -> dict:
     """An atomic and a non-atomic load of ``path`` into two fresh models; what each loaded, and
-    the bytes the non-atomic one read straight into place against the bytes of its targets."""
+    the bytes the non-atomic one read straight into place against the bytes of its targets.
+    ``block``: the direct reader's block size (small: chunks of many blocks, joined checksums)."""
+    if block is not None:
+        direct_read.BLOCK_BYTES = block
     direct_bytes = []
     original = dcp_reader.read_into_place
 
@@ -65,10 +69,11 @@ def _both_loads(path: str, strategy: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("world", "strategy"), [(2, "optim_grads_params"), (3, "optim_grads"), (5, "optim_grads_params")]
+    ("world", "strategy", "block"),
+    [(2, "optim_grads_params", None), (3, "optim_grads", 100), (5, "optim_grads_params", None), (2, "optim", 64)],
 )
-def test_clean_non_atomic_load_is_bitwise_the_atomic_one(ranks, ckpt, world, strategy):
-    for r in ranks(_both_loads, world, ckpt, strategy, timeout=300):
+def test_clean_non_atomic_load_is_bitwise_the_atomic_one(ranks, ckpt, world, strategy, block):
+    for r in ranks(_both_loads, world, ckpt, strategy, block, timeout=300):
         a, d = r["atomic"], r["direct"]
         assert sorted(a["pieces"]) == sorted(d["pieces"])
         for key in a["pieces"]:
@@ -82,7 +87,8 @@ def test_clean_non_atomic_load_is_bitwise_the_atomic_one(ranks, ckpt, world, str
         assert r["direct_bytes"] >= 0.5 * r["wanted"], (r["direct_bytes"], r["wanted"])
 
 
-def _load_non_atomic(path: str) -> dict:
+def _load_non_atomic(path: str, block: int) -> dict:
+    direct_read.BLOCK_BYTES = block
     model, optim = build("optim_grads", "even", seed=5)
     try:
         mfsdp_ckpt.load(path, model, optim, atomic=False)
@@ -102,7 +108,7 @@ def test_corrupted_chunk_raises_on_every_rank_alike(ranks, ckpt):
         byte = f.read(1)
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0x40]))
-    messages = [r["message"] for r in ranks(_load_non_atomic, 3, ckpt, timeout=300)]
+    messages = [r["message"] for r in ranks(_load_non_atomic, 3, ckpt, 64, timeout=300)]
     assert messages[0] is not None and len(set(messages)) == 1, messages
     message = messages[0]
     assert "\n" not in message
