@@ -14,7 +14,8 @@ window). Reports the medians over the rounds, the slowest rank's, of
   training time the save cost in all (the background copy and write compete with training for
   the CPU cores and memory bandwidth);
 
-each against the synchronous save's time (target for the blocking time a + b: at most 5%), and
+each against the synchronous save's time (targets: the blocking time a + b at most 5%, the
+slowdown c at most 50%: an asynchronous save must cost training less than a synchronous one), and
 the peak extra host memory of a rank (its peak RSS over the windows with a save minus its peak
 RSS over a window without one, before the first async save) against the rank's state bytes
 (target: at most 1.1x).
@@ -142,13 +143,14 @@ def measure(
 
 
 def report(a: dict[str, float], ratio: float, rounds: int, steps: int, staging: float) -> str:
-    """The lines that say it, with the targets (a + b <= 5% of sync; memory <= 1.1x)."""
+    """The lines that say it, with the targets (a + b <= 5% of sync; c <= 50% of sync; memory <= 1.1x)."""
     sync = a["sync"]
 
     def pct(x: float) -> str:
         return f"{x:.3f} s = {x / sync:5.1%}"
 
     met = "met" if a["blocked"] <= 0.05 * sync else "NOT met"
+    slow_met = "met" if a["slowdown"] <= 0.5 * sync else "NOT met"
     return "\n".join(
         [
             (
@@ -159,8 +161,8 @@ def report(a: dict[str, float], ratio: float, rounds: int, steps: int, staging: 
             f"  (b) fence (the optimizer step waited)        {pct(a['fence'])}",
             f"  (a)+(b) blocked training                    {pct(a['blocked'])}  (target <= 5%: {met})",
             (
-                f"  (c) slowdown of the window vs no save        {pct(a['slowdown'])}  "
-                f"(median of the rounds' differences; windows {a['with']:.2f} s with vs {a['without']:.2f} s without a save, "
+                f"  (c) slowdown of the window vs no save        {pct(a['slowdown'])}  (target <= 50%: {slow_met}; "
+                f"median of the rounds' differences; windows {a['with']:.2f} s with vs {a['without']:.2f} s without a save, "
                 f"which ranged {a['without_min']:.2f}-{a['without_max']:.2f} s: the noise; the background copy and write "
                 f"compete with training for the cores)"
             ),

@@ -272,7 +272,13 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool
 )
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
 @click.option("--dtype", type=LazyChoice(cast_choices), default=None, help="cast the model weights")
-@click.option("--workers", type=int, default=1, show_default=True, help="processes writing target files in parallel")
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="threads writing target files in parallel (default: one per target file, at most 2 per CPU and 4; "
+    "never more than the target files)",
+)
 @click.option(
     "--key-map",
     "key_map",
@@ -293,7 +299,7 @@ def reshard(
     plan_from: str | None,
     model_only: bool,
     dtype: str | None,
-    workers: int,
+    workers: int | None,
     key_map: tuple[str, ...],
     overwrite: bool,
     as_json: bool,

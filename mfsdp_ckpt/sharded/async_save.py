@@ -25,6 +25,16 @@ breaks gloo and NCCL alike. The background work therefore uses a dedicated gloo 
 once, collectively, by the first ``async_save``, which every rank calls at the same point of its
 loop), as ``torch.distributed.checkpoint.async_save`` does with its ``process_group``.
 
+Why the background yields: it shares the cores, the memory bandwidth and the disk with
+training, and a save that slows training by more than a synchronous save would take is no gain.
+The background thread therefore lowers itself, first thing, to nice 10 and the idle I/O class
+(:mod:`mfsdp_ckpt.storage.priority`; per thread on Linux, inherited by the threads it starts:
+DCP's writer threads, OpenMP's workers), so that it runs on what training leaves idle; the
+caller's thread, the process's torch thread count and a synchronous ``save`` keep their
+priority. The copy goes in pieces of :data:`COPY_CHUNK_BYTES` on that one thread, and the
+write hands the kernel at most :data:`WRITE_CHUNK_BYTES` per call (:class:`_BoundedWrites`), so
+that a training thread woken meanwhile gets its core back within a fraction of a millisecond.
+
 At most one save is in flight: the next ``async_save`` (and a synchronous ``save``) first waits
 for it, so that one host buffer serves every save and checkpoints commit in call order.
 """
@@ -42,6 +52,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,6 +65,7 @@ from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_and_commit
 from mfsdp_ckpt.sharded.state import FlatEntry
+from mfsdp_ckpt.storage.priority import deprioritise_this_thread
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
 from mfsdp_core.fully_shard import buffers_of
@@ -62,6 +74,14 @@ __all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes"]
 
 GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
 _ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
+#: the background copy's piece: small enough that training's own memory traffic is never held
+#: off for long (a piece takes ~3 ms at the ~11 GB/s one core copies), large enough that the
+#: per-piece overhead is nothing
+COPY_CHUNK_BYTES = 32 << 20
+#: the background write's largest ``write`` call: the kernel copies a write into the page cache
+#: without a point where a waking training thread could take the core back (a kernel built with
+#: ``PREEMPT_NONE``), so one call of a whole chunk (tens of MiB) holds a core for tens of ms
+WRITE_CHUNK_BYTES = 1 << 20
 
 
 class AsyncSaveHandle:
@@ -211,11 +231,13 @@ class HostStaging:
 
     def fill(self, staged: _Staged) -> None:
         """Copy the flat ranges of ``staged`` into the buffer; returns once the copy is complete.
-        Runs in the background thread: on a GPU, on a stream of its own after the caller's
-        stream reached the call."""
+        Runs in the background thread, in pieces of at most :data:`COPY_CHUNK_BYTES`: on the host
+        one piece at a time on this thread alone (:func:`_copy_host`), so that the copy never
+        takes more than one core, nor the memory bandwidth for long, from training; on a GPU,
+        as DMAs on a stream of its own after the caller's stream reached the call."""
         if staged.ready is None:
             for target, source in staged.copies:
-                target.copy_(source)
+                _copy_host(target, source)
             return
         device = staged.copies[0][1].device if staged.copies else torch.device("cuda", torch.cuda.current_device())
         if self._stream is None or self._stream.device != device:
@@ -223,7 +245,8 @@ class HostStaging:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(staged.ready)
             for target, source in staged.copies:
-                target.copy_(source, non_blocking=True)
+                for lo, hi in _pieces(target):
+                    target[lo:hi].copy_(source[lo:hi], non_blocking=True)
         self._stream.synchronize()
 
     def _allocate(self, layout: tuple, pinned: bool) -> None:
@@ -287,6 +310,66 @@ def _nbytes(item: tuple) -> int:
     _, kind, dtype, shape = item[:4]
     numel = item[5] - item[4] if kind == "flat" else torch.Size(shape).numel()
     return numel * dtype.itemsize
+
+
+def _pieces(target: torch.Tensor) -> list[tuple[int, int]]:
+    """``(lo, hi)`` element ranges of the 1-D ``target``, each at most :data:`COPY_CHUNK_BYTES`."""
+    step = max(1, COPY_CHUNK_BYTES // max(1, target.element_size()))
+    return [(lo, min(lo + step, target.numel())) for lo in range(0, target.numel(), step)]
+
+
+def _copy_host(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` on the host, in pieces of at most :data:`COPY_CHUNK_BYTES`, on
+    the calling thread only: as bytes with numpy (one thread, the GIL released) rather than
+    torch's ``copy_``, which from a thread of its own fans out over as many OpenMP workers as
+    torch's thread count (at this thread's lowered priority, but on every core at once)."""
+    if source.device.type != "cpu" or not (source.is_contiguous() and target.is_contiguous()):
+        for lo, hi in _pieces(target):  # not expected for a flat range; correct anyway
+            target[lo:hi].copy_(source[lo:hi])
+        return
+    dst = target.view(torch.uint8).numpy()
+    src = source.detach().view(torch.uint8).numpy()
+    step = COPY_CHUNK_BYTES
+    for lo in range(0, dst.size, step):
+        numpy.copyto(dst[lo : lo + step], src[lo : lo + step])
+
+
+class _BoundedWrites:
+    """A binary stream whose ``write`` hands the wrapped stream at most :data:`WRITE_CHUNK_BYTES`
+    at a time (everything else is the wrapped stream's)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:  # not a contiguous buffer: as it is
+            return self._f.write(data)
+        if view.nbytes <= WRITE_CHUNK_BYTES:
+            return self._f.write(view)
+        for lo in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+            self._f.write(view[lo : lo + WRITE_CHUNK_BYTES])
+        return view.nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _bound_writes(writer: Any) -> None:
+    """Make ``writer`` (this save's DCP writer, nobody else's) write its files through
+    :class:`_BoundedWrites`."""
+    target = getattr(writer, "fs", None)
+    inner = getattr(target, "create_stream", None)
+    if inner is None:
+        return
+
+    @contextlib.contextmanager
+    def create_stream(path: str | os.PathLike, mode: str) -> Any:
+        with inner(path, mode) as f:
+            yield _BoundedWrites(f) if "w" in mode else f
+
+    target.create_stream = create_stream
 
 
 class _StagedSavePlanner(MfsdpSavePlanner):
@@ -492,6 +575,7 @@ def _write_in_background(
     """The background thread's work: fill the staging buffer (then release the fence), write and
     commit, unlock the run directory, and finish ``handle`` with the save's one-line error (or
     None) whatever happens, so that ``result()`` never waits forever."""
+    deprioritise_this_thread()  # this thread and those it starts yield to training (module docstring)
     error = None
     try:
         try:
@@ -500,6 +584,7 @@ def _write_in_background(
             fence.release()
             handle._mark_staged()
         try:
+            _bound_writes(job.writer)
             write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
         except BaseException as e:  # noqa: BLE001 - reported by the handle
             error = _one_line(e, job.final)

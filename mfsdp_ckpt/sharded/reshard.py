@@ -10,20 +10,21 @@ is planned from a model's code.
 Streaming: a worker holds one target rank's range of one tensor plus one source chunk at a time,
 whatever the checkpoint's size. Source chunks are read whole (their crc32c is checked) and, where
 they fall inside the range, straight into place.
+
+Workers are threads of this process, each writing whole target files (:func:`default_workers`);
+each keeps the disk reading the sources of its next jobs while it writes (:class:`_Readahead`),
+so reading the source and writing the target overlap, as ``dd``'s do.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing
+import itertools
 import os
 import queue
-import signal
 import threading
-import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -39,6 +40,7 @@ from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
 from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup_experts
+from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
@@ -52,9 +54,21 @@ from mfsdp_core.plan import (
 )
 from mfsdp_core.strategy import parse_strategy
 
-__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE"]
+__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE", "default_workers"]
 
 MAX_WORLD_SIZE = 1 << 16  # planning is linear in it; a typo of a few zeros must not run for hours
+#: the most worker threads ``reshard`` starts by default
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_workers(files: int) -> int:
+    """The worker threads ``reshard`` uses unless told: one per target file, at most two per CPU
+    and :data:`MAX_DEFAULT_WORKERS`. A worker mostly waits for the disk (its reads are fetched
+    ahead while it writes), so two per core keep it busy; and with one file each, no worker is
+    left with twice the bytes of another (``bench/reshard.py``, 2 CPUs, 4 -> 3 ranks: 3 workers
+    took 2.3 s where 2 took 2.9-3.5 s and 1 took 3.1-4.5 s). A larger ``workers=`` is still
+    capped at the number of target files (a worker writes whole files)."""
+    return max(1, min(files, 2 * (os.cpu_count() or 1), MAX_DEFAULT_WORKERS))
 
 
 @dataclass(frozen=True)
@@ -301,53 +315,160 @@ def _plan_jobs(
     return jobs, dropped
 
 
+#: how far ahead of the job being written a worker asks the kernel to read its sources
+READAHEAD_BYTES = 128 << 20
+
+
+class _Cancelled(Exception):
+    """A worker stopped because another one failed or the run was interrupted (never reported)."""
+
+
+def _source_ranges(reader: MappedReader, job: _Job) -> list[tuple[str, int, int]]:
+    """``(data file, offset, length)`` of the stored chunks ``job`` reads (those whose flat
+    extent meets its range): what :class:`_Readahead` asks the kernel to fetch (a hint: an entry
+    it cannot place gives no ranges)."""
+    try:
+        raw_key = reader.source_key(job.key)
+        chunks = reader.raw.stored_chunks(raw_key)
+        md = reader.raw.metadata.state_dict_metadata[raw_key]
+    except (CheckpointError, KeyError):
+        return []
+    if job.start is not None and isinstance(md, TensorStorageMetadata):
+        shape = tuple(md.size)
+        sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        kept = []
+        for index, info in chunks:
+            offsets, box = tuple(index.offset or ()), sizes.get(tuple(index.offset or ()))
+            if box is None or 0 in box:
+                continue
+            first = sum(o * s for o, s in zip(offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(offsets, box, strides))
+            if first < job.end and last >= job.start:
+                kept.append((index, info))
+        chunks = kept
+    return [(info.relative_path, info.offset, info.length) for _, info in chunks]
+
+
+def _advise(directory: str, name: str, offset: int, length: int) -> None:
+    """``posix_fadvise(WILLNEED)`` of a byte range of the data file ``name``: the kernel starts
+    reading it into the page cache and returns. The file is opened as the reader opens it
+    (:func:`~mfsdp_ckpt.storage.fs.open_member`: a regular file inside the checkpoint, never a
+    name or symlink leading out); any failure is ignored (a hint; the read reports it)."""
+    try:
+        f = fs.open_member(directory, name)
+    except (OSError, fs.OutsideCheckpointError):
+        return
+    with f:
+        try:
+            os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, ValueError):
+            pass
+
+
+class _Readahead:
+    """Keeps the disk reading a worker's next sources while it writes: a thread asks the kernel
+    (:func:`_advise`) for the chunks of the jobs after the current one, up to
+    :data:`READAHEAD_BYTES` ahead, so that reads of the source overlap the writes of the target
+    instead of alternating with them (the reads themselves, and their crc32c checks, are as
+    before: from the page cache). Nothing for a remote source, or where the call is missing."""
+
+    def __init__(self, reader: MappedReader, jobs: Sequence[_Job]) -> None:
+        self._thread = None
+        if not hasattr(os, "posix_fadvise") or not fs.is_local(reader.directory):
+            return
+        self._directory = reader.directory
+        self._ranges = [_source_ranges(reader, job) for job in jobs]
+        self._ends = list(itertools.accumulate(sum(r[2] for r in rs) for rs in self._ranges))
+        self._current, self._closed = 0, False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="reshard-readahead", daemon=True)
+        self._thread.start()
+
+    def at(self, i: int) -> None:
+        """The worker starts job ``i``."""
+        if self._thread is not None:
+            with self._cond:
+                self._current = i
+                self._cond.notify()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with self._cond:
+                self._closed = True
+                self._cond.notify()
+            self._thread.join()
+
+    def _run(self) -> None:
+        nxt = 0  # the next job to advise
+        while True:
+            with self._cond:
+                while not self._closed and (
+                    nxt >= len(self._ranges)
+                    or (nxt > self._current and self._ends[nxt - 1] - self._ends[self._current] >= READAHEAD_BYTES)
+                ):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                nxt = max(nxt, self._current)
+            for name, offset, length in self._ranges[nxt]:
+                _advise(self._directory, name, offset, length)
+            nxt += 1
+
+
 def _run_jobs(
-    src: str, tmp: str, jobs: Sequence[_Job], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
+    src: str,
+    tmp: str,
+    jobs: Sequence[_Job],
+    report: Callable[[int], None],
+    key_map: Sequence[KeyRule] = (),
+    stop: threading.Event | None = None,
 ) -> list[ChunkRecord]:
     """Carry out ``jobs`` (all of them for a set of files that no other worker writes); keys are
-    canonical, read through ``key_map`` and the source's key layout (:class:`MappedReader`)."""
+    canonical, read through ``key_map`` and the source's key layout (:class:`MappedReader`).
+    ``stop``: set by the caller to end the run before the next job (:class:`_Cancelled`)."""
     records: list[ChunkRecord] = []
     writer = ChunkFileWriter(tmp)
     try:
         with MappedReader(src, key_map) as reader:
-            for job, after in zip(jobs, [*jobs[1:], None]):
-                if job.start is None:
-                    value = reader.read(job.key)
-                    if isinstance(value, torch.Tensor):
-                        if job.cast is not None:
-                            value = value.to(job.cast)
-                        records.append(writer.write_chunk(job.key, value, (0,) * value.dim(), value.shape, job.file))
-                    else:
-                        records.append(writer.write_object(job.key, value, job.file))
-                else:
-                    flat = reader.read_flat(job.key, job.start, job.end)
-                    if job.cast is not None:
-                        flat = flat.to(job.cast)
-                    shape = reader.shape(job.key)
-                    for box in flat_range_to_boxes(shape, job.start, job.end):
-                        records.append(
-                            writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file)
-                        )
-                    del flat
-                report(job.nbytes)
-                if after is None or after.file != job.file:
-                    writer.close_file(job.file)  # done with it: open files stay few, whatever the world size
-    finally:
-        writer.close()
+            readahead = _Readahead(reader, jobs)
+            try:
+                for i, (job, after) in enumerate(zip(jobs, [*jobs[1:], None])):
+                    if stop is not None and stop.is_set():
+                        raise _Cancelled()
+                    readahead.at(i)
+                    records += _run_job(reader, writer, job)
+                    report(job.nbytes)
+                    if after is None or after.file != job.file:
+                        writer.close_file(job.file)  # done with it: open files stay few, whatever the world size
+            finally:
+                readahead.close()
+    except BaseException:
+        writer.discard()  # the caller removes the partial directory
+        raise
+    writer.close()
     return records
 
 
-def _worker(src: str, tmp: str, jobs: list[_Job], wid: int, results: Any, key_map: Sequence[KeyRule] = ()) -> None:
-    try:
-        records = _run_jobs(src, tmp, jobs, lambda n: results.put(("progress", wid, n)), key_map)
-        results.put(("done", wid, records))
-    except CheckpointError as e:
-        results.put(("error", wid, str(e)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        traceback.print_exc()  # the details, on the worker's stderr; the parent raises one line
-        results.put(
-            ("error", wid, f"reshard worker {wid}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        )
+def _run_job(reader: MappedReader, writer: ChunkFileWriter, job: _Job) -> list[ChunkRecord]:
+    """One job: read (every chunk crc32c-checked) and append the result to its file."""
+    if job.start is None:
+        value = reader.read(job.key)
+        if not isinstance(value, torch.Tensor):
+            return [writer.write_object(job.key, value, job.file)]
+        if job.cast is not None:
+            value = value.to(job.cast)
+        return [writer.write_chunk(job.key, value, (0,) * value.dim(), value.shape, job.file)]
+    flat = reader.read_flat(job.key, job.start, job.end)
+    if job.cast is not None:
+        flat = flat.to(job.cast)
+    shape = reader.shape(job.key)
+    return [
+        writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file)
+        for box in flat_range_to_boxes(shape, job.start, job.end)
+    ]
 
 
 def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
@@ -365,66 +486,54 @@ def _assign(jobs: list[_Job], workers: int) -> list[list[_Job]]:
     return [w for w in out if w]
 
 
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """Block SIGINT while the body runs (in the main thread: only there does Python handle it);
-    one that arrives meanwhile is delivered, as a ``KeyboardInterrupt``, when it ends. A process
-    started in the body inherits the blocked mask, and Python never unblocks it: such a process
-    does not see the terminal's Ctrl-C at all."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def _run_parallel(
     src: str, tmp: str, assignments: list[list[_Job]], report: Callable[[int], None], key_map: Sequence[KeyRule] = ()
 ) -> list[ChunkRecord]:
-    """Carry out each worker's jobs in a spawned process of its own; their records, in no order.
+    """Carry out each worker's jobs on a thread of its own; their records, in no order.
 
-    The workers start with SIGINT blocked, so a Ctrl-C (sent by the terminal to the whole
-    process group) reaches only this process: its ``KeyboardInterrupt`` terminates the workers
-    and propagates, instead of a worker dying mid-write and its error being reported."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(src, tmp, jobs, w, results, tuple(key_map)), daemon=True)
+    Threads suffice: what a job spends its time on (reads, crc32c, copies, writes, fsync) runs
+    with the GIL released, and a thread costs nothing to start, where a process had to import
+    torch again. Progress is reported from this thread. The first failure (or a Ctrl-C here)
+    stops the others before their next job; once all have stopped it is raised, as it was raised
+    in the worker."""
+    events: queue.Queue[tuple[str, Any]] = queue.Queue()
+    stop = threading.Event()
+
+    def work(jobs: list[_Job]) -> None:
+        try:
+            events.put(("done", _run_jobs(src, tmp, jobs, lambda n: events.put(("progress", n)), key_map, stop)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            events.put(("error", e))
+
+    threads = [
+        threading.Thread(target=work, args=(jobs,), name=f"reshard-worker-{w}", daemon=True)
         for w, jobs in enumerate(assignments)
     ]
     records: list[ChunkRecord] = []
-    pending = set(range(len(procs)))
+    failure: BaseException | None = None
     try:
-        with _sigint_blocked():  # the mask is inherited by the spawned interpreters
-            for p in procs:
-                p.start()
+        for t in threads:
+            t.start()
+        pending = len(threads)
         while pending:
-            try:
-                kind, wid, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w for w in pending if not procs[w].is_alive()]
-                if dead:
-                    raise CheckpointError(
-                        f"reshard: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})"
-                    ) from None
-                continue
+            kind, payload = events.get()
             if kind == "progress":
-                report(payload)
-            elif kind == "done":
-                records.extend(payload)
-                pending.discard(wid)
-            else:
-                raise CheckpointError(payload)
-    finally:
-        for p in procs:
-            if p.pid is None:  # not started: interrupted while starting the others
+                if failure is None:
+                    report(payload)
                 continue
-            if p.is_alive():
-                p.terminate()
-            p.join()
+            pending -= 1
+            if kind == "done":
+                records.extend(payload)
+            elif failure is None or isinstance(failure, _Cancelled):
+                failure = payload
+                stop.set()
+    finally:
+        stop.set()
+        for t in threads:
+            if t.ident is not None:
+                t.join()
+    if failure is not None:
+        raise failure
     return records
 
 
@@ -439,28 +548,29 @@ def reshard(
     plan_from: str | os.PathLike | None = None,
     model_only: bool = False,
     dtype: str | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     overwrite: bool = False,
     key_map: Sequence[str | KeyRule] = (),
     progress: Callable[[int, int], None] | None = None,
 ) -> ReshardResult:
     """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
-    ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
-    (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
-    holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
-    the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
+        ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
+        (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
+        holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
+        the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
 
-    ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``: FSDP2's ``get_state_dict`` layout,
-    torchtitan's bare FQNs, any ``dcp.save``): its keys are mapped to canonical ones
-    (:mod:`mfsdp_ckpt.read.stock`; ``key_map``: ``OLD=NEW`` prefix renames applied first, e.g.
-    ``'=model.'`` for bare FQNs), its placement plan is ``plan_from``'s or one ``even`` buffer of
-    its ``model.*`` tensors, and the output is a committed canonical checkpoint.
+        ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``: FSDP2's ``get_state_dict`` layout,
+        torchtitan's bare FQNs, any ``dcp.save``): its keys are mapped to canonical ones
+        (:mod:`mfsdp_ckpt.read.stock`; ``key_map``: ``OLD=NEW`` prefix renames applied first, e.g.
+        ``'=model.'`` for bare FQNs), its placement plan is ``plan_from``'s or one ``even`` buffer of
+        its ``model.*`` tensors, and the output is a committed canonical checkpoint.
 
-    ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
-    Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
-    another). ``workers`` processes write disjoint target files in parallel. ``progress(done,
-    total)`` is called with bytes. ``dst`` appears only when complete (and replaces an existing
-    one only with ``overwrite``); on any error nothing is left there.
+        ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
+        Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
+        another). ``workers`` threads write disjoint target files in parallel (default:
+    :func:`default_workers`; never more than the target files). ``progress(done,
+        total)`` is called with bytes. ``dst`` appears only when complete (and replaces an existing
+        one only with ``overwrite``); on any error nothing is left there.
     """
     src, dst = os.fspath(src), os.fspath(dst)
     cast = _check_arguments(world_size, workers, strategy, policy, dtype)
@@ -479,6 +589,8 @@ def reshard(
     )
     jobs = planned.jobs
     files = max([j.file for j in jobs], default=0) + 1
+    if workers is None:
+        workers = default_workers(files)
     out_manifest = _output_manifest(planned, world_size, model_only=model_only, dtype=dtype, rules=rules)
     report = progress_adder(progress, sum(j.nbytes for j in jobs))
     path, written = _write_target(
@@ -497,7 +609,7 @@ def reshard(
 
 
 def _check_arguments(
-    world_size: int, workers: int, strategy: str | None, policy: str | None, dtype: str | None
+    world_size: int, workers: int | None, strategy: str | None, policy: str | None, dtype: str | None
 ) -> torch.dtype | None:
     """Refuse bad arguments before anything is read (one line naming the flag); returns the
     dtype ``dtype`` names (None: no cast)."""
@@ -505,7 +617,7 @@ def _check_arguments(
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     if world_size > MAX_WORLD_SIZE:
         raise CheckpointError(f"--world-size must be <= {MAX_WORLD_SIZE}, got {world_size}")
-    if workers < 1:
+    if workers is not None and (type(workers) is not int or workers < 1):
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
     if strategy is not None:
         try:
@@ -633,8 +745,8 @@ def _write_target(
     report: Callable[[int], None],
     rules: Sequence[KeyRule],
 ) -> tuple[str, int]:
-    """Carry out ``jobs`` into a new checkpoint at ``dst`` (in this process, or over ``workers``
-    processes) and commit it; returns its path and the bytes written."""
+    """Carry out ``jobs`` into a new checkpoint at ``dst`` (on this thread, or over ``workers``
+    threads) and commit it; returns its path and the bytes written."""
     with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
         assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
