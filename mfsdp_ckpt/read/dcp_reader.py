@@ -31,6 +31,7 @@ from mfsdp_ckpt.read.metadata_check import checked_metadata, stored_by_key
 from mfsdp_ckpt.read.staged_read import (
     DEFAULT_READ_THREADS,
     VerifiedRange,
+    file_descriptor,
     read_range,
     read_verified,
     verify_chunks,
@@ -225,11 +226,11 @@ class VerifyingReader(FileSystemReader):
     def _read_directly(self, files: ChunkFiles, by_chunk: dict[MetadataIndex, list], planner: LoadPlanner) -> None:
         """Read the chunks that can be straight into their targets (removed from ``by_chunk``;
         a local checkpoint's only)."""
+        items = [(index, reqs, self.storage_data[index]) for index, reqs in by_chunk.items()]
+        if any(file_descriptor(files.open(info.relative_path, index.fqn)) is None for index, _, info in items):
+            return  # an object store: read through staging memory
         chunks = []
-        for index, reqs in list(by_chunk.items()):
-            info = self.storage_data[index]
-            if _descriptor(files.open(info.relative_path, index.fqn)) is None:
-                return  # an object store: read through staging memory
+        for index, reqs, info in items:
             chunk = direct_chunk(files, index, info, reqs, planner.resolve_tensor)
             if chunk is not None:
                 chunks.append(chunk)
@@ -279,10 +280,3 @@ class VerifyingReader(FileSystemReader):
                     f"{shape}, which does not fit the read"
                 )
             self.pending.append((req, piece))
-
-
-def _descriptor(f: Any) -> int | None:
-    try:
-        return f.fileno()
-    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
-        return None

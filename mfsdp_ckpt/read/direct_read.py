@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,6 +34,7 @@ from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
 from mfsdp_ckpt.read.chunks import ChunkFault, ChunkFiles, chunk_location, expected_crc, missing_bytes
 from mfsdp_ckpt.read.records import locate_raw_tensor
+from mfsdp_ckpt.read.staged_read import ThreadRunner
 
 __all__ = ["BLOCK_BYTES", "DirectChunk", "direct_chunk", "read_into_place"]
 
@@ -159,7 +159,8 @@ def read_into_place(files: ChunkFiles, chunks: Sequence[DirectChunk], *, threads
         out = numpy.empty(hi - lo, dtype=numpy.uint8) if memory is None else memory[lo - start : hi - start]
         sums[b] = _read_fully(files, chunk, chunk.data_offset + lo, out)
 
-    _run(read_block, len(blocks), threads if sum(c.nbytes for c in chunks) > BLOCK_BYTES else 1)
+    with ThreadRunner(threads if sum(c.nbytes for c in chunks) > BLOCK_BYTES else 1) as run:
+        run(read_block, len(blocks))
     faults = _check_sums(chunks, blocks, sums)
     for chunk in chunks:
         for target in chunk.targets:
@@ -205,14 +206,3 @@ def _check_sums(
         elif chunk.expected is not None and crc != chunk.expected:
             faults.append((chunk, "checksum mismatch"))
     return faults
-
-
-def _run(fn: Any, n: int, threads: int) -> None:
-    """``fn(0) … fn(n - 1)`` on ``threads`` threads (in this one when ``threads`` <= 1)."""
-    if threads <= 1 or n <= 1:
-        for i in range(n):
-            fn(i)
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mfsdp-ckpt-read") as pool:
-        for future in [pool.submit(fn, i) for i in range(n)]:
-            future.result()

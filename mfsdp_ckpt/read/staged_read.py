@@ -67,6 +67,8 @@ __all__ = [
     "verify_chunks",
     "read_verified",
     "read_range",
+    "file_descriptor",
+    "ThreadRunner",
 ]
 
 BLOCK_BYTES = 8 << 20  # one read request; large enough for the disk, small enough to spread over threads
@@ -166,7 +168,7 @@ def read_chunks(
     spans = plan_spans(chunks)
     readers = _readers(files, spans)
     staging = [numpy.empty(span.end - span.start, dtype=numpy.uint8) for span in spans]
-    with _Runner(threads) as run:
+    with ThreadRunner(threads) as run:
         payloads, _ = _read_spans(files, spans, readers, staging, run)
     return payloads
 
@@ -185,7 +187,7 @@ def verify_chunks(
     everything again)."""
     chunks = sorted(chunks, key=lambda item: (item[1].relative_path, item[1].offset))
     readers = _readers(files, plan_spans(chunks))
-    if any(_descriptor(files.handle(path)) is None for path in readers):
+    if any(file_descriptor(files.handle(path)) is None for path in readers):
         return read_chunks(files, chunks, threads=threads)
     batches: list[list[Span]] = []
     batch: list[tuple[MetadataIndex, Any]] = []
@@ -199,10 +201,10 @@ def verify_chunks(
     if batch:
         batches.append(plan_spans(batch))
     # taken before the first read: a file changed at any time after this is refused by read_verified
-    stamps = {path: _stamp(_descriptor(files.handle(path))) for path in readers}
+    stamps = {path: _stamp(file_descriptor(files.handle(path))) for path in readers}
     arena = _arena(max((sum(span.end - span.start for span in batch_spans) for batch_spans in batches), default=0))
     out: dict[MetadataIndex, torch.Tensor | bytes | VerifiedRange] = {}
-    with _Runner(threads) as run:
+    with ThreadRunner(threads) as run:
         for batch_spans in batches:
             staging, at = [], 0
             for span in batch_spans:
@@ -239,7 +241,7 @@ def read_verified(
     too, but leaves the targets copied so far changed."""
     verified_stamps = {verified.relative_path: verified.stamp for verified, *_ in items}
     for relative_path, verified_stamp in sorted(verified_stamps.items()):
-        if _stamp(_descriptor(files.handle(relative_path))) != verified_stamp:
+        if _stamp(file_descriptor(files.handle(relative_path))) != verified_stamp:
             raise CorruptCheckpointError(
                 f"{files.path(relative_path)}: changed while it was being loaded "
                 f"(size, inode or modification time differ from when it was verified); nothing was loaded"
@@ -264,7 +266,7 @@ def read_verified(
     ranges = list(by_range)
     # a copy from the page cache runs at several GB/s: below THREADED_COPY_BYTES, handing hundreds of
     # small ranges to threads (and their contention for the GIL) costs more than the copy itself
-    with _Runner(threads if sum(r.nbytes for r in ranges) >= THREADED_COPY_BYTES else 1) as run:
+    with ThreadRunner(threads if sum(r.nbytes for r in ranges) >= THREADED_COPY_BYTES else 1) as run:
         run(lambda n: copy(ranges[n]), len(ranges))
 
 
@@ -291,7 +293,7 @@ def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence
 
 
 def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -> None:
-    fd = _descriptor(files.handle(verified.relative_path))
+    fd = file_descriptor(files.handle(verified.relative_path))
     done = 0
     with memoryview(out) as view:
         while done < len(out):
@@ -310,7 +312,8 @@ def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -
             done += n
 
 
-def _descriptor(f: Any) -> int | None:
+def file_descriptor(f: Any) -> int | None:
+    """The OS file descriptor of an open data file; None for an object store's file."""
     try:
         return f.fileno()
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
@@ -339,7 +342,7 @@ def _readers(files: ChunkFiles, spans: list[Span]) -> dict[str, Callable[[int, n
     return readers
 
 
-class _Runner:
+class ThreadRunner:
     """``run(fn, n)``: ``fn(0) … fn(n - 1)``, on a pool of ``threads`` threads started on first
     use (by the calling thread when ``threads`` <= 1 or ``n`` is 1)."""
 
@@ -347,7 +350,7 @@ class _Runner:
         self.threads = threads
         self.pool: ThreadPoolExecutor | None = None
 
-    def __enter__(self) -> "_Runner":
+    def __enter__(self) -> "ThreadRunner":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -370,7 +373,7 @@ def _read_spans(
     spans: list[Span],
     readers: dict[str, Callable[[int, numpy.ndarray], int]],
     staging: list[numpy.ndarray],
-    run: _Runner,
+    run: ThreadRunner,
 ) -> tuple[dict[MetadataIndex, torch.Tensor | bytes], dict[MetadataIndex, int]]:
     """Read ``spans`` into ``staging`` (one buffer per span) and verify every chunk as its last
     block arrives: the payloads, and the absolute file offset of each plain record's tensor

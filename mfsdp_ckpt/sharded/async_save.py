@@ -32,7 +32,7 @@ The background thread therefore lowers itself, first thing, to nice 10 and the i
 DCP's writer threads, OpenMP's workers), so that it runs on what training leaves idle; the
 caller's thread, the process's torch thread count and a synchronous ``save`` keep their
 priority. The copy goes in pieces of :data:`COPY_CHUNK_BYTES` on that one thread, and the
-write hands the kernel at most :data:`WRITE_CHUNK_BYTES` per call (:class:`_BoundedWrites`), so
+write hands the kernel at most :data:`WRITE_CHUNK_BYTES` per call (``CommittingWriter.bound_writes``), so
 that a training thread woken meanwhile gets its core back within a fraction of a millisecond.
 
 At most one save is in flight: the next ``async_save`` (and a synchronous ``save``) first waits
@@ -334,44 +334,6 @@ def _copy_host(target: torch.Tensor, source: torch.Tensor) -> None:
         numpy.copyto(dst[lo : lo + step], src[lo : lo + step])
 
 
-class _BoundedWrites:
-    """A binary stream whose ``write`` hands the wrapped stream at most :data:`WRITE_CHUNK_BYTES`
-    at a time (everything else is the wrapped stream's)."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-
-    def write(self, data: Any) -> int:
-        try:
-            view = memoryview(data).cast("B")
-        except TypeError:  # not a contiguous buffer: as it is
-            return self._f.write(data)
-        if view.nbytes <= WRITE_CHUNK_BYTES:
-            return self._f.write(view)
-        for lo in range(0, view.nbytes, WRITE_CHUNK_BYTES):
-            self._f.write(view[lo : lo + WRITE_CHUNK_BYTES])
-        return view.nbytes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
-def _bound_writes(writer: Any) -> None:
-    """Make ``writer`` (this save's DCP writer, nobody else's) write its files through
-    :class:`_BoundedWrites`."""
-    target = getattr(writer, "fs", None)
-    inner = getattr(target, "create_stream", None)
-    if inner is None:
-        return
-
-    @contextlib.contextmanager
-    def create_stream(path: str | os.PathLike, mode: str) -> Any:
-        with inner(path, mode) as f:
-            yield _BoundedWrites(f) if "w" in mode else f
-
-    target.create_stream = create_stream
-
-
 class _StagedSavePlanner(MfsdpSavePlanner):
     """Our save planner on the staged copy, recording the live tensors' properties (dtype,
     layout, ``pin_memory``, …) so that ``.metadata`` is what a synchronous save writes."""
@@ -584,7 +546,7 @@ def _write_in_background(
             fence.release()
             handle._mark_staged()
         try:
-            _bound_writes(job.writer)
+            job.writer.bound_writes(WRITE_CHUNK_BYTES)
             write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
         except BaseException as e:  # noqa: BLE001 - reported by the handle
             error = _one_line(e, job.final)

@@ -30,12 +30,15 @@ def write_failed(error: OSError, path: str | os.PathLike) -> WriteFailedError:
 
 class RecordingStream:
     """A binary file object that remembers the first ``OSError`` its ``write`` / ``flush`` /
-    ``close`` raised (and raises it as usual); everything else is the wrapped file's."""
+    ``close`` raised (and raises it as usual); everything else is the wrapped file's.
+    ``max_write``: the most bytes handed to the wrapped file per ``write`` call (None: no bound;
+    an asynchronous save bounds its writes so that each call returns its core soon)."""
 
-    def __init__(self, f: IO[bytes], path: str | os.PathLike) -> None:
+    def __init__(self, f: IO[bytes], path: str | os.PathLike, max_write: int | None = None) -> None:
         self._f = f
         self.path = os.fspath(path)
         self.error: OSError | None = None
+        self.max_write = max_write
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
@@ -46,7 +49,12 @@ class RecordingStream:
             raise
 
     def write(self, data: Any) -> int:
-        return self._guard(self._f.write, data)
+        if self.max_write is None:
+            return self._guard(self._f.write, data)
+        view = memoryview(data).cast("B")
+        for lo in range(0, view.nbytes, self.max_write):
+            self._guard(self._f.write, view[lo : lo + self.max_write])
+        return view.nbytes
 
     def flush(self) -> None:
         self._guard(self._f.flush)

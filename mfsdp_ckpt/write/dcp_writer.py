@@ -48,6 +48,7 @@ class _RecordingStreams:
     def __init__(self) -> None:
         super().__init__()
         self.streams: list[RecordingStream] = []
+        self.max_write: int | None = None  # see RecordingStream
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -55,7 +56,7 @@ class _RecordingStreams:
             if "w" not in mode:
                 yield f
                 return
-            stream = RecordingStream(f, path)
+            stream = RecordingStream(f, path, self.max_write)
             self.streams.append(stream)
             yield stream
 
@@ -96,6 +97,11 @@ class CommittingWriter(FileSystemWriter):
         self.final_dir = final_dir
         self.manifest = manifest
         self.allow_overwrite = overwrite
+
+    def bound_writes(self, max_bytes: int) -> None:
+        """Hand the data files at most ``max_bytes`` per ``write`` call from now on (an
+        asynchronous save's background write: each call holds its core until it returns)."""
+        self.fs.max_write = max_bytes
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with (

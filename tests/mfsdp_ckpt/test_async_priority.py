@@ -157,3 +157,23 @@ def test_the_background_write_yields_and_the_caller_and_a_sync_save_do_not(ranks
     a, s = str(tmp_path / "async" / "step_2"), str(tmp_path / "sync" / "step_2")
     assert verify_checkpoint(a) == [] and verify_checkpoint(s) == []
     assert diff_checkpoints(a, s).equal
+
+
+def test_recording_stream_hands_at_most_max_write_bytes_per_call():
+    import io
+
+    from mfsdp_ckpt.storage.write_errors import RecordingStream
+
+    calls = []
+
+    class Sink(io.BytesIO):
+        def write(self, data):
+            calls.append(len(memoryview(data).cast("B")))
+            return super().write(data)
+
+    sink = Sink()
+    stream = RecordingStream(sink, "x", max_write=4)
+    assert stream.write(b"0123456789") == 10
+    assert calls == [4, 4, 2] and sink.getvalue() == b"0123456789"
+    RecordingStream(sink, "x").write(b"abcdef")
+    assert calls[-1] == 6
