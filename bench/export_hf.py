@@ -236,6 +236,10 @@ def main() -> None:
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
+    timed = [k for k in PHASES if k != "make"]
+    unknown = sorted(set(a.only.split(",")) - set(timed)) if a.only is not None else []
+    if unknown:  # refused before the work directory is touched
+        p.error(f"--only: unknown phase(s) {', '.join(repr(u) for u in unknown)}; choose from {', '.join(timed)}")
     if a.phase:  # inside a child: run one phase, print one JSON line
         start = time.perf_counter()
         info = PHASES[a.phase](*a.args)
