@@ -3,7 +3,7 @@ optimizer adapter). It never imports the checkpoint layer."""
 
 from mfsdp_core.collectives import count_comm
 from mfsdp_core.companion import Companion
-from mfsdp_core.fully_shard import fully_shard, plan_of, rename_params, set_overlap
+from mfsdp_core.fully_shard import fully_shard, plan_of, rename_params, set_comm_stream, set_overlap
 from mfsdp_core.layout import Layout, Policy, compute_layout, parse_policy
 from mfsdp_core.mixed_precision import MixedPrecision
 from mfsdp_core.optim import clip_grad_norm_, fully_shard_optimizer
@@ -24,6 +24,7 @@ __all__ = [
     "plan_of",
     "rename_params",
     "set_overlap",
+    "set_comm_stream",
     "Strategy",
     "parse_strategy",
     "Policy",

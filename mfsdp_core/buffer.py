@@ -27,6 +27,7 @@ travels, holds the main params cast to the compute dtype, and never aliases them
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_core import collectives as C
+from mfsdp_core.comm_stream import CommStream
 from mfsdp_core.fence import Fence, await_fences
 from mfsdp_core.layout import Layout, Piece
 from mfsdp_core.mx import dequantize
@@ -94,9 +96,18 @@ class _Plane:
         C.all_gather(self.gathered, self.shard, group)
         self.fill_spills()
 
-    def start_gather(self, group: dist.ProcessGroup | None, label: str) -> C.Pending:
-        """Issue the all-gather; its ``wait()`` also reassembles the spills."""
-        return C.Pending(C.all_gather(self.gathered, self.shard, group, async_op=True, label=label), self.fill_spills)
+    def start_gather(self, group: dist.ProcessGroup | None, label: str, comm: CommStream | None = None) -> C.Pending:
+        """Issue the all-gather; its ``wait()`` also reassembles the spills (and, with a
+        communication stream, hands what it wrote to the compute stream first)."""
+        work = C.all_gather(self.gathered, self.shard, group, async_op=True, label=label)
+        if comm is None:
+            return C.Pending(work, self.fill_spills)
+
+        def to_compute() -> None:
+            comm.read_on_compute(self.gathered, *self.spills.values())
+            self.fill_spills()
+
+        return C.Pending(work, to_compute)
 
     def fill_spills(self) -> None:
         for i, spill in self.spills.items():
@@ -201,6 +212,7 @@ class FlatParamBuffer:
         self._gathers: list[C.Pending] = []
         self._fill_orientation: str | None = None
         self.pool = ScratchPool()  # the reductions' scratch tensors; fully_shard gives every buffer its root's
+        self.comm: CommStream | None = None  # the root's communication stream, if it has one (set_comm_stream)
         self._optim_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
         self._staging: torch.Tensor | None = None
         self._pending = 0
@@ -278,12 +290,17 @@ class FlatParamBuffer:
             self._unshard_mx("col" if backward else "row", async_op)
             return
         if not self.is_unsharded:
-            for plane in self._planes():
-                plane.alloc()
-                self._gathers.append(plane.start_gather(self.shard_group, self.label))
+            with self._issuing(prefetch=async_op):
+                for plane in self._planes():
+                    plane.alloc()
+                    self._gathers.append(plane.start_gather(self.shard_group, self.label, self.comm))
             self.is_unsharded = True
         if not async_op:
             self.wait_unshard()
+
+    def _issuing(self, *, prefetch: bool) -> contextlib.AbstractContextManager:
+        """Where collectives are issued from: the communication stream if the root has one."""
+        return contextlib.nullcontext() if self.comm is None else self.comm.issue(prefetch=prefetch)
 
     @property
     def gather_in_flight(self) -> bool:
@@ -305,11 +322,12 @@ class FlatParamBuffer:
         if not (self.is_unsharded and coming == orientation):
             self.wait_unshard()  # the other orientation's planes may still be in flight
             if self.strategy.shards_params:  # else every plane is gathered after each step
-                self.plane.alloc()
-                for name in ORIENTATIONS[orientation]:
-                    plane = self.companions[name][1]
-                    plane.alloc()
-                    self._gathers.append(plane.start_gather(self.shard_group, self.label))
+                self.plane.alloc()  # written by the dequantize, on the compute stream
+                with self._issuing(prefetch=async_op):
+                    for name in ORIENTATIONS[orientation]:
+                        plane = self.companions[name][1]
+                        plane.alloc()
+                        self._gathers.append(plane.start_gather(self.shard_group, self.label, self.comm))
             self._fill_orientation = orientation
             self.is_unsharded = True
         if not async_op:
@@ -471,10 +489,11 @@ class FlatParamBuffer:
                 reduced = self.pool.take(self.layout.shard_size, self.reduce_dtype, self.device)
                 if self.shard_group is not None and C.group_size(self.shard_group) > 1:
                     received = self.pool.take(staging.numel(), staging.dtype, self.device)
-                exchange = C.reduce_scatter_avg(
-                    reduced, staging, self.shard_group, inner, async_op=True, label=self.label, scratch=received
-                )
-            else:
+                with self._issuing(prefetch=False):  # nothing allocated here: the scratch is the compute stream's
+                    exchange = C.reduce_scatter_avg(
+                        reduced, staging, self.shard_group, inner, async_op=True, label=self.label, scratch=received
+                    )
+            else:  # an all-reduce allocates its padded copies as it goes: issued from the compute stream
                 reduced = staging
                 exchange = C.all_reduce_avg(staging, self.group, inner, async_op=True, label=self.label)
 

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_core import collectives as C
 from mfsdp_core.buffer import FlatParamBuffer
+from mfsdp_core.comm_stream import CommStream
 from mfsdp_core.layout import Policy
 from mfsdp_core.mixed_precision import MixedPrecision
 from mfsdp_core.plan import (
@@ -68,6 +69,7 @@ __all__ = [
     "fully_shard",
     "rename_params",
     "set_overlap",
+    "set_comm_stream",
     "ShardedUnit",
     "units_of",
     "buffers_of",
@@ -132,9 +134,11 @@ class _RootContext:
         self.reductions: list[C.Pending] = []  # issued, in order; finished in that order
         self.pool = ScratchPool()  # the reductions' scratch tensors, shared by every buffer of the root
         self.overlap = True  # prefetch all-gathers and keep reductions in flight (set_overlap)
+        self.comm: CommStream | None = None  # the stream collectives are issued from (set_comm_stream)
         for unit in units:
             for buf in unit.buffers:
                 buf.pool = self.pool
+                buf.comm = self.comm
 
     @property
     def units(self) -> list["ShardedUnit"]:
@@ -248,6 +252,8 @@ class ShardedUnit:
         order = self.context.orders[FORWARD]
         if self.is_root:
             order.begin()
+            if self.context.comm is not None:
+                self.context.comm.mark_inputs()  # the last optimizer step's writes to the shards are queued
         for buf in self.buffers:
             buf.unshard()
         self.context.prefetch(self, FORWARD)
@@ -408,6 +414,34 @@ def set_overlap(module: nn.Module, enabled: bool) -> nn.Module:
         raise ValueError(f"set_overlap: {type(module).__name__} is not the root of a fully_shard-ed model")
     unit.context.finish_reductions()
     unit.context.overlap = enabled
+    return module
+
+
+def set_comm_stream(module: nn.Module, enabled: bool, *, backend: Any = None) -> nn.Module:
+    """Issue every all-gather and reduce-scatter of the sharded ``module`` (the root, after its
+    ``fully_shard``) from one CUDA stream of its own instead of the compute stream (off by
+    default; see :mod:`mfsdp_core.comm_stream`), so that a prefetch does not wait behind compute
+    queued before it. Needs CUDA parameters: refused otherwise. ``backend``: the object making
+    the stream calls (tests; default ``torch.cuda``). Returns ``module``."""
+    unit = getattr(module, _UNIT_ATTR, None)
+    if unit is None or not unit.is_root:
+        raise ValueError(f"set_comm_stream: {type(module).__name__} is not the root of a fully_shard-ed model")
+    context = unit.context
+    buffers = [buf for u in context.units for buf in u.buffers]
+    comm = None
+    if enabled:
+        devices = {buf.device for buf in buffers}
+        if len(devices) != 1:
+            raise ValueError(f"set_comm_stream: the model's parameters are on {len(devices)} devices; one is needed")
+        try:
+            comm = CommStream(devices.pop(), backend)
+        except ValueError as e:
+            raise ValueError(f"set_comm_stream: {e}") from None
+    context.finish_reductions()
+    for buf in buffers:
+        buf.wait_unshard()  # nothing in flight crosses the switch
+        buf.comm = comm
+    context.comm = comm
     return module
 
 
