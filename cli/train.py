@@ -52,6 +52,7 @@ from mfsdp_core import (
     clip_grad_norm_,
     fully_shard,
     fully_shard_optimizer,
+    set_comm_stream,
 )
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import TOKEN_DTYPES, SyntheticText, TokenFile
@@ -213,6 +214,12 @@ def _add_parallelism_arguments(p: argparse._ActionsContainer) -> None:
         "--hfsdp",
         action="store_true",
         help="with --dp-replicate: shard the optimizer state and main params across the replicas too",
+    )
+    p.add_argument(
+        "--comm-stream",
+        action="store_true",
+        help="GPU only: issue all-gathers and reduce-scatters from one CUDA stream of their own, so "
+        "prefetches do not wait behind queued compute (docs/runtime.md)",
     )
 
 
@@ -411,6 +418,8 @@ def check_args(args: argparse.Namespace, world: int) -> ModelSource:
         raise UsageError(f"--dp-replicate {args.dp_replicate}: {e}") from None
     if args.hfsdp and args.dp_replicate == 1:
         raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
+    if args.comm_stream and not torch.cuda.is_available():
+        raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
     if args.batch_size % (world * args.micro_batches):
         raise UsageError(
             f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
@@ -514,6 +523,11 @@ def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Modul
         except ValueError as e:
             raise UsageError(str(e)) from None
     source.after_shard(model)
+    if args.comm_stream:
+        try:
+            set_comm_stream(model, True)
+        except ValueError as e:
+            raise UsageError(f"--comm-stream: {e}") from None
     if args.optimizer == "muon":
         return model, fully_shard_optimizer(build_muon(model, args))
     decay = [p for p in model.parameters() if p.ndim >= 2]

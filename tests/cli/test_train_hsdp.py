@@ -9,6 +9,7 @@ import glob
 import os
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.main import main
@@ -89,3 +90,11 @@ def test_dp_replicate_must_divide_world_size(tmp_path):
     run = _run(2, "--model", "tiny", "--steps", "1", "--hfsdp")
     assert run.returncode == 1, failure(run)
     assert "error: --hfsdp needs --dp-replicate" in run.stderr, failure(run)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_comm_stream_without_a_gpu_is_refused_in_one_line(tmp_path):
+    run = _run(2, "--model", "tiny", "--steps", "1", "--comm-stream")
+    assert run.returncode == 1, failure(run)
+    error = "error: --comm-stream needs a GPU (CUDA is not available here); leave it out on CPU"
+    assert run.stderr.splitlines()[0] == error and run.stderr.count(error) == 1, failure(run)  # rank 0 speaks
