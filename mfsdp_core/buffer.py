@@ -46,16 +46,6 @@ from mfsdp_core.pool import ScratchPool
 __all__ = ["FlatParamBuffer"]
 
 
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
-
-
 class _Plane:
     """One gathered plane: this rank's shard, the gathered buffer (every rank's shard in rank
     order) and a spill tensor for each item that is not contiguous there."""
@@ -114,13 +104,13 @@ class _Plane:
             for pc in self.layout.owners(i):
                 spill[pc.start : pc.end].copy_(self.slot(pc))
 
-    def alloc(self) -> None:
+    def alloc(self, pool: ScratchPool) -> None:
         for t in (self.gathered, *self.spills.values()):
-            _alloc(t)
+            pool.supply(t)
 
-    def free(self) -> None:
+    def free(self, pool: ScratchPool) -> None:
         for t in (self.gathered, *self.spills.values()):
-            _free(t)
+            pool.reclaim(t)
 
 
 class FlatParamBuffer:
@@ -215,6 +205,12 @@ class FlatParamBuffer:
         self.comm: CommStream | None = None  # the root's communication stream, if it has one (set_comm_stream)
         self._optim_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
         self._staging: torch.Tensor | None = None
+        self._staged: set[int] = set()  # parameters whose gradient is in the staging buffer
+        # on CPU / gloo the reduce-scatter sends the gradients from where autograd left them
+        # (mfsdp_core.p2p), so they are kept (``_grads``: parameter index -> flat gradient)
+        # instead of copied into a staging buffer
+        self.reduces_parts = spec.strategy.shards_grads and C.reduces_from_parts(self.plane.shard, self.shard_group)
+        self._grads: dict[int, torch.Tensor] = {}
         self._pending = 0
         self.reduced_this_pass = False
         self._reset_pass()
@@ -292,7 +288,7 @@ class FlatParamBuffer:
         if not self.is_unsharded:
             with self._issuing(prefetch=async_op):
                 for plane in self._planes():
-                    plane.alloc()
+                    plane.alloc(self.pool)
                     self._gathers.append(plane.start_gather(self.shard_group, self.label, self.comm))
             self.is_unsharded = True
         if not async_op:
@@ -322,11 +318,11 @@ class FlatParamBuffer:
         if not (self.is_unsharded and coming == orientation):
             self.wait_unshard()  # the other orientation's planes may still be in flight
             if self.strategy.shards_params:  # else every plane is gathered after each step
-                self.plane.alloc()  # written by the dequantize, on the compute stream
+                self.plane.alloc(self.pool)  # written by the dequantize, on the compute stream
                 with self._issuing(prefetch=async_op):
                     for name in ORIENTATIONS[orientation]:
                         plane = self.companions[name][1]
-                        plane.alloc()
+                        plane.alloc(self.pool)
                         self._gathers.append(plane.start_gather(self.shard_group, self.label, self.comm))
             self._fill_orientation = orientation
             self.is_unsharded = True
@@ -347,7 +343,7 @@ class FlatParamBuffer:
             return
         self.wait_unshard()
         for plane in self._planes():
-            plane.free()
+            plane.free(self.pool)
         self.is_unsharded = False
 
     def _planes(self) -> list[_Plane]:
@@ -451,14 +447,57 @@ class FlatParamBuffer:
         return self._pending == 0
 
     def _stage(self, i: int) -> None:
-        """Move parameter ``i``'s ``.grad`` into the staging buffer (gathered layout)."""
+        """Take parameter ``i``'s ``.grad`` for this pass's reduction: kept as it is where the
+        reduction sends it from there (``reduces_parts``), else moved into the staging buffer
+        (gathered layout)."""
         p = self.params[i]
+        if self.reduces_parts:
+            self._grads[i] = p.grad.reshape(-1).to(self.reduce_dtype)
+            p.grad = None
+            return
         if self._staging is None:
-            self._staging = self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device, zero=True)
+            # every element is written before the reduction reads it: the padding here, each
+            # parameter's slots by its gradient, or by zeros if none comes (``_staged_gradients``)
+            self._staging = self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device)
+            for a, b in self.layout.padding_ranges:
+                self._staging[a:b].zero_()
+            self._staged = set()
         flat = p.grad.reshape(-1)
         for pc in self.layout.owners(i):
             self.plane.slot(pc, self._staging).copy_(flat[pc.start : pc.end])
+        self._staged.add(i)
         p.grad = None
+
+    def _staged_gradients(self) -> torch.Tensor:
+        """This pass's staging buffer, complete: zeros where a parameter got no gradient."""
+        if self._staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
+            return self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device, zero=True)
+        staging, self._staging = self._staging, None
+        for i in range(len(self.params)):
+            if i not in self._staged:
+                for pc in self.layout.owners(i):
+                    self.plane.slot(pc, staging).zero_()
+        return staging
+
+    def _gradient_parts(self) -> list[torch.Tensor | int]:
+        """This pass's gradients as the consecutive parts of the gathered layout: each rank's
+        pieces in shard order, then its padding (a count of zeros); a parameter that got no
+        gradient contributes zeros."""
+        grads, self._grads = self._grads, {}
+        parts: list[torch.Tensor | int] = []
+        for pieces in self.layout.pieces_by_rank:
+            used = 0
+            for pc in pieces:
+                grad = grads.get(pc.param)
+                if grad is None:
+                    grad = grads[pc.param] = torch.zeros(
+                        self.layout.numels[pc.param], dtype=self.reduce_dtype, device=self.device
+                    )
+                parts.append(grad[pc.start : pc.end])
+                used += pc.numel
+            if self.layout.shard_size > used:
+                parts.append(self.layout.shard_size - used)
+        return parts
 
     @torch.no_grad()
     def finish_backward(self, *, async_op: bool = False) -> C.Pending | None:
@@ -476,22 +515,26 @@ class FlatParamBuffer:
             for i, p in enumerate(self.params):  # a gradient that reached .grad without the hook
                 if p.grad is not None:
                     self._stage(i)
-            staging = self._staging
-            if staging is None:  # no parameter got a gradient: reduce zeros, as the other ranks may not
-                staging = self.pool.take(self.layout.gathered_size, self.reduce_dtype, self.device, zero=True)
-            self._staging = None
+            staging = None if self.reduces_parts else self._staged_gradients()
             self.reduced_this_pass = True
             divisor = self.spec.grad_divisor
             replicated = self.replicate_group is not None
             inner = 1 if replicated else divisor  # with replicas: sum inside, divide once across
             received = None
+            # the sum lands straight in the accumulated grads when it replaces them (the first
+            # pass after zero_grad(set_to_none=True)); HSDP's step across the replicas is in place
+            into_grads = self.strategy.shards_grads and not self.across_replicas and self._grads_restart()
             if self.strategy.shards_grads:
-                reduced = self.pool.take(self.layout.shard_size, self.reduce_dtype, self.device)
-                if self.shard_group is not None and C.group_size(self.shard_group) > 1:
-                    received = self.pool.take(staging.numel(), staging.dtype, self.device)
+                reduced = (
+                    self.grad if into_grads else self.pool.take(self.layout.shard_size, self.reduce_dtype, self.device)
+                )
+                scratch = C.reduce_scatter_scratch_numel(reduced, self.shard_group)
+                if scratch:
+                    received = self.pool.take(scratch, self.reduce_dtype, self.device)
+                full = self._gradient_parts() if self.reduces_parts else staging
                 with self._issuing(prefetch=False):  # nothing allocated here: the scratch is the compute stream's
                     exchange = C.reduce_scatter_avg(
-                        reduced, staging, self.shard_group, inner, async_op=True, label=self.label, scratch=received
+                        reduced, full, self.shard_group, inner, async_op=True, label=self.label, scratch=received
                     )
             else:  # an all-reduce allocates its padded copies as it goes: issued from the compute stream
                 reduced = staging
@@ -500,8 +543,10 @@ class FlatParamBuffer:
             def accumulate() -> None:
                 exchange.wait()
                 total = self._reduce_across_replicas(reduced, divisor) if replicated else reduced
-                await_fences((self,), grads_only=True)  # the accumulated grads are written from here on
-                if self._restart_accumulation_if_zeroed():
+                if into_grads:  # total is self.grad
+                    self.pool.give(staging, received)
+                    return
+                if self._grads_restart():
                     self.grad.copy_(total)
                 else:
                     self.grad.add_(total)
@@ -531,6 +576,12 @@ class FlatParamBuffer:
 
     def _linked(self) -> list[tuple[int, nn.Parameter]]:
         return [(i, sp) for i, ref in self._optim_params.items() if (sp := ref()) is not None]
+
+    def _grads_restart(self) -> bool:
+        """The accumulated grads are about to be written: wait for a fence on them first, and
+        say whether this pass's gradients replace them (see ``_restart_accumulation_if_zeroed``)."""
+        await_fences((self,), grads_only=True)
+        return self._restart_accumulation_if_zeroed()
 
     def _restart_accumulation_if_zeroed(self) -> bool:
         """``optimizer.zero_grad()`` (set_to_none) unlinks the optimizer params' grads: then the

@@ -1,10 +1,15 @@
 """The collectives the runtime uses, with a byte counter.
 
-Reductions are **deterministic**: a reduce-scatter is an ``all_to_all`` followed by a sum in rank
-order (0, 1, …, n-1) and a division by n. It moves the same bytes as a ring reduce-scatter, but its
-result does not depend on the backend's ring or tree order, so a run is bitwise reproducible and a
-single-process reference can reproduce it exactly. An all-reduce is that reduce-scatter followed
-by an all-gather (the same volume as a ring all-reduce).
+Reductions are **deterministic**: a reduce-scatter sends each rank its chunk of every other
+rank's tensor (an all-to-all) and sums the chunks in rank order (0, 1, …, n-1), then divides by n.
+It moves the same bytes as a ring reduce-scatter, but its result does not depend on the backend's
+ring or tree order, so a run is bitwise reproducible and a single-process reference can reproduce
+it exactly. An all-reduce is that reduce-scatter followed by an all-gather (the same volume as a
+ring all-reduce).
+
+On gloo (CPU tensors) the all-gather and the reduce-scatter's exchange are point-to-point sends
+and receives straight into place (:mod:`mfsdp_core.p2p`); elsewhere the backend's
+``all_gather_single`` and ``all_to_all_single``.
 
 gloo has no fp8 collectives, so fp8 / e8m0 payloads travel as ``uint8`` views.
 
@@ -32,7 +37,10 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from mfsdp_core import p2p
 from mfsdp_core.dtypes import wire_view as _wire
+from mfsdp_core.pending import DONE as _DONE
+from mfsdp_core.pending import Pending
 
 __all__ = [
     "CommRecord",
@@ -43,6 +51,8 @@ __all__ = [
     "group_rank",
     "all_gather",
     "reduce_scatter_avg",
+    "reduce_scatter_scratch_numel",
+    "reduces_from_parts",
     "all_reduce_avg",
     "all_reduce_sum",
     "all_to_all_rows",
@@ -103,31 +113,6 @@ def _record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
         counter.records.append(record)
 
 
-class Pending:
-    """A collective in flight: ``wait()`` blocks until it is done, then runs ``then`` (the local
-    step that completes it) once. Waiting again is a no-op."""
-
-    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
-        self._work = work
-        self._then = then
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-
-_DONE = Pending()
-_DONE.done = True
-
-
 def _finish(pending: Pending, async_op: bool) -> Pending:
     if not async_op:
         pending.wait()
@@ -162,43 +147,32 @@ def all_gather(
     if n == 1:
         output.copy_(shard)
         return _DONE
-    if output.device.type == "cpu" and _is_gloo(group):
-        return _finish(_all_gather_by_broadcasts(_wire(output), _wire(shard), group, n), async_op)
+    return _finish(_gather(_wire(output), _wire(shard), group, n), async_op)
+
+
+def _gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, n: int) -> Pending:
+    """Issue the all-gather of ``shard`` into ``output`` over ``group`` (n > 1 ranks)."""
+    if p2p.applies(output, group):
+        return p2p.all_gather(output, shard, group)
     if shard.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
         shard = shard.clone()  # an input aliasing the output is not safe on every backend
-    work = dist.all_gather_single(_wire(output), _wire(shard), group=group, async_op=async_op)
-    return Pending(work) if async_op else _DONE
+    return Pending(dist.all_gather_single(output, shard, group=group, async_op=True))
 
 
-def _is_gloo(group: dist.ProcessGroup) -> bool:
-    return "gloo" in str(dist.get_backend(group))
+def reduce_scatter_scratch_numel(output: torch.Tensor, group: dist.ProcessGroup | None) -> int:
+    """Elements of the ``scratch`` that :func:`reduce_scatter_avg` into ``output`` over
+    ``group`` receives into (0 for a single rank)."""
+    n = group_size(group)
+    if n == 1:
+        return 0
+    full = n * output.numel()
+    return p2p.scratch_numel(full, n) if p2p.applies(output, group) else full
 
 
-class _AllWorks:
-    """Several works waited for as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-def _all_gather_by_broadcasts(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, n: int) -> Pending:
-    """gloo's all-gather receives into a temporary flat tensor and copies it out; n broadcasts,
-    one from each rank straight into its slot of ``output``, move the same bytes with no
-    temporary and no copy but this rank's own slot (measured on 2 and 4 CPU ranks, 20 MB: about
-    half the time)."""
-    size = shard.numel()
-    rank = dist.get_rank(group)
-    mine = output[rank * size : (rank + 1) * size]
-    if mine.data_ptr() != shard.data_ptr():
-        mine.copy_(shard)
-    works = [
-        dist.broadcast(output[k * size : (k + 1) * size], group_src=k, group=group, async_op=True) for k in range(n)
-    ]
-    return Pending(_AllWorks(works))
+def reduces_from_parts(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether :func:`reduce_scatter_avg` over ``group`` takes its input as parts (see
+    :mod:`mfsdp_core.p2p`) for tensors like ``t``: CPU tensors on gloo, more than one rank."""
+    return group_size(group) > 1 and p2p.applies(t, group)
 
 
 def _reduce_scatter_avg(
@@ -210,15 +184,17 @@ def _reduce_scatter_avg(
     received: torch.Tensor | None = None,
 ) -> Pending:
     """Issue the exchange; the returned handle's ``wait()`` sums the received chunks."""
+    if p2p.applies(full, group):
+        return p2p.reduce_scatter(output, [full], group, divisor, received)
     if received is None:
         received = torch.empty_like(full)
     work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
     def sum_in_rank_order() -> None:
         chunks = received.view(n, -1)
-        output.copy_(chunks[0])
-        for r in range(1, n):  # rank order, whatever the backend's ring order
-            output.add_(chunks[r])
+        torch.add(chunks[0], chunks[1], out=output)
+        for chunk in chunks[2:]:  # rank order, whatever the backend's ring order
+            output.add_(chunk)
         if divisor != 1:
             output.div_(divisor)
 
@@ -227,7 +203,7 @@ def _reduce_scatter_avg(
 
 def reduce_scatter_avg(
     output: torch.Tensor,
-    full: torch.Tensor,
+    full: torch.Tensor | list[p2p.Part],
     group: dist.ProcessGroup | None,
     divisor: int | None = None,
     *,
@@ -237,8 +213,16 @@ def reduce_scatter_avg(
 ) -> Pending:
     """``output`` = this rank's 1/n slice of the sum over ranks of ``full``, divided by
     ``divisor`` (default n: the average). Deterministic. With ``async_op``, ``full`` must stay
-    untouched and ``output`` unread until the handle's ``wait()``. ``scratch``: a tensor like
-    ``full`` to receive into (else one is allocated); free again after the wait."""
+    untouched and ``output`` unread until the handle's ``wait()``. ``scratch``: a 1-D tensor of
+    :func:`reduce_scatter_scratch_numel` elements to receive into (else one is allocated); free
+    again after the wait. ``full`` may be given as the list of its consecutive parts (1-D
+    tensors, or an int for that many zeros) where :func:`reduces_from_parts` says so."""
+    if isinstance(full, list):
+        numel = sum(part if isinstance(part, int) else part.numel() for part in full)
+        _record("reduce_scatter", torch.empty(numel, dtype=output.dtype, device="meta"), group, label)
+        if not reduces_from_parts(output, group):
+            raise ValueError("reduce_scatter_avg: parts need a group of CPU tensors on gloo with more than one rank")
+        return _finish(p2p.reduce_scatter(output, full, group, divisor or group_size(group), scratch), async_op)
     _record("reduce_scatter", full, group, label)
     n = group_size(group)
     divisor = divisor or n
@@ -268,6 +252,8 @@ def all_reduce_avg(
         if divisor != 1:
             tensor.div_(divisor)
         return _DONE
+    if p2p.applies(tensor, group):
+        return _finish(p2p.all_reduce(tensor, group, divisor), async_op)
     chunk = -(-tensor.numel() // n)
     padded = tensor.new_zeros(chunk * n)
     padded[: tensor.numel()].copy_(tensor)
@@ -276,7 +262,7 @@ def all_reduce_avg(
 
     def gather_back() -> None:
         scattered.wait()
-        dist.all_gather_single(padded, mine, group=group)
+        _gather(padded, mine, group, n).wait()
         tensor.copy_(padded[: tensor.numel()])
 
     return _finish(Pending(None, gather_back), async_op)

@@ -279,6 +279,8 @@ class ShardedUnit:
                 buf.reshard()
         if self.is_root:
             self.context.orders[FORWARD].end()
+            if not torch.is_grad_enabled():  # no backward will clear it
+                self.context.pool.clear()
         return output
 
     # ---- backward ------------------------------------------------------------------------

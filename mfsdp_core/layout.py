@@ -154,6 +154,14 @@ class Layout:
         """Used (non-padding) elements in each rank's shard."""
         return tuple(self.bounds[r + 1] - self.bounds[r] for r in range(self.group_size))
 
+    @cached_property
+    def padding_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` of every run of padding in the gathered buffer (the end of each
+        rank's shard past its segment), in order; everything else belongs to a parameter."""
+        S = self.shard_size
+        runs = ((r * S + used, (r + 1) * S) for r, used in enumerate(self.rank_lengths))
+        return tuple((a, b) for a, b in runs if b > a)
+
     def piece(self, param: int, rank: int) -> Piece:
         """The part of ``param`` owned by ``rank`` (possibly empty)."""
         p0 = self.packed_offsets[param]
@@ -171,6 +179,11 @@ class Layout:
             if pc.numel:
                 out.append(pc)
         return out
+
+    @cached_property
+    def pieces_by_rank(self) -> tuple[tuple[Piece, ...], ...]:
+        """:meth:`local_pieces` of every rank, computed once."""
+        return tuple(tuple(self.local_pieces(r)) for r in range(self.group_size))
 
     def owners(self, param: int) -> list[Piece]:
         """Non-empty pieces of ``param``, ordered by flat position."""
