@@ -276,7 +276,9 @@ class HFSource(ModelSource):
     def placement(self, policy: str, mesh: ExpertMesh | None) -> PlacementFn:
         return hf.placement(policy)
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return hf.causal_lm_forward(model, tokens)
 
     def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:

@@ -309,7 +309,9 @@ class McoreSource(ModelSource):
         names = mcore.canonical_names(model)
         rename_params(model, lambda fqn: names.get(fqn, fqn))
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return mcore.forward(model, tokens)
 
     def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:

@@ -84,9 +84,20 @@ class ModelSource:
     def after_shard(self, model: nn.Module) -> None:
         """Anything due once the root is sharded (e.g. checkpoint names: ``rename_params``)."""
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp32 logits [b, s, vocab], scalar auxiliary loss)`` of ``tokens [b, s]``."""
+    def forward(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp32 logits [b, s, vocab], scalar auxiliary loss)`` of ``tokens [b, s]`` whose next
+        tokens are ``labels [b, s]`` (a family with multi-token prediction uses them)."""
         raise NotImplementedError
+
+    def after_step(self, model: nn.Module) -> None:
+        """Anything due after each optimizer step (e.g. moving the routers' expert biases)."""
+
+    def use_global_aux_loss(self, model: nn.Module) -> None:
+        """Count the load-balancing loss over every rank's tokens (``--moe-aux-loss global``);
+        ValueError where the family has no such loss of ours."""
+        raise ValueError(f"--moe-aux-loss global: only the reference GPT's MoE layers have it, not {self.kind} models")
 
     def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
         """The transformer layers' linear weights, which ``--mxfp8`` stores as MXFP8 (empty: the

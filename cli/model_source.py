@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import mfsdp_ckpt
@@ -31,6 +32,7 @@ from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import gpt
 from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
+from mfsdp_core.models.moe import set_aux_loss_group, update_expert_bias
 
 from .hf_source import HFSource
 from .mcore_source import McoreSource
@@ -108,9 +110,17 @@ class GPTSource(ModelSource):
     def shard_units(self, model: nn.Module) -> list[nn.Module]:
         return gpt.shard_units(model)
 
-    def forward(self, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(tokens)
+    def forward(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(tokens, labels)
         return logits, model.aux_loss
+
+    def after_step(self, model: nn.Module) -> None:
+        update_expert_bias(model, dist.group.WORLD if dist.is_initialized() else None)
+
+    def use_global_aux_loss(self, model: nn.Module) -> None:
+        set_aux_loss_group(model, dist.group.WORLD if dist.is_initialized() else None)
 
     def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
         return gpt.linear_weights(model)

@@ -216,6 +216,13 @@ def _add_parallelism_arguments(p: argparse._ActionsContainer) -> None:
         help="with --dp-replicate: shard the optimizer state and main params across the replicas too",
     )
     p.add_argument(
+        "--moe-aux-loss",
+        default="local",
+        choices=["local", "global"],
+        help="MoE load-balancing loss over this rank's tokens (local), or over the whole batch of every "
+        "rank, token counts all-reduced (global: the loss and gradients do not depend on the layout)",
+    )
+    p.add_argument(
         "--comm-stream",
         action="store_true",
         help="GPU only: issue all-gathers and reduce-scatters from one CUDA stream of their own, so "
@@ -523,6 +530,11 @@ def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Modul
         except ValueError as e:
             raise UsageError(str(e)) from None
     source.after_shard(model)
+    if args.moe_aux_loss == "global":
+        try:
+            source.use_global_aux_loss(model)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.comm_stream:
         try:
             set_comm_stream(model, True)
@@ -851,12 +863,13 @@ class _Loop:
             raise UsageError(str(e)) from None
         loss_sum = torch.zeros((), device=self.device)
         for micro in tokens.chunk(args.micro_batches):
-            logits, aux_loss = self.source.forward(self.model, micro[:, :-1])
+            logits, aux_loss = self.source.forward(self.model, micro[:, :-1], micro[:, 1:])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
             ((loss + aux_loss) / args.micro_batches).backward()
             loss_sum += loss.detach() / args.micro_batches
         grad_norm = clip_grad_norm_(self.optim, args.clip)
         self.optim.step()
+        self.source.after_step(self.model)
         self.optim.zero_grad()
         # the loss and the ranks' stop requests in one all-reduce: every rank stops after the same step
         totals = torch.cat([loss_sum.reshape(1), torch.tensor(self.stops.pending(), device=self.device)])

@@ -47,7 +47,11 @@ class _Adapted:
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer`` (built over a ``fully_shard``-ed model's parameters) step on the local
-    fp32 shards. Call it once, before the first step. Returns the same optimizer object."""
+    fp32 shards. Call it once, before the first step. Returns the same optimizer object.
+
+    Frozen parameters (``requires_grad=False``, e.g. a router's expert bias) are left out of the
+    groups: torch's optimizers skip them anyway, as they never get a gradient, so
+    ``AdamW(model.parameters())`` works as it does on an unsharded model."""
     if hasattr(optimizer, _ADAPTED_ATTR):
         raise ValueError("fully_shard_optimizer: this optimizer is already adapted")
     if optimizer.state:
@@ -56,6 +60,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     for g, group in enumerate(optimizer.param_groups):
         shard_params = []
         for p in group["params"]:
+            if not p.requires_grad:
+                continue
             owner = owner_of(p)
             if owner is None:
                 raise ValueError(

@@ -20,6 +20,7 @@ __all__ = [
     "HFConfigReader",
     "common_to_hf",
     "common_from_hf",
+    "read_rope",
     "model_config",
     "model_type_of",
     "hf_classes_of",
@@ -231,18 +232,8 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
         raise r.bad(
             "head_dim", f"at most {MAX_WIDTH} // num_attention_heads ({heads}) = {MAX_WIDTH // heads}", head_dim
         )
-    rope = r.section("rope_parameters")
-    _, scaling, _ = r._lookup("rope_scaling", None)
-    if scaling is not None and not isinstance(scaling, dict):
-        raise r.bad("rope_scaling", "an object or null", scaling)
-    rope_type = rope.text(("rope_type", "type"), "default")
-    r.refuse(rope_type == "default", f"rope_parameters.rope_type={rope_type!r} (only plain RoPE)")
-    if isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        r.refuse(kind in (None, "default"), f"rope_scaling={short_repr(scaling)} (only plain RoPE)")
     act = r.text("hidden_act", "silu")
     r.refuse(act in ("silu", "swish"), f"hidden_act={act!r} (only SwiGLU with silu)")
-    theta = r.number("rope_theta", 10000.0, lo=0.0, above=True)
     return {
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -250,11 +241,42 @@ def common_from_hf(r: HFConfigReader, *, tie_default: bool) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "kv_channels": head_dim,
-        "rotary_base": rope.number("rope_theta", theta, lo=0.0, above=True),
+        **read_rope(r, allow_yarn=False),
         "norm_epsilon": r.number("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, below=True),
         "seq_length": r.integer("max_position_embeddings", 2048, hi=MAX_POSITIONS),
         "tie_embeddings": r.flag("tie_word_embeddings", tie_default),
     }
+
+
+def read_rope(r: HFConfigReader, *, allow_yarn: bool) -> dict[str, Any]:
+    """The RoPE fields of our model config: the base, and YaRN's when ``allow_yarn`` and the
+    config stretches RoPE that way (``rope_parameters`` of transformers 5, or ``rope_scaling``
+    of 4.x and DeepSeek's own configs); any other scaling is noted as inexpressible."""
+    rope = r.section("rope_parameters")
+    _, scaling, _ = r._lookup("rope_scaling", None)
+    if scaling is not None and not isinstance(scaling, dict):
+        raise r.bad("rope_scaling", "an object or null", scaling)
+    rope_type = rope.text(("rope_type", "type"), "default")
+    scaled = r.section("rope_scaling")
+    scaling_type = scaled.text(("rope_type", "type"), "default")
+    theta = rope.number("rope_theta", r.number("rope_theta", 10000.0, lo=0.0, above=True), lo=0.0, above=True)
+    kinds = {rope_type, scaling_type} - {"default"}
+    if allow_yarn and kinds == {"yarn"}:
+        source = rope if rope_type == "yarn" else scaled
+        return {
+            "rotary_base": theta,
+            "rope_type": "yarn",
+            "rotary_scaling_factor": source.number("factor", lo=1.0),
+            "original_max_position_embeddings": source.integer("original_max_position_embeddings", hi=MAX_POSITIONS),
+            "beta_fast": source.number("beta_fast", 32.0, lo=0.0, above=True),
+            "beta_slow": source.number("beta_slow", 1.0, lo=0.0, above=True),
+            "mscale": source.number("mscale", 1.0, lo=0.0),
+            "mscale_all_dim": source.number("mscale_all_dim", 0.0, lo=0.0),
+        }
+    allowed = "plain RoPE or YaRN" if allow_yarn else "only plain RoPE"
+    r.refuse(rope_type == "default", f"rope_parameters.rope_type={rope_type!r} ({allowed})")
+    r.refuse(scaling_type == "default", f"rope_scaling={short_repr(scaling)} ({allowed})")
+    return {"rotary_base": theta}
 
 
 #: the ``config.json`` fields each ``ModelShape`` field is read from, to name them in its errors
@@ -270,6 +292,12 @@ _HF_FIELDS = {
     "num_experts": "num_experts",
     "moe_router_topk": "num_experts_per_tok",
     "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_router_num_groups": "n_group",
+    "moe_router_group_topk": "topk_group",
+    "first_k_dense_replace": "first_k_dense_replace",
+    "kv_lora_rank": "kv_lora_rank",
+    "q_lora_rank": "q_lora_rank",
+    "layer_kinds": "layer_types",
 }
 
 

@@ -2,14 +2,25 @@
 (Megatron-Core TE names, without the ``model.`` prefix) and HF hub keys.
 
 An architecture is a list of :class:`Rule` templates. ``{i}`` in a template is the layer index,
-``{e}`` the *global* expert index; a rule applies only when its ``when`` predicate holds for the
-model config. Each rule kind knows how one canonical tensor becomes its HF tensors and back:
+``{e}`` the *global* expert index, ``{k}`` the depth of a multi-token-prediction (MTP) layer and,
+in HF templates, ``{n}`` the HF layer index of MTP depth k (``num_layers + k``: DeepSeek stores
+its MTP layers after the decoder's). A rule applies only when its ``when`` predicate holds for the
+model config, and a layer rule only on the layers its ``layers`` predicate picks (dense or MoE
+layers, attention or linear-attention layers). Layer rules apply to the MTP layers' transformer
+layers too when the architecture names where those live (``Architecture.mtp_layer``). Each rule
+kind knows how one canonical tensor becomes its HF tensors and back:
 
 * :class:`Direct` — the same tensor under another name;
+* :class:`Replicated` — one tensor stored several times by HF (DeepSeek's MTP layers repeat the
+  embedding and the output head): written to every name, read from the first and checked
+  equal to the others;
 * :class:`FusedQKV` — ``linear_qkv.{weight,bias}``, rows laid out per query group (the group's
   q heads, then its k head, then its v head) ⇄ ``q_proj`` / ``k_proj`` / ``v_proj`` (head-major);
 * :class:`GatedMLP` — ``linear_fc1.weight = [gate; up]`` ⇄ ``gate_proj`` / ``up_proj``
   (also Mixtral's ``w1`` / ``w3`` and shared experts).
+
+Architecture modules may add rule kinds of their own (e.g. Qwen3-Next's gated attention and
+gated DeltaNet projections).
 
 :func:`expand` turns the templates into concrete :class:`Conversion` s for one config and checks
 that no canonical key and no HF key is produced twice, so that every export / import consumes
@@ -32,6 +43,7 @@ __all__ = [
     "Predicate",
     "Rule",
     "Direct",
+    "Replicated",
     "FusedQKV",
     "GatedMLP",
     "Conversion",
@@ -43,6 +55,13 @@ __all__ = [
     "qk_norm",
     "qkv_bias",
     "shared_expert",
+    "moe_layer",
+    "dense_layer",
+    "attention_layer",
+    "linear_attention_layer",
+    "LAYER",
+    "HF_LAYER",
+    "expand_theirs",
     "canonical_shapes",
     "check_against",
     "count_their_keys",
@@ -50,6 +69,12 @@ __all__ = [
 ]
 
 Predicate = Callable[[ModelShape], bool]
+#: which layers (0-based; MTP layers count on from ``num_layers``) a layer rule applies to
+LayerPredicate = Callable[[ModelShape, int], bool]
+
+#: the canonical prefix of decoder layer ``{i}``, and the HF one of the Llama family
+LAYER = "decoder.layers.{i}."
+HF_LAYER = "model.layers.{i}."
 
 
 def always(_: ModelShape) -> bool:
@@ -80,6 +105,22 @@ def shared_expert(c: ModelShape) -> bool:
     return c.num_experts > 0 and c.moe_shared_expert_ffn_hidden_size > 0
 
 
+def moe_layer(c: ModelShape, layer: int) -> bool:
+    return c.is_moe_layer(layer)
+
+
+def dense_layer(c: ModelShape, layer: int) -> bool:
+    return not c.is_moe_layer(layer)
+
+
+def attention_layer(c: ModelShape, layer: int) -> bool:
+    return c.layer_kind(layer) == "attention"
+
+
+def linear_attention_layer(c: ModelShape, layer: int) -> bool:
+    return c.layer_kind(layer) == "linear_attention"
+
+
 @dataclass(frozen=True)
 class Rule:
     """One canonical key template ⇄ one or more HF key templates (see the module docstring)."""
@@ -87,6 +128,7 @@ class Rule:
     ours: str
     theirs: tuple[str, ...] | str
     when: Predicate = field(default=always, compare=False)
+    layers: LayerPredicate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.theirs, str):
@@ -128,6 +170,28 @@ class Direct(Rule):
 
     def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         return tensors[0].contiguous()
+
+
+class Replicated(Rule):
+    """One tensor that HF stores under every name of ``theirs`` (a template with ``{n}`` stands
+    for one name per MTP layer): written to each, read from the first and checked equal to the
+    rest (a checkpoint whose copies differ cannot be one of our models)."""
+
+    def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
+        return [torch.Size(shape)] * len(expand_theirs(self.theirs, c))
+
+    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
+        return [tensor] * len(expand_theirs(self.theirs, c))
+
+    def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
+        first = tensors[0]
+        for n, other in enumerate(tensors[1:], 1):
+            if not torch.equal(first, other):
+                names = expand_theirs(self.theirs, c)
+                raise ConversionError(
+                    f"tensor {names[n]!r} differs from {names[0]!r}; this architecture stores one tensor under both names"
+                )
+        return first.contiguous()
 
 
 class FusedQKV(Rule):
@@ -173,6 +237,17 @@ class GatedMLP(Rule):
         return torch.cat(tensors, dim=0).contiguous()
 
 
+def expand_theirs(theirs: tuple[str, ...], c: ModelShape) -> tuple[str, ...]:
+    """``theirs`` with every template holding ``{n}`` (outside an MTP rule) written once per MTP
+    layer."""
+    out: list[str] = []
+    for t in theirs:
+        out.extend(
+            t.replace("{n}", str(c.num_layers + k)) for k in range(c.mtp_num_layers)
+        ) if "{n}" in t else out.append(t)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Conversion:
     """One rule at one layer / expert: canonical key ``ours`` (with the ``model.`` prefix) ⇄
@@ -200,28 +275,54 @@ class Architecture:
     unsupported: Callable[[ModelShape], list[str]]
     to_hf_config: Callable[[ModelShape], dict]
     from_hf_config: Callable[[dict, str], ModelShape]
+    #: the HF prefix of MTP depth ``{k}``'s transformer layer (``{n}``: its HF layer index); empty:
+    #: this architecture maps no MTP layers
+    mtp_layer: str = ""
 
 
-def _fill(template: str, i: int | None, e: int | None) -> str:
-    return template.replace("{i}", str(i)).replace("{e}", str(e))
+def _fill(template: str, i: int | None, e: int | None, k: int | None, c: ModelShape) -> str:
+    out = template.replace("{i}", str(i)).replace("{e}", str(e))
+    if k is not None:
+        out = out.replace("{k}", str(k)).replace("{n}", str(c.num_layers + k))
+    return out
+
+
+def _layer_slots(arch: Architecture, c: ModelShape) -> list[tuple[int, int | None]]:
+    """``(layer index, MTP depth or None)`` of every layer the layer rules apply to."""
+    slots: list[tuple[int, int | None]] = [(i, None) for i in range(c.num_layers)]
+    if arch.mtp_layer:
+        slots += [(c.num_layers + k, k) for k in range(c.mtp_num_layers)]
+    return slots
+
+
+def _at_layer(rule: Rule, arch: Architecture, k: int | None) -> tuple[str, tuple[str, ...]]:
+    """A layer rule's templates for a decoder layer (``k`` None) or MTP depth ``k``'s layer."""
+    if k is None:
+        return rule.ours, rule.theirs
+    theirs = tuple(t.replace(HF_LAYER, arch.mtp_layer) for t in rule.theirs)
+    return rule.ours.replace(LAYER, "mtp.layers.{k}.transformer_layer."), theirs
 
 
 def expand(arch: Architecture, c: ModelShape) -> list[Conversion]:
     """The concrete conversions of ``arch`` for config ``c``, in HF key order (rules outside
-    layers where they stand; a run of layer rules repeated per layer, expert rules per expert).
-    Raises if two conversions share a canonical or an HF key (a broken mapping)."""
+    layers where they stand; a run of layer rules repeated per layer, decoder layers then MTP
+    layers, expert rules per expert; MTP rules per MTP layer). Raises if two conversions share a
+    canonical or an HF key (a broken mapping)."""
     out: list[Conversion] = []
     block: list[Rule] = []
 
-    def emit(rule: Rule, i: int | None) -> None:
-        experts = range(c.num_experts) if "{e}" in rule.ours else [None]
+    def emit(rule: Rule, ours: str, theirs: tuple[str, ...], i: int | None, k: int | None) -> None:
+        experts = range(c.num_experts) if "{e}" in ours else [None]
+        theirs = theirs if k is not None else expand_theirs(theirs, c)
         for e in experts:
-            out.append(Conversion(rule, model_key(_fill(rule.ours, i, e)), tuple(_fill(t, i, e) for t in rule.theirs)))
+            filled = tuple(_fill(t, i, e, k, c) for t in theirs)
+            out.append(Conversion(rule, model_key(_fill(ours, i, e, k, c)), filled))
 
     def flush() -> None:
-        for i in range(c.num_layers):
+        for i, k in _layer_slots(arch, c):
             for rule in block:
-                emit(rule, i)
+                if rule.layers is None or rule.layers(c, i):
+                    emit(rule, *_at_layer(rule, arch, k), i, k)
         block.clear()
 
     for rule in arch.rules:
@@ -229,9 +330,10 @@ def expand(arch: Architecture, c: ModelShape) -> list[Conversion]:
             continue
         if "{i}" in rule.ours:
             block.append(rule)
-        else:
-            flush()
-            emit(rule, None)
+            continue
+        flush()
+        for k in range(c.mtp_num_layers) if "{k}" in rule.ours else [None]:
+            emit(rule, rule.ours, rule.theirs, None, k)
     flush()
     seen_ours: set[str] = set()
     seen_theirs: set[str] = set()
@@ -256,13 +358,16 @@ def count_their_keys(arch: Architecture, c: ModelShape) -> int:
     compares it with the tensors the files hold before expanding anything, so a config that
     declares a million layers costs nothing."""
     n = 0
+    slots = _layer_slots(arch, c)
     for rule in arch.rules:
-        if rule.when(c):
-            n += (
-                len(rule.theirs)
-                * (c.num_layers if "{i}" in rule.ours else 1)
-                * (c.num_experts if "{e}" in rule.ours else 1)
-            )
+        if not rule.when(c):
+            continue
+        if "{i}" in rule.ours:
+            layers = sum(1 for i, _ in slots if rule.layers is None or rule.layers(c, i))
+        else:
+            layers = c.mtp_num_layers if "{k}" in rule.ours else 1
+        theirs = len(rule.theirs) if "{k}" in rule.ours or "{i}" in rule.ours else len(expand_theirs(rule.theirs, c))
+        n += theirs * layers * (c.num_experts if "{e}" in rule.ours else 1)
     return n
 
 

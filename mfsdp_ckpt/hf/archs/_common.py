@@ -4,13 +4,13 @@ An architecture module lists its rules by composing these groups with its own.""
 
 from __future__ import annotations
 
-from mfsdp_ckpt.hf.mapping import Direct, FusedQKV, GatedMLP, Rule, untied
+from mfsdp_ckpt.hf.mapping import HF_LAYER, LAYER, Direct, FusedQKV, GatedMLP, Rule, dense_layer, moe_layer, untied
 from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 #: canonical layer prefix (``model.`` is added by :func:`mfsdp_ckpt.hf.mapping.expand`)
-L = "decoder.layers.{i}."
+L = LAYER
 #: HF layer prefix
-H = "model.layers.{i}."
+H = HF_LAYER
 
 EMBEDDING = Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight")
 #: final norm, and the output head unless it is tied to the embedding
@@ -20,9 +20,9 @@ HEAD = (
 )
 #: SwiGLU MLP of a dense layer, with its pre-norm fused into ``linear_fc1``
 DENSE_MLP = (
-    Direct(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight"),
-    GatedMLP(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight")),
-    Direct(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight"),
+    Direct(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight", layers=dense_layer),
+    GatedMLP(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), layers=dense_layer),
+    Direct(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", layers=dense_layer),
 )
 
 
@@ -51,17 +51,50 @@ def moe_mlp(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Ru
     """An MoE layer: pre-norm, router, and per-expert SwiGLU weights under HF's ``expert``
     prefix (``{e}`` = global expert index) with its names for the gate / up / down projections."""
     return (
-        Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
-        Direct(L + "mlp.router.weight", H + router),
-        GatedMLP(L + "mlp.experts.linear_fc1.weight{e}", (H + expert + gate, H + expert + up)),
-        Direct(L + "mlp.experts.linear_fc2.weight{e}", H + expert + down),
+        Direct(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight", layers=moe_layer),
+        Direct(L + "mlp.router.weight", H + router, layers=moe_layer),
+        GatedMLP(L + "mlp.experts.linear_fc1.weight{e}", (H + expert + gate, H + expert + up), layers=moe_layer),
+        Direct(L + "mlp.experts.linear_fc2.weight{e}", H + expert + down, layers=moe_layer),
     )
 
 
-def feature_problems(c: ModelShape, *, moe: bool, qk_norm: bool, qkv_bias: bool) -> list[str]:
-    """What in ``c`` differs from an architecture that has MoE layers (or not), q/k norms (or
-    not) and q/k/v biases (or not): those are fixed by the architecture, not configurable."""
+#: model-config fields of features only some architectures have: field -> (its plain value, what
+#: it is called when set)
+_EXTENSIONS = {
+    "multi_latent_attention": (False, "multi-latent attention"),
+    "rope_type": ("rope", "scaled RoPE"),
+    "first_k_dense_replace": (0, "dense layers before the MoE layers"),
+    "moe_router_enable_expert_bias": (False, "a router expert bias"),
+    "moe_router_num_groups": (0, "group-limited routing"),
+    "moe_router_topk_scaling_factor": (1.0, "scaled routing weights"),
+    "moe_shared_expert_gate": (False, "a gated shared expert"),
+    "mtp_num_layers": (0, "multi-token prediction layers"),
+    "layer_kinds": ((), "linear-attention layers"),
+    "attention_output_gate": (False, "gated attention"),
+    "rotary_percent": (1.0, "partial RoPE"),
+    "layernorm_zero_centered_gamma": (False, "zero-centered norms"),
+}
+
+
+def extension_problems(c: ModelShape, allowed: frozenset[str] = frozenset()) -> list[str]:
+    """The features of ``c`` (from :data:`_EXTENSIONS`) that an architecture not listing them
+    in ``allowed`` cannot express."""
     out = []
+    for name, (plain, what) in _EXTENSIONS.items():
+        value = getattr(c, name)
+        if name not in allowed and value != plain and not (name == "layer_kinds" and set(value) <= {"attention"}):
+            shown = list(value) if isinstance(value, tuple) else value
+            out.append(f"{what} ({name}={shown!r})")
+    return out
+
+
+def feature_problems(
+    c: ModelShape, *, moe: bool, qk_norm: bool, qkv_bias: bool, allowed: frozenset[str] = frozenset()
+) -> list[str]:
+    """What in ``c`` differs from an architecture that has MoE layers (or not), q/k norms (or
+    not) and q/k/v biases (or not): those are fixed by the architecture, not configurable; and
+    the features of the newer families the architecture has not (``allowed``: those it has)."""
+    out = extension_problems(c, allowed)
     if moe and c.num_experts == 0:
         out.append("a dense model (num_experts=0); this architecture has MoE layers")
     if not moe and c.num_experts > 0:
