@@ -345,6 +345,60 @@ def reshard(
         click.echo(f"dropped {len(result.dropped)} entries ({shown_list(result.dropped, 4)})")
 
 
+@main.command(short_help="Make an MoE checkpoint whose experts are copies of a dense checkpoint's MLP (upcycling).")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--num-experts", type=int, required=True, help="experts per layer (E >= 1)")
+@click.option("--topk", type=int, required=True, help="experts each token is routed to (K in [1, E])")
+@click.option(
+    "--granularity",
+    type=int,
+    default=1,
+    show_default=True,
+    help="each expert holds one of G slices of the dense FFN (G divides E, K and the FFN size)",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the routers' random initialisation")
+@click.option("--overwrite", is_flag=True, help="replace DST if it exists")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def upcycle(
+    src: str,
+    dst: str,
+    num_experts: int,
+    topk: int,
+    granularity: int,
+    seed: int,
+    overwrite: bool,
+    as_json: bool,
+) -> None:
+    """Write the dense checkpoint SRC as an MoE checkpoint DST that computes the same function:
+    every expert a copy of the dense MLP (or one of G slices of it), softmax top-K routing
+    renormalised, routers drawn at random (seeded). Weights only: the optimizer state is
+    dropped; train from DST with mfsdp-train --init-from DST."""
+    from mfsdp_ckpt.tools.upcycle import upcycle as run_upcycle
+
+    result = _run_with_progress(
+        "upcycle",
+        lambda bar: run_upcycle(
+            src,
+            dst,
+            num_experts=num_experts,
+            topk=topk,
+            granularity=granularity,
+            seed=seed,
+            overwrite=overwrite,
+            progress=bar,
+        ),
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+        return
+    granular = f", granularity {granularity}" if granularity != 1 else ""
+    click.echo(
+        f"wrote {result.path}: {num_experts} experts, top-{topk}{granular}, {result.tensors} tensors, "
+        f"{_human(result.bytes)} of data files, {result.seconds:.1f} s"
+    )
+
+
 @main.command(name="ls", short_help="List the checkpoints of a run directory and which is latest.")
 @click.argument("root")
 @click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")

@@ -30,6 +30,7 @@ COMMANDS = (
     "import-hf",
     "import-mcore",
     "export-mcore",
+    "upcycle",
 )
 
 
@@ -75,6 +76,7 @@ def documents(tmp_path_factory) -> dict[str, dict]:
     docs["export-hf"] = _json("export-hf", ckpt, str(tmp / "hf_out"))
     docs["export-mcore"] = _json("export-mcore", ckpt, str(tmp / "mc"))
     docs["import-mcore"] = _json("import-mcore", str(tmp / "mc"), str(tmp / "from_mc"), "--world-size", "1")
+    docs["upcycle"] = _json("upcycle", ckpt, str(tmp / "moe"), "--num-experts", "2", "--topk", "1")
     return docs
 
 
