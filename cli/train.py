@@ -261,13 +261,14 @@ def _add_precision_arguments(p: argparse._ActionsContainer) -> None:
 
 
 def _add_optimizer_arguments(p: argparse._ActionsContainer) -> None:
-    """The optimizer (AdamW or Muon) and the settings only Muon has."""
+    """The optimizer (AdamW, Muon or plain SGD) and the settings only Muon has."""
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=["adamw", "muon"],
-        help="adamw, or muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
-        "under flat policies) and AdamW for embeddings, output layer and vectors",
+        choices=["adamw", "muon", "sgd"],
+        help="adamw; muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
+        "under flat policies) and AdamW for embeddings, output layer and vectors; sgd: plain SGD (no "
+        "momentum; --weight-decay applies), whose step is a linear function of the gradient",
     )
     p.add_argument(
         "--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)"
@@ -544,10 +545,9 @@ def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Modul
         return model, fully_shard_optimizer(build_muon(model, args))
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
-    )
-    return model, fully_shard_optimizer(optim)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kind = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW
+    return model, fully_shard_optimizer(kind(groups, lr=args.lr))
 
 
 def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
@@ -744,12 +744,13 @@ def run_header(args: argparse.Namespace, source: ModelSource, world: int) -> lis
             "for the rest"
         )
     else:
-        optimizer = f"adamw (lr {args.lr:g})"
+        optimizer = f"{args.optimizer} (lr {args.lr:g})"
+    aux = ", MoE aux loss over all ranks' tokens" if args.moe_aux_loss == "global" else ""
     return [
         f"model {args.model}{kind}, {source.n_params():,} parameters, "
         f"world size {world}{ep}, strategy {args.strategy}, {policy}",
         f"precision compute {dtype[args.param_dtype]}{mx}; optimizer {optimizer}, min lr {args.min_lr:g}, "
-        f"warm-up {args.warmup}, weight decay {args.weight_decay:g}, clip {args.clip:g}",
+        f"warm-up {args.warmup}, weight decay {args.weight_decay:g}, clip {args.clip:g}{aux}",
         f"data {args.data or 'synthetic'}, batch {args.batch_size} x {args.seq_len} tokens"
         f"{f' in {args.micro_batches} micro-batches' if args.micro_batches > 1 else ''}, {args.steps} steps, "
         f"seed {args.seed}",
