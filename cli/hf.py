@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 
 from .common import LazyChoice, _human, _run, _run_with_progress, cast_choices
+
+if TYPE_CHECKING:
+    from mfsdp_ckpt.hf import ImportResult
 
 #: ``--workers``: threads converting at once (the bridge's default when not given: min(4, CPUs))
 _WORKERS = click.option(
@@ -24,7 +28,7 @@ _WORKERS = click.option(
 @click.option(
     "--arch",
     default=None,
-    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: inferred from the manifest",
+    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, qwen3_next); default: inferred from the manifest",
 )
 @click.option(
     "--dtype",
@@ -118,26 +122,50 @@ def export_hf(
 @click.option(
     "--arch",
     default=None,
-    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe); default: config.json's model_type",
+    help="architecture (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, qwen3_next); default: config.json's model_type",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default=None,
+    help="dtype every imported tensor is stored in; default: each keeps its HF dtype, and FP8 weights "
+    "(quant_method fp8, block scales) are dequantized to the dtype of most of the unquantized tensors "
+    "(bfloat16 for DeepSeek-V3) if bfloat16 or float32, else float32",
 )
 @_WORKERS
 @click.option("--overwrite", is_flag=True, help="replace CKPT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def import_hf(hf_dir: str, ckpt: str, arch: str | None, workers: int | None, overwrite: bool, as_json: bool) -> None:
+def import_hf(
+    hf_dir: str, ckpt: str, arch: str | None, dtype: str | None, workers: int | None, overwrite: bool, as_json: bool
+) -> None:
     """Convert the Hugging Face model directory HF_DIR (config.json + safetensors) into a committed
-    checkpoint CKPT with the model weights and config (train from it with --init-from)."""
+    checkpoint CKPT with the model weights and config (train from it with --init-from). Block-scaled
+    FP8 weights (DeepSeek-V3's format) and MXFP8 exports are dequantized on the way."""
     from mfsdp_ckpt.hf import import_
 
     result = _run_with_progress(
-        "import-hf", lambda bar: import_(hf_dir, ckpt, arch=arch, overwrite=overwrite, progress=bar, workers=workers)
+        "import-hf",
+        lambda bar: import_(hf_dir, ckpt, arch=arch, dtype=dtype, overwrite=overwrite, progress=bar, workers=workers),
     )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
+        for note in result.notes:
+            click.echo(f"note: {note}", err=True)
         click.echo(
-            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
-            f"of data files, {result.seconds:.1f} s"
+            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors ({_import_dtypes(result)}), "
+            f"{_human(result.bytes)} of data files, {result.seconds:.1f} s"
         )
+
+
+def _import_dtypes(result: ImportResult) -> str:
+    """What ``import-hf`` wrote, in words: the dtypes (``bfloat16``, or ``bfloat16 x20, float32 x3``)
+    and, for a quantized source, that its weights were dequantized from it."""
+    counts = result.dtypes
+    text = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{d} x{n}" for d, n in counts.items())
+    if result.quantization != "none":
+        text += f"; dequantized from {result.quantization}"
+    return text
 
 
 def _model_config_file(path: str) -> dict:

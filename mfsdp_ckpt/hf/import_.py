@@ -9,14 +9,18 @@ more than the files can back; then the headers are checked against the mapping (
 unexpected and misshapen tensors, pieces in mixed dtypes, integer or bool dtypes where the model
 has floating-point weights, all named) before a byte of data is read; then each conversion reads
 its HF tensors straight into their places in the canonical tensor (a merge without a copy) and
-appends the result to the checkpoint being built. Several worker threads (``workers=``) read and
+appends the result to the checkpoint being built. Quantized weights (our MXFP8 exports, and
+block-scaled FP8 as DeepSeek-V3 stores it: :mod:`mfsdp_ckpt.hf.fp8`) are dequantized one tensor at
+a time on the way; ``dtype=`` casts everything to one dtype. Several worker threads (``workers=``) read and
 merge at once; they append in conversion order, so the checkpoint is the same for any number.
 Nothing is visible at the destination until the checkpoint commits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import time
 import warnings
 from collections import Counter
@@ -25,10 +29,21 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt.errors import ConversionError, raise_key_problems
+from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.hf.config import model_type_of
 from mfsdp_ckpt.hf.files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
+from mfsdp_ckpt.hf.fp8 import QUANT_METHOD as FP8_METHOD
+from mfsdp_ckpt.hf.fp8 import (
+    FP8Layout,
+    default_dtype,
+    dequantize_blocks,
+    fp8_layout,
+    is_fp8,
+    is_fp8_config,
+    parse_fp8_config,
+)
+from mfsdp_ckpt.hf.fp8 import scale_name as fp8_scale_name
 from mfsdp_ckpt.hf.mapping import (
     Architecture,
     Conversion,
@@ -36,6 +51,7 @@ from mfsdp_ckpt.hf.mapping import (
     count_their_keys,
     expand,
     indices_held,
+    mtp_prefixes,
 )
 from mfsdp_ckpt.hf.mx import (
     E8M0,
@@ -47,12 +63,14 @@ from mfsdp_ckpt.hf.mx import (
     parse_quantization_config,
     scale_name,
 )
+from mfsdp_ckpt.hf.mx import QUANT_METHOD as MX_METHOD
 from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get_architecture
 from mfsdp_ckpt.hf.workers import Staging, Turns, check_workers, run_tasks
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, default_plan, meta_model
 from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_core.dtypes import dtype_by_name, dtype_name
 from mfsdp_core.mx import (
     BLOCK,
     MXFormat,
@@ -195,46 +213,68 @@ def _planes(fqn: str, weight: torch.Tensor, fmt: MXFormat) -> list[tuple[str, to
     return out
 
 
-def _staged(
-    hf: HFDirectory, conv: Conversion, shape: torch.Size, cfg: ModelShape, mx: _MXLayout, staging: Staging
-) -> tuple[torch.Tensor, int]:
-    """The canonical tensor of ``conv`` and the HF bytes read for it. Its HF tensors are read
-    straight into their places in the worker's staging buffer (the rule's views: a merge without
-    a copy); MX pieces are dequantized into theirs; a rule without views merges copies."""
-    theirs = [hf.tensors[k] for k in conv.theirs]
-    nbytes = sum(t.shape.numel() * t.dtype.itemsize for t in theirs)
-    quantized = conv.ours in mx.quantized
-    dtype = torch.float32 if quantized else theirs[0].dtype  # the pieces share one dtype (checked)
-    out = staging.tensor(dtype, shape)
-    views = conv.rule.views(out, cfg)
+class _Buffers:
+    """A worker's reused buffers (each grown to the largest request, see
+    :class:`~mfsdp_ckpt.hf.workers.Staging`): the canonical tensor being built; an HF tensor read
+    in a dtype other than the canonical one (FP8 bytes, or a piece to cast); an FP8 piece
+    dequantized apart from its place (a strided piece of a fused tensor); float32 bands."""
+
+    def __init__(self) -> None:
+        self.out, self.raw, self.piece, self.scratch = Staging(), Staging(), Staging(), Staging()
+
+
+def _staged(hf: HFDirectory, conv: Conversion, p: _ImportPlan, bufs: _Buffers) -> tuple[torch.Tensor, int]:
+    """The canonical tensor of ``conv``, in the dtype the plan writes it in, and the HF bytes read
+    for it (scales included). Its HF tensors are read straight into their places in the worker's
+    staging buffer (the rule's views: a merge without a copy) when they are in that dtype; other
+    pieces are cast or dequantized into theirs; a rule without views merges copies."""
+    keys = [*conv.theirs, *(p.scales[k] for k in conv.theirs if k in p.scales)]
+    nbytes = sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in keys)
+    out = bufs.out.tensor(p.dtypes[conv.ours], p.shapes[conv.ours])
+    views = conv.rule.views(out, p.cfg)
     if views is None:
-        pieces = [_read_piece(hf, key, quantized) for key in conv.theirs]
-        return out.copy_(conv.rule.merge(pieces, cfg)), nbytes + (_scale_bytes(hf, conv) if quantized else 0)
+        pieces = [_read_piece(hf, key, p, out.dtype) for key in conv.theirs]
+        return out.copy_(conv.rule.merge(pieces, p.cfg)), nbytes
     for key, view in zip(conv.theirs, views):
-        if quantized:
-            view.copy_(_read_piece(hf, key, True).reshape(view.shape))
-        else:
-            hf.read(key, out=view)
-    return out, nbytes + (_scale_bytes(hf, conv) if quantized else 0)
+        _read_into(hf, key, view, p, bufs)
+    return out, nbytes
 
 
-def _read_piece(hf: HFDirectory, key: str, quantized: bool) -> torch.Tensor:
-    """HF tensor ``key``; an MX weight dequantized to fp32 with its ``weight_scale_inv``."""
+def _read_into(hf: HFDirectory, key: str, view: torch.Tensor, p: _ImportPlan, bufs: _Buffers) -> None:
+    """HF tensor ``key`` into ``view`` (its place in the canonical tensor, in the dtype written):
+    read straight in when the dtypes agree; an FP8 weight dequantized band by band (into the view
+    itself when it is contiguous); an MX weight dequantized; anything else read and cast."""
+    t = hf.tensors[key]
+    if key in p.fp8.scales:
+        data = hf.read(key, out=bufs.raw.tensor(t.dtype, t.shape))
+        target = view.view(t.shape) if view.is_contiguous() else bufs.piece.tensor(view.dtype, t.shape)
+        dequantize_blocks(data, hf.read(p.fp8.scales[key]), p.fp8.fmt.block, target, bufs.scratch)
+        if not view.is_contiguous():
+            view.copy_(target.view(view.shape))
+    elif key in p.scales:  # MX
+        view.copy_(_read_piece(hf, key, p, view.dtype).reshape(view.shape))
+    elif t.dtype == view.dtype:
+        hf.read(key, out=view)
+    else:
+        view.copy_(hf.read(key, out=bufs.raw.tensor(t.dtype, t.shape)).view(view.shape))
+
+
+def _read_piece(hf: HFDirectory, key: str, p: _ImportPlan, dtype: torch.dtype) -> torch.Tensor:
+    """HF tensor ``key`` as a tensor of its own in ``dtype``: an FP8 weight dequantized with its
+    block scales, an MX weight with its E8M0 ``weight_scale_inv`` (fp32), others cast."""
     piece = hf.read(key)
-    return dequantize(piece, hf.read(scale_name(key)), "row") if quantized else piece
-
-
-def _scale_bytes(hf: HFDirectory, conv: Conversion) -> int:
-    return sum(hf.tensors[scale_name(k)].shape.numel() for k in conv.theirs)
+    if key in p.fp8.scales:
+        out = torch.empty(piece.shape, dtype=dtype)
+        return dequantize_blocks(piece, hf.read(p.fp8.scales[key]), p.fp8.fmt.block, out)
+    if key in p.scales:
+        return dequantize(piece, hf.read(p.scales[key]), "row")
+    return piece.to(dtype)
 
 
 def _convert_all(
     hf: HFDirectory,
     builder: CheckpointBuilder,
-    conversions: list[Conversion],
-    shapes: dict[str, torch.Size],
-    cfg: ModelShape,
-    mx: _MXLayout,
+    p: _ImportPlan,
     workers: int,
     progress: Callable[[int, int], None] | None,
     total: int,
@@ -248,10 +288,11 @@ def _convert_all(
     written: Counter[str] = Counter()
     written_bytes = [0]  # what went into the data file (canonical tensors and MX planes), not what was read
     turns = Turns()
+    shapes, mx = p.shapes, p.mx
 
-    def do(staging: Staging, task: tuple[int, Conversion]) -> int:
+    def do(bufs: _Buffers, task: tuple[int, Conversion]) -> int:
         i, conv = task
-        tensor, nbytes = _staged(hf, conv, shapes[conv.ours], cfg, mx, staging)
+        tensor, nbytes = _staged(hf, conv, p, bufs)
         if tensor.shape != shapes[conv.ours]:
             raise ConversionError(
                 f"{hf.path}: {conv.ours} came out {tuple(tensor.shape)}, expected {tuple(shapes[conv.ours])}"
@@ -265,16 +306,16 @@ def _convert_all(
             written[conv.ours] += 1
             written_bytes[0] += sum(t.numel() * t.element_size() for t in [tensor, *(pl for _, pl in planes)])
             consumed.update(conv.theirs)
-            if conv.ours in mx.quantized:
-                consumed.update(scale_name(k) for k in conv.theirs)
+            consumed.update(p.scales[k] for k in conv.theirs if k in p.scales)
         for record in records:  # off the turn: the next append goes on while the disk starts on this one
             builder.start_writeback(record)
         return nbytes
 
     report = progress_adder(progress, total)
 
-    run_tasks(list(enumerate(conversions)), workers, Staging, do, progress=report, turns=turns)
-    wrong = sorted([k for k in hf.tensors if consumed[k] != 1] + [k for k in shapes if written[k] != 1])
+    run_tasks(list(enumerate(p.conversions)), workers, _Buffers, do, progress=report, turns=turns)
+    unread = [k for k in hf.tensors if k not in p.left_out and consumed[k] != 1]
+    wrong = sorted(unread + [k for k in shapes if written[k] != 1])
     if wrong:
         raise ConversionError(f"{hf.path}: not consumed / written exactly once: {', '.join(wrong)}")
     return written_bytes[0]
@@ -288,6 +329,13 @@ class ImportResult:
     bytes: int  # tensor bytes written into the checkpoint's data file
     model_config: dict[str, Any]
     seconds: float = 0.0
+    #: the source's quantization (``quantization_config.quant_method``: ``fp8``, ``mxfp8``), or ``none``
+    quantization: str = "none"
+    #: canonical tensors written per dtype name
+    dtypes: dict[str, int] = field(default_factory=dict)
+    #: what the import did that the directory did not ask for, in words (tensors left out, MTP
+    #: layers a config declares that the files do not hold)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -332,13 +380,15 @@ def _check_headers(
     conversions: list[Conversion],
     planned: dict[str, torch.Size],
     expected: dict[str, torch.Size],
+    left_out: set[str],
 ) -> None:
     """Refuse, in one error naming every problem and before a byte of data is read, files whose
-    headers do not match the mapping: missing, unexpected and misshapen tensors, the pieces of one
-    canonical tensor in mixed dtypes, and non-floating dtypes over the model's weights."""
+    headers do not match the mapping: missing, unexpected (not ``left_out``) and misshapen
+    tensors, the pieces of one canonical tensor in mixed dtypes, and non-floating dtypes over the
+    model's weights."""
     present = hf.tensors
     missing = sorted(set(expected) - set(present))
-    unexpected = sorted(set(present) - set(expected))
+    unexpected = sorted(set(present) - set(expected) - left_out)
     misshapen = sorted(
         f"{k} (file {tuple(present[k].shape)}, config {tuple(expected[k])})"
         for k in set(expected) & set(present)
@@ -376,42 +426,192 @@ def _placement_plan(cfg: ModelShape, model: ShapeModel, mx: _MXLayout) -> ModelP
     return default_plan(cfg, model)
 
 
+#: what ``dtype=`` (``import-hf --dtype``) may store every imported tensor in
+IMPORT_DTYPES = ("bfloat16", "float32")
+
+
+def _requested_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``dtype=`` as a torch dtype (a name or a dtype of :data:`IMPORT_DTYPES`); None: not given."""
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    if name not in IMPORT_DTYPES:
+        raise ConversionError(f"dtype {short_repr(dtype)}: expected one of {', '.join(IMPORT_DTYPES)}")
+    return dtype_by_name(name)
+
+
+def _quantized_layouts(
+    hf: HFDirectory, conversions: list[Conversion], shapes: dict[str, torch.Size], planned: dict[str, torch.Size]
+) -> tuple[_MXLayout, FP8Layout]:
+    """What ``quantization_config`` makes of the directory, checked against the files before
+    anything is read: block-scaled FP8 (``quant_method "fp8"``: :mod:`mfsdp_ckpt.hf.fp8`), our MX
+    exports (``"mxfp8"``), or nothing quantized (no ``quantization_config``); any other method
+    is refused, naming it (a malformed config by the MX reader)."""
+    config_path = os.path.join(hf.path, "config.json")
+    qc = hf.config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if isinstance(method, str) and method not in (FP8_METHOD, MX_METHOD):
+        raise ConversionError(
+            f"{config_path}: quantization_config.quant_method {short_repr(method)} is not supported "
+            f"(import-hf reads {FP8_METHOD!r}, block-scaled FP8, and {MX_METHOD!r})"
+        )
+    if is_fp8_config(qc):
+        fmt = parse_fp8_config(qc, config_path)
+        return _MXLayout(), fp8_layout(hf.path, hf.tensors, planned, fmt, config_path)
+    return _mx_layout(hf, conversions, shapes, planned), FP8Layout()
+
+
+def _refuse_unscaled_fp8(
+    hf: HFDirectory, planned: dict[str, torch.Size], scales: dict[str, str], *, scaled_only: bool = False
+) -> None:
+    """Refuse an FP8 tensor of the mapping that no quantization the config states accounts for
+    (no ``quantization_config``, or an MX one that does not list it): without its scales its
+    bytes are not the weights. One line naming the file and the tensor. ``scaled_only``: only
+    those with a ``weight_scale_inv`` next to them (checked before the headers, which would call
+    those scales unexpected tensors; lone FP8 tensors are checked after, so that a relabelled
+    header is named as such first)."""
+    qc = hf.config.get("quantization_config")
+    for key in sorted(planned):
+        t = hf.tensors.get(key)
+        if t is None or key in scales or not is_fp8(t.dtype):
+            continue
+        if scaled_only and not (key.endswith(".weight") and fp8_scale_name(key) in hf.tensors):
+            continue
+        why = (
+            "config.json has no quantization_config"
+            if qc is None
+            else f"quantization_config (quant_method {short_repr(qc.get('quant_method'))}) does not quantize it"
+        )
+        raise ConversionError(
+            f"{os.path.join(hf.path, t.file)}: tensor {key!r} is {hf_safetensors_name(t.dtype)}, but {why} "
+            "(FP8 weights are read with their scales: quant_method 'fp8' and its weight_block_size, or 'mxfp8')"
+        )
+
+
+def _written_dtypes(
+    hf: HFDirectory, conversions: list[Conversion], mx: _MXLayout, fp8: FP8Layout, requested: torch.dtype | None
+) -> dict[str, torch.dtype]:
+    """The dtype each canonical tensor is written in: ``requested`` (``dtype=``) for all; without
+    it, an FP8 weight in :func:`~mfsdp_ckpt.hf.fp8.default_dtype` (that of the unquantized
+    tensors) and anything else in its HF dtype. MX weights are float32 (their planes are derived
+    from them): ``dtype="bfloat16"`` is refused for an MX directory."""
+    if mx.quantized and requested not in (None, torch.float32):
+        raise ConversionError(
+            f"{hf.path}: dtype {dtype_name(requested)}: the MX weights of an MX directory are imported in float32 "
+            "(their MX planes are derived from them); give float32 or no dtype"
+        )
+    planned = {k for conv in conversions for k in conv.theirs}
+    deq = requested or (default_dtype(hf.tensors, planned, fp8.scales) if fp8.scales else None)
+    out: dict[str, torch.dtype] = {}
+    for conv in conversions:
+        if conv.ours in mx.quantized:
+            out[conv.ours] = torch.float32
+        elif conv.theirs[0] in fp8.scales:  # the pieces share one dtype (checked)
+            out[conv.ours] = deq
+        else:
+            out[conv.ours] = requested or hf.tensors[conv.theirs[0]].dtype
+    return out
+
+
 @dataclass
 class _ImportPlan:
     """An import, checked against the directory's config and headers before any data is read:
     the architecture, the model shape, the conversions with the canonical shapes they produce,
-    the MX layout, every HF tensor expected (by key, with its shape) and the placement plan."""
+    the MX and FP8 layouts, the scale tensor of every quantized HF weight, every HF tensor
+    expected (by key, with its shape), the placement plan, and the dtype each canonical tensor
+    is written in."""
 
     architecture: Architecture
     cfg: ModelShape
     conversions: list[Conversion]
     shapes: dict[str, torch.Size]
     mx: _MXLayout
+    fp8: FP8Layout
+    scales: dict[str, str]
     expected: dict[str, torch.Size]
     plan: ModelPlan
+    dtypes: dict[str, torch.dtype]
+    notes: list[str]
+    left_out: set[str]  # HF tensors the architecture leaves out
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """What the source's quantization was, for the manifest (None: not quantized)."""
+        if self.fp8.fmt is not None and self.fp8.scales:
+            deq = sorted({dtype_name(self.dtypes[c.ours]) for c in self.conversions if c.theirs[0] in self.fp8.scales})
+            return {**self.fp8.fmt.to_dict(), "weights": len(self.fp8.scales), "dequantized_to": deq[0]}
+        if self.mx.quantized:
+            mx = {"element": self.mx.fmt.element, "rule": self.mx.fmt.rule}
+            return {"quant_method": "mxfp8", **mx, "weights": len(self.scales), "dequantized_to": "float32"}
+        return None
+
+    def dtype_counts(self) -> dict[str, int]:
+        """Canonical tensors written per dtype name."""
+        return dict(sorted(Counter(dtype_name(d) for d in self.dtypes.values()).items()))
 
 
-def _plan_import(hf: HFDirectory, arch: str | None) -> _ImportPlan:
+def _plan_import(hf: HFDirectory, arch: str | None, requested: torch.dtype | None) -> _ImportPlan:
     """Everything an import of ``hf`` will do, from its config and headers alone, every check in
     order: the architecture and model shape; the declared counts against the files (before anything
-    is expanded per layer or expert); the mapping against the model; the MX layout; the headers."""
+    is expanded per layer or expert); the mapping against the model; the quantized weights and
+    their scales (MX or block-scaled FP8); the headers; FP8 tensors no quantization accounts for;
+    the dtype each tensor is written in."""
     architecture = _architecture_for(hf, arch)
-    cfg = _model_shape(hf, architecture)
+    cfg, notes = _without_absent_mtp(hf, architecture, _model_shape(hf, architecture))
     check_counts_against_files(architecture, cfg, hf.config, hf.tensors, os.path.join(hf.path, "config.json"))
+    left_out, ignored_notes = _ignored(hf, architecture)
     conversions = expand(architecture, cfg)
     model = meta_model(cfg)  # built once: for the shapes now, for the plan once the files match
     shapes = check_against(conversions, cfg, architecture, model)
     planned = _hf_shapes(conversions, shapes, cfg)
-    mx = _mx_layout(hf, conversions, shapes, planned)  # MX exports: the quantized conversions and their scales
-    expected = {**planned, **mx.scale_shapes}
-    _check_headers(hf, architecture, conversions, planned, expected)
+    mx, fp8 = _quantized_layouts(hf, conversions, shapes, planned)
+    scales = {k: scale_name(k) for conv in conversions if conv.ours in mx.quantized for k in conv.theirs}
+    scales.update(fp8.scales)
+    expected = {**planned, **mx.scale_shapes, **fp8.scale_shapes}
+    _refuse_unscaled_fp8(hf, planned, scales, scaled_only=True)
+    _check_headers(hf, architecture, conversions, planned, expected, left_out)
+    _refuse_unscaled_fp8(hf, planned, scales)
+    dtypes = _written_dtypes(hf, conversions, mx, fp8, requested)
     plan = _placement_plan(cfg, model, mx)
-    return _ImportPlan(architecture, cfg, conversions, shapes, mx, expected, plan)
+    notes += ignored_notes
+    return _ImportPlan(architecture, cfg, conversions, shapes, mx, fp8, scales, expected, plan, dtypes, notes, left_out)
+
+
+def _without_absent_mtp(hf: HFDirectory, architecture: Architecture, cfg: ModelShape) -> tuple[ModelShape, list[str]]:
+    """``cfg`` without its MTP layers when the files hold none of their tensors (transformers
+    saves a DeepSeek-V3 model without them, its config still declaring them), and the note
+    saying so; ``cfg`` itself otherwise (some of them missing is the general check's)."""
+    prefixes = mtp_prefixes(architecture, cfg) if cfg.mtp_num_layers else set()
+    if not prefixes or any(key.startswith(p) for key in hf.tensors for p in prefixes):
+        return cfg, []
+    return dataclasses.replace(cfg, mtp_num_layers=0), [
+        f"config.json declares {cfg.mtp_num_layers} multi-token-prediction layer(s), the files hold none of "
+        "their tensors: imported without them"
+    ]
+
+
+def _ignored(hf: HFDirectory, architecture: Architecture) -> tuple[set[str], list[str]]:
+    """The HF tensors ``architecture`` leaves out, and a note per pattern that matched."""
+    left_out: set[str] = set()
+    notes = []
+    for pattern, why in architecture.ignored:
+        regex = re.compile(pattern)
+        matched = {k for k in hf.tensors if regex.fullmatch(k)}
+        if matched:
+            left_out |= matched
+            notes.append(f"left out {len(matched)} tensor(s) matching {pattern} ({why}): {shown_list(sorted(matched))}")
+    return left_out, notes
 
 
 def _manifest(hf: HFDirectory, p: _ImportPlan) -> dict[str, Any]:
     """The manifest of the checkpoint an import writes: the layout for ``reshard``, the model
-    shape, and where the checkpoint was converted from."""
+    shape, and where the checkpoint was converted from: the architecture, the dtypes written
+    (canonical tensors per dtype) and, for a quantized source, its format and what its weights
+    were dequantized to."""
+    record = {"architecture": p.architecture.name, "model_type": model_type_of(hf.config, hf.path)}
+    record["dtypes"] = p.dtype_counts()
+    if p.quantization is not None:
+        record["quantization"] = p.quantization
     return {
         "writer": writer_layout(1, p.plan),  # so that reshard can place ranges
         "model_config": p.cfg.to_dict(),
@@ -420,7 +620,7 @@ def _manifest(hf: HFDirectory, p: _ImportPlan) -> dict[str, Any]:
         "has_optimizer": False,
         "versions": versions(),
         "converted_from": hf.path,
-        "hf": {"architecture": p.architecture.name, "model_type": model_type_of(hf.config, hf.path)},
+        "hf": record,
     }
 
 
@@ -429,37 +629,49 @@ def import_(
     checkpoint: str | os.PathLike,
     *,
     arch: str | None = None,
+    dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     workers: int | None = None,
 ) -> ImportResult:
     """Convert the HF model directory ``hf_dir`` (``config.json`` plus safetensors, sharded or
     not) into a committed canonical checkpoint at ``checkpoint``: ``model.<fqn>`` weights in their
-    HF dtype and the model config in the manifest (``model_config``), ready for
+    HF dtype (or ``dtype``) and the model config in the manifest (``model_config``), ready for
     ``python -m cli.train --init-from`` or :func:`mfsdp_ckpt.load` at any world size.
+
+    A block-scaled FP8 directory (``quantization_config`` of ``quant_method "fp8"``, DeepSeek-V3's
+    format: F8_E4M3 weights, each with a ``weight_scale_inv`` per ``weight_block_size`` block) has
+    each FP8 weight dequantized in float32 and cast once, to ``dtype``, or without it to the
+    dtype of most of the unquantized tensors' bytes (bfloat16 for DeepSeek-V3) if bfloat16 or
+    float32, else float32.
 
     An MXFP8 directory (``quantization_config`` of ``quant_method "mxfp8"`` with our ``mfsdp_mx``
     record, as ``export(..., mode="mx")`` writes it) becomes an MX checkpoint: each quantized
     weight + ``weight_scale_inv`` pair dequantized into an fp32 ``model.<fqn>``, its four
     ``mx.<fqn>.*`` planes derived again with the recorded format, and MX placements in the plan.
 
-    ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. Every HF
-    tensor must be consumed exactly once and every parameter of the model written exactly once;
-    otherwise a :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and nothing is
-    written. ``progress(done, total)`` gets bytes converted so far.
+    ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. ``dtype``:
+    ``"bfloat16"`` or ``"float32"``, the dtype every tensor is stored in (default: each keeps its
+    HF dtype; FP8 weights as above). Every HF tensor must be consumed exactly once and every
+    parameter of the model written exactly once; otherwise a
+    :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and nothing is written.
+    ``progress(done, total)`` gets bytes converted so far.
 
     ``workers``: threads reading and merging tensors at once (default ``min(4, CPUs)``); they
     append to the checkpoint's data file in conversion order, so the checkpoint holds the same
-    bytes for any number. Each holds at most one canonical tensor (and, for MX, its planes).
+    bytes for any number. Each holds at most one canonical tensor (and, for MX, its planes; for
+    a cast or an FP8 weight, the piece being read and a 16 MiB float32 band).
     """
     start = time.perf_counter()
     workers = check_workers(workers)
+    requested = _requested_dtype(dtype)
     with HFDirectory(hf_dir) as hf:
-        p = _plan_import(hf, arch)
+        p = _plan_import(hf, arch, requested)
         total = sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in p.expected)
         with CheckpointBuilder(checkpoint, _manifest(hf, p), overwrite=overwrite, sources=(hf.path,)) as builder:
-            written = _convert_all(hf, builder, p.conversions, p.shapes, p.cfg, p.mx, workers, progress, total)
+            written = _convert_all(hf, builder, p, workers, progress, total)
             path = builder.commit()
+    quantization = p.quantization
     return ImportResult(
         path=path,
         architecture=p.architecture.name,
@@ -467,4 +679,7 @@ def import_(
         bytes=written,  # what the checkpoint holds, not the source's size (an MX export differs)
         model_config=p.cfg.to_dict(),
         seconds=time.perf_counter() - start,
+        quantization=quantization["quant_method"] if quantization else "none",
+        dtypes=p.dtype_counts(),
+        notes=p.notes,
     )

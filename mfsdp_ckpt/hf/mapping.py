@@ -62,6 +62,7 @@ __all__ = [
     "LAYER",
     "HF_LAYER",
     "expand_theirs",
+    "mtp_prefixes",
     "canonical_shapes",
     "check_against",
     "count_their_keys",
@@ -180,8 +181,9 @@ class Replicated(Rule):
     def their_shapes(self, shape: torch.Size, c: ModelShape) -> list[torch.Size]:
         return [torch.Size(shape)] * len(expand_theirs(self.theirs, c))
 
-    def views(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
-        return [tensor] * len(expand_theirs(self.theirs, c))
+    # no views: an import reading every copy into one view would let the last win unchecked
+    def split(self, tensor: torch.Tensor, c: ModelShape) -> list[torch.Tensor]:
+        return [tensor.contiguous()] * len(expand_theirs(self.theirs, c))
 
     def merge(self, tensors: list[torch.Tensor], c: ModelShape) -> torch.Tensor:
         first = tensors[0]
@@ -278,6 +280,9 @@ class Architecture:
     #: the HF prefix of MTP depth ``{k}``'s transformer layer (``{n}``: its HF layer index); empty:
     #: this architecture maps no MTP layers
     mtp_layer: str = ""
+    #: ``(regular expression, why)`` of HF tensors an import leaves out (e.g. released tensors of
+    #: modules transformers' class does not have either), each named in the import's notes
+    ignored: tuple[tuple[str, str], ...] = ()
 
 
 def _fill(template: str, i: int | None, e: int | None, k: int | None, c: ModelShape) -> str:
@@ -301,6 +306,17 @@ def _at_layer(rule: Rule, arch: Architecture, k: int | None) -> tuple[str, tuple
         return rule.ours, rule.theirs
     theirs = tuple(t.replace(HF_LAYER, arch.mtp_layer) for t in rule.theirs)
     return rule.ours.replace(LAYER, "mtp.layers.{k}.transformer_layer."), theirs
+
+
+def mtp_prefixes(arch: Architecture, c: ModelShape) -> set[str]:
+    """The HF key prefixes under which MTP depth 0 of ``c`` lives in ``arch``'s files (its
+    transformer layer's and its own tensors'): a directory holding no key under any of them has
+    no MTP layer. Cheap (no expansion), so it may run before the counts are checked."""
+    prefixes = {_fill(arch.mtp_layer, None, None, 0, c)} if arch.mtp_layer else set()
+    for rule in arch.rules:
+        if "{k}" in rule.ours:
+            prefixes |= {_fill(t, None, None, 0, c) for t in rule.theirs}
+    return prefixes
 
 
 def expand(arch: Architecture, c: ModelShape) -> list[Conversion]:

@@ -281,10 +281,13 @@ def _check_plan(src: str, moe: ModelShape, planned: dict[str, torch.Tensor]) -> 
 
 def _hf_record(source: dict[str, Any], moe: ModelShape) -> dict[str, Any] | None:
     """The source's ``hf`` record when its architecture still expresses the MoE model (none of
-    the dense architectures does: export-hf then infers the MoE one from the config)."""
+    the dense architectures does: export-hf then infers the MoE one from the config), without
+    what described the imported files themselves (their dtypes, their quantization)."""
     record = source.get("hf")
     arch = architectures().get((record or {}).get("architecture"))
-    return record if arch is not None and not arch.unsupported(moe) else None
+    if arch is None or arch.unsupported(moe):
+        return None
+    return {k: v for k, v in record.items() if k not in ("dtypes", "quantization")}
 
 
 def _manifest(reader: MappedReader, moe: ModelShape, spec: UpcycleSpec) -> dict[str, Any]:

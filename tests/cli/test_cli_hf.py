@@ -56,7 +56,10 @@ def test_dtype_and_arch_flags(hf_dir, tmp_path):
 def test_errors_are_one_line_and_leave_nothing(hf_dir, tmp_path):
     result = _cli("import-hf", hf_dir, str(tmp_path / "ckpt"), "--arch", "bert")
     assert result.exit_code == 1
-    assert result.output == "error: unknown architecture 'bert'; known: llama, mixtral, qwen2, qwen3, qwen3_moe\n"
+    assert (
+        result.output
+        == "error: unknown architecture 'bert'; known: deepseek_v3, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next\n"
+    )
     assert _cli("import-hf", hf_dir, str(tmp_path / "ckpt")).exit_code == 0
     result = _cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--arch", "llama")
     assert result.exit_code == 1 and result.output.count("\n") == 1

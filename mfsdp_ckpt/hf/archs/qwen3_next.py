@@ -139,7 +139,7 @@ RULES = (
 )
 
 #: the transformers-side tensors this bridge leaves out on import (released checkpoints' MTP)
-IGNORED = (r"mtp\..*",)
+IGNORED = ((r"mtp\..*", "transformers' Qwen3-Next has no multi-token-prediction layers either"),)
 
 
 def unsupported(c: ModelShape) -> list[str]:
@@ -242,5 +242,12 @@ def from_hf_config(d: dict, source: str) -> ModelShape:
 
 
 ARCH = Architecture(
-    "qwen3_next", "qwen3_next", "Qwen3NextForCausalLM", RULES, unsupported, to_hf_config, from_hf_config
+    "qwen3_next",
+    "qwen3_next",
+    "Qwen3NextForCausalLM",
+    RULES,
+    unsupported,
+    to_hf_config,
+    from_hf_config,
+    ignored=IGNORED,
 )

@@ -51,7 +51,7 @@ def test_unknown_architecture(llama_dir, tmp_path):
     _edit_config(llama_dir, model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(
         ConversionError,
-        match=r"unknown architecture \(model_type='gpt2'.*known: llama, mixtral, qwen2, qwen3, qwen3_moe",
+        match=r"unknown architecture \(model_type='gpt2'.*known: deepseek_v3, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next",
     ):
         hf.import_(llama_dir, tmp_path / "ckpt")
     with pytest.raises(ConversionError, match="unknown architecture 'gpt2'"):

@@ -227,3 +227,34 @@ def test_n_group_not_dividing_the_experts_is_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "n_group" in lines[0], result.output
     assert "moe_router_num_groups (3) must divide num_experts (8)" in lines[0]
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_an_mtp_copy_of_the_embedding_that_differs_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    src, _, _ = deepseek_dir(str(tmp_path / "src"))
+    path = os.path.join(src, "model-mtp.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.2.embed_tokens.weight"][0, 0] += 1.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["import-hf", src, str(tmp_path / "ckpt")])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert (
+        len(lines) == 1 and "'model.layers.2.embed_tokens.weight' differs from 'model.embed_tokens.weight'" in lines[0]
+    )
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_a_transformers_save_without_its_mtp_layer_imports_without_mtp(tmp_path):
+    """transformers saves a DeepSeek-V3 model without MTP tensors while its config keeps
+    ``num_nextn_predict_layers``: the import builds the model without MTP, and says so."""
+    path = save_hf(random_hf_model(deepseek_config(num_nextn_predict_layers=1)), str(tmp_path / "src"))
+    result = CliRunner().invoke(main, ["import-hf", path, str(tmp_path / "ckpt"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["model_config"]["mtp_num_layers"] == 0
+    assert out["notes"] == [
+        "config.json declares 1 multi-token-prediction layer(s), the files hold none of their tensors: "
+        "imported without them"
+    ]

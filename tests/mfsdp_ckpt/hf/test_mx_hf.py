@@ -423,8 +423,12 @@ CASES = {
     ),
     "no mfsdp_mx": (lambda t, qc: qc.pop("mfsdp_mx"), r"config.json: quantization_config: no 'mfsdp_mx'"),
     "other method": (
+        lambda t, qc: qc.__setitem__("quant_method", "gptq"),
+        r"config.json: quantization_config.quant_method 'gptq' is not supported",
+    ),
+    "fp8 method over MX scales": (
         lambda t, qc: qc.__setitem__("quant_method", "fp8"),
-        r"config.json: quantization_config.quant_method 'fp8' is not supported",
+        r"config.json: quantization_config.quant_method 'fp8' is not supported with E8M0 scales",
     ),
     "other block": (
         lambda t, qc: qc.__setitem__("weight_block_size", [128, 128]),

@@ -112,3 +112,22 @@ def test_trains_with_ep2_from_the_import_and_transformers_loads_the_export(tmp_p
     with torch.no_grad():
         err = (ours(x) - theirs(x).logits).abs().max().item()
     assert err <= LOGIT_ATOL, err
+
+
+def test_released_mtp_tensors_are_left_out_and_named(tmp_path):
+    """Qwen3-Next's released checkpoints carry ``mtp.*`` tensors that transformers' class does not
+    load; the import leaves them out too and names them in a note."""
+    import os
+
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from cli.main import main
+
+    src = save_hf(qwen3_next_model(), str(tmp_path / "src"))  # one file, no index: every file is read
+    save_file({"mtp.fc.weight": torch.zeros(32, 64)}, os.path.join(src, "mtp.safetensors"))
+    result = CliRunner().invoke(main, ["import-hf", src, str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert "note: left out 1 tensor(s) matching mtp\\..* (transformers' Qwen3-Next has no multi-token-prediction" in (
+        result.output
+    )
