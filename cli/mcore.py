@@ -61,8 +61,9 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     type=click.Choice(["te", "local"]),
     default="te",
     show_default=True,
-    help="name of the MoE pre-MLP norm: te = pre_mlp_layernorm.weight (Transformer Engine layer spec), "
-    "local = mlp.linear_fc1.layer_norm_weight (MCore's local spec)",
+    help="which layer spec's names: te = Transformer Engine's (the MoE pre-MLP norm pre_mlp_layernorm.weight; "
+    "MLA's latent norms linear_q_up_proj / linear_kv_up_proj.layer_norm_weight), local = MCore's local spec's "
+    "(mlp.linear_fc1.layer_norm_weight; MLA: q_layernorm / kv_layernorm, a dense layer's pre_mlp_layernorm)",
 )
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")

@@ -2,13 +2,19 @@
 the stored shapes determine, plus MCore's arguments for what they cannot.
 
 The shapes fix the vocabulary, hidden size, layer count, FFN sizes, expert count, tied or untied
-output, q/k norms and QKV bias. They do not fix the attention heads: the QKV rows are
+output, q/k norms and QKV bias; and, for the DeepSeek-V3 family (:mod:`.deepseek`), every
+multi-latent-attention dimension, how many dense layers precede the MoE ones, the expert bias and
+the MTP layers. They do not fix the attention heads of plain attention: the QKV rows are
 ``(heads + 2·groups)·kv_channels`` and the output projection's columns ``heads·kv_channels``, so
 any one of ``num_attention_heads``, ``num_query_groups``, ``kv_channels`` gives the other two.
-Nor do they fix the RoPE base, the norm epsilon, the router's top-k and its softmax order, or
-the sequence length: these come from the arguments given (``--config``, Megatron-LM's argument
-names; or the ``args`` Megatron-LM's trainer keeps in the common state), else MCore's defaults,
-each of which is reported as assumed.
+Nor do they fix the RoPE base (and YaRN's settings), the norm epsilon, the router's top-k, its
+softmax order, groups and scaling factor, or the sequence length: these come from the arguments
+given (``--config``, Megatron-LM's argument names; or the ``args`` Megatron-LM's trainer keeps in
+the common state), else MCore's defaults, each of which is reported as assumed.
+
+The shapes are read through :func:`~mfsdp_ckpt.mcore.layout.layer_view`: per-layer entries
+(``decoder.layers.<i>.<rest>``) look like stacked ones, ``(layers holding it, …)``, and which
+layers hold them is known.
 
 A given argument that disagrees with a shape is refused in one line naming the argument and the
 stored key; so is an argument our model cannot express (another normalisation, position
@@ -23,6 +29,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.mcore.deepseek import (
+    KV_DOWN,
+    argument_fields,
+    expert_bias_field,
+    first_dense_layers,
+    mcore_arguments,
+    mla_fields,
+    mtp_fields,
+)
 from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
 from mfsdp_ckpt.read.locate import read_small_file
 from mfsdp_ckpt.sharded.model_shape import ModelShape
@@ -58,13 +73,12 @@ REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
     "rotary_percent": (1.0, 1),
     "rotary_interleaved": (False,),
     "add_bias_linear": (False,),
-    "moe_router_topk_scaling_factor": (None,),
-    "moe_router_enable_expert_bias": (False,),
-    "multi_latent_attention": (False,),
     "num_layers_per_virtual_pipeline_stage": (None,),
-    "moe_layer_freq": (1,),
     "mrope_section": (None,),
     "rope_scaling": (False,),
+    "moe_expert_capacity_factor": (None,),
+    "moe_router_topk_limited_devices": (None,),
+    "moe_shared_expert_gate": (False,),
 }
 _ALIASES = {
     "layernorm_epsilon": "norm_epsilon",
@@ -114,6 +128,15 @@ class _Evidence:
     args: dict[str, Any]
     source: str  # the checkpoint, named in errors about its shapes
     where: str  # where the arguments come from, named in errors about them
+    held_by: Callable[[str], tuple[int, ...] | None] | None = None  # which layers hold a stacked key
+
+    def layers(self, key: str) -> tuple[int, ...] | None:
+        """The layers holding ``key`` (every layer of its stack unless told otherwise); None when absent."""
+        shape = self.shapes(key)
+        if shape is None:
+            return None
+        held = self.held_by(key) if self.held_by is not None else None
+        return held if held is not None else tuple(range(shape[0]))
 
     def need(self, key: str) -> tuple[int, ...]:
         """The shape of ``key``, which every GPT model MCore saves has: its absence is refused."""
@@ -137,11 +160,16 @@ def _refuse_unsupported(args: dict[str, Any], where: str) -> None:
     """Refuse an argument our model cannot express: it would compute something else."""
     for name, allowed in REQUIRED_VALUES.items():
         if name in args and args[name] not in allowed:
+            if name == "position_embedding_type" and args[name] == "none" and args.get("multi_latent_attention"):
+                continue  # MLA applies its own RoPE (rope_type) whatever the model-level setting
             raise ConversionError(f"{where}: {name}={args[name]!r}: our model supports only {allowed[0]!r}")
     if args.get("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"):
         raise ConversionError(
             f"{where}: moe_router_score_function={args['moe_router_score_function']!r}: only 'softmax' or 'sigmoid'"
         )
+    balancing = args.get("moe_router_load_balancing_type")
+    if balancing == "sinkhorn" or (isinstance(balancing, (list, tuple)) and "sinkhorn" in balancing):
+        raise ConversionError(f"{where}: moe_router_load_balancing_type={balancing!r}: sinkhorn routing is not ours")
 
 
 def _embedding_fields(ev: _Evidence) -> dict[str, int]:
@@ -218,15 +246,18 @@ def _expert_count(ev: _Evidence) -> int:
     return experts
 
 
-def _mlp_fields(ev: _Evidence) -> dict[str, int]:
-    """Experts and FFN sizes (the experts', a dense MLP's, the shared experts'); a dense MLP must
-    be gated (SwiGLU), the only kind our model has."""
+def _mlp_fields(ev: _Evidence, layers: int) -> dict[str, Any]:
+    """Experts and FFN sizes (the experts', a dense MLP's, the shared experts'), how many dense
+    layers precede the MoE ones and whether the routers have an expert bias; a dense MLP must be
+    gated (SwiGLU), the only kind our model has."""
     experts = _expert_count(ev)
-    moe_ffn = ffn = 0
+    moe_ffn = ffn = first_dense = 0
+    out: dict[str, Any] = {}
     if experts:
         moe_ffn = ev.agree("moe_ffn_hidden_size", ev.need(EXPERT_FC2)[3], EXPERT_FC2)
-        ffn = ev.args.get("ffn_hidden_size") or moe_ffn
-    else:
+        first_dense = first_dense_layers(ev, layers, ROUTER)
+        out.update(expert_bias_field(ev))
+    if not experts or first_dense:
         ffn = ev.agree("ffn_hidden_size", ev.need(DENSE_FC2)[2], DENSE_FC2)
         fc1 = ev.need(DENSE_FC1)
         if fc1[1] != 2 * ffn:
@@ -234,6 +265,8 @@ def _mlp_fields(ev: _Evidence) -> dict[str, int]:
                 f"{ev.source}: '{DENSE_FC1}' {list(fc1)} is not a gated (SwiGLU) projection of "
                 f"2·{ffn} rows: our model has SwiGLU MLPs only"
             )
+    else:
+        ffn = ev.args.get("ffn_hidden_size") or moe_ffn
     shared = ev.shapes(SHARED_FC2)
     shared_ffn = ev.agree("moe_shared_expert_ffn_hidden_size", shared[2], SHARED_FC2) if shared else 0
     return {
@@ -241,12 +274,15 @@ def _mlp_fields(ev: _Evidence) -> dict[str, int]:
         "moe_ffn_hidden_size": moe_ffn,
         "ffn_hidden_size": ffn,
         "moe_shared_expert_ffn_hidden_size": shared_ffn,
+        "first_k_dense_replace": first_dense,
+        **out,
     }
 
 
-def _presence_fields(ev: _Evidence) -> dict[str, bool]:
+def _presence_fields(ev: _Evidence, mla: bool) -> dict[str, bool]:
     """Tied output, q/k norms and QKV bias: whether their tensors are stored, refusing a given
-    argument that says otherwise."""
+    argument that says otherwise (with MLA, ``q_layernorm`` is the query latent's norm and
+    ``qk_layernorm`` MCore's switch for the latent norms: :mod:`.deepseek` checks them)."""
     args = ev.args
     tied = ev.shapes(OUTPUT) is None
     if "untie_embeddings_and_output_weights" in args and bool(args["untie_embeddings_and_output_weights"]) == tied:
@@ -254,6 +290,8 @@ def _presence_fields(ev: _Evidence) -> dict[str, bool]:
             f"{ev.where}: untie_embeddings_and_output_weights={args['untie_embeddings_and_output_weights']!r} "
             f"disagrees with the checkpoint ('{OUTPUT}' is {'absent' if tied else 'present'})"
         )
+    if mla:
+        return {"tie_embeddings": tied, "qk_layernorm": False, "add_qkv_bias": False}
     q_norm = ev.shapes(Q_NORM) is not None
     qkv_bias = ev.shapes(QKV_BIAS) is not None
     for name, present, key in (("qk_layernorm", q_norm, Q_NORM), ("add_qkv_bias", qkv_bias, QKV_BIAS)):
@@ -268,46 +306,69 @@ def _presence_fields(ev: _Evidence) -> dict[str, bool]:
 def _shape_with_defaults(fields: dict[str, Any], args: dict[str, Any], where: str) -> tuple[ModelShape, list[str]]:
     """``(shape, assumed)``: the model shape of the ``fields`` the shapes fix, completed with the
     arguments the shapes do not tell, else MCore's defaults (``assumed``: those; the router's only
-    for a MoE model)."""
+    for a MoE model; the DeepSeek family's: :func:`~mfsdp_ckpt.mcore.deepseek.argument_fields`)."""
     experts = fields["num_experts"]
     assumed = [name for name in DEFAULTS if name not in args and (experts or not name.startswith("moe_"))]
     value = {**DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
+    if fields.get("moe_router_enable_expert_bias") and args.get("moe_router_score_function") is None:
+        value["moe_router_score_function"] = "sigmoid"  # MCore has an expert bias with sigmoid routing only
+        assumed = [a for a in assumed if a != "moe_router_score_function"]
+    sigmoid = value["moe_router_score_function"] == "sigmoid"  # MCore ignores moe_router_pre_softmax then
     try:
+        more, more_assumed = argument_fields(value, fields, where)
         cfg = ModelShape(
             **fields,
+            **more,
             rotary_base=float(value["rotary_base"]),
             norm_epsilon=float(value["norm_epsilon"]),
             moe_router_topk=int(value["moe_router_topk"]) if experts else 2,
             moe_score_func=str(value["moe_router_score_function"]),
             seq_length=int(value["seq_length"]),
-            moe_router_pre_softmax=bool(value["moe_router_pre_softmax"]) if experts else False,
+            moe_router_pre_softmax=bool(value["moe_router_pre_softmax"]) if experts and not sigmoid else False,
             moe_aux_loss_coeff=float(value.get("moe_aux_loss_coeff", 1e-2)),
         )
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{where}: {e}") from None
-    return cfg, assumed
+    return cfg, assumed + [a for a in more_assumed if a not in args]
 
 
 def infer_config(
-    shapes: Callable[[str], tuple[int, ...] | None], given: dict[str, Any], source: str, where: str
+    shapes: Callable[[str], tuple[int, ...] | None],
+    given: dict[str, Any],
+    source: str,
+    where: str,
+    *,
+    layers: Callable[[str], tuple[int, ...] | None] | None = None,
+    mtp_layers: tuple[int, ...] = (),
 ) -> tuple[ModelShape, list[str]]:
     """``(config, assumed)``: the model shape (:data:`ModelShape`) from the stored shapes
-    (``shapes(key)``: a stored tensor's global shape, None when absent) and the MCore arguments
-    ``given`` (read from ``where``, named in errors); ``assumed``: the arguments taken from MCore's
-    defaults. Each group of fields is read, and checked against the arguments, in turn."""
+    (``shapes(key)``: a stored tensor's global shape, stacked as in a
+    :class:`~mfsdp_ckpt.mcore.layout.LayerView`, None when absent; ``layers(key)``: which layers
+    hold it, default all of its stack; ``mtp_layers``: the MTP layers stored) and the MCore
+    arguments ``given`` (read from ``where``, named in errors); ``assumed``: the arguments taken
+    from MCore's defaults. Each group of fields is read, and checked against the arguments, in turn."""
     args = _normalised(given)
     _refuse_unsupported(args, where)
-    ev = _Evidence(shapes, args, source, where)
+    ev = _Evidence(shapes, args, source, where, layers)
     fields: dict[str, Any] = dict(_embedding_fields(ev))
-    fields.update(_attention_fields(ev, fields["hidden_size"]))
-    fields.update(_mlp_fields(ev))
-    fields.update(_presence_fields(ev))
+    mla = shapes(KV_DOWN) is not None
+    if args.get("multi_latent_attention") and not mla:
+        raise ConversionError(
+            f"{where}: multi_latent_attention={args['multi_latent_attention']!r} disagrees with the checkpoint "
+            f"(no '{KV_DOWN}')"
+        )
+    fields.update(mla_fields(ev, fields["hidden_size"]) if mla else _attention_fields(ev, fields["hidden_size"]))
+    fields.update(_mlp_fields(ev, fields["num_layers"]))
+    fields.update(_presence_fields(ev, mla))
+    fields.update(mtp_fields(ev, mtp_layers))
     return _shape_with_defaults(fields, args, where)
 
 
-def to_mcore_args(cfg: ModelShape) -> dict[str, Any]:
+def to_mcore_args(cfg: ModelShape, where: str = "model_config") -> dict[str, Any]:
     """The MCore (Megatron-LM) arguments of our config: what ``export-mcore`` writes next to a
-    checkpoint (``mcore_args.json``) and what ``import-mcore --config`` reads back."""
+    checkpoint (``mcore_args.json``) and what ``import-mcore --config`` reads back. A model it
+    cannot describe (gated DeltaNet layers, …) is refused in one line naming ``where``."""
+    deepseek = mcore_arguments(cfg, where)
     out: dict[str, Any] = {
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
@@ -339,4 +400,5 @@ def to_mcore_args(cfg: ModelShape) -> dict[str, Any]:
         )
         if cfg.moe_shared_expert_ffn_hidden_size:
             out["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_ffn_hidden_size
+    out.update(deepseek)
     return out

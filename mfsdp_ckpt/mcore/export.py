@@ -2,7 +2,11 @@
 
 Each canonical tensor becomes one chunk of its stack (``model.decoder.layers.3.X`` is the chunk
 at layer 3 of ``decoder.layers.X``; expert ``e`` of layer ``l`` the chunk at ``(l, e)``), read
-and written one at a time. Next to the DCP files: ``metadata.json`` and ``common.pt`` in the
+and written one at a time. A model whose layers differ (dense first layers, then MoE ones:
+MCore's ``moe_layer_freq`` a list) is written as MCore then stores it, one entry per layer
+(``decoder.layers.3.X``, experts ``decoder.layers.3.mlp.experts.experts.linear_fc1.weight``
+with the expert axis); MTP layers always so (``mtp.layers.<k>.…``; see
+:mod:`~mfsdp_ckpt.mcore.layout`). Next to the DCP files: ``metadata.json`` and ``common.pt`` in the
 layout of megatron-core 0.16 (``"common_backend": "torch"``), which 0.16 and later both read,
 holding the checkpoint's ``extra.*`` values (``iteration`` …; per-rank RNG states are left
 out, and so is a ``model`` / ``optimizer`` value that is not a dict, e.g. our trainer's model
@@ -30,7 +34,7 @@ from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.mcore.config import to_mcore_args
-from mfsdp_ckpt.mcore.layout import MOE_NORM_LOCAL, MOE_NORM_TE, OPTIM_STATE, extra_state_keys, stack_of
+from mfsdp_ckpt.mcore.layout import OPTIM_STATE, Naming, extra_state_keys_of, naming_of, target_of
 from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
@@ -64,22 +68,35 @@ class McoreExportResult:
         return dict(self.__dict__)
 
 
-def _target(key: str, moe_norm: str) -> tuple[str, tuple[int, ...]] | None:
-    """(stored key, leading index) of canonical ``key``; None for what MCore has no place for."""
+@dataclass(frozen=True)
+class _Layout:
+    """How the export names and stacks: the model's naming, its layers one by one or stacked,
+    MCore's local-spec names or Transformer Engine's (ours)."""
+
+    naming: Naming
+    per_layer: bool
+    local: bool
+
+
+def _target(key: str, layout: _Layout) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """(stored key, leading index, leading dims) of canonical ``key``; None for what MCore has no
+    place for."""
     if key.startswith("model."):
-        return stack_of(key[len("model.") :], moe_norm)
+        return target_of(key[len("model.") :], layout.naming, layout.per_layer, layout.local)
     if key.startswith("optim.") and key != PARAM_GROUPS:
         fqn, state = key[len("optim.") :].rsplit(".", 1)
-        stored, index = stack_of(fqn, moe_norm)
-        return f"{OPTIM_STATE}{_STATE_NAMES.get(state, state)}.{stored}", index
+        stored, index, dims = target_of(fqn, layout.naming, layout.per_layer, layout.local)
+        return f"{OPTIM_STATE}{_STATE_NAMES.get(state, state)}.{stored}", index, dims
     return None
 
 
-def _moe_norm_name(moe_norm: str) -> str:
-    """The stored name of the MoE pre-MLP norm for ``moe_norm`` (``"te"`` or ``"local"``)."""
+def _layout(cfg: ModelShape, moe_norm: str) -> _Layout:
+    """The export's :class:`_Layout` for ``moe_norm`` (``"te"`` or ``"local"``): per layer when
+    the layers differ (dense first layers then MoE ones), as MCore stores such a model."""
     if moe_norm not in ("te", "local"):
         raise ConversionError(f"moe_norm {moe_norm!r}: expected 'te' or 'local'")
-    return MOE_NORM_TE if moe_norm == "te" else MOE_NORM_LOCAL
+    per_layer = cfg.num_experts > 0 and cfg.first_k_dense_replace > 0
+    return _Layout(naming_of(cfg), per_layer, moe_norm == "local")
 
 
 def _exported_shape(reader: MappedReader) -> ModelShape:
@@ -100,7 +117,7 @@ _Stacks = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # stored key -> (dtype
 _Targets = dict[str, tuple[str, tuple[int, ...]]]  # canonical key -> (stored key, leading index)
 
 
-def _stack_targets(reader: MappedReader, keys: list[str], cfg: ModelShape, norm_name: str) -> tuple[_Targets, _Stacks]:
+def _stack_targets(reader: MappedReader, keys: list[str], layout: _Layout) -> tuple[_Targets, _Stacks]:
     """``(targets, stacks)``: where each exported tensor goes (its stored key and index in the
     stack) and each stack's dtype and shape, refusing tensors that do not stack with the others of
     their stored key, or whose index is outside the model's layers and experts."""
@@ -109,11 +126,10 @@ def _stack_targets(reader: MappedReader, keys: list[str], cfg: ModelShape, norm_
     for key in keys:
         if not reader.is_tensor(key):
             continue
-        target = _target(key, norm_name)
+        target = _target(key, layout)
         if target is None:
             continue
-        stored, index = target
-        dims = (cfg.num_layers, cfg.num_experts)[: len(index)]
+        stored, index, dims = target
         shape = tuple(dims) + tuple(reader.shape(key))
         dtype = reader.dtype(key)
         if stored in stacks and stacks[stored] != (dtype, shape):
@@ -123,8 +139,8 @@ def _stack_targets(reader: MappedReader, keys: list[str], cfg: ModelShape, norm_
             )
         if any(not 0 <= i < d for i, d in zip(index, dims)):
             raise ConversionError(
-                f"{reader.directory}: key '{key}': index {list(index)} outside the model's "
-                f"{list(dims)} (num_layers, num_experts)"
+                f"{reader.directory}: key '{key}': index {list(index)} outside the model's {list(dims)} "
+                "(layers, experts)"
             )
         stacks[stored] = (dtype, shape)
         targets[key] = (stored, index)
@@ -169,15 +185,13 @@ def _write_chunks(
             progress(done, total)
 
 
-def _write_mcore_files(builder: CheckpointBuilder, cfg: ModelShape, common: dict[str, Any]) -> None:
+def _write_mcore_files(
+    builder: CheckpointBuilder, cfg: ModelShape, layout: _Layout, args: dict[str, Any], common: dict[str, Any]
+) -> None:
     """Write what MCore reads besides the tensors: the empty ``_extra_state`` objects its loader
-    asks for, ``common.pt``, ``metadata.json``; and ``mcore_args.json`` (import-mcore reads it back)."""
-    for key in extra_state_keys(
-        cfg.num_layers,
-        cfg.num_experts,
-        dense=cfg.num_experts == 0,
-        shared_experts=cfg.moe_shared_expert_ffn_hidden_size > 0,
-    ):
+    asks for, ``common.pt``, ``metadata.json``; and ``mcore_args.json`` (``args``: import-mcore
+    reads it back)."""
+    for key in extra_state_keys_of(cfg, layout.per_layer):
         builder.add_object(key, [None])
     buf = io.BytesIO()
     torch.save(common, buf)
@@ -185,7 +199,7 @@ def _write_mcore_files(builder: CheckpointBuilder, cfg: ModelShape, common: dict
     fs.write_bytes(fs.join(builder.tmp, "metadata.json"), json.dumps(BACKEND).encode(), sync=builder.sync)
     fs.write_bytes(
         fs.join(builder.tmp, "mcore_args.json"),
-        (json.dumps(to_mcore_args(cfg), indent=1, sort_keys=True) + "\n").encode(),
+        (json.dumps(args, indent=1, sort_keys=True) + "\n").encode(),
         sync=builder.sync,
     )
 
@@ -199,16 +213,19 @@ def export_mcore(
     progress: Callable[[int, int], None] | None = None,
 ) -> McoreExportResult:
     """Write the canonical checkpoint ``src`` as the MCore ``torch_dist`` checkpoint ``dst`` (see
-    the module docstring). ``moe_norm``: ``"te"`` names the MoE pre-MLP norm
-    ``pre_mlp_layernorm.weight`` (Transformer Engine's layer spec, what GPU runs use), ``"local"``
-    ``mlp.linear_fc1.layer_norm_weight`` (MCore's local spec). Gradients and MX planes are not
+    the module docstring). ``moe_norm``: ``"te"``: the names of Transformer Engine's layer spec
+    (what GPU runs use; ours), e.g. the MoE pre-MLP norm ``pre_mlp_layernorm.weight``; ``"local"``:
+    those of MCore's local spec (the MoE pre-MLP norm ``mlp.linear_fc1.layer_norm_weight``; with
+    MLA the latent norms ``self_attention.q_layernorm`` / ``kv_layernorm`` and a dense layer's MLP
+    norm ``pre_mlp_layernorm``: :mod:`~mfsdp_ckpt.mcore.layout`). Gradients and MX planes are not
     exported (MCore has no place for them)."""
     start = time.perf_counter()
-    norm_name = _moe_norm_name(moe_norm)
     with MappedReader(src) as reader:
         cfg = _exported_shape(reader)
+        layout = _layout(cfg, moe_norm)
+        args = to_mcore_args(cfg, reader.directory)  # refuses a model it cannot describe, before writing
         keys = reader.keys()
-        targets, stacks = _stack_targets(reader, keys, cfg, norm_name)
+        targets, stacks = _stack_targets(reader, keys, layout)
         common = _common_state(reader, keys)
         total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)
         manifest = {
@@ -220,6 +237,6 @@ def export_mcore(
         }
         with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(reader.directory,)) as builder:
             _write_chunks(builder, reader, targets, stacks, total, progress)
-            _write_mcore_files(builder, cfg, common)
+            _write_mcore_files(builder, cfg, layout, args, common)
             path = builder.commit()
     return McoreExportResult(path=path, tensors=len(targets), bytes=total, seconds=time.perf_counter() - start)

@@ -30,9 +30,12 @@ from mfsdp_ckpt.mcore.layout import (
     COMMON_STATE,
     OPTIM_DISTRIBUTED,
     OPTIM_STATE,
+    Naming,
     Piece,
     is_extra_state,
+    layer_view,
     model_pieces,
+    naming_of,
     optimizer_pieces,
 )
 from mfsdp_ckpt.mcore.source import McoreSource
@@ -267,7 +270,7 @@ def _optimizer_plan(
     keys: list[str],
     shape_of: dict[str, tuple[int, ...]],
     expected: dict[str, torch.Size],
-    moe: bool,
+    naming: Naming,
 ) -> tuple[list[Piece], list[str]]:
     """``(pieces, same_dtype)``: the checked pieces of the optimizer entries ``keys``, and the main
     params left out for being of the weights' own dtype (a canonical checkpoint stores the weights
@@ -275,7 +278,7 @@ def _optimizer_plan(
     pieces: list[Piece] = []
     same_dtype = []
     for key in keys:
-        state, ps = optimizer_pieces(key, source.shape(key), moe)
+        state, ps = optimizer_pieces(key, source.shape(key), naming)
         weights = key[len(OPTIM_STATE) + len(state) + 1 :]
         if state == "param" and weights in shape_of and source.dtype(weights) == source.dtype(key):
             same_dtype.append(key)
@@ -297,17 +300,23 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
     for key in entries.model + entries.optimizer:  # before expanding per layer / expert: the chunks must back the shape
         source.reader.check_entry(key)
     shape_of = {k: source.shape(k) for k in entries.model}
-    cfg, assumed = infer_config(lambda k: shape_of.get(k), given, source.directory, where)
+    try:
+        view = layer_view(shape_of)
+    except ValueError as e:
+        raise ConversionError(f"{source.directory}: {e}") from None
+    cfg, assumed = infer_config(
+        view.shapes.get, given, source.directory, where, layers=view.layers.get, mtp_layers=view.mtp
+    )
     for key in entries.extra_states:
         _check_extra_state(source, key)
     notices = list(source.notices) + _entry_notices(entries, assumed)
 
-    moe = cfg.num_experts > 0
-    pieces = [p for k in entries.model for p in model_pieces(k, shape_of[k], moe)]
+    naming = naming_of(cfg)
+    pieces = [p for k in entries.model for p in model_pieces(k, shape_of[k], naming)]
     model = meta_model(cfg)
     expected = canonical_shapes(cfg, model)
     _check_model_pieces(source, pieces, shape_of, expected)
-    optim_pieces, same_dtype = _optimizer_plan(source, entries.optimizer, shape_of, expected, moe)
+    optim_pieces, same_dtype = _optimizer_plan(source, entries.optimizer, shape_of, expected, naming)
     if same_dtype:
         notices.append(
             f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
