@@ -347,7 +347,7 @@ PRESETS: dict[str, GPTConfig] = {
         moe_score_func="softmax",
     ),
     # DeepSeek-V3 in miniature: MLA, one dense layer then MoE with a shared expert, sigmoid routing
-    # with an expert bias over 2 groups, one MTP layer
+    # with an expert bias, 2 of 4 groups per token, one MTP layer
     "tiny-deepseek": GPTConfig(
         vocab_size=256,
         hidden_size=64,
@@ -372,7 +372,7 @@ PRESETS: dict[str, GPTConfig] = {
         moe_aux_loss_coeff=0.0,
         first_k_dense_replace=1,
         moe_router_enable_expert_bias=True,
-        moe_router_num_groups=2,
+        moe_router_num_groups=4,
         moe_router_group_topk=2,
         moe_router_topk_scaling_factor=2.5,
         mtp_num_layers=1,
