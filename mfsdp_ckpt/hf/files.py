@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import stat
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -418,6 +420,23 @@ def _header_length(path: str, fd: int, size: int) -> int:
     return n
 
 
+def _header_int(text: str) -> int:
+    """An integer of a header, refused beyond what a double holds: the ``safetensors`` library
+    (serde) refuses such a header as "number out of range", so we do too (a file two readers
+    read differently is refused)."""
+    value = json_int(text)
+    if abs(value) > sys.float_info.max:
+        raise ValueError("number out of range")
+    return value
+
+
+def _header_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("number out of range")
+    return value
+
+
 def _header_json(path: str, raw: bytearray) -> dict[str, Any]:
     """The header bytes as a JSON object: UTF-8, starting with ``{``, no NaN / Infinity, no
     integer of absurd length, and no name given twice (JSON lets the last one win silently; a
@@ -436,7 +455,13 @@ def _header_json(path: str, raw: bytearray) -> dict[str, Any]:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("the header does not start with '{'")
-        header = json.loads(text, object_pairs_hook=pairs, parse_constant=_no_constants, parse_int=json_int)
+        header = json.loads(
+            text,
+            object_pairs_hook=pairs,
+            parse_constant=_no_constants,
+            parse_int=_header_int,
+            parse_float=_header_float,
+        )
     except (ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: header is not valid UTF-8 JSON ({_reason(e)})") from None
     if not isinstance(header, dict):
