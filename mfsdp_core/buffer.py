@@ -77,6 +77,10 @@ class _Plane:
 
     def fill(self, i: int, flat: torch.Tensor) -> None:
         """Write item ``i`` whole into every rank's slot (and its spill)."""
+        off = self.layout.gathered_offsets[i]
+        if off is not None:  # contiguous in the gathered buffer: one copy
+            self.gathered[off : off + self.layout.numels[i]].copy_(flat)
+            return
         for pc in self.layout.owners(i):
             self.slot(pc).copy_(flat[pc.start : pc.end])
         if i in self.spills:

@@ -20,6 +20,7 @@ layout without communication, which is what the checkpoint planners rely on.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -186,8 +187,18 @@ class Layout:
         return tuple(tuple(self.local_pieces(r)) for r in range(self.group_size))
 
     def owners(self, param: int) -> list[Piece]:
-        """Non-empty pieces of ``param``, ordered by flat position."""
-        return [pc for r in range(self.group_size) if (pc := self.piece(param, r)).numel]
+        """Non-empty pieces of ``param``, ordered by flat position. Only the ranks whose segments
+        overlap it are visited (a binary search on ``bounds``): at a thousand ranks a parameter
+        spans a few of them."""
+        p0, numel = self.packed_offsets[param], self.numels[param]
+        out = []
+        r = bisect.bisect_right(self.bounds, p0) - 1
+        while 0 <= r < self.group_size and self.bounds[r] < p0 + numel:
+            pc = self.piece(param, r)
+            if pc.numel:
+                out.append(pc)
+            r += 1
+        return out
 
     @cached_property
     def gathered_offsets(self) -> tuple[int | None, ...]:
@@ -229,8 +240,19 @@ def compute_layout(
     pol = parse_policy(policy)
     shapes_t = tuple(torch.Size(s) for s in shapes)
     names = list(names) if names is not None else [f"param{i}" for i in range(len(shapes_t))]
+    for s, n in zip(shapes_t, names):
+        pol.atom(s, n)  # a parameter the policy cannot cut is refused by name
+    return _layout(shapes_t, group_size, pol, first_rank % group_size if pol.keeps_tensors_whole else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shapes_t: tuple[torch.Size, ...], group_size: int, pol: Policy, first_rank: int) -> Layout:
+    """:func:`compute_layout`, remembered: a layout is immutable and a pure function of its
+    arguments (names only name a refusal), and at a thousand ranks one costs tens of
+    milliseconds; identical layers, the planning simulator's virtual ranks and the checkpoint
+    readers ask for the same ones."""
     numels = [math.prod(s) for s in shapes_t]
-    atoms = [pol.atom(s, n) for s, n in zip(shapes_t, names)]
+    atoms = [pol.atom(s) for s in shapes_t]
     if pol.keeps_tensors_whole:
         order, bounds = _greedy_whole_tensors(numels, group_size, first_rank % group_size)
     else:
