@@ -1051,8 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return train(args, source, rank, world, stops)
     except UsageError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        stops.uninstall()  # torchrun's SIGTERM must end a waiting rank (see _report_refusal)
+        _report_refusal(str(e), rank)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stopped where it was
         if rank == 0:
@@ -1062,6 +1062,22 @@ def main(argv: list[str] | None = None) -> int:
         stops.uninstall()
         if dist.is_initialized():
             _destroy_process_group()
+
+
+#: how long a rank other than 0 waits before reporting a refusal itself (see _report_refusal)
+REFUSAL_GRACE_S = 10.0
+
+
+def _report_refusal(message: str, rank: int) -> None:
+    """Print a refusal once per job: rank 0 prints it. Every rank of a job refuses the same flags,
+    and the first rank to exit makes torchrun stop the others, so a rank other than 0 that exited
+    at once could take rank 0 down before it printed (the job would end without a word). It waits
+    instead, and torchrun stops it when rank 0 exits; still alive after the grace period, the
+    refusal was its own (rank 0 went on), and it prints it."""
+    if rank != 0:
+        time.sleep(REFUSAL_GRACE_S)
+        message = f"rank {rank}: {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _destroy_process_group() -> None:
