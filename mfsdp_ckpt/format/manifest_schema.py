@@ -121,6 +121,20 @@ def list_of(item: Check) -> Check:
     return check
 
 
+def tuple_of(*items: Check) -> Check:
+    """A list of exactly ``len(items)`` values, each checked by its own check."""
+
+    def check(v: Any, at: str) -> None:
+        if type(v) is not list or len(v) != len(items):
+            raise _Invalid(
+                at, f"expected a list of {len(items)} values, got {_kind(v) if type(v) is not list else len(v)}"
+            )
+        for i, (x, item) in enumerate(zip(v, items)):
+            item(x, f"{at}[{i}]")
+
+    return check
+
+
 def dict_of(value: Check, key: Check = line) -> Check:
     def check(v: Any, at: str) -> None:
         if type(v) is not dict:
@@ -274,12 +288,43 @@ _WRITER = record(
         "experts": _EXPERTS,
     }
 )
+
+
+def _where(v: Any, at: str) -> None:
+    """Where a key's chunks are: "o" (cut like the main params), "p" (an MX plane) or a rank."""
+    if v in ("o", "p") and type(v) is str:
+        return
+    integer(0, MAX_INT)(v, at)
+
+
+_INDEX = record(
+    required={
+        "version": integer(1, 1),
+        "mesh": record(required={"world": _COUNT, "groups": dict_of(list_of(list_of(integer())))}),
+        "ep_ranks": list_of(nullable(integer())),
+        "keys": dict_of(tuple_of(nullable(_DTYPE), nullable(list_of(integer())), _where)),
+        "files": list_of(tuple_of(file_name, integer(), integer(), integer(), integer(0, 2**32 - 1))),
+    }
+)
 _CHUNK = record(required={"file": file_name, "offset": integer(), "length": integer(), "crc32c": integer(0, 2**32 - 1)})
 _CRC = integer(0, 2**32 - 1)
 
+
+def _chunks_or_index(v: dict, at: str) -> None:
+    """A manifest lists every chunk (``chunks``: older saves, the offline tools) or holds an
+    index of the save's layout, which needs the writer's plan."""
+    if "chunks" not in v and "index" not in v:
+        raise _Invalid("chunks", "missing")
+    if "index" in v and "plan" not in (v.get("writer") or {}):
+        raise _Invalid("writer.plan", "missing: the index is derived from it")
+
+
 MANIFEST = record(
-    required={"format": line, "chunks": dict_of(_CHUNK)},
+    required={"format": line},
+    then=_chunks_or_index,
     optional={
+        "chunks": dict_of(_CHUNK),
+        "index": _INDEX,
         "format_version": integer(0),
         "manifest_crc32c": _CRC,
         "metadata_crc32c": _CRC,

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from mfsdp_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
 )
+from mfsdp_ckpt.format.catalog import Catalog
 from mfsdp_ckpt.format.keys import (
     PARAM_GROUPS,
     extra_key,
@@ -32,18 +30,10 @@ from mfsdp_ckpt.format.keys import (
 from mfsdp_ckpt.format.model_source import gpt_source, transformers_source
 from mfsdp_ckpt.format.names import MANIFEST_NAME
 from mfsdp_ckpt.read.manifest import versions, writer_layout
-from mfsdp_ckpt.sharded.agreement import dcp_failure
-from mfsdp_ckpt.sharded.experts import (
-    experts_entry,
-    merge_param_groups,
-    merge_plans,
-)
 from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
-from mfsdp_ckpt.sharded.state import (
-    param_groups_state,
-    save_entries,
-)
+from mfsdp_ckpt.sharded.save_layout import agree_on_layout, writes_of
+from mfsdp_ckpt.sharded.state import save_entries
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import (
@@ -54,44 +44,13 @@ from mfsdp_ckpt.storage.staging import (
 )
 from mfsdp_ckpt.write.dcp_writer import CommittingWriter
 from mfsdp_ckpt.write.run_dir import after_commit, discard, remove_checkpoint
-from mfsdp_core import ModelPlan, describe_shards, plan_of
-from mfsdp_core.collectives import gather_objects, rank0_decides, rank_and_world
-from mfsdp_core.expert_parallel import EP_GROUP, ep_rank_of
-from mfsdp_core.plan import DEFAULT_GROUP
+from mfsdp_ckpt.write.save_index import RankWrites, build_index, declared_keys
+from mfsdp_core import describe_shards
+from mfsdp_core.collectives import rank0_decides, rank_and_world
 
 __all__ = ["save", "PreparedSave", "check_save_arguments", "prepare_save", "write_and_commit"]
 
 T = TypeVar("T")
-
-
-def _global_plan(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, shards: list
-) -> tuple[ModelPlan, dict[str, Any] | None, list[dict[str, Any]] | None]:
-    """The plan of the whole model, the manifest's ``writer.experts`` entry (None without expert
-    parallelism) and, when the ranks hold different parameters, the optimizer's groups naming the
-    parameters of every rank (None: this rank's own are complete).
-
-    When every buffer is sharded over the model's data-parallel group, every rank holds every
-    parameter and its plan is the whole one. A buffer over a smaller group (experts over their
-    expert-data-parallel group) exists on each rank only for that rank's parameters: every rank's
-    plan and groups are gathered (one ``all_gather_object``) and merged, refused on every rank
-    alike when one name is held by more ranks than its group has (several instances of one name,
-    which a checkpoint keyed by name cannot keep; see :func:`~mfsdp_ckpt.sharded.experts.merge_plans`)."""
-    plan = plan_of(model)
-    dp = plan.group_sizes.get(DEFAULT_GROUP, 1)
-    ep_rank, ep_size = ep_rank_of(model)
-    with_ep = EP_GROUP in plan.group_sizes
-    if all(plan.group_sizes[spec.placement.group] * spec.replicate_size >= dp for spec in plan.buffers):
-        names = [n for spec in plan.buffers for n in spec.fqns]
-        return plan, experts_entry(ep_size, [(ep_rank, names)]) if with_ep else None, None
-    groups = param_groups_state(shards, optimizer) if optimizer is not None else None
-    gathered = gather_objects((plan.to_dict(), ep_rank, groups))
-    merged = ModelPlan.from_dict(merge_plans([p for p, _, _ in gathered]))
-    experts = None
-    if with_ep:
-        experts = experts_entry(ep_size, [(r, [n for b in p["buffers"] for n in b["params"]]) for p, r, _ in gathered])
-    all_groups = merge_param_groups([g for _, _, g in gathered]) if optimizer is not None else None
-    return merged, experts, all_groups
 
 
 def save(
@@ -168,6 +127,7 @@ class PreparedSave:
     writer: CommittingWriter
     update_latest: bool
     keep: int | None
+    catalog: Catalog
 
 
 def check_save_arguments(path: str | os.PathLike, keep: int | None) -> None:
@@ -200,23 +160,25 @@ def prepare_save(
     rank, world = rank_and_world()
     final = fs.normalize(path)
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
-    # is done): a failure on rank 0 alone would leave the others waiting in dcp.save's first
-    # collective
+    # is done): a failure on rank 0 alone would leave the others waiting in the first
+    # collective of the write
     shards = describe_shards(model, optimizer)
-    plan, experts, groups = _global_plan(model, optimizer, shards)  # refused before anything is written
+    layout = agree_on_layout(
+        model, optimizer, shards, include_grads=include_grads
+    )  # refused before anything is written
     if not fs.is_local(final):
         tmp = rank0_decides(_prepare_remote, final, overwrite)
     else:
         tmp = partial_path(final, rank0_decides(_prepare_destination, final, overwrite, lock))
-    entries = save_entries(shards, optimizer, include_grads)
-    if groups is not None:
-        entries[PARAM_GROUPS] = groups
+    entries = save_entries(shards, optimizer, include_grads, writes_of(layout.catalog, rank))
     if rank == 0:
+        if layout.param_groups is not None:
+            entries[PARAM_GROUPS] = layout.param_groups
         for name, value in (extra or {}).items():
             entries[extra_key(name)] = value
     entries[rng_key(rank)] = torch.get_rng_state()
     manifest = {
-        "writer": writer_layout(world, plan, experts),
+        "writer": writer_layout(world, layout.plan, layout.experts),
         "model_config": model_config,
         "model_source": (
             model_source
@@ -232,7 +194,7 @@ def prepare_save(
         "versions": versions(),
     }
     writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
-    return PreparedSave(final, tmp, entries, writer, update_latest, keep)
+    return PreparedSave(final, tmp, entries, writer, update_latest, keep, layout.catalog)
 
 
 def write_and_commit(
@@ -243,31 +205,66 @@ def write_and_commit(
     process_group: dist.ProcessGroup | None = None,
     decide: Callable[..., Any] | None = None,
 ) -> None:
-    """Write ``entries`` (``job.entries`` or a copy of them) with DCP over ``process_group``,
-    commit, then move ``latest`` and prune. On a failure rank 0 removes the temporary directory
-    and every rank raises the same one-line error. ``decide`` runs a function on rank 0 and
-    gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
+    """Write ``entries`` (``job.entries`` or a copy of them): each rank plans and writes its own
+    chunks (what the catalog the ranks agreed on gives it), the coordinator gathers what was
+    written, checks it against the catalog and commits; then ``latest`` moves and old checkpoints
+    are pruned. Collective over ``process_group``. On a failure anywhere rank 0 removes the
+    temporary directory and every rank raises the same one-line error. ``decide`` runs a function
+    on rank 0 and gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
     rank, _ = rank_and_world()
+    failure: CheckpointError | None = None
+    mine = RankWrites()
     try:
-        with warnings.catch_warnings():  # DCP's notice that no_dist writes "in a single process"
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.save(
-                entries,
-                storage_writer=job.writer,
-                planner=planner,
-                process_group=process_group,
-                no_dist=not dist.is_initialized(),
-            )
-    except CheckpointException as e:
+        mine = _write_own_chunks(job, entries, planner, rank)
+    except CheckpointError as e:
+        failure = e
+    except Exception as e:  # noqa: BLE001 - every rank hears of it below
+        failure = CheckpointError(f"rank {rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    error = _commit_on_rank0(job, mine, failure, process_group)
+    if error is not None:
         if rank == 0:
             discard(job.tmp)
-        raise dcp_failure(e) from None
-    except BaseException:
-        if rank == 0:
-            discard(job.tmp)
-        raise
+        raise error
     # committed; every rank hears of a failure to move ``latest`` or to prune
     (decide or rank0_decides)(after_commit, job.final, job.update_latest, job.keep)
+
+
+def _write_own_chunks(job: PreparedSave, entries: dict[str, Any], planner: MfsdpSavePlanner, rank: int) -> RankWrites:
+    """This rank's part of the save: its plan and its data files."""
+    planner.set_up_planner(entries, storage_meta=None, is_coordinator=rank == 0)
+    plan = planner.create_local_plan()
+    job.writer.set_rank(rank)
+    plan = job.writer.prepare_local_plan(plan)
+    results = job.writer.write_data(plan, planner).wait()
+    return RankWrites(results, declared_keys(plan), list(job.writer.files))
+
+
+def _commit_on_rank0(
+    job: PreparedSave, mine: RankWrites, failure: CheckpointError | None, group: dist.ProcessGroup | None
+) -> CheckpointError | None:
+    """Gather every rank's writes (or failure) on rank 0, which commits when none failed; every
+    rank returns the same outcome (None: committed)."""
+    if not dist.is_initialized():
+        per_rank = [(mine, failure)]
+    else:
+        rank = dist.get_rank()
+        gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object((mine, failure), gathered, dst=0, group=group)
+        per_rank = gathered or []
+    outcome: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        outcome[0] = next((f for _, f in per_rank if f is not None), None)
+        if outcome[0] is None:
+            try:
+                metadata, results, index = build_index(job.catalog, [w for w, _ in per_rank])
+                job.writer.commit(metadata, results, index)
+            except CheckpointError as e:
+                outcome[0] = e
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                outcome[0] = CheckpointError(f"rank 0: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    return outcome[0]
 
 
 def _prepare_destination(final: str, overwrite: bool, lock: contextlib.ExitStack) -> str:

@@ -13,7 +13,7 @@ caller computes once per save or load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ from mfsdp_core import ParamShard
 
 __all__ = [
     "FlatEntry",
+    "ParamWrites",
     "ParamTargets",
     "mx_planes",
     "save_entries",
@@ -58,28 +59,47 @@ def _owned_slice(ps: ParamShard, shard) -> torch.Tensor:
     return shard.tensor[lo - shard.start : hi - shard.start]
 
 
+@dataclass(frozen=True)
+class ParamWrites:
+    """What one rank writes of one parameter: its owned range of the per-element state, the
+    parameter's objects (optimizer scalars), and which of its MX planes' ranges."""
+
+    owned: bool = True
+    objects: bool = True
+    planes: frozenset[str] | None = None  # None: every plane
+
+
 def save_entries(
-    shards: Sequence[ParamShard], optimizer: torch.optim.Optimizer | None, include_grads: bool
+    shards: Sequence[ParamShard],
+    optimizer: torch.optim.Optimizer | None,
+    include_grads: bool,
+    writes: Callable[[ParamShard], ParamWrites] | None = None,
 ) -> dict[str, Any]:
-    """What this rank writes, from the shard description: each rank writes the range it owns of
-    each tensor, so replicated state (whole weights under ZeRO-1/2) is still written once, in
-    parallel."""
+    """What this rank writes, from the shard description: the range it owns of each tensor, so
+    replicated state (whole weights under ZeRO-1/2) is still written once, in parallel.
+    ``writes`` says, per parameter, which of it this rank writes when other ranks hold the same
+    ranges (replicas, no-shard): see :func:`mfsdp_ckpt.sharded.save_layout.writes_of`. Without it
+    every rank gives everything it owns (and ``optim.param_groups``)."""
     out: dict[str, Any] = {}
     for ps in shards:
         lo, hi = ps.owned
-        out[model_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, _owned_slice(ps, ps.param))
-        if ps.main_dtype != ps.dtype:
-            out[optim_key(ps.fqn, MAIN_PARAM)] = FlatEntry(ps.shape, lo, hi, ps.main.tensor)
-        if optimizer is not None:
-            for name, fs in ps.optim.items():
-                out[optim_key(ps.fqn, name)] = FlatEntry(ps.shape, lo, hi, fs.tensor)
+        w = writes(ps) if writes is not None else ParamWrites()
+        if w.owned:
+            out[model_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, _owned_slice(ps, ps.param))
+            if ps.main_dtype != ps.dtype:
+                out[optim_key(ps.fqn, MAIN_PARAM)] = FlatEntry(ps.shape, lo, hi, ps.main.tensor)
+            if optimizer is not None:
+                for name, fs in ps.optim.items():
+                    out[optim_key(ps.fqn, name)] = FlatEntry(ps.shape, lo, hi, fs.tensor)
+            if include_grads and ps.grad is not None:
+                out[grad_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
+        if optimizer is not None and w.objects:
             for name, value in ps.optim_extra.items():
                 out[optim_key(ps.fqn, name)] = value
-        if include_grads and ps.grad is not None:
-            out[grad_key(ps.fqn)] = FlatEntry(ps.shape, lo, hi, ps.grad.tensor)
         for name, (shape, plane) in mx_planes(ps).items():
-            out[mx_key(ps.fqn, name)] = FlatEntry(shape, plane.start, plane.end, plane.tensor)
-    if optimizer is not None:
+            if w.planes is None or name in w.planes:
+                out[mx_key(ps.fqn, name)] = FlatEntry(shape, plane.start, plane.end, plane.tensor)
+    if optimizer is not None and writes is None:
         out[PARAM_GROUPS] = param_groups_state(shards, optimizer)
     return out
 

@@ -1,9 +1,10 @@
 """DCP's file-system writer in the stock on-disk format (so stock PyTorch tools read our
-checkpoints), recording every chunk's crc32c and committing atomically.
+checkpoints), recording every chunk's place and crc32c in its data file's record table and
+committing atomically.
 
-Commit protocol: every rank writes into a temporary sibling directory; the coordinator writes
-``.metadata`` (DCP), then ``mfsdp.json`` with every chunk's crc32c, then renames the directory to
-its final name in one ``rename``. A directory without ``mfsdp.json`` is never a checkpoint. On an
+Commit protocol: every rank writes its data files into a temporary sibling directory; the
+coordinator writes ``.metadata`` (DCP), then ``mfsdp.json`` with the checkpoint's index, then
+renames the directory to its final name in one ``rename``. A directory without ``mfsdp.json`` is never a checkpoint. On an
 object store (no rename) the files go straight to the final prefix and ``mfsdp.json``, written
 last, is the commit.
 """
@@ -11,18 +12,25 @@ last, is the commit.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
+from io import UnsupportedOperation
 from typing import Any, Iterator
 
+import torch
 from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
     FileSystem,
     FileSystemWriter,
+    _split_by_size_and_type,
+    _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
+    WriteItem,
+    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -30,7 +38,8 @@ from torch.futures import Future
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
-from mfsdp_ckpt.read.manifest import completed, write_manifest
+from mfsdp_ckpt.format.record_table import DataFile, Record, encode_table, table_crc
+from mfsdp_ckpt.read.manifest import indexed, write_manifest
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.objstore import RemoteFileSystem
@@ -97,58 +106,94 @@ class CommittingWriter(FileSystemWriter):
         self.final_dir = final_dir
         self.manifest = manifest
         self.allow_overwrite = overwrite
+        self.files: list[DataFile] = []  # what write_data wrote, for the index
 
     def bound_writes(self, max_bytes: int) -> None:
         """Hand the data files at most ``max_bytes`` per ``write`` call from now on (an
         asynchronous save's background write: each call holds its core until it returns)."""
         self.fs.max_write = max_bytes
 
+    def set_rank(self, rank: int) -> None:
+        """The rank whose files this writer writes (``__<rank>_<k>.distcp``)."""
+        self.rank = rank
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with (
-            reporting(self.tmp_dir, self.fs.streams),
-            without_zip_crc(),
-        ):  # the manifest's crc32c covers every chunk (see records.py)
+        """Write this rank's items into ``thread_count`` data files in DCP's format (a torch.save
+        record per tensor chunk, raw bytes per object), each ending in its record table
+        (:mod:`mfsdp_ckpt.format.record_table`); :attr:`files` then lists them for the index."""
+        if not hasattr(planner, "checksums"):  # the crc32c of every payload, computed as it is resolved
+            raise CheckpointError("CommittingWriter needs a planner that records checksums (MfsdpSavePlanner)")
+        rank = self.rank or 0
+        buckets = [b for b in _split_by_size_and_type(max(self.thread_count, 1), plan.items) if b] or [[]]
+        jobs = [(f"__{rank}_{k}{DEFAULT_SUFFIX}", bucket) for k, bucket in enumerate(buckets)]
+        with reporting(self.tmp_dir, self.fs.streams), without_zip_crc():
             try:
-                results = super().write_data(plan, planner).wait()
+                if len(jobs) == 1:
+                    written = [self._write_file(name, items, planner) for name, items in jobs]
+                else:
+                    with ThreadPoolExecutor(len(jobs), thread_name_prefix="mfsdp-write") as pool:
+                        written = list(pool.map(lambda job: self._write_file(*job, planner), jobs))
             finally:
                 streams = list(self.fs.streams)
-            if any(st.error for st in streams):  # a failure in a writer thread, which DCP only prints
+            if any(st.error for st in streams):  # an error hidden behind torch's zip writer's
                 failed = next(st for st in streams if st.error)
                 raise write_failed(failed.error, failed.path)
-        if not hasattr(planner, "checksums"):  # the crc32c of every payload, computed while planning the writes
-            raise CheckpointError("CommittingWriter needs a planner that records checksums (MfsdpSavePlanner)")
+        results = [wr for _, rs in written for wr in rs]
+        self.files = [f for f, _ in written]
         if len(results) != len(plan.items):
             raise CheckpointError(
                 f"{self.tmp_dir}: {len(plan.items) - len(results)} of {len(plan.items)} chunks were not written"
             )
-        # the checksum travels with each result to the coordinator; finish() strips it again
-        stamped = [
-            dataclasses.replace(wr, storage_data=(wr.storage_data, planner.checksums[chunk_id(wr.index)]))
-            for wr in results
-        ]
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(stamped)
+        fut.set_result(results)
         return fut
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        chunks: dict[str, dict[str, Any]] = {}
-        plain = []
-        for rank_results in results:
-            plain_rank = []
-            for wr in rank_results:
-                info, crc = wr.storage_data
-                chunks[chunk_id(wr.index)] = {
-                    "file": info.relative_path,
-                    "offset": info.offset,
-                    "length": info.length,
-                    "crc32c": crc,
-                }
-                plain_rank.append(dataclasses.replace(wr, storage_data=info))
-            plain.append(plain_rank)
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> tuple[DataFile, list[WriteResult]]:
+        """One data file: objects first, then tensor chunks, then the record table."""
+        path = self.fs.concat_path(self.path, name)
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+            i for i in items if i.type != WriteItemType.BYTE_IO
+        ]
+        results, rows = [], []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in ordered:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    data = data.detach().cpu()
+                    if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                        data = data.clone()  # torch.save writes a view's whole storage: keep the chunk's bytes only
+                    torch.save(data, stream)
+                length = stream.tell() - offset
+                cid = chunk_id(item.index)
+                rows.append((cid, Record(offset, length, planner.checksums[cid])))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
+            table = encode_table(rows)
+            stream.write(table)
+            size = stream.tell()
+            if self.sync_files:
+                stream.flush()
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, UnsupportedOperation):
+                    os.sync()
+        return DataFile(name, self.rank or 0, size, len(rows), table_crc(table)), results
+
+    def commit(self, metadata: Metadata, results: list[WriteResult], index: dict[str, Any]) -> None:
+        """The coordinator's commit of a save: ``.metadata`` (stock DCP, from every rank's write
+        results), ``mfsdp.json`` with ``index`` (see :mod:`mfsdp_ckpt.format.catalog`), then one
+        rename (an object store: the manifest, written last, is the commit)."""
         with reporting(fs.join(self.tmp_dir, METADATA_NAME), self.fs.streams):
-            super().finish(metadata, plain)
+            self.finish(metadata, [results])
+        total = sum(wr.storage_data.length for wr in results)
         with reporting(fs.join(self.tmp_dir, MANIFEST_NAME)) if self.remote else contextlib.nullcontext():
-            write_manifest(self.tmp_dir, completed(self.manifest, self.save_id, chunks), sync=self.sync_files)
+            write_manifest(self.tmp_dir, indexed(self.manifest, self.save_id, index, total), sync=self.sync_files)
         if self.remote:
             return  # the manifest, written last, was the commit
         if self.sync_files:
