@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -22,12 +22,11 @@ from torch.futures import Future
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.boxes import box_view, narrow
 from mfsdp_ckpt.format.checksum import chunk_id
-from mfsdp_ckpt.format.names import METADATA_NAME
-from mfsdp_ckpt.format.safety import safe_load_metadata
 from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, chunk_shapes
 from mfsdp_ckpt.read.direct_read import direct_chunk, read_into_place
-from mfsdp_ckpt.read.manifest import metadata_checksum_problem
-from mfsdp_ckpt.read.metadata_check import checked_metadata, stored_by_key
+from mfsdp_ckpt.read.index_check import read_stock_metadata
+from mfsdp_ckpt.read.indexed import IndexedCheckpoint, has_index
+from mfsdp_ckpt.read.metadata_check import stored_by_key
 from mfsdp_ckpt.read.staged_read import (
     DEFAULT_READ_THREADS,
     VerifiedRange,
@@ -37,7 +36,6 @@ from mfsdp_ckpt.read.staged_read import (
     verify_chunks,
 )
 from mfsdp_ckpt.read.stock import KeyRule, canonical_names, is_stock
-from mfsdp_ckpt.storage import fs
 
 __all__ = ["VerifyingReader"]
 
@@ -91,12 +89,15 @@ class VerifyingReader(FileSystemReader):
         self.canonical = canonical
         self.key_map = tuple(key_map)
         self.group_parts: list[str] = []
-        self.manifest_chunks: dict[str, dict[str, Any]] | None = manifest["chunks"] if manifest else None
+        self.manifest_chunks: Mapping[str, dict[str, Any]] | None = (
+            manifest["chunks"] if manifest and "chunks" in manifest else None
+        )
         self.pending: list[tuple[Any, torch.Tensor | _Deferred]] = []
         self.files: ChunkFiles | None = None
         self.chunk_shapes: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.stored: dict[str, list[tuple[MetadataIndex, Any]]] = {}
         self._metadata: Metadata | None = None
+        self.indexed: IndexedCheckpoint | None = None  # a save's checkpoint read through its index
 
     def apply(self, planner: LoadPlanner) -> None:
         """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
@@ -158,16 +159,19 @@ class VerifyingReader(FileSystemReader):
         again and gets the same object)."""
         if self._metadata is not None:
             return self._metadata
-        path = fs.join(self.dir, METADATA_NAME)
-        try:
-            data = fs.read_member(self.dir, METADATA_NAME)
-        except OSError as e:
-            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({e.strerror or e})") from None
-        metadata = safe_load_metadata(data, path)
-        problem = metadata_checksum_problem(self.manifest, data)
-        if problem is not None:
-            raise CorruptCheckpointError(f"{path}: {problem}")
-        metadata = checked_metadata(metadata, path)
+        if has_index(self.manifest):  # a save's checkpoint: everything from its index, not .metadata
+            assert self.manifest is not None
+            self.indexed = IndexedCheckpoint(self.dir, self.manifest)
+            self.manifest_chunks = self.indexed.checksums
+            lazy = self.indexed.metadata()
+            metadata = self._canonical(lazy) if self.canonical else lazy
+            if metadata is lazy:
+                self.chunk_shapes, self.stored = self.indexed.chunk_shapes, self.indexed.stored
+            else:  # renamed keys: the tables follow the new names (every chunk looked up once)
+                self.chunk_shapes, self.stored = chunk_shapes(metadata), stored_by_key(metadata)
+            self._metadata = metadata
+            return metadata
+        metadata = read_stock_metadata(self.dir, self.manifest)
         if self.canonical:
             metadata = self._canonical(metadata)
         self.chunk_shapes = chunk_shapes(metadata)

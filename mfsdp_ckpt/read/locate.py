@@ -20,6 +20,7 @@ __all__ = [
     "resolve_checkpoint",
     "read_pointer",
     "open_checkpoint",
+    "chunk_table",
     "is_mcore",
     "read_small_file",
     "MAX_POINTER_BYTES",
@@ -105,6 +106,14 @@ def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, Ve
     reader = VerifyingReader(directory, manifest)
     metadata = reader.read_metadata()
     return directory, manifest, metadata, reader
+
+
+def chunk_table(path: str | os.PathLike) -> dict[str, dict[str, Any]] | None:
+    """Every stored chunk of the checkpoint at ``path`` by chunk id (``key`` or ``key@o0,o1,…``):
+    its file, offset, length and crc32c, from the manifest's chunk table or, for a save's
+    checkpoint, its index and record tables. None for a stock DCP checkpoint (no checksums)."""
+    _, _, _, reader = open_checkpoint(os.fspath(path))
+    return dict(reader.manifest_chunks) if reader.manifest_chunks is not None else None
 
 
 def _is_hf_model_dir(directory: str) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
     "completed",
+    "indexed",
     "versions",
     "writer_layout",
     "recorded_plan",
@@ -43,7 +44,10 @@ __all__ = [
 ]
 
 FORMAT = "mfsdp-ckpt"
-FORMAT_VERSION = 2  # 2: the manifest carries manifest_crc32c (and metadata_crc32c); 1: it does not
+# 3: a save's manifest holds an index of its layout instead of every chunk (``chunks`` remains
+# for the offline tools' checkpoints); 2: the manifest carries manifest_crc32c (and
+# metadata_crc32c); 1: it does not
+FORMAT_VERSION = 3
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest lists every chunk once (about 150 bytes each)
 
 
@@ -131,13 +135,29 @@ def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str
     """``manifest`` plus what every committed checkpoint's manifest holds: format and version, the
     save id ``.metadata`` carries too, the time, every chunk's place and crc32c, total bytes."""
     return {
-        **manifest,
+        **{k: v for k, v in manifest.items() if k != "index"},  # a source's index does not describe these chunks
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "save_id": save_id,
         "created_unix": time.time(),
         "chunks": chunks,
         "total_bytes": sum(c["length"] for c in chunks.values()),
+    }
+
+
+def indexed(manifest: dict[str, Any], save_id: str, index: dict[str, Any], total_bytes: int) -> dict[str, Any]:
+    """``manifest`` plus what a committed save's manifest holds: format and version, the save id
+    ``.metadata`` carries too, the time, the index of its layout (:mod:`mfsdp_ckpt.format.catalog`:
+    its chunks are derived from it, their places and checksums are in the data files' record
+    tables) and the total bytes of its records."""
+    return {
+        **{k: v for k, v in manifest.items() if k != "chunks"},
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "save_id": save_id,
+        "created_unix": time.time(),
+        "index": index,
+        "total_bytes": total_bytes,
     }
 
 

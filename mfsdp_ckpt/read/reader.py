@@ -48,7 +48,7 @@ class CheckpointReader:
         self.directory, self.manifest, self.metadata, verifying = open_checkpoint(os.fspath(path))
         self._chunks_by_key: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = verifying.stored
         self._shapes = verifying.chunk_shapes
-        self._chunks = ChunkFiles(self.directory, self.manifest["chunks"] if self.manifest else None, self._shapes)
+        self._chunks = ChunkFiles(self.directory, verifying.manifest_chunks, self._shapes)
         self._sound: set[str] = set()  # entries whose metadata and files were checked (see _check_entry)
 
     def fork(self) -> "CheckpointReader":

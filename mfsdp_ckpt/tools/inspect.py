@@ -24,6 +24,7 @@ from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.read.chunks import ChunkFiles, Fault
+from mfsdp_ckpt.read.index_check import index_faults, read_stock_metadata
 from mfsdp_ckpt.read.locate import open_checkpoint
 from mfsdp_ckpt.read.manifest import is_protected
 from mfsdp_ckpt.read.metadata_check import entry_faults, orphan_faults
@@ -275,15 +276,20 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     else:
         if not is_protected(manifest):
             notes.append(f"{MANIFEST_NAME}: unprotected: {UNPROTECTED}")
-        faults += _save_id_faults(manifest, metadata)
+        if reader.indexed is not None:  # the index is what our readers use; .metadata must say the same
+            stock = read_stock_metadata(directory, manifest)
+            faults += _save_id_faults(manifest, stock)
+            faults += index_faults(reader.indexed, stock)
+        else:
+            faults += _save_id_faults(manifest, metadata)
     for key, md in metadata.state_dict_metadata.items():
         faults += entry_faults(key, md, reader.stored.get(key, []), METADATA_NAME)
     faults += orphan_faults(metadata, METADATA_NAME)
-    if manifest is not None:
+    if manifest is not None and reader.indexed is None:
         faults += _manifest_chunk_faults(manifest, metadata)
     storage = metadata.storage_data
     total, done = sum(info.length for info in storage.values()), 0
-    with ChunkFiles(directory, manifest["chunks"] if manifest else None, reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
             done += info.length
             if progress is not None:
