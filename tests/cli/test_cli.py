@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
+from mfsdp_ckpt.read.locate import chunk_table
 from tests.mfsdp_ckpt.util import build, train_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,8 +87,7 @@ def test_verify_ok_then_reports_each_fault(run_dir, tmp_path):
     assert result.exit_code == 0 and result.output.startswith("ok: ")
     broken = str(tmp_path / "broken")
     shutil.copytree(os.path.join(run_dir, "step_2"), broken)
-    with open(os.path.join(broken, "mfsdp.json")) as f:
-        chunks = json.load(f)["chunks"]
+    chunks = chunk_table(broken)
     key = max((k for k in chunks if k.startswith("optim.block.fc1.weight.exp_avg@")), key=lambda k: chunks[k]["length"])
     entry = chunks[key]
     with open(os.path.join(broken, entry["file"]), "r+b") as f:

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import mfsdp_ckpt
 from cli.main import main
+from mfsdp_ckpt.read.locate import chunk_table
 from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
@@ -101,8 +102,7 @@ def test_s3_faults_are_named_and_failed_writes_leave_nothing(local_run, s3_bucke
 
     # a flipped byte inside a data object: verify names the object and the key; reshard refuses,
     # leaving nothing at DST
-    manifest = json.loads(s3.cat(f"{src}/mfsdp.json"))
-    cid, chunk = next((c, v) for c, v in manifest["chunks"].items() if c.startswith("model.") and v["length"] > 2000)
+    cid, chunk = next((c, v) for c, v in chunk_table(src).items() if c.startswith("model.") and v["length"] > 2000)
     path = f"{src}/{chunk['file']}"
     data = bytearray(s3.cat(path))
     data[chunk["offset"] + chunk["length"] // 2] ^= 0xFF

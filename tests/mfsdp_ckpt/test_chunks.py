@@ -107,7 +107,7 @@ def test_chunk_files_read_verify_and_name_the_file_and_key(tmp_path):
     t = _build(path)
     directory, manifest, metadata, reader = open_checkpoint(path)
     storage = metadata.storage_data
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         pieces = {index: files.read(index, info) for index, info in storage.items()}
         assert all(files.fault(index, info) is None for index, info in storage.items())
         assert len(files._open) == 2
@@ -127,7 +127,7 @@ def test_chunk_files_read_verify_and_name_the_file_and_key(tmp_path):
         byte = f.read(1)
         f.seek(pos)
         f.write(bytes([byte[0] ^ 1]))
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         assert files.fault(index, info) == "checksum mismatch"
         with pytest.raises(CorruptCheckpointError) as e:
             files.read(index, info)
@@ -139,7 +139,7 @@ def test_chunk_files_read_verify_and_name_the_file_and_key(tmp_path):
         assert files.read(index, info).shape == (11, 16)
 
     os.remove(os.path.join(directory, info.relative_path))
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         assert files.fault(index, info) == "cannot open (No such file or directory)"
         assert files.fault(index, info) == "cannot open (No such file or directory)"  # remembered
         with pytest.raises(

@@ -8,7 +8,6 @@ it (exit 1)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -19,6 +18,7 @@ import mfsdp_ckpt.read.dcp_reader as dcp_reader
 import mfsdp_ckpt.read.direct_read as direct_read
 from mfsdp_ckpt import CorruptCheckpointError
 from mfsdp_ckpt.read.direct_read import _contiguous_range
+from mfsdp_ckpt.read.locate import chunk_table
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import failure
 from tests.torchrun import run_train as _run
@@ -98,8 +98,7 @@ def _load_non_atomic(path: str, block: int) -> dict:
 
 
 def test_corrupted_chunk_raises_on_every_rank_alike(ranks, ckpt):
-    with open(os.path.join(ckpt, "mfsdp.json")) as f:
-        chunks = json.load(f)["chunks"]
+    chunks = chunk_table(ckpt)
     key = max((k for k in chunks if k.startswith("optim.block.qkv.weight.exp_avg")), key=lambda k: chunks[k]["length"])
     entry = chunks[key]
     with open(os.path.join(ckpt, entry["file"]), "r+b") as f:
@@ -120,8 +119,7 @@ def test_trainer_resume_stops_with_the_corrupt_chunk(tmp_path):
     run = _run(2, "--model", "tiny", "--steps", "4", "--save-every", "2", "--stop-at", "2", "--ckpt-dir", str(tmp_path))
     assert run.returncode == 0, failure(run)
     step = tmp_path / "step_000002"
-    with open(step / "mfsdp.json") as f:
-        chunks = json.load(f)["chunks"]
+    chunks = chunk_table(step)
     key = max((k for k in chunks if k.startswith("model.")), key=lambda k: chunks[k]["length"])
     entry = chunks[key]
     with open(step / entry["file"], "r+b") as f:

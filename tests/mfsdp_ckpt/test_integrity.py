@@ -4,7 +4,6 @@ nothing in the model changes when a load fails."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -22,8 +21,10 @@ from mfsdp_ckpt import (
     UncommittedCheckpointError,
     UnsafeCheckpointError,
 )
+from mfsdp_ckpt.read.locate import chunk_table
+from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from mfsdp_core import fully_shard_optimizer
-from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
+from tests.mfsdp_ckpt.util import as_listed, build, owned_pieces, train_steps
 from tests.mfsdp_core.models import OPTIMIZERS, make_model, shard_model
 
 
@@ -55,8 +56,7 @@ def _load_expecting(path: str, error: type, **build_kwargs) -> dict:
 
 
 def _chunk(path: str, key_prefix: str) -> tuple[str, dict]:
-    with open(os.path.join(path, "mfsdp.json")) as f:
-        chunks = json.load(f)["chunks"]
+    chunks = chunk_table(path)
     key = max((k for k in chunks if k.startswith(key_prefix)), key=lambda k: chunks[k]["length"])
     return key, chunks[key]
 
@@ -129,15 +129,31 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
-def test_metadata_that_would_run_code_is_refused(ranks, ckpt, tmp_path):
-    victim = tmp_path / "pwned"
+def _hostile_metadata(ckpt: str, victim) -> None:
     payload = pickle.dumps(_CreatesFile(str(victim)))
     pickle.loads(payload).close()  # the payload is real: a plain unpickler creates the file
     assert victim.exists()
     victim.unlink()
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         f.write(payload)
+
+
+def test_metadata_that_would_run_code_is_refused(ranks, ckpt, tmp_path):
+    """A checkpoint whose readers take ``.metadata`` (the listed form) refuses it in ``load``."""
+    victim = tmp_path / "pwned"
+    _hostile_metadata(as_listed(ckpt), victim)
     _check_failure(ranks, ckpt, UnsafeCheckpointError, ".metadata", "refusing to load 'io.open'")
+    assert not victim.exists()
+
+
+def test_metadata_that_would_run_code_is_never_unpickled_and_verify_refuses_it(ranks, ckpt, tmp_path):
+    """A save's checkpoint: ``load`` reads the index and never opens ``.metadata``; ``verify``,
+    which checks that ``.metadata`` agrees with the index, refuses it without running it."""
+    victim = tmp_path / "pwned"
+    _hostile_metadata(ckpt, victim)
+    assert all(r["message"] is None for r in ranks(_load_expecting, 2, ckpt, UnsafeCheckpointError, timeout=300))
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load 'io.open'"):
+        verify_checkpoint(ckpt)
     assert not victim.exists()
 
 

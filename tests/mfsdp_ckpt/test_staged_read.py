@@ -77,7 +77,7 @@ def _build(path: str) -> None:
 
 def _read_all(path: str, threads: int):
     directory, manifest, metadata, reader = open_checkpoint(path)
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         return metadata, read_chunks(files, list(metadata.storage_data.items()), threads=threads)
 
 
@@ -122,7 +122,7 @@ def test_a_corrupt_chunk_is_named_and_the_first_in_file_order_wins(tmp_path, mon
     for index, info in tensors:  # both chunks of model.w, in two files
         _flip_payload_byte(directory, info, torch.float32, int(torch.Size(reader.chunk_shapes[index][1]).numel()))
     first_index, first_info = tensors[0]
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         with pytest.raises(CorruptCheckpointError) as e:
             read_chunks(files, list(metadata.storage_data.items()), threads=threads)
     assert str(e.value) == (
@@ -138,7 +138,7 @@ def test_a_file_truncated_after_the_checks_is_a_clean_error(tmp_path):
     name = "__0_0.distcp"
     size = os.path.getsize(os.path.join(directory, name))
     os.truncate(os.path.join(directory, name), size // 2)
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         with pytest.raises(CorruptCheckpointError, match=rf"{name}: key '[^']+'( chunk at \[[0-9, ]*\])?: truncated"):
             read_chunks(files, list(metadata.storage_data.items()))
 
@@ -153,7 +153,7 @@ def test_read_chunks_reads_an_fsspec_url_by_ranges():
 
 def _verify_all(path: str, threads: int, stage_bytes: int):
     directory, manifest, metadata, reader = open_checkpoint(path)
-    files = ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes)
+    files = ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes)
     return (
         files,
         metadata,
@@ -214,7 +214,7 @@ def test_verify_chunks_finds_a_corrupt_chunk_in_a_later_batch(tmp_path):
         key=lambda item: (item[1].relative_path, item[1].offset),
     )
     _flip_payload_byte(directory, last_info, torch.float64, int(torch.Size(reader.chunk_shapes[last_index][1]).numel()))
-    with ChunkFiles(directory, manifest["chunks"], reader.chunk_shapes) as files:
+    with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
         with pytest.raises(CorruptCheckpointError, match=r"key 'model.d' chunk at \[[0-9]+\]: checksum mismatch"):
             verify_chunks(files, list(metadata.storage_data.items()), stage_bytes=1)
 

@@ -98,3 +98,23 @@ def joined(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, tor
             at += pieces[start].numel()
         out[key] = torch.cat([pieces[s] for s in sorted(pieces)])
     return out
+
+
+def as_listed(path: str) -> str:
+    """Rewrite the manifest of a checkpoint ``save`` wrote in the listed form: every chunk's place
+    and crc32c in ``chunks``, no index (what the offline tools write, and saves before format
+    version 3). Its readers then take ``.metadata`` and the chunk table: the tests of their
+    defences against a hostile ``.metadata`` or chunk table run on it."""
+    import json
+    import os
+
+    from mfsdp_ckpt.read.locate import chunk_table
+    from mfsdp_ckpt.read.manifest import write_manifest
+
+    table = chunk_table(path)
+    with open(os.path.join(path, "mfsdp.json")) as f:
+        manifest = json.load(f)
+    manifest.pop("index")
+    manifest["chunks"] = table
+    write_manifest(path, manifest)
+    return path

@@ -23,7 +23,7 @@ import torch
 
 import mfsdp_ckpt
 from mfsdp_core.models.gpt import PRESETS
-from tests.mfsdp_ckpt.util import build
+from tests.mfsdp_ckpt.util import as_listed, build
 
 MODEL_CONFIG = PRESETS["tiny"].to_dict()  # what the trainer's --resume check compares against
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,15 +39,19 @@ def trained_mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optim
 
 
-def save_small(path: str, step: int = 1, model=None, optim=None, **kwargs: Any) -> str:
-    """A committed checkpoint of the test MLP at ``path`` (one process, one data file)."""
+def save_small(path: str, step: int = 1, model=None, optim=None, listed: bool = True, **kwargs: Any) -> str:
+    """A committed checkpoint of the test MLP at ``path`` (one process, one data file). ``listed``
+    (the default here): its manifest rewritten in the listed form (``as_listed``), whose readers
+    take ``.metadata`` and the chunk table, the targets of most hostile edits; without it, as
+    ``save`` wrote it (an index; see test_hostile_index.py)."""
     if model is None:
         model, optim = trained_mlp()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "assuming a single process" notice
-        return mfsdp_ckpt.save(
+        out = mfsdp_ckpt.save(
             path, model, optim, extra={"step": step, "data_position": 0}, step=step, model_config=MODEL_CONFIG, **kwargs
         )
+    return as_listed(out) if listed else out
 
 
 def manifest_crc(manifest: dict) -> int:

@@ -25,7 +25,8 @@ SCRIPT = os.path.join(ROOT, "tests", "reliability", "kill_during_save.py")
 POINTS = [
     ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 0),
     ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_local_plan", "before", 1, 1),
-    ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.create_global_plan", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.save.agree_on_layout", "before", 1, 0),
+    ("mfsdp_ckpt.sharded.save.agree_on_layout", "after", 1, 1),
     ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "before", 1, 0),
     ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "before", 1, 1),
     ("mfsdp_ckpt.sharded.planner.MfsdpSavePlanner.resolve_data", "after", 5, 0),
@@ -33,6 +34,7 @@ POINTS = [
     ("torch.save", "after", 3, 0),
     ("mfsdp_ckpt.write.dcp_writer.CommittingWriter.write_data", "after", 1, 0),
     ("mfsdp_ckpt.write.dcp_writer.CommittingWriter.write_data", "after", 1, 1),
+    ("mfsdp_ckpt.sharded.save.build_index", "before", 1, 0),
     ("torch.distributed.checkpoint.filesystem.FileSystemWriter.finish", "before", 1, 0),
     ("torch.distributed.checkpoint.filesystem.FileSystemWriter.finish", "after", 1, 0),
     ("mfsdp_ckpt.write.dcp_writer.write_manifest", "before", 1, 0),
