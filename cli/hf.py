@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .common import LazyChoice, _human, _run, _run_with_progress, cast_choices
+from .common import LazyChoice, _human, _run, cast_choices
+from .job import run_offline
 
 if TYPE_CHECKING:
     from mfsdp_ckpt.hf import ImportResult
@@ -19,6 +20,16 @@ _WORKERS = click.option(
     type=click.IntRange(min=1),
     default=None,
     help="threads converting and writing at once (default: min(4, CPUs)); the output is the same bytes for any number",
+)
+
+
+#: ``--max-file-size``: where a checkpoint's data files are cut (import-hf, export-mcore, convert)
+MAX_FILE_SIZE = click.option(
+    "--max-file-size",
+    default="5GB",
+    show_default=True,
+    help="largest data file of the checkpoint written (5GB, 500MB, 2GiB, bytes); the next tensor starts a new one, "
+    "so that the processes of a torchrun job can share the files out",
 )
 
 
@@ -102,11 +113,11 @@ def export_hf(
             raise click.UsageError("--model-config is for a canonical CKPT; a Megatron-Core one takes --mcore-config")
         options["model_config"] = _run(lambda: _model_config_file(model_config))
     if is_mcore(ckpt):  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
-        result = _run_with_progress(
+        result = run_offline(
             "export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar, **options)
         )
     else:
-        result = _run_with_progress("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
+        result = run_offline("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -133,19 +144,36 @@ def export_hf(
     "(bfloat16 for DeepSeek-V3) if bfloat16 or float32, else float32",
 )
 @_WORKERS
+@MAX_FILE_SIZE
 @click.option("--overwrite", is_flag=True, help="replace CKPT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def import_hf(
-    hf_dir: str, ckpt: str, arch: str | None, dtype: str | None, workers: int | None, overwrite: bool, as_json: bool
+    hf_dir: str,
+    ckpt: str,
+    arch: str | None,
+    dtype: str | None,
+    workers: int | None,
+    max_file_size: str,
+    overwrite: bool,
+    as_json: bool,
 ) -> None:
     """Convert the Hugging Face model directory HF_DIR (config.json + safetensors) into a committed
     checkpoint CKPT with the model weights and config (train from it with --init-from). Block-scaled
     FP8 weights (DeepSeek-V3's format) and MXFP8 exports are dequantized on the way."""
     from mfsdp_ckpt.hf import import_
 
-    result = _run_with_progress(
+    result = run_offline(
         "import-hf",
-        lambda bar: import_(hf_dir, ckpt, arch=arch, dtype=dtype, overwrite=overwrite, progress=bar, workers=workers),
+        lambda bar: import_(
+            hf_dir,
+            ckpt,
+            arch=arch,
+            dtype=dtype,
+            overwrite=overwrite,
+            progress=bar,
+            workers=workers,
+            max_file_size=max_file_size,
+        ),
     )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))

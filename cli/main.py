@@ -12,6 +12,7 @@ import click
 
 from .common import LazyChoice, _as_json, _human, _run, _run_with_progress, cast_choices
 from .interrupt import InterruptibleGroup
+from .job import one_process, run_offline
 
 
 @click.group(cls=InterruptibleGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -236,15 +237,24 @@ def diff(
     help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
     "e.g. 'model.=' for torchtitan's bare FQNs",
 )
+@click.option(
+    "--max-file-size",
+    default="5GB",
+    show_default=True,
+    help="with --to dcp-fsdp2: the largest data file (5GB, 500MB, 2GiB, bytes); the next entry starts a new "
+    "one, so that the processes of a torchrun job can share the files out",
+)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], as_json: bool) -> None:
+def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size: str, as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
     from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.convert import convert as run_convert
 
     start = time.perf_counter()
-    out = _run_with_progress(
-        "read", lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map), unit="entries"
+    out = run_offline(
+        "read",
+        lambda bar: run_convert(src, dst, to, progress=bar, key_map=key_map, max_file_size=max_file_size),
+        unit="entries",
     )
     doc = {"path": normalize(out), "format": to, "seconds": time.perf_counter() - start}
     click.echo(json.dumps(doc, indent=1) if as_json else f"wrote {out}")
@@ -311,7 +321,7 @@ def reshard(
     from mfsdp_ckpt.sharded.reshard import reshard as run_reshard
 
     start = time.perf_counter()
-    result = _run_with_progress(
+    result = run_offline(
         "reshard",
         lambda bar: run_reshard(
             src,
@@ -376,17 +386,20 @@ def upcycle(
     dropped; train from DST with mfsdp-train --init-from DST."""
     from mfsdp_ckpt.tools.upcycle import upcycle as run_upcycle
 
-    result = _run_with_progress(
+    result = run_offline(
         "upcycle",
-        lambda bar: run_upcycle(
-            src,
-            dst,
-            num_experts=num_experts,
-            topk=topk,
-            granularity=granularity,
-            seed=seed,
-            overwrite=overwrite,
-            progress=bar,
+        lambda bar: (
+            one_process("upcycle")
+            or run_upcycle(
+                src,
+                dst,
+                num_experts=num_experts,
+                topk=topk,
+                granularity=granularity,
+                seed=seed,
+                overwrite=overwrite,
+                progress=bar,
+            )
         ),
     )
     if as_json:

@@ -7,7 +7,9 @@ import json
 
 import click
 
-from .common import _human, _run_with_progress
+from .common import _human
+from .hf import MAX_FILE_SIZE
+from .job import one_process, run_offline
 
 
 @click.command(name="import-mcore", short_help="Make a checkpoint of a Megatron-Core torch_dist checkpoint.")
@@ -37,9 +39,12 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     one layer slice at a time."""
     from mfsdp_ckpt.mcore import import_mcore as run
 
-    result = _run_with_progress(
+    result = run_offline(
         "import-mcore",
-        lambda bar: run(src, dst, world_size=world_size, config=config, overwrite=overwrite, progress=bar),
+        lambda bar: (
+            one_process("import-mcore")
+            or run(src, dst, world_size=world_size, config=config, overwrite=overwrite, progress=bar)
+        ),
     )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
@@ -65,15 +70,17 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     "MLA's latent norms linear_q_up_proj / linear_kv_up_proj.layer_norm_weight), local = MCore's local spec's "
     "(mlp.linear_fc1.layer_norm_weight; MLA: q_layernorm / kv_layernorm, a dense layer's pre_mlp_layernorm)",
 )
+@MAX_FILE_SIZE
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def export_mcore(src: str, dst: str, moe_norm: str, overwrite: bool, as_json: bool) -> None:
+def export_mcore(src: str, dst: str, moe_norm: str, max_file_size: str, overwrite: bool, as_json: bool) -> None:
     """Write the canonical checkpoint SRC as the Megatron-Core torch_dist checkpoint DST
     (layer-stacked keys, metadata.json, common.pt), which megatron.core.dist_checkpointing.load reads."""
     from mfsdp_ckpt.mcore import export_mcore as run
 
-    result = _run_with_progress(
-        "export-mcore", lambda bar: run(src, dst, overwrite=overwrite, moe_norm=moe_norm, progress=bar)
+    result = run_offline(
+        "export-mcore",
+        lambda bar: run(src, dst, overwrite=overwrite, moe_norm=moe_norm, progress=bar, max_file_size=max_file_size),
     )
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))

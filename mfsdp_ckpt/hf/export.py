@@ -7,9 +7,12 @@ tensors as views of it, and written straight into its place in its shard file, w
 offsets were fixed first: memory holds one source tensor per worker, never a shard or the model.
 Several worker threads (``workers=``) convert tensors at once, each into its planned offsets, so
 the files are the same bytes for any number of workers; a file is fsynced by the worker that
-writes its last tensor while the others go on. Under ``torch.distributed`` the ranks write
-disjoint shard files in parallel (file ``i`` by rank ``i % world``); rank 0 writes the index and
-``config.json`` once every rank has finished, and renames the temporary directory into place.
+writes its last tensor while the others go on. Under ``torch.distributed`` (``torchrun -m
+mfsdp_cli.main export-hf ...``) the processes write disjoint shard files in parallel, each its
+share by bytes (:meth:`~mfsdp_ckpt.write.job.Job.owners`); the files are the same bytes as one
+process writes, since the shards are cut by ``max_shard_size`` alone. Process 0 writes the index
+and ``config.json`` once every process has finished, and renames the temporary directory into
+place (:func:`~mfsdp_ckpt.write.job.write_and_commit`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from mfsdp_ckpt.errors import CheckpointError, ConversionError, raise_key_problems
 from mfsdp_ckpt.format.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
@@ -54,7 +56,8 @@ from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
-from mfsdp_core.collectives import rank0_decides, rank_and_world
+from mfsdp_ckpt.write.builder import remove_partials_of
+from mfsdp_ckpt.write.job import Job, write_and_commit
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
@@ -350,6 +353,7 @@ def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], loc
         os.makedirs(os.path.dirname(final), exist_ok=True)
         lock.enter_context(run_lock(os.path.dirname(final)))
         check_destination(final, overwrite=overwrite, kind="hf", sources=sources)
+        remove_partials_of(final, keep=sources)  # what a killed export of ``final`` left; we hold the lock
         return make_partial_dir(final)
     except OSError as e:
         raise CheckpointError(
@@ -432,13 +436,17 @@ def _convert(
 
 
 def _write_shards(
-    reader: CheckpointReader, plan: _Plan, tmp: str, rank: int, world: int, progress: Progress | None, workers: int = 1
+    reader: CheckpointReader,
+    plan: _Plan,
+    tmp: str,
+    mine: list[int],
+    rank: int,
+    progress: Progress | None,
+    workers: int = 1,
 ) -> None:
-    """Write this rank's shard files with ``workers`` threads, each converting whole items (one
-    canonical tensor each) in plan order into their planned offsets; check each source it was
-    given was read exactly once."""
-    n = len(plan.shards)
-    mine = [s for s in range(n) if s % world == rank]
+    """Write the shard files ``mine`` (this process's) with ``workers`` threads, each converting
+    whole items (one canonical tensor each) in plan order into their planned offsets; check each
+    source it was given was read exactly once."""
     tasks = [(s, item) for s in mine for item in plan.shards[s]]
     total = sum(item.nbytes for _, item in tasks)
     shards = _OpenShards(plan, tmp, mine)
@@ -542,18 +550,19 @@ def export(
     (transformers' ``mxfp8``) in ``config.json``; every other tensor as in ``"weights"``.
 
     Collective when ``torch.distributed`` is initialised: every rank calls it with the same
-    arguments and writes the shard files ``i`` with ``i % world == rank``; rank 0 writes the index
-    and config after all are done. ``out`` appears only when complete (a temporary sibling is
-    renamed); on any error, on any rank, nothing is left at ``out``. ``progress(done, total)``
-    gets this rank's bytes written so far.
+    arguments and writes its share of the shard files (by bytes, the same assignment on every
+    rank); rank 0 writes the index and config after all are done. ``out`` appears only when
+    complete (a temporary sibling is renamed); on any error, on any rank, nothing is left at
+    ``out``: the rank that failed raises its error, the others
+    :class:`~mfsdp_ckpt.write.job.JobFailedElsewhere` naming it. ``progress(done, total)`` gets
+    this rank's bytes written so far.
 
     ``model_config``: the model shape (``model_config`` as a manifest records it) of a
     checkpoint whose manifest records none, e.g. one made by ``convert --to dcp`` from a bare file.
 
     ``workers``: threads converting and writing at once on each rank (default ``min(4, CPUs)``);
     each converts whole tensors into their planned places, so the files are the same bytes for
-    any number. Each thread holds at most its largest tensor (plus, when casting, its largest
-    cast piece).
+    any number. Each holds at most its largest tensor (and, casting, its largest cast piece).
     """
     if is_mcore(checkpoint):
         raise ConversionError(
@@ -565,28 +574,58 @@ def export(
     if not fs.is_local(out):
         raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
     final = os.path.abspath(os.fspath(out))
-    if isinstance(dtype, str):
-        if dtype not in CAST_CHOICES:
-            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
-        dtype = dtype_by_name(dtype)
-    check_destination(final, overwrite=overwrite, kind="hf", sources=(source,))  # refuse early, on every rank
-    max_bytes = parse_size(max_shard_size)
-    workers = check_workers(workers)
-    with contextlib.ExitStack() as lock, CheckpointReader(source) as reader:
+    job = Job.current()
+    with contextlib.ExitStack() as stack:
+        reader, plan, workers = job.run(
+            f"{final}: export not written",
+            _open_and_plan,
+            stack,
+            source,
+            final,
+            dict(arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode),
+            workers,
+            model_config,
+        )
         return _export(
+            job,
             reader,
-            plan=_plan(reader, source, arch, dtype, max_bytes, mode, model_config),
+            plan=plan,
             final=final,
             overwrite=overwrite,
             sources=(source,),
-            lock=lock,
+            lock=stack,
             progress=progress,
             start=start,
             workers=workers,
         )
 
 
+def _open_and_plan(
+    stack: contextlib.ExitStack,
+    source: str,
+    final: str,
+    options: dict[str, Any],
+    workers: int | None,
+    model_config: dict[str, Any] | None,
+) -> tuple[CheckpointReader, _Plan, int]:
+    """The arguments checked, ``final`` checked as a destination (refused early, on every
+    process), the source opened (closed with ``stack``) and the whole export planned from its
+    metadata; and the worker threads."""
+    dtype = options["dtype"]
+    if isinstance(dtype, str):
+        if dtype not in CAST_CHOICES:
+            raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
+        dtype = dtype_by_name(dtype)
+    check_destination(final, overwrite=options["overwrite"], kind="hf", sources=(source,))
+    max_bytes = parse_size(options["max_shard_size"])
+    workers = check_workers(workers)
+    reader = stack.enter_context(CheckpointReader(source))
+    plan = _plan(reader, source, options["arch"], dtype, max_bytes, options["mode"], model_config)
+    return reader, plan, workers
+
+
 def _export(
+    job: Job,
     reader: CheckpointReader,
     *,
     plan: _Plan,
@@ -598,41 +637,29 @@ def _export(
     start: float,
     workers: int,
 ) -> ExportResult:
-    rank, world = rank_and_world()
-    # rank 0 makes the directory for all (holding the parent's writer lock until the export is
-    # committed); nobody writes before it exists, and if it cannot be made every rank raises the
-    # same error
-    tmp = rank0_decides(_make_partial_dir, final, overwrite, sources, lock)
-    failure: BaseException | None = None
-    try:
-        _write_shards(reader, plan, tmp, rank, world, progress, workers)
-    except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-        failure = e
-    if world > 1:
-        flag = torch.tensor([rank + 1 if failure is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed_rank = int(flag.item()) - 1
-    else:
-        failed_rank = rank if failure is not None else -1
+    """Write the planned shard files over the processes of ``job`` (each its share, by bytes:
+    :meth:`~mfsdp_ckpt.write.job.Job.owners`) into a partial directory process 0 makes (holding
+    the parent's writer lock in ``lock`` until the export is committed); process 0 writes the
+    index and config once every process has finished, and renames the directory into place."""
+    mine = job.mine([sum(item.nbytes for item in shard) for shard in plan.shards])
+    holder: list[str] = []
 
-    def conclude() -> None:  # rank 0, once every rank is done: commit, or clean up and say why
-        try:
-            if failed_rank >= 0:
-                raise CheckpointError(f"{final}: export not written: rank {failed_rank} failed")
-            _finish(plan, tmp)
-            commit_directory(tmp, final, overwrite=overwrite)
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{final}: export not written: rank 0 failed: {type(e).__name__}: {e}") from e
+    def open_() -> str:
+        holder.append(_make_partial_dir(final, overwrite, sources, lock))
+        return holder[0]
 
-    try:
-        rank0_decides(conclude)
-    except CheckpointError:
-        if failure is not None:
-            raise failure from None  # the rank that failed reports its own error
-        raise
+    def write(tmp: str) -> None:
+        _write_shards(reader, plan, tmp, mine, job.rank, progress, workers)
+
+    def conclude(parts: list[None]) -> None:
+        _finish(plan, holder[0])
+        commit_directory(holder[0], final, overwrite=overwrite)
+
+    def abort() -> None:
+        if holder:
+            shutil.rmtree(holder[0], ignore_errors=True)
+
+    write_and_commit(job, f"{final}: export not written", open_, write, conclude, abort)
     n = len(plan.shards)
     return ExportResult(
         path=final,

@@ -18,6 +18,7 @@ Nothing is visible at the destination until the checkpoint commits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -65,11 +66,12 @@ from mfsdp_ckpt.hf.mx import (
 )
 from mfsdp_ckpt.hf.mx import QUANT_METHOD as MX_METHOD
 from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get_architecture
-from mfsdp_ckpt.hf.workers import Staging, Turns, check_workers, run_tasks
+from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, Staging, Turns, check_workers, max_file_bytes, run_tasks
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, default_plan, meta_model
-from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
+from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint
 from mfsdp_core.dtypes import dtype_by_name, dtype_name
 from mfsdp_core.mx import (
     BLOCK,
@@ -271,27 +273,72 @@ def _read_piece(hf: HFDirectory, key: str, p: _ImportPlan, dtype: torch.dtype) -
     return piece.to(dtype)
 
 
-def _convert_all(
+def _planes_nbytes(shape: torch.Size) -> int:
+    """Bytes of the four MX planes of an ``[M, K]`` weight: both data planes (one byte per
+    element) and the rowwise ``[M, K/32]`` and columnwise ``[M/32, K]`` scales."""
+    m, k = shape
+    return 2 * m * k + m * (k // BLOCK) + (m // BLOCK) * k
+
+
+def _output_nbytes(p: _ImportPlan, conv: Conversion) -> int:
+    """Bytes of tensor data ``conv`` writes: its canonical tensor, and the MX planes of one."""
+    n = p.shapes[conv.ours].numel() * p.dtypes[conv.ours].itemsize
+    return n + (_planes_nbytes(p.shapes[conv.ours]) if conv.ours in p.mx.quantized else 0)
+
+
+def _input_keys(p: _ImportPlan, conv: Conversion) -> list[str]:
+    """The HF tensors ``conv`` reads: its pieces and the scales of the quantized ones."""
+    return [*conv.theirs, *(p.scales[k] for k in conv.theirs if k in p.scales)]
+
+
+def data_files(p: _ImportPlan, max_bytes: int) -> list[int]:
+    """The data file of each conversion, ``__0_<k>.distcp`` for ``k`` returned: a new one wherever
+    the next tensor would take the current one past ``max_bytes``
+    (:func:`~mfsdp_ckpt.write.job.split_by_size`). A function of the plan alone, so one process
+    and a job of any size write the same files; a checkpoint under ``max_bytes`` is one file,
+    ``__0_0.distcp``."""
+    return split_by_size([_output_nbytes(p, c) for c in p.conversions], max_bytes)
+
+
+def _my_tasks(job: Job, p: _ImportPlan, max_bytes: int) -> list[tuple[str, Conversion]]:
+    """This process's conversions, each with its data file's name, in conversion order: whole
+    files, shared out by bytes (:meth:`~mfsdp_ckpt.write.job.Job.owners`)."""
+    files = data_files(p, max_bytes)
+    sizes = [0] * (max(files, default=-1) + 1)
+    for k, conv in zip(files, p.conversions):
+        sizes[k] += _output_nbytes(p, conv)
+    mine = set(job.mine(sizes))
+    return [(f"__0_{k}.distcp", c) for k, c in zip(files, p.conversions) if k in mine]
+
+
+_Counts = tuple[Counter, Counter, int]  # HF tensors consumed, canonical tensors written, bytes written
+
+
+def _convert_mine(
     hf: HFDirectory,
-    builder: CheckpointBuilder,
+    tmp: str,
     p: _ImportPlan,
+    tasks: list[tuple[str, Conversion]],
     workers: int,
     progress: Callable[[int, int], None] | None,
-    total: int,
-) -> int:
-    """Every conversion, on ``workers`` threads: each reads and merges one tensor (and computes
-    its crc32c and, for MX, its planes) in parallel with the others, then appends it to the
-    checkpoint in conversion order (:class:`~mfsdp_ckpt.hf.workers.Turns`), so the data file is
-    the same bytes for any number of workers. Checks that every HF tensor was consumed and
-    every canonical tensor written exactly once. Returns the tensor bytes written."""
+) -> tuple[list[ChunkRecord], _Counts]:
+    """This process's conversions (``tasks``: each with its data file, in conversion order), on
+    ``workers`` threads: each reads and merges one tensor (and computes its crc32c and, for MX,
+    its planes) in parallel with the others, then appends it to its data file in conversion
+    order (:class:`~mfsdp_ckpt.hf.workers.Turns`), so the files are the same bytes for any number
+    of workers or processes; a file is closed (fsynced) once its last tensor is in. Returns the
+    records and what was consumed and written (:func:`_check_counts` checks them)."""
     consumed: Counter[str] = Counter()
     written: Counter[str] = Counter()
-    written_bytes = [0]  # what went into the data file (canonical tensors and MX planes), not what was read
+    written_bytes = [0]  # what went into the data files (canonical tensors and MX planes), not what was read
     turns = Turns()
     shapes, mx = p.shapes, p.mx
+    writer = ChunkFileWriter(tmp)
+    records: list[ChunkRecord] = []
+    last = {file: j for j, (file, _) in enumerate(tasks)}
 
-    def do(bufs: _Buffers, task: tuple[int, Conversion]) -> int:
-        i, conv = task
+    def do(bufs: _Buffers, task: tuple[int, tuple[str, Conversion]]) -> int:
+        j, (file, conv) = task
         tensor, nbytes = _staged(hf, conv, p, bufs)
         if tensor.shape != shapes[conv.ours]:
             raise ConversionError(
@@ -299,26 +346,48 @@ def _convert_all(
             )
         crc = payload_crc32c(tensor)
         planes = _planes(fqn_of(conv.ours), tensor, mx.fmt) if conv.ours in mx.quantized else []
-        with turns.of(i):  # appends in conversion order; the counters are touched only here
-            records = [builder.add_tensor(conv.ours, tensor, crc32c=crc)]
-            for key, plane in planes:
-                records.append(builder.add_tensor(key, plane))
+        zeros = (0,) * tensor.dim()
+        with turns.of(j):  # appends in conversion order; the counters are touched only here
+            mine = [writer.write_chunk(conv.ours, tensor, zeros, tensor.shape, file, crc)]
+            mine += [writer.write_chunk(key, pl, (0,) * pl.dim(), pl.shape, file) for key, pl in planes]
+            records.extend(mine)
             written[conv.ours] += 1
             written_bytes[0] += sum(t.numel() * t.element_size() for t in [tensor, *(pl for _, pl in planes)])
-            consumed.update(conv.theirs)
-            consumed.update(p.scales[k] for k in conv.theirs if k in p.scales)
-        for record in records:  # off the turn: the next append goes on while the disk starts on this one
-            builder.start_writeback(record)
+            consumed.update(_input_keys(p, conv))
+        if last[file] == j:
+            writer.close_file(file)  # its last tensor is in: fsync it while the others go on
+        else:
+            for record in mine:  # off the turn: the next append goes on while the disk starts on this one
+                writer.start_writeback(record)
         return nbytes
 
-    report = progress_adder(progress, total)
+    report = progress_adder(progress, sum(_hf_nbytes(hf, _input_keys(p, c)) for _, c in tasks))
+    try:
+        run_tasks(list(enumerate(tasks)), workers, _Buffers, do, progress=report, turns=turns)
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
+    return records, (consumed, written, written_bytes[0])
 
-    run_tasks(list(enumerate(p.conversions)), workers, _Buffers, do, progress=report, turns=turns)
+
+def _hf_nbytes(hf: HFDirectory, keys: list[str]) -> int:
+    return sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in keys)
+
+
+def _check_counts(hf: HFDirectory, p: _ImportPlan, counts: list[_Counts]) -> int:
+    """Over every process's counts: every HF tensor consumed and every canonical tensor written
+    exactly once (else one ConversionError naming them). Returns the tensor bytes written."""
+    consumed: Counter[str] = Counter()
+    written: Counter[str] = Counter()
+    for c, w, _ in counts:
+        consumed.update(c)
+        written.update(w)
     unread = [k for k in hf.tensors if k not in p.left_out and consumed[k] != 1]
-    wrong = sorted(unread + [k for k in shapes if written[k] != 1])
+    wrong = sorted(unread + [k for k in p.shapes if written[k] != 1])
     if wrong:
         raise ConversionError(f"{hf.path}: not consumed / written exactly once: {', '.join(wrong)}")
-    return written_bytes[0]
+    return sum(n for _, _, n in counts)
 
 
 @dataclass
@@ -624,6 +693,24 @@ def _manifest(hf: HFDirectory, p: _ImportPlan) -> dict[str, Any]:
     }
 
 
+def _open_and_plan(
+    stack: contextlib.ExitStack,
+    hf_dir: str | os.PathLike,
+    arch: str | None,
+    dtype: str | torch.dtype | None,
+    max_file_size: str | int,
+    workers: int | None,
+) -> tuple[HFDirectory, _ImportPlan, int, int]:
+    """The arguments checked, the directory opened (closed with ``stack``) and the whole import
+    planned from its config and headers (the same on every process); the data files' size and
+    the worker threads."""
+    workers = check_workers(workers)
+    requested = _requested_dtype(dtype)
+    max_bytes = max_file_bytes(max_file_size)
+    hf = stack.enter_context(HFDirectory(hf_dir))
+    return hf, _plan_import(hf, arch, requested), max_bytes, workers
+
+
 def import_(
     hf_dir: str | os.PathLike,
     checkpoint: str | os.PathLike,
@@ -633,6 +720,7 @@ def import_(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     workers: int | None = None,
+    max_file_size: str | int = DEFAULT_MAX_FILE_SIZE,
 ) -> ImportResult:
     """Convert the HF model directory ``hf_dir`` (``config.json`` plus safetensors, sharded or
     not) into a committed canonical checkpoint at ``checkpoint``: ``model.<fqn>`` weights in their
@@ -661,16 +749,30 @@ def import_(
     append to the checkpoint's data file in conversion order, so the checkpoint holds the same
     bytes for any number. Each holds at most one canonical tensor (and, for MX, its planes; for
     a cast or an FP8 weight, the piece being read and a 16 MiB float32 band).
+
+    ``max_file_size`` (``"5GB"``, ``"500MiB"`` or bytes): the data files' size, past which the
+    next tensor starts a new one (:func:`data_files`: ``__0_0.distcp``, ``__0_1.distcp``, ...).
+    Collective when ``torch.distributed`` is initialised (``torchrun -m mfsdp_cli.main
+    import-hf``): the processes share out the data files (whole files, by bytes), each reading
+    only the HF tensors of its own, and process 0 commits once all are written
+    (:mod:`mfsdp_ckpt.write.job`); the files are the same bytes for any number of processes.
     """
     start = time.perf_counter()
-    workers = check_workers(workers)
-    requested = _requested_dtype(dtype)
-    with HFDirectory(hf_dir) as hf:
-        p = _plan_import(hf, arch, requested)
-        total = sum(hf.tensors[k].shape.numel() * hf.tensors[k].dtype.itemsize for k in p.expected)
-        with CheckpointBuilder(checkpoint, _manifest(hf, p), overwrite=overwrite, sources=(hf.path,)) as builder:
-            written = _convert_all(hf, builder, p, workers, progress, total)
-            path = builder.commit()
+    job = Job.current()
+    with contextlib.ExitStack() as stack:
+        hf, p, max_bytes, workers = job.run(
+            f"{os.fspath(checkpoint)}: not written", _open_and_plan, stack, hf_dir, arch, dtype, max_file_size, workers
+        )
+        tasks = _my_tasks(job, p, max_bytes)
+        path, _, written = write_checkpoint(
+            job,
+            os.fspath(checkpoint),
+            _manifest(hf, p),
+            lambda tmp: _convert_mine(hf, tmp, p, tasks, workers, progress),
+            overwrite=overwrite,
+            sources=(hf.path,),
+            finish=lambda builder, counts: _check_counts(hf, p, counts),
+        )
     quantization = p.quantization
     return ImportResult(
         path=path,

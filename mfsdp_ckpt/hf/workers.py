@@ -19,7 +19,16 @@ from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 import torch
 
-__all__ = ["Cancelled", "Staging", "Turns", "check_workers", "default_workers", "run_tasks"]
+__all__ = [
+    "Cancelled",
+    "DEFAULT_MAX_FILE_SIZE",
+    "Staging",
+    "Turns",
+    "check_workers",
+    "default_workers",
+    "max_file_bytes",
+    "run_tasks",
+]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -44,6 +53,23 @@ def check_workers(workers: int | None) -> int:
     if type(workers) is not int or workers < 1:
         raise ConversionError(f"workers must be a positive integer, got {workers!r}")
     return workers
+
+
+#: the size of a checkpoint's data files past which ``import-hf``, ``export-mcore`` and ``convert``
+#: start a new one (so that the processes of a job can share whole files out)
+DEFAULT_MAX_FILE_SIZE = "5GB"
+
+
+def max_file_bytes(value: str | int) -> int:
+    """``max_file_size`` (``--max-file-size``: ``"5GB"``, ``"500MiB"``, bytes) in bytes; refused
+    in one line naming the option."""
+    from mfsdp_ckpt.errors import ConversionError
+    from mfsdp_ckpt.hf.files import parse_size
+
+    try:
+        return parse_size(value)
+    except ConversionError as e:
+        raise ConversionError(f"--max-file-size: {str(e).replace('max shard size ', '')}") from None
 
 
 class Staging:

@@ -20,6 +20,7 @@ every chunk: ``mfsdp-ckpt verify`` checks it), which MCore ignores.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -33,13 +34,15 @@ import torch
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
+from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import OPTIM_STATE, Naming, extra_state_keys_of, naming_of, target_of
 from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
+from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint
 
 __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
 
@@ -163,36 +166,53 @@ def _common_state(reader: MappedReader, keys: list[str]) -> dict[str, Any]:
     return common
 
 
-def _write_chunks(
-    builder: CheckpointBuilder,
+def _write_files(
+    tmp: str,
     reader: MappedReader,
+    tasks: list[tuple[str, str]],
     targets: _Targets,
     stacks: _Stacks,
-    total: int,
+    objects: tuple[str, list[str]] | None,
     progress: Callable[[int, int], None] | None,
-) -> None:
-    """Write each exported tensor as one chunk of its stack, one at a time (memory: one tensor)."""
+) -> list[ChunkRecord]:
+    """Write this process's ``tasks`` (canonical key, data file; in export order), each tensor as
+    one chunk of its stack, one at a time (memory: one tensor), and ``objects`` (the last file's
+    name and the ``_extra_state`` keys, as MCore writes them: ``[None]``) after the chunks of
+    that file, when this process writes it. A file is closed once its last entry is in."""
+    writer = ChunkFileWriter(tmp)
+    records: list[ChunkRecord] = []
+    last = {file: j for j, (_, file) in enumerate(tasks)}
+    total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k, _ in tasks)
     done = 0
-    for key, (stored, index) in targets.items():
-        tensor = reader.read(key)
-        _, shape = stacks[stored]
-        chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
-        record = builder.add_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), shape)
-        builder.start_writeback(record)
-        done += tensor.numel() * tensor.element_size()
-        del tensor, chunk
-        if progress is not None:
-            progress(done, total)
+    try:
+        for j, (key, file) in enumerate(tasks):
+            stored, index = targets[key]
+            tensor = reader.read(key)
+            chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
+            records.append(
+                writer.write_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), stacks[stored][1], file)
+            )
+            writer.start_writeback(records[-1])
+            done += tensor.numel() * tensor.element_size()
+            del tensor, chunk
+            if objects is not None and file == objects[0] and last[file] == j:
+                records += [writer.write_object(k, [None], file) for k in objects[1]]
+            if last[file] == j:
+                writer.close_file(file)
+            if progress is not None:
+                progress(done, total)
+        if objects is not None and objects[0] not in last:  # no tensor at all: the objects alone
+            records += [writer.write_object(k, [None], objects[0]) for k in objects[1]]
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
+    return records
 
 
-def _write_mcore_files(
-    builder: CheckpointBuilder, cfg: ModelShape, layout: _Layout, args: dict[str, Any], common: dict[str, Any]
-) -> None:
-    """Write what MCore reads besides the tensors: the empty ``_extra_state`` objects its loader
-    asks for, ``common.pt``, ``metadata.json``; and ``mcore_args.json`` (``args``: import-mcore
-    reads it back)."""
-    for key in extra_state_keys_of(cfg, layout.per_layer):
-        builder.add_object(key, [None])
+def _write_mcore_files(builder: CheckpointBuilder, args: dict[str, Any], common: dict[str, Any]) -> None:
+    """Write what MCore reads besides the data files: ``common.pt``, ``metadata.json``; and
+    ``mcore_args.json`` (``args``: import-mcore reads it back)."""
     buf = io.BytesIO()
     torch.save(common, buf)
     fs.write_bytes(fs.join(builder.tmp, "common.pt"), buf.getvalue(), sync=builder.sync)
@@ -204,6 +224,35 @@ def _write_mcore_files(
     )
 
 
+@dataclass
+class _Export:
+    """An export planned from the source's metadata (the same on every process of a job): the
+    layout, MCore's arguments, each tensor's place in its stack, the stacks, the ``_extra_state``
+    keys, and the data file of each tensor. ``common`` (``common.pt``, read from the source's
+    ``extra.*`` objects) only on process 0, which writes it."""
+
+    layout: _Layout
+    cfg: ModelShape
+    args: dict[str, Any]
+    targets: _Targets
+    stacks: _Stacks
+    extra_states: list[str]
+    files: list[int]
+    common: dict[str, Any] | None
+
+
+def _plan_export(reader: MappedReader, moe_norm: str, max_bytes: int, main: bool) -> _Export:
+    """Everything :func:`export_mcore` will write, refusing what it cannot before anything is."""
+    cfg = _exported_shape(reader)
+    layout = _layout(cfg, moe_norm)
+    args = to_mcore_args(cfg, reader.directory)  # refuses a model it cannot describe, before writing
+    keys = reader.keys()
+    targets, stacks = _stack_targets(reader, keys, layout)
+    files = split_by_size([reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets], max_bytes)
+    common = _common_state(reader, keys) if main else None
+    return _Export(layout, cfg, args, targets, stacks, extra_state_keys_of(cfg, layout.per_layer), files, common)
+
+
 def export_mcore(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -211,6 +260,7 @@ def export_mcore(
     overwrite: bool = False,
     moe_norm: str = "te",
     progress: Callable[[int, int], None] | None = None,
+    max_file_size: str | int = DEFAULT_MAX_FILE_SIZE,
 ) -> McoreExportResult:
     """Write the canonical checkpoint ``src`` as the MCore ``torch_dist`` checkpoint ``dst`` (see
     the module docstring). ``moe_norm``: ``"te"``: the names of Transformer Engine's layer spec
@@ -218,25 +268,61 @@ def export_mcore(
     those of MCore's local spec (the MoE pre-MLP norm ``mlp.linear_fc1.layer_norm_weight``; with
     MLA the latent norms ``self_attention.q_layernorm`` / ``kv_layernorm`` and a dense layer's MLP
     norm ``pre_mlp_layernorm``: :mod:`~mfsdp_ckpt.mcore.layout`). Gradients and MX planes are not
-    exported (MCore has no place for them)."""
+    exported (MCore has no place for them).
+
+    ``max_file_size``: the data files' size, past which the next tensor starts a new one
+    (``__0_0.distcp``, ``__0_1.distcp``, ...; MCore's reader takes any number). Collective when
+    ``torch.distributed`` is initialised (``torchrun -m mfsdp_cli.main export-mcore``): the
+    processes share the data files out, each reading only its own tensors, and process 0 writes
+    the rest and commits (:mod:`mfsdp_ckpt.write.job`); the files are the same bytes for any
+    number of processes."""
     start = time.perf_counter()
-    with MappedReader(src) as reader:
-        cfg = _exported_shape(reader)
-        layout = _layout(cfg, moe_norm)
-        args = to_mcore_args(cfg, reader.directory)  # refuses a model it cannot describe, before writing
-        keys = reader.keys()
-        targets, stacks = _stack_targets(reader, keys, layout)
-        common = _common_state(reader, keys)
-        total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets)
-        manifest = {
-            "model_config": cfg.to_dict(),
-            "step": common.get("iteration") if type(common.get("iteration")) is int else None,
-            "versions": versions(),
-            "converted_from": reader.directory,
-            "key_layout": "mcore-torch_dist",
-        }
-        with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(reader.directory,)) as builder:
-            _write_chunks(builder, reader, targets, stacks, total, progress)
-            _write_mcore_files(builder, cfg, layout, args, common)
-            path = builder.commit()
-    return McoreExportResult(path=path, tensors=len(targets), bytes=total, seconds=time.perf_counter() - start)
+    job = Job.current()
+    with contextlib.ExitStack() as stack:
+        reader = job.run(f"{os.fspath(dst)}: not written", lambda: stack.enter_context(MappedReader(src)))
+        plan = job.run(
+            f"{os.fspath(dst)}: not written",
+            lambda: _plan_export(reader, moe_norm, max_file_bytes(max_file_size), job.main),
+        )
+        path = _write(job, reader, plan, os.fspath(dst), overwrite, progress)
+        total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in plan.targets)
+    return McoreExportResult(path=path, tensors=len(plan.targets), bytes=total, seconds=time.perf_counter() - start)
+
+
+def _write(
+    job: Job,
+    reader: MappedReader,
+    plan: _Export,
+    dst: str,
+    overwrite: bool,
+    progress: Callable[[int, int], None] | None,
+) -> str:
+    """The planned export written by the processes of ``job``: each its share of the data files
+    (whole files, by bytes), process 0 the manifest, ``common.pt``, ``metadata.json`` and
+    ``mcore_args.json``, and the commit."""
+    names = [f"__0_{k}.distcp" for k in plan.files]
+    sizes = [0] * (max(plan.files, default=0) + 1)
+    for k, key in zip(plan.files, plan.targets):
+        sizes[k] += reader.shape(key).numel() * reader.dtype(key).itemsize
+    mine = set(job.mine(sizes))
+    tasks = [(key, name) for k, name, key in zip(plan.files, names, plan.targets) if k in mine]
+    last = names[-1] if names else "__0_0.distcp"
+    objects = (last, plan.extra_states) if (max(plan.files, default=0) in mine) else None
+    common = plan.common or {}
+    manifest = {
+        "model_config": plan.cfg.to_dict(),
+        "step": common.get("iteration") if type(common.get("iteration")) is int else None,
+        "versions": versions(),
+        "converted_from": reader.directory,
+        "key_layout": "mcore-torch_dist",
+    }
+    path, _, _ = write_checkpoint(
+        job,
+        dst,
+        manifest,
+        lambda tmp: (_write_files(tmp, reader, tasks, plan.targets, plan.stacks, objects, progress), None),
+        overwrite=overwrite,
+        sources=(reader.directory,),
+        finish=lambda builder, _: _write_mcore_files(builder, plan.args, common),
+    )
+    return path

@@ -13,7 +13,10 @@ they fall inside the range, straight into place.
 
 Workers are threads of this process, each writing whole target files (:func:`default_workers`);
 each keeps the disk reading the sources of its next jobs while it writes (:class:`_Readahead`),
-so reading the source and writing the target overlap, as ``dd``'s do.
+so reading the source and writing the target overlap, as ``dd``'s do. Under ``torchrun``
+(``torch.distributed`` initialised) the processes of the job share the target files out, each
+with its own threads, and process 0 commits once all are written
+(:mod:`mfsdp_ckpt.write.job`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
 from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
+from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
+from mfsdp_ckpt.write.job import Job, write_checkpoint
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
@@ -554,58 +558,95 @@ def reshard(
     progress: Callable[[int, int], None] | None = None,
 ) -> ReshardResult:
     """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
-        ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
-        (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
-        holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
-        the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
+    ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
+    (default: the writer's; 1 without expert parallelism): under expert parallelism, EP rank p'
+    holds experts ``p'·N/ep … (p'+1)·N/ep - 1``, sharded over its ``world_size / ep`` ranks, and
+    the piece of its k-th of them goes to the file of global rank ``k·ep + p'``.
 
-        ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``: FSDP2's ``get_state_dict`` layout,
-        torchtitan's bare FQNs, any ``dcp.save``): its keys are mapped to canonical ones
-        (:mod:`mfsdp_ckpt.read.stock`; ``key_map``: ``OLD=NEW`` prefix renames applied first, e.g.
-        ``'=model.'`` for bare FQNs), its placement plan is ``plan_from``'s or one ``even`` buffer of
-        its ``model.*`` tensors, and the output is a committed canonical checkpoint.
+    ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``; :mod:`mfsdp_ckpt.read.stock` maps its
+    keys, ``key_map``'s ``OLD=NEW`` prefix renames first, e.g. ``'=model.'`` for bare FQNs); its
+    plan is ``plan_from``'s or one ``even`` buffer of its ``model.*`` tensors. ``model_only``
+    drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights. Per-rank RNG
+    states are kept only when the world size is unchanged. ``workers`` threads write disjoint
+    target files (default: :func:`default_workers`). ``progress(done, total)`` gets bytes.
+    ``dst`` appears only when complete (replacing one only with ``overwrite``).
 
-        ``model_only`` drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights.
-        Per-rank RNG states are kept only when the world size is unchanged (they mean nothing at
-        another). ``workers`` threads write disjoint target files in parallel (default:
-    :func:`default_workers`; never more than the target files). ``progress(done,
-        total)`` is called with bytes. ``dst`` appears only when complete (and replaces an existing
-        one only with ``overwrite``); on any error nothing is left there.
+    Collective when ``torch.distributed`` is initialised (``torchrun -m mfsdp_cli.main reshard``):
+    the processes share the target files out (by bytes, :meth:`~mfsdp_ckpt.write.job.Job.owners`),
+    each reading only the source ranges of its own, and process 0 commits once every one is
+    written (:mod:`mfsdp_ckpt.write.job`); the files are the same bytes for any number of
+    processes, ``workers`` threads on each.
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    cast = _check_arguments(world_size, workers, strategy, policy, dtype)
-    rules = parse_key_map(key_map)
-    _refuse_mcore(src, world_size, rules)
-    planned = _plan_reshard(
+    job = Job.current()
+    what = f"{dst}: not written"
+    rules, planned = job.run(
+        what,
+        _checked_plan,
         src,
-        rules,
-        world_size=world_size,
-        ep=ep,
-        strategy=strategy,
-        policy=policy,
-        plan_from=plan_from,
-        model_only=model_only,
-        cast=cast,
+        dict(
+            world_size=world_size,
+            ep=ep,
+            workers=workers,
+            strategy=strategy,
+            policy=policy,
+            plan_from=plan_from,
+            model_only=model_only,
+            dtype=dtype,
+            key_map=key_map,
+        ),
     )
     jobs = planned.jobs
     files = max([j.file for j in jobs], default=0) + 1
+    my_jobs, mine = _my_jobs(job, jobs, files)
     if workers is None:
-        workers = default_workers(files)
+        workers = default_workers(mine)
     out_manifest = _output_manifest(planned, world_size, model_only=model_only, dtype=dtype, rules=rules)
-    report = progress_adder(progress, sum(j.nbytes for j in jobs))
+    report = progress_adder(progress, sum(j.nbytes for j in my_jobs))
     path, written = _write_target(
-        dst, out_manifest, planned.src_dir, jobs, workers=workers, overwrite=overwrite, report=report, rules=rules
+        job,
+        dst,
+        out_manifest,
+        planned.src_dir,
+        my_jobs,
+        workers=workers,
+        overwrite=overwrite,
+        report=report,
+        rules=rules,
     )
-    experts = planned.experts
-    return ReshardResult(
-        path,
-        world_size,
-        files,
-        len({j.key for j in jobs}),
-        written,
-        planned.dropped,
-        experts["ep_size"] if experts else None,
+    ep_size = planned.experts["ep_size"] if planned.experts else None
+    keys = len({j.key for j in jobs})
+    return ReshardResult(path, world_size, files, keys, written, planned.dropped, ep_size)
+
+
+def _my_jobs(job: Job, jobs: list[_Job], files: int) -> tuple[list[_Job], int]:
+    """This process's jobs (those of the target files it writes: whole files, shared out by
+    bytes, :meth:`~mfsdp_ckpt.write.job.Job.owners`) and how many files it writes."""
+    sizes = [0] * files
+    for j in jobs:
+        sizes[j.file] += j.nbytes
+    mine = set(job.mine(sizes))
+    return [j for j in jobs if j.file in mine], len(mine)
+
+
+def _checked_plan(src: str, args: dict[str, Any]) -> tuple[list[KeyRule], _Planned]:
+    """The arguments checked (one line naming the flag) and the whole reshard planned from the
+    source's metadata: the key rules and :class:`_Planned` (the same on every process of a job)."""
+    cast = _check_arguments(args["world_size"], args["workers"], args["strategy"], args["policy"], args["dtype"])
+    rules = parse_key_map(args["key_map"])
+    _refuse_mcore(src, args["world_size"], rules)
+    planned = _plan_reshard(
+        src,
+        rules,
+        world_size=args["world_size"],
+        ep=args["ep"],
+        strategy=args["strategy"],
+        policy=args["policy"],
+        plan_from=args["plan_from"],
+        model_only=args["model_only"],
+        cast=cast,
     )
+    return rules, planned
 
 
 def _check_arguments(
@@ -735,6 +776,7 @@ def _output_manifest(
 
 
 def _write_target(
+    job: Job,
     dst: str,
     out_manifest: dict[str, Any],
     src_dir: str,
@@ -745,15 +787,16 @@ def _write_target(
     report: Callable[[int], None],
     rules: Sequence[KeyRule],
 ) -> tuple[str, int]:
-    """Carry out ``jobs`` into a new checkpoint at ``dst`` (on this thread, or over ``workers``
-    threads) and commit it; returns its path and the bytes written."""
-    with CheckpointBuilder(dst, out_manifest, overwrite=overwrite, sources=(src_dir,)) as builder:
+    """Carry out ``jobs`` (this process's: whole target files) into a new checkpoint at ``dst``
+    (on this thread, or over ``workers`` threads) and commit it once every process of ``job``
+    has written its files (:func:`~mfsdp_ckpt.write.job.write_checkpoint`); returns its path and
+    the bytes written by the whole job."""
+
+    def write(tmp: str) -> tuple[list[ChunkRecord], None]:
         assignments = _assign(jobs, workers)
         if len(assignments) <= 1:
-            records = _run_jobs(src_dir, builder.tmp, assignments[0] if assignments else [], report, rules)
-        else:
-            records = _run_parallel(src_dir, builder.tmp, assignments, report, rules)
-        builder.add_records(records)
-        path = builder.commit()
-        written = builder.bytes_written
+            return _run_jobs(src_dir, tmp, assignments[0] if assignments else [], report, rules), None
+        return _run_parallel(src_dir, tmp, assignments, report, rules), None
+
+    path, written, _ = write_checkpoint(job, dst, out_manifest, write, overwrite=overwrite, sources=(src_dir,))
     return path, written

@@ -12,6 +12,7 @@ same committed, checksummed storage as :func:`mfsdp_ckpt.save`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -23,6 +24,7 @@ from safetensors.torch import save as safetensors_save
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
+from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
@@ -35,7 +37,8 @@ from mfsdp_ckpt.read.stock import (
 )
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import check_destination
-from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
+from mfsdp_ckpt.write.job import Job, split_by_size, write_and_commit, write_checkpoint
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]
@@ -82,17 +85,10 @@ def read_full_state(path: str | os.PathLike, progress: Callable[[int, int], None
         return out
 
 
-def write_dcp(
-    state: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    source: str | None = None,
-    carried: dict[str, Any] | None = None,
-) -> str:
-    """Write a plain state dict as a committed, checksummed DCP checkpoint (one process; the path
-    may be an fsspec URL). ``carried``: manifest fields kept from the source (step, model config
-    and source, run config; :data:`CARRIED_FIELDS`)."""
-    manifest = {
+def _dcp_manifest(source: str | None, carried: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest of a checkpoint made of a plain state dict (no placement plan: any layout
+    loads it)."""
+    return {
         "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
         "model_config": None,
         "step": None,
@@ -100,17 +96,60 @@ def write_dcp(
         "versions": versions(),
         **carried_fields(carried),
     }
-    with CheckpointBuilder(path, manifest, sources=(source,) if source else ()) as builder:
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                builder.add_tensor(key, value)
-            else:
-                builder.add_object(key, value)
-        return builder.commit()
+
+
+def write_dcp(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    source: str | None = None,
+    carried: dict[str, Any] | None = None,
+) -> str:
+    """Write a plain state dict as a committed, checksummed DCP checkpoint (one data file; the
+    path may be an fsspec URL). ``carried``: manifest fields kept from the source (step, model
+    config and source, run config; :data:`CARRIED_FIELDS`). Collective when
+    ``torch.distributed`` is initialised: process 0's ``state`` is written, by process 0."""
+    return _write_on_main(Job.current(), os.fspath(path), _dcp_manifest(source, carried), lambda: state, source)
+
+
+def _write_on_main(
+    job: Job, dst: str, manifest: dict[str, Any], produce: Callable[[], dict[str, Any]], source: str | None
+) -> str:
+    """A checkpoint of one data file, ``__0_0.distcp``: process 0 writes ``produce()``'s entries
+    in order, the others nothing; committed once every process has reported
+    (:func:`~mfsdp_ckpt.write.job.write_checkpoint`), so a job that loses a process commits
+    nothing."""
+
+    def write(tmp: str) -> tuple[list[ChunkRecord], None]:
+        if not job.main:
+            return [], None
+        writer = ChunkFileWriter(tmp)
+        try:
+            records = [_write_entry(writer, key, value, 0) for key, value in produce().items()]
+        except BaseException:
+            writer.discard()
+            raise
+        writer.close()
+        return records, None
+
+    path, _, _ = write_checkpoint(job, dst, manifest, write, sources=(source,) if source else ())
+    return path
+
+
+def _write_entry(writer: ChunkFileWriter, key: str, value: Any, file: int | str) -> ChunkRecord:
+    """One entry, whole: a tensor as one chunk, anything else as an object."""
+    if isinstance(value, torch.Tensor):
+        return writer.write_chunk(key, value, (0,) * value.dim(), value.shape, file)
+    return writer.write_object(key, value, file)
 
 
 def write_fsdp2(
-    src: str, dst: str, *, key_map: Sequence[KeyRule] = (), progress: Callable[[int, int], None] | None = None
+    src: str,
+    dst: str,
+    *,
+    key_map: Sequence[KeyRule] = (),
+    progress: Callable[[int, int], None] | None = None,
+    max_file_size: str | int = DEFAULT_MAX_FILE_SIZE,
 ) -> str:
     """Write the checkpoint ``src`` as ``dst`` in the key layout of ``get_state_dict`` saved as
     ``{"model": msd, "optim": osd}`` (:func:`~mfsdp_ckpt.read.stock.to_fsdp2_key`), one entry at a
@@ -118,8 +157,16 @@ def write_fsdp2(
     ``mfsdp.json``; ours says ``key_layout: dcp-fsdp2``, so our readers map the keys back).
     Gradients, MX planes and RNG states are left out; the fp32 main params of a low-precision
     model become its ``model.<fqn>``. ``key_map`` renames prefixes of the output keys last (e.g.
-    ``'model.='`` for torchtitan's bare FQNs)."""
-    with MappedReader(src) as reader:
+    ``'model.='`` for torchtitan's bare FQNs).
+
+    The data files (``__0_0.distcp``, ``__0_1.distcp``, ...) are cut at ``max_file_size``
+    (:func:`~mfsdp_ckpt.write.job.split_by_size`, over the source's entries in key order).
+    Collective when ``torch.distributed`` is initialised: the processes share the files out,
+    each reading only its own entries, and process 0 commits (:mod:`mfsdp_ckpt.write.job`); the
+    files are the same bytes for any number of processes."""
+    job = Job.current()
+    with contextlib.ExitStack() as stack:
+        reader, tasks = job.run(f"{dst}: not written", _plan_fsdp2, stack, src, job, max_file_size)
         source = reader.manifest or {}
         manifest = {
             "writer": writer_layout(1, ModelPlan({DEFAULT_GROUP: 1}, ())),
@@ -131,37 +178,65 @@ def write_fsdp2(
             "versions": versions(),
             "key_layout": "dcp-fsdp2",
         }
-        with CheckpointBuilder(dst, manifest, sources=(src,)) as builder:
-            return _write_fsdp2_entries(reader, builder, key_map, progress)
+        path, _, _ = write_checkpoint(
+            job,
+            dst,
+            manifest,
+            lambda tmp: (_write_fsdp2_entries(reader, tmp, tasks, key_map, progress), None),
+            sources=(src,),
+        )
+    return path
+
+
+def _plan_fsdp2(
+    stack: contextlib.ExitStack, src: str, job: Job, max_file_size: str | int
+) -> tuple[MappedReader, list[tuple[str, str]]]:
+    """The source opened (closed with ``stack``) and this process's entries, each with its data
+    file: every source key in order, the files cut by size and shared out whole, by bytes."""
+    reader = stack.enter_context(MappedReader(src))
+    keys = reader.keys()
+    sizes = [reader.shape(k).numel() * reader.dtype(k).itemsize if reader.is_tensor(k) else 0 for k in keys]
+    files = split_by_size(sizes, max_file_bytes(max_file_size))
+    per_file = [0] * (max(files, default=0) + 1)
+    for k, n in zip(files, sizes):
+        per_file[k] += n
+    mine = set(job.mine(per_file))
+    return reader, [(key, f"__0_{k}.distcp") for key, k in zip(keys, files) if k in mine]
 
 
 def _write_fsdp2_entries(
     reader: MappedReader,
-    builder: CheckpointBuilder,
+    tmp: str,
+    tasks: list[tuple[str, str]],
     key_map: Sequence[KeyRule],
     progress: Callable[[int, int], None] | None,
-) -> str:
-    """Every entry of ``reader`` under its FSDP2 key into ``builder``, then the commit."""
+) -> list[ChunkRecord]:
+    """The entries of ``tasks`` (source key, data file) under their FSDP2 keys, into their files
+    in ``tmp``; their records."""
     keys = reader.keys()
     mains = {k for k in keys if k.startswith("optim.") and k.endswith("." + MAIN_PARAM)}
-    for done, key in enumerate(keys, 1):
-        name = fqn_of_model_key(key)
-        if name is not None and optim_key(name, MAIN_PARAM) in mains:
-            continue  # the fp32 main params stand in for the low-precision weights
-        if key == PARAM_GROUPS:
-            for out_key, value in fsdp2_param_group_entries(reader.read(key), reader.directory).items():
-                builder.add_object(apply_key_map(out_key, key_map), value)
-        elif (out_key := to_fsdp2_key(key)) is not None:
-            value = reader.read(key)
-            out_key = apply_key_map(out_key, key_map)
-            if isinstance(value, torch.Tensor):
-                builder.add_tensor(out_key, value)
-            else:
-                builder.add_object(out_key, value)
-            del value
-        if progress is not None:
-            progress(done, len(keys))
-    return builder.commit()
+    writer = ChunkFileWriter(tmp)
+    records: list[ChunkRecord] = []
+    last = {file: j for j, (_, file) in enumerate(tasks)}
+    try:
+        for done, (key, file) in enumerate(tasks, 1):
+            name = fqn_of_model_key(key)
+            if name is not None and optim_key(name, MAIN_PARAM) in mains:
+                pass  # the fp32 main params stand in for the low-precision weights
+            elif key == PARAM_GROUPS:
+                for out_key, value in fsdp2_param_group_entries(reader.read(key), reader.directory).items():
+                    records.append(writer.write_object(apply_key_map(out_key, key_map), value, file))
+            elif (out_key := to_fsdp2_key(key)) is not None:
+                records.append(_write_entry(writer, apply_key_map(out_key, key_map), reader.read(key), file))
+            if last[file] == done - 1:
+                writer.close_file(file)
+            if progress is not None:
+                progress(done, len(tasks))
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
+    return records
 
 
 def _pack_objects(objects: dict[str, Any]) -> str:
@@ -211,12 +286,30 @@ def convert(
     to: str,
     progress: Callable[[int, int], None] | None = None,
     key_map: Sequence[str | KeyRule] = (),
+    max_file_size: str | int = DEFAULT_MAX_FILE_SIZE,
 ) -> str:
     """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
     ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file;
     ``dcp-fsdp2`` writes a DCP checkpoint in FSDP2's ``get_state_dict`` key layout
-    (:func:`write_fsdp2`; ``key_map`` applies to it only). Either side may be an fsspec URL."""
+    (:func:`write_fsdp2`; ``key_map`` and ``max_file_size`` apply to it only). Either side may be
+    an fsspec URL.
+
+    Collective when ``torch.distributed`` is initialised: ``dcp-fsdp2`` shares its data files
+    out over the processes; the others make or read one file, which process 0 alone reads and
+    writes, committing once every process has reported (a job that loses a process writes
+    nothing)."""
     src, dst = fs.normalize(src), fs.normalize(dst)
+    job = Job.current()
+    rules = job.run(f"{dst}: not written", _check_convert, src, dst, to, key_map)
+    if to == "dcp-fsdp2":
+        return write_fsdp2(src, dst, key_map=rules, progress=progress, max_file_size=max_file_size)
+    if to == "dcp":
+        return _file_to_dcp(job, src, dst)
+    return _dcp_to_file(job, src, dst, to, progress)
+
+
+def _check_convert(src: str, dst: str, to: str, key_map: Sequence[str | KeyRule]) -> list[KeyRule]:
+    """Refuse a conversion that cannot be made (one line), before anything is read; the key map."""
     if to not in FORMATS:
         raise CheckpointError(f"--to {to!r}: expected one of {', '.join(FORMATS)}")
     rules = parse_key_map(key_map)
@@ -225,24 +318,49 @@ def convert(
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
     check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
-    if to == "dcp-fsdp2":
-        return write_fsdp2(src, dst, key_map=rules, progress=progress)
-    if to == "dcp":
-        if not fs.isfile(src):
-            raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
-        state, carried = _read_single_file(src)
-        return write_dcp(state, dst, source=src, carried=carried)
+    if to == "dcp" and not fs.isfile(src):
+        raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
+    return rules
+
+
+def _file_to_dcp(job: Job, src: str, dst: str) -> str:
+    """``--to dcp``: the single file, read whole by process 0, as a checkpoint of one data file."""
+    state: list[dict[str, Any]] = []
+
+    def read() -> dict[str, Any]:
+        loaded, carried = _read_single_file(src)
+        state.append(loaded)
+        return carried
+
+    carried = job.on_main(f"{dst}: not written", read)
+    return _write_on_main(job, dst, _dcp_manifest(src, carried), lambda: state.pop(), src)
+
+
+def _dcp_to_file(job: Job, src: str, dst: str, to: str, progress: Callable[[int, int], None] | None) -> str:
+    """``--to torch|safetensors``: process 0 reads the whole checkpoint into one file's bytes and,
+    once every process has reported, writes them (all or nothing)."""
+    data: list[bytes] = []
+
+    def write(_: str) -> None:
+        if job.main:
+            data.append(_single_file_bytes(src, to, progress))
+
+    def conclude(_: list[None]) -> str:
+        fs.write_bytes(dst, data.pop())  # all or nothing
+        return dst
+
+    return write_and_commit(job, f"{dst}: not written", lambda: dst, write, conclude, lambda: None)
+
+
+def _single_file_bytes(src: str, to: str, progress: Callable[[int, int], None] | None) -> bytes:
+    """The bytes of the ``torch.save`` or safetensors file holding the whole checkpoint ``src``."""
     with CheckpointReader(src) as reader:
         carried = json.dumps(carried_fields(reader.manifest))
     state = read_full_state(src, progress)
     if to == "torch":
         buf = io.BytesIO()
         torch.save({**state, _TORCH_MANIFEST_KEY: carried}, buf)
-        data = buf.getvalue()
-    else:
-        tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
-        objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-        data = safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects), _MANIFEST_KEY: carried})
-    del state
-    fs.write_bytes(dst, data)  # all or nothing
-    return dst
+        return buf.getvalue()
+    tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    return safetensors_save(tensors, metadata={_OBJECTS_KEY: _pack_objects(objects), _MANIFEST_KEY: carried})

@@ -7,10 +7,14 @@ stock DCP format, so PyTorch's own readers load them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
 import pickle
+import re
+import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -29,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
-from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
+from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, PARTIAL_MARK, REPLACED_MARK
 from mfsdp_ckpt.read.chunks import (
     coverage_faults,
 )
@@ -43,7 +47,7 @@ from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting
 from mfsdp_ckpt.storage.writeback import WritebackStream, start_writeback
 from mfsdp_ckpt.write.run_dir import remove_checkpoint
 
-__all__ = ["CheckpointBuilder", "ChunkFileWriter", "ChunkRecord"]
+__all__ = ["CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "data_file_name", "remove_partials_of"]
 
 
 @dataclass(frozen=True)
@@ -62,19 +66,34 @@ class ChunkRecord:
     crc32c: int
 
 
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+
+
+def data_file_name(file: int | str) -> str:
+    """The name of data file ``file``: ``__{file}_0.distcp`` for an index (the file of writer
+    rank ``file``, as DCP names it), or ``file`` itself, a name of DCP's form
+    ``__<rank>_<n>.distcp`` (``__0_3.distcp``: the fourth file of a one-process writer)."""
+    if isinstance(file, int):
+        return f"__{file}_0.distcp"
+    if not _DATA_FILE.fullmatch(file):
+        raise CheckpointError(f"data file name {file!r}: expected __<rank>_<n>.distcp")
+    return file
+
+
 class ChunkFileWriter:
-    """Appends chunks to data files ``__{i}_0.distcp`` in ``directory`` and returns their records.
-    One writer per file: two writers must not share a file index."""
+    """Appends chunks to data files in ``directory`` (``file``: an index or a name, see
+    :func:`data_file_name`) and returns their records. One writer per file: two writers (threads,
+    processes) must not share a file."""
 
     def __init__(self, directory: str, *, sync: bool = True) -> None:
         self.directory = directory
         self.sync = sync
-        self._files: dict[int, RecordingStream] = {}
-        self._index: dict[str, int] = {}  # file name -> file index
+        self._files: dict[int | str, RecordingStream] = {}
+        self._index: dict[str, int | str] = {}  # file name -> the file as the caller names it
         self.bytes_written = 0
 
-    def _append(self, file: int, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
-        name = f"__{file}_0.distcp"
+    def _append(self, file: int | str, payload: torch.Tensor | bytes) -> tuple[str, int, int]:
+        name = data_file_name(file)
         path = fs.join(self.directory, name)
         f = self._files.get(file)
         if f is None:
@@ -99,7 +118,7 @@ class ChunkFileWriter:
         chunk: torch.Tensor,
         offsets: Sequence[int],
         shape: Sequence[int],
-        file: int,
+        file: int | str,
         crc32c: int | None = None,
     ) -> ChunkRecord:
         """Append ``chunk`` (the box of ``key`` at ``offsets`` of a ``shape`` tensor) to data file
@@ -129,7 +148,7 @@ class ChunkFileWriter:
         if fd >= 0:
             start_writeback(fd, record.offset, record.length)
 
-    def write_object(self, key: str, value: Any, file: int) -> ChunkRecord:
+    def write_object(self, key: str, value: Any, file: int | str) -> ChunkRecord:
         buf = io.BytesIO()
         torch.save(value, buf)
         data = buf.getvalue()
@@ -146,7 +165,7 @@ class ChunkFileWriter:
             self.discard()
             raise
 
-    def close_file(self, file: int) -> None:
+    def close_file(self, file: int | str) -> None:
         """Finish data file ``file`` (a writer that is done with a file closes it, so that the
         number of open files stays small whatever the number of target ranks)."""
         f = self._files.pop(file, None)
@@ -176,8 +195,9 @@ class ChunkFileWriter:
 class CheckpointBuilder:
     """Builds a committed checkpoint from chunks appended one at a time.
 
-    ``file=i`` puts a chunk in the data file ``__{i}_0.distcp``; choose it per chunk so that each
-    future reader rank reads one contiguous file. Other processes may write files into
+    ``file=i`` puts a chunk in the data file ``__{i}_0.distcp`` (``file="__0_3.distcp"``: that
+    file; see :func:`data_file_name`); choose it per chunk so that each future reader rank reads
+    one contiguous file. Other processes may write files into
     :attr:`tmp` with their own :class:`ChunkFileWriter` and hand back the records
     (:meth:`add_records`). Nothing is visible at ``path`` until :meth:`commit`; on an exception
     inside ``with`` (or :meth:`abort`) what was written is removed and ``path`` is untouched.
@@ -216,6 +236,7 @@ class CheckpointBuilder:
                     kind="checkpoint",
                     sources=sources,
                 )
+                remove_partials_of(self.final, keep=sources)  # a killed earlier write's; we hold the lock
                 self.tmp = make_partial_dir(self.final)
             except BaseException:
                 self._lock.close()
@@ -241,7 +262,8 @@ class CheckpointBuilder:
     def add_records(self, records: Sequence[ChunkRecord]) -> None:
         """List chunks already written into :attr:`tmp` (checks each key's dtype and shape agree
         and that no chunk is listed twice)."""
-        for rec in records:
+        for rec in records:  # names interned: .metadata pickles the same whichever process wrote a chunk
+            rec = dataclasses.replace(rec, key=sys.intern(rec.key), file=sys.intern(rec.file))
             if rec.dtype is None:
                 if rec.key in self._tensors or rec.key in self._objects:
                     raise CheckpointError(f"key '{rec.key}': written twice")
@@ -279,7 +301,7 @@ class CheckpointBuilder:
         offsets: Sequence[int],
         shape: Sequence[int],
         *,
-        file: int = 0,
+        file: int | str = 0,
         crc32c: int | None = None,
     ) -> ChunkRecord:
         """Append the box of ``key`` (global ``shape``) at ``offsets`` holding ``chunk``
@@ -292,7 +314,9 @@ class CheckpointBuilder:
         self.add_records([record])
         return record
 
-    def add_tensor(self, key: str, tensor: torch.Tensor, *, file: int = 0, crc32c: int | None = None) -> ChunkRecord:
+    def add_tensor(
+        self, key: str, tensor: torch.Tensor, *, file: int | str = 0, crc32c: int | None = None
+    ) -> ChunkRecord:
         """Append the whole tensor ``key`` as one chunk; returns where it went."""
         return self.add_chunk(key, tensor, (0,) * tensor.dim(), tensor.shape, file=file, crc32c=crc32c)
 
@@ -303,7 +327,7 @@ class CheckpointBuilder:
         if self.sync and not self.remote:
             self._writer.start_writeback(record)
 
-    def add_object(self, key: str, value: Any, *, file: int = 0) -> None:
+    def add_object(self, key: str, value: Any, *, file: int | str = 0) -> None:
         """Append a plain object (saved with ``torch.save``; loaded back with ``weights_only``)."""
         if key in self._tensors or key in self._objects:
             raise CheckpointError(f"key '{key}': already written")
@@ -354,6 +378,36 @@ class CheckpointBuilder:
         if not self.committed:
             fs.remove_tree(self.tmp)
         self._lock.close()
+
+
+def remove_partials_of(final: str, keep: Sequence[str] = ()) -> list[str]:
+    """Remove what killed earlier writes of the local destination ``final`` left next to it
+    (``.<name>.partial-*``, ``.<name>.replaced-*``), except the paths in ``keep`` (a source may be
+    one: ``import-mcore`` reshards from its own partial). Only while holding the parent's writer
+    lock (:func:`~mfsdp_ckpt.storage.lock.run_lock`), so that no live writer's directory is taken.
+    A job's processes killed mid-write leave their staging directory; the next write of the same
+    destination removes it. Returns what was removed."""
+    parent, name = os.path.split(os.path.abspath(final))
+    kept = {os.path.realpath(k) for k in keep if fs.is_local(k)}
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for entry in sorted(names):
+        path = os.path.join(parent, entry)
+        if (
+            not entry.startswith((f".{name}{PARTIAL_MARK}", f".{name}{REPLACED_MARK}"))
+            or os.path.realpath(path) in kept
+        ):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        removed.append(path)
+    return removed
 
 
 def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
