@@ -186,14 +186,18 @@ class Layout:
         """:meth:`local_pieces` of every rank, computed once."""
         return tuple(tuple(self.local_pieces(r)) for r in range(self.group_size))
 
-    def owners(self, param: int) -> list[Piece]:
-        """Non-empty pieces of ``param``, ordered by flat position. Only the ranks whose segments
-        overlap it are visited (a binary search on ``bounds``): at a thousand ranks a parameter
-        spans a few of them."""
+    def owners(self, param: int, lo: int = 0, hi: int | None = None) -> list[Piece]:
+        """Non-empty pieces of ``param``, ordered by flat position; with ``lo``/``hi``, only those
+        overlapping its elements ``[lo, hi)``. Only the ranks whose segments overlap are visited
+        (a binary search on ``bounds``): at a thousand ranks a parameter spans a few of them, and
+        a load asks for the few pieces its own shard needs."""
         p0, numel = self.packed_offsets[param], self.numels[param]
+        end = p0 + (numel if hi is None else min(hi, numel))
+        if p0 + max(lo, 0) >= end:
+            return []
         out = []
-        r = bisect.bisect_right(self.bounds, p0) - 1
-        while 0 <= r < self.group_size and self.bounds[r] < p0 + numel:
+        r = bisect.bisect_right(self.bounds, p0 + max(lo, 0)) - 1
+        while 0 <= r < self.group_size and self.bounds[r] < end:
             pc = self.piece(param, r)
             if pc.numel:
                 out.append(pc)

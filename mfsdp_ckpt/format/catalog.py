@@ -277,9 +277,10 @@ class Catalog:
         return self.writer(b, i, owners[0].rank if owners else 0)
 
     # ---- what a rank writes --------------------------------------------------------------
-    def pieces(self, key: str) -> list[tuple[int, int, int]]:
-        """(writing rank, flat start, flat end) of every non-empty piece of a per-element key,
-        in flat order."""
+    def locate(self, key: str) -> tuple[int, int, Layout, str | None]:
+        """(buffer, parameter index, layout, companion plane or None) of a per-element key,
+        checked against the plan: its parameter exists, its plane too, and its shape has as many
+        elements as its layout gives the parameter (:class:`CatalogError` otherwise)."""
         info = self.keys[key]
         fqn = param_of_key(key)
         at = self._param.get(fqn) if fqn is not None else None
@@ -301,17 +302,30 @@ class Catalog:
             raise CatalogError(
                 f"key '{key}': shape {list(info.shape or ())} does not fit its layout ({layout.numels[i]} elements)"
             )
-        return [(self.writer(b, i, pc.rank, plane), pc.start, pc.end) for pc in layout.owners(i)]
+        return b, i, layout, plane
 
-    def chunks(self, key: str) -> list[tuple[int, Box]]:
+    def pieces(self, key: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """(writing rank, flat start, flat end) of every non-empty piece of a per-element key,
+        in flat order; with ``lo``/``hi``, only the pieces overlapping elements ``[lo, hi)``."""
+        b, i, layout, plane = self.locate(key)
+        return [(self.writer(b, i, pc.rank, plane), pc.start, pc.end) for pc in layout.owners(i, lo, hi)]
+
+    def chunks(self, key: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, Box]]:
         """(writing rank, box) of every chunk of ``key``: the boxes of each piece (objects and
-        scalar tensors: one chunk, the whole value)."""
+        scalar tensors: one chunk, the whole value); with ``lo``/``hi``, only the chunks
+        overlapping elements ``[lo, hi)`` (each box is a run of consecutive elements)."""
         info = self.keys[key]
         if isinstance(info.where, int):
             shape = info.shape or ()
             return [(info.where, Box(tuple(0 for _ in shape), tuple(shape), 0))]
         shape = info.shape or ()
-        return [(r, box) for r, lo, hi in self.pieces(key) for box in flat_range_to_boxes(shape, lo, hi)]
+        end = math.prod(shape) if hi is None else hi
+        return [
+            (r, box)
+            for r, a, b in self.pieces(key, lo, hi)
+            for box in flat_range_to_boxes(shape, a, b)
+            if box.flat_start < end and box.flat_start + box.numel > lo
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {

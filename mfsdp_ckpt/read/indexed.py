@@ -4,8 +4,11 @@ demand from ``mfsdp.json``'s index and the data files' record tables, never from
 The index names the global plan, the mesh and the key table (:mod:`mfsdp_ckpt.format.catalog`),
 from which every key's chunks and the rank that wrote each follow; a rank's record tables
 (:mod:`mfsdp_ckpt.format.record_table`, one at the end of each of its files) give each chunk's
-bytes and crc32c. Everything is computed when first asked for: a load reads the record tables
-of the files it reads from, and nothing proportional to ranks × tensors is built unless a
+bytes and crc32c. Everything is computed when first asked for: an entry's chunk list is a
+:class:`DerivedChunks` that a load narrows to the elements its rank holds (:func:`narrowed`;
+a binary search on the layout, so a rank of a 1,024-rank job derives the few chunks it reads,
+not all 1,024 of each key), a chunk's place is found the same way, and a load reads the record
+tables of the ranks it reads from. Nothing proportional to ranks × tensors is built unless a
 caller walks every chunk (``verify``, ``inspect``).
 
 The mappings here stand in for DCP's dicts (``state_dict_metadata``, ``storage_data``, the
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Iterator
 
 import torch
@@ -41,7 +44,7 @@ from mfsdp_ckpt.storage import fs
 from mfsdp_core.dtypes import dtype_by_name
 from mfsdp_core.plan import ModelPlan
 
-__all__ = ["IndexedCheckpoint", "has_index"]
+__all__ = ["DerivedChunks", "IndexedCheckpoint", "derived", "has_index", "narrowed"]
 
 _MAX_NDIM = 64
 _MAX_ELEMENTS = 2**62
@@ -70,6 +73,11 @@ class IndexedCheckpoint:
                 raise CorruptCheckpointError(f"{where}: key '{key}': shape {list(shape)} is out of bounds")
             if isinstance(info.where, int) and not 0 <= info.where < self.catalog.mesh.world:
                 raise CorruptCheckpointError(f"{where}: key '{key}': rank {info.where} is not a rank of the job")
+            if not isinstance(info.where, int):
+                try:  # its parameter, plane and element count: what a reader of any part relies on
+                    self.catalog.locate(key)
+                except CatalogError as e:
+                    raise CorruptCheckpointError(f"{where}: {e}") from None
         self.files = [DataFile.from_list(v) for v in manifest["index"]["files"]]
         self._files_of: dict[int, list[DataFile]] = {}
         for f in self.files:
@@ -102,6 +110,41 @@ class IndexedCheckpoint:
                     ) from None
                 self._chunks[key] = found
             return found
+
+    def chunks_within(self, key: str, lo: int, hi: int) -> list[tuple[int, Box]]:
+        """(writing rank, box) of the chunks of ``key`` overlapping its elements ``[lo, hi)``
+        (row-major), in flat order, without deriving the others (KeyError: no such key)."""
+        with self._lock:
+            full = self._chunks.get(key)
+        if full is not None:
+            return sorted(
+                (rb for rb in full.values() if rb[1].flat_start < hi and rb[1].flat_start + rb[1].numel > lo),
+                key=lambda rb: rb[1].flat_start,
+            )
+        if key not in self.catalog.keys:
+            raise KeyError(key)
+        try:
+            return self.catalog.chunks(key, lo, hi)
+        except CatalogError as e:
+            raise CorruptCheckpointError(f"{fs.join(self.directory, MANIFEST_NAME)}: field 'index': {e}") from None
+
+    def chunk_at(self, key: str, offsets: tuple[int, ...]) -> tuple[int, Box] | None:
+        """(writing rank, box) of the chunk of ``key`` starting at ``offsets``, or None."""
+        info = self.catalog.keys.get(key)
+        if info is None:
+            raise KeyError(key)
+        if isinstance(info.where, int):  # an object or a tensor written whole: one chunk
+            return self.chunks_of(key).get(offsets)
+        shape = tuple(info.shape or ())
+        if len(offsets) != len(shape) or any(not 0 <= o < d for o, d in zip(offsets, shape)):
+            return None
+        flat = 0
+        for o, d in zip(offsets, shape):
+            flat = flat * d + o
+        for rank, box in self.chunks_within(key, flat, flat + 1):
+            if box.offsets == offsets:
+                return rank, box
+        return None
 
     def index_of(self, key: str, box: Box) -> MetadataIndex:
         return MetadataIndex(key) if self.is_bytes(key) else MetadataIndex(key, torch.Size(box.offsets))
@@ -153,12 +196,11 @@ class IndexedCheckpoint:
     def place(self, index: MetadataIndex) -> tuple[str, Record] | None:
         """The file and record of a chunk (None: not a chunk of this checkpoint). A chunk the
         catalog gives a rank whose record tables lack it is a :class:`CorruptCheckpointError`."""
+        offsets = tuple(index.offset) if index.offset is not None else ()
         try:
-            chunks = self.chunks_of(index.fqn)
+            found = self.chunk_at(index.fqn, offsets)
         except KeyError:
             return None
-        offsets = tuple(index.offset) if index.offset is not None else ()
-        found = chunks.get(offsets)
         if found is None or (index.offset is None) != self.is_bytes(index.fqn):
             return None
         rank, box = found
@@ -188,11 +230,10 @@ class IndexedCheckpoint:
             if info.dtype is None:
                 md = BytesStorageMetadata()
             else:
-                chunks = sorted(self.chunks_of(key).values(), key=lambda rb: rb[1].flat_start)
                 md = TensorStorageMetadata(
                     properties=TensorProperties(dtype=dtype_by_name(info.dtype)),
                     size=torch.Size(info.shape or ()),
-                    chunks=[ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for _, b in chunks],
+                    chunks=DerivedChunks(self, key),  # type: ignore[arg-type]  # a list when walked
                 )
             self._md[key] = md
             return md
@@ -220,10 +261,67 @@ class IndexedCheckpoint:
         """MetadataIndex -> (dtype, sizes) of every tensor chunk."""
         return _Shapes(self)
 
+    def stored_within(self, key: str, lo: int, hi: int) -> list[tuple[MetadataIndex, _StorageInfo]]:
+        """The stored chunks of ``key`` overlapping its elements ``[lo, hi)``: what
+        :attr:`stored` gives, for those chunks only."""
+        storage = _Storage(self)
+        return [(i, storage[i]) for i in (self.index_of(key, box) for _, box in self.chunks_within(key, lo, hi))]
+
     def all_indices(self) -> Iterator[MetadataIndex]:
         for key in self.keys():
             for _, box in sorted(self.chunks_of(key).values(), key=lambda rb: rb[1].flat_start):
                 yield self.index_of(key, box)
+
+
+class DerivedChunks(Sequence):
+    """The chunk list of a tensor entry of an indexed checkpoint: derived from the layout when
+    first walked, and by construction covering the tensor exactly once (the layout's pieces
+    partition every parameter), so a load skips the coverage check and asks only for the chunks
+    it reads (:func:`narrowed`)."""
+
+    def __init__(self, ck: IndexedCheckpoint, key: str) -> None:
+        self.ck, self.key = ck, key
+        self._list: list[ChunkStorageMetadata] | None = None
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        if self._list is None:
+            chunks = sorted(self.ck.chunks_of(self.key).values(), key=lambda rb: rb[1].flat_start)
+            self._list = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for _, b in chunks]
+        return self._list
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
+        return iter(self._all())
+
+    def stored_within(self, lo: int, hi: int) -> list[tuple[MetadataIndex, _StorageInfo]]:
+        """The stored chunks overlapping elements ``[lo, hi)`` (the chunks :meth:`within` lists)."""
+        return self.ck.stored_within(self.key, lo, hi)
+
+    def within(self, lo: int, hi: int) -> list[ChunkStorageMetadata]:
+        """The chunks overlapping elements ``[lo, hi)``, in flat order."""
+        return [
+            ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
+            for _, b in self.ck.chunks_within(self.key, lo, hi)
+        ]
+
+
+def narrowed(md: Any, lo: int, hi: int) -> Any:
+    """``md`` with only the chunks overlapping elements ``[lo, hi)`` when its chunks are derived
+    from an index (what a rank reads of it), else ``md`` itself. Loading those elements needs no
+    other chunk."""
+    if isinstance(md, TensorStorageMetadata) and isinstance(md.chunks, DerivedChunks):
+        return TensorStorageMetadata(md.properties, md.size, md.chunks.within(lo, hi))
+    return md
+
+
+def derived(md: Any) -> bool:
+    """Whether ``md``'s chunks come from an index (and so cover the tensor by construction)."""
+    return isinstance(md, TensorStorageMetadata) and isinstance(md.chunks, DerivedChunks)
 
 
 class _Entries(Mapping):
@@ -325,10 +423,9 @@ class _Shapes(Mapping):
         if not isinstance(index, MetadataIndex) or index.offset is None:
             raise KeyError(index)
         try:
-            chunks = self.ck.chunks_of(index.fqn)
+            found = self.ck.chunk_at(index.fqn, tuple(index.offset))
         except KeyError:
             raise KeyError(index) from None
-        found = chunks.get(tuple(index.offset))
         info = self.ck.catalog.keys[index.fqn]
         if found is None or info.dtype is None:
             raise KeyError(index)

@@ -34,6 +34,7 @@ from mfsdp_ckpt.format.keys import (
 )
 from mfsdp_ckpt.read.chunks import ChunkFiles, coverage_faults
 from mfsdp_ckpt.read.dcp_reader import VerifyingReader
+from mfsdp_ckpt.read.indexed import derived, narrowed
 from mfsdp_ckpt.read.locate import resolve_checkpoint
 from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.read.metadata_check import entry_faults
@@ -211,7 +212,7 @@ def _check_before_reading(plan: _LoadPlan, reader: VerifyingReader, saved: dict[
             f"{directory}: key '{PARAM_GROUPS}': stored as a tensor, expected the optimizer's groups"
         )
     keys = [*plan.targets, *plan.extra_keys, *([plan.rng_key] if plan.rng_key else []), *plan.group_keys]
-    _check_entries(reader, saved, directory, keys, plan.found.covered)
+    _check_entries(reader, saved, directory, keys, plan.found.covered, plan.targets)
 
 
 def _add_whole_entries(plan: _LoadPlan, saved: dict[str, Any]) -> None:
@@ -293,23 +294,40 @@ def _apply(
 
 
 def _check_entries(
-    reader: VerifyingReader, saved: dict[str, Any], directory: str, keys: list[str], covered: set[str]
+    reader: VerifyingReader,
+    saved: dict[str, Any],
+    directory: str,
+    keys: list[str],
+    covered: set[str],
+    targets: dict[str, Any],
 ) -> None:
     """Refuse, before anything is allocated or read, an entry to load whose metadata is not sound
     (:func:`~mfsdp_ckpt.read.metadata_check.entry_faults`; coverage only where :func:`_plan_targets`
-    did not check it) or whose chunks' files do not hold their byte ranges. Every rank checks the
-    same keys of the same files, so all fail alike."""
+    did not check it) or whose chunks' files do not hold their byte ranges. A checkpoint read
+    through its index is checked in the chunks this rank reads (its record tables are checked as
+    they are read). Ranks reading the same chunks fail alike; :func:`_agree_before_reading`
+    makes every rank raise the first failure."""
     problems = []
+    stored_of: dict[str, list] = {}
     for key in sorted(set(keys)):
-        faults = entry_faults(key, saved[key], reader.stored.get(key, []), check_coverage=key not in covered)
+        md, target = saved[key], targets.get(key)
+        whole = key not in covered and not derived(md)  # an index's chunks cover by construction
+        if isinstance(target, FlatEntry) and derived(md):
+            md, stored_of[key] = (
+                narrowed(md, target.start, target.end),
+                md.chunks.stored_within(target.start, target.end),
+            )
+        else:
+            stored_of[key] = reader.stored.get(key, [])
+        faults = entry_faults(key, md, stored_of[key], check_coverage=whole)
         if faults:
             problems.append(str(faults[0]))
     if problems:
         more = f" (and {len(problems) - 3} more entries)" if len(problems) > 3 else ""
         raise CorruptCheckpointError(f"{directory}: " + "; ".join(problems[:3]) + more)
     with ChunkFiles(directory, None) as files:
-        for key in sorted(set(keys)):
-            files.require_present(reader.stored.get(key, []))
+        for key in sorted(stored_of):
+            files.require_present(stored_of[key])
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -376,7 +394,7 @@ def _plan_targets(
         if tuple(md.size) != tuple(shape):
             shape_errors.append(f"{key} (checkpoint {tuple(md.size)}, model {tuple(shape)})")
             return
-        if coverage_faults(key, md):
+        if not derived(md) and coverage_faults(key, md):  # an index's chunks cover by construction
             coverage_errors.append(key)
             return
         covered.add(key)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
+from mfsdp_ckpt.read.indexed import narrowed
 from mfsdp_ckpt.sharded.state import FlatEntry
 
 __all__ = ["MfsdpSavePlanner", "MfsdpLoadPlanner", "payload_crc32c", "chunk_id"]
@@ -109,6 +110,7 @@ class MfsdpLoadPlanner(DefaultLoadPlanner):
         for key, value in self.state_dict.items():
             md = self.metadata.state_dict_metadata[key]
             if isinstance(value, FlatEntry):
+                md = narrowed(md, value.start, value.end)  # an index's entry: only the chunks read
                 boxes = value.boxes()
                 chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in boxes]
                 for i, box in enumerate(boxes):

@@ -10,12 +10,15 @@ whose layout differs is named, with the first parameter that differs."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 import warnings
 
 import pytest
 import torch
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.format.catalog import Catalog, plan_of_placed
 from mfsdp_ckpt.tools.plan_sim import prime_adamw_state, same_plan_as_dcp, simulate
 from mfsdp_core import Placement, fully_shard, fully_shard_optimizer
 from mfsdp_core.expert_parallel import expert_placement, init_expert_mesh
@@ -140,3 +143,28 @@ def test_derived_plan_equals_the_gathered_one_at_1024_ranks(strategy, policy):
 def test_derived_plan_at_1024_ranks_with_experts_and_hsdp():
     _check(1024, _gpt(ep=4))
     _check(1024, _gpt(hsdp="hsdp"))
+
+
+@pytest.mark.parametrize(("world", "policy"), [(3, "even"), (5, "row"), (5, "tensor"), (64, "even")])
+def test_a_key_narrowed_to_a_range_gives_exactly_the_chunks_overlapping_it(world, policy):
+    """What a load asks of the index (the chunks overlapping its shard, found by a binary search
+    on the layout) is what filtering every chunk of the key gives: at W=64 most ranks hold
+    nothing of a small tensor, and uneven sizes leave ragged pieces."""
+    sim = simulate(world, _transformer("optim_grads_params", policy))
+    sim.agree()
+    _, index = sim.commit()
+    catalog = Catalog.from_dict(index, plan_of_placed(sim.ranks[0].placed, {"dp": world}))
+    rng = random.Random(world)
+    checked = 0
+    for key, info in catalog.keys.items():
+        if isinstance(info.where, int):
+            continue
+        numel = math.prod(info.shape or ())
+        every = catalog.chunks(key)
+        bounds = sorted({0, numel, *(b.flat_start for _, b in every), *(rng.randrange(numel + 1) for _ in range(4))})
+        ranges = [(lo, hi) for lo in bounds for hi in bounds if lo < hi] + [(numel, numel), (0, 1), (numel - 1, numel)]
+        for lo, hi in ranges:
+            expected = [(r, b) for r, b in every if b.flat_start < hi and b.flat_start + b.numel > lo and lo < hi]
+            assert catalog.chunks(key, lo, hi) == expected, (key, lo, hi)
+            checked += 1
+    assert checked > 100
