@@ -176,6 +176,10 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: b
             init_method=f"tcp://127.0.0.1:{port}",
             timeout=timedelta(seconds=timeout),
         )
+        # every rank connected before any runs fn: a rank whose fn ends at once (an expected
+        # refusal) would otherwise close its connections while a slower peer still makes its own
+        # (gloo's connectFullMesh then fails with "Connection closed by peer")
+        dist.barrier()
         result = pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         dist.destroy_process_group()
         conn.send(("ok", result))

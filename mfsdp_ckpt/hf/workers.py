@@ -216,7 +216,10 @@ class _Pool(Generic[T, S]):
         except BaseException as e:  # noqa: BLE001 - the progress callback failed (or ^C): stop the workers, then raise it
             self._halt()
             failure = failure or e
-            for t in self.threads:
-                t.join()
+        # a worker that said "exit" still drops its state (tensors, open files) on the way out: a
+        # daemon thread doing that while the interpreter finalizes is killed inside C++ code,
+        # and the process aborts ("terminate called without an active exception") after its error
+        for t in self.threads:
+            t.join()
         if failure is not None:
             raise failure
