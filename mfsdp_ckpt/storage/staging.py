@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 import uuid
+from typing import Sequence
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, shown_list
 from mfsdp_ckpt.format.names import (
@@ -178,16 +179,29 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
         raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
 
 
-def remove_leftovers(parent: str, keep: tuple[str, ...] = ()) -> list[str]:
+def remove_leftovers(parent: str, keep: Sequence[str] = (), of: str | None = None) -> list[str]:
     """Remove what killed writers left in ``parent``: ``.partial-`` and ``.replaced-`` siblings
-    (except the paths in ``keep``). Call it only while holding ``parent``'s writer lock (see
-    :mod:`mfsdp_ckpt.storage.lock`), so that no live writer's partial is taken. Returns what was removed."""
-    removed = []
+    (with ``of``, only those of the destination named ``of``), except the paths in ``keep``. Call
+    it only while holding ``parent``'s writer lock (see :mod:`mfsdp_ckpt.storage.lock`), so that
+    no live writer's partial is taken. Returns what was removed."""
+    removed: list[str] = []
     keep_real = {os.path.realpath(k) for k in keep}
+    mine = None if of is None else (f".{of}{PARTIAL_MARK}", f".{of}{REPLACED_MARK}")
     try:
         names = os.listdir(parent)
     except FileNotFoundError:
         return removed
+    for name in sorted(names):
+        path = os.path.join(parent, name)
+        if not (_is_leftover(name) if mine is None else name.startswith(mine)) or os.path.realpath(path) in keep_real:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        removed.append(path)
+    return removed
     for name in sorted(names):
         path = os.path.join(parent, name)
         if not _is_leftover(name) or os.path.realpath(path) in keep_real:

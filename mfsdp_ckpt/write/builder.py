@@ -13,7 +13,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import sys
 import uuid
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
-from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, PARTIAL_MARK, REPLACED_MARK
+from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.read.chunks import (
     coverage_faults,
 )
@@ -42,7 +41,13 @@ from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
-from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
+from mfsdp_ckpt.storage.staging import (
+    check_destination,
+    commit_directory,
+    fsync_dir,
+    make_partial_dir,
+    remove_leftovers,
+)
 from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting
 from mfsdp_ckpt.storage.writeback import WritebackStream, start_writeback
 from mfsdp_ckpt.write.run_dir import remove_checkpoint
@@ -388,26 +393,7 @@ def remove_partials_of(final: str, keep: Sequence[str] = ()) -> list[str]:
     A job's processes killed mid-write leave their staging directory; the next write of the same
     destination removes it. Returns what was removed."""
     parent, name = os.path.split(os.path.abspath(final))
-    kept = {os.path.realpath(k) for k in keep if fs.is_local(k)}
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for entry in sorted(names):
-        path = os.path.join(parent, entry)
-        if (
-            not entry.startswith((f".{name}{PARTIAL_MARK}", f".{name}{REPLACED_MARK}"))
-            or os.path.realpath(path) in kept
-        ):
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        removed.append(path)
-    return removed
+    return remove_leftovers(parent, keep=[k for k in keep if fs.is_local(k)], of=name)
 
 
 def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
