@@ -19,6 +19,9 @@ from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 import torch
 
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.files import parse_size
+
 __all__ = [
     "Cancelled",
     "DEFAULT_MAX_FILE_SIZE",
@@ -63,9 +66,6 @@ DEFAULT_MAX_FILE_SIZE = "5GB"
 def max_file_bytes(value: str | int) -> int:
     """``max_file_size`` (``--max-file-size``: ``"5GB"``, ``"500MiB"``, bytes) in bytes; refused
     in one line naming the option."""
-    from mfsdp_ckpt.errors import ConversionError
-    from mfsdp_ckpt.hf.files import parse_size
-
     try:
         return parse_size(value)
     except ConversionError as e:
