@@ -202,14 +202,3 @@ def remove_leftovers(parent: str, keep: Sequence[str] = (), of: str | None = Non
                 os.remove(path)
         removed.append(path)
     return removed
-    for name in sorted(names):
-        path = os.path.join(parent, name)
-        if not _is_leftover(name) or os.path.realpath(path) in keep_real:
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-        removed.append(path)
-    return removed
