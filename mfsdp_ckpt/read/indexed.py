@@ -87,6 +87,7 @@ class IndexedCheckpoint:
         self._tables: dict[int, dict[int, tuple[str, Record]]] = {}
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, Box]]] = {}
         self._md: dict[str, Any] = {}
+        self._within: dict[tuple[str, int, int], list[tuple[int, Box]]] = {}
 
     # ---- chunks ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -113,20 +114,21 @@ class IndexedCheckpoint:
 
     def chunks_within(self, key: str, lo: int, hi: int) -> list[tuple[int, Box]]:
         """(writing rank, box) of the chunks of ``key`` overlapping its elements ``[lo, hi)``
-        (row-major), in flat order, without deriving the others (KeyError: no such key)."""
+        (row-major), in flat order, without deriving the others (KeyError: no such key). Kept per
+        range: a load's entry check and its planner ask for the same one."""
         with self._lock:
-            full = self._chunks.get(key)
-        if full is not None:
-            return sorted(
-                (rb for rb in full.values() if rb[1].flat_start < hi and rb[1].flat_start + rb[1].numel > lo),
-                key=lambda rb: rb[1].flat_start,
-            )
+            found = self._within.get((key, lo, hi))
+        if found is not None:
+            return found
         if key not in self.catalog.keys:
             raise KeyError(key)
         try:
-            return self.catalog.chunks(key, lo, hi)
+            found = self.catalog.chunks(key, lo, hi)
         except CatalogError as e:
             raise CorruptCheckpointError(f"{fs.join(self.directory, MANIFEST_NAME)}: field 'index': {e}") from None
+        with self._lock:
+            self._within[(key, lo, hi)] = found
+        return found
 
     def chunk_at(self, key: str, offsets: tuple[int, ...]) -> tuple[int, Box] | None:
         """(writing rank, box) of the chunk of ``key`` starting at ``offsets``, or None."""
