@@ -334,7 +334,6 @@ def measure_deepseek(world: int = 2048, ep: int = 64) -> dict:
         for key, lo, hi in wanted:
             ck.stored_within(key, lo, hi)
         load = time.perf_counter() - start
-        mine = wanted
     return {
         "model": "deepseek-v3",
         "world": world,
@@ -344,7 +343,7 @@ def measure_deepseek(world: int = 2048, ep: int = 64) -> dict:
         "planning_s": round(planning, 3),
         "index_mb": round(len(data) / 1e6, 2),
         "index_load_s": round(load, 3),
-        "rank0_keys_derived": len(mine),
+        "rank0_keys_derived": len(wanted),
     }
 
 
