@@ -31,6 +31,7 @@ from typing import Any, Callable
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.mcore.deepseek import (
     KV_DOWN,
+    PROJ,
     argument_fields,
     expert_bias_field,
     first_dense_layers,
@@ -45,7 +46,6 @@ from mfsdp_ckpt.sharded.model_shape import ModelShape
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]
 
 QKV = STACK + "self_attention.linear_qkv.weight"
-PROJ = STACK + "self_attention.linear_proj.weight"
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 DENSE_FC1 = STACK + "mlp.linear_fc1.weight"
