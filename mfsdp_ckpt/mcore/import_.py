@@ -352,12 +352,13 @@ def _write(
     )
     done = 0
     with CheckpointBuilder(dst, manifest, overwrite=overwrite, sources=(source.directory,)) as builder:
+        spare = None  # the last piece's tensor, written already: the next one of its shape reuses it
         for p in plan.pieces:
-            tensor = source.read_slice(p.stored, p.index)
+            tensor = source.read_slice(p.stored, p.index, reuse=spare)
             record = builder.add_tensor(p.canonical, tensor)
             builder.start_writeback(record)
             done += tensor.numel() * tensor.element_size()
-            del tensor
+            spare = tensor
             if progress is not None:
                 progress(done, total)
         for name, value in sorted(plan.common.items()):

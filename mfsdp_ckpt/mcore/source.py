@@ -151,17 +151,20 @@ class McoreSource:
             out.update(value)
         return out
 
-    def read_slice(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+    def read_slice(self, key: str, index: tuple[int, ...], reuse: torch.Tensor | None = None) -> torch.Tensor:
         """``stored[index]`` of tensor ``key`` (``index`` fixes its leading axes), reading only
         the chunks that overlap it, and of a chunk larger than the slice only the slice's bytes
-        (see the module docstring)."""
+        (see the module docstring). ``reuse``: a tensor the caller is done with, filled and
+        returned instead of a new one when its shape and dtype fit (a stack's layers read one
+        after another then cost one buffer, not one allocation each)."""
         reader = self.reader
         md = self.entries[key]
         reader.check_entry(key)
         shape, dtype, k = tuple(md.size), md.properties.dtype, len(index)
         if any(not 0 <= i < d for i, d in zip(index, shape)):
             raise ConversionError(f"{self.directory}: key '{key}': index {list(index)} outside {list(shape)}")
-        out = torch.empty(shape[k:], dtype=dtype)
+        fits = reuse is not None and reuse.dtype == dtype and tuple(reuse.shape) == shape[k:] and reuse.is_contiguous()
+        out = reuse if fits else torch.empty(shape[k:], dtype=dtype)
         sizes_at = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
         covered = 0
         for idx, info in reader.stored_chunks(key):
@@ -229,7 +232,10 @@ class McoreSource:
             start += (i - o) * stride
             stride *= s
         nbytes = inner * dtype.itemsize
-        buf = bytearray(nbytes)
+        # straight into place where the region is one run of bytes (a slice that a chunk holds
+        # whole along its trailing axes): no second buffer of the slice's size, no copy
+        direct = region.is_contiguous()
+        buf = memoryview(region.view(-1).view(torch.uint8).numpy()) if direct else bytearray(nbytes)
         f.seek(raw.offset + start * dtype.itemsize)
         got = f.readinto(buf) or 0
         if got != nbytes:
@@ -238,4 +244,5 @@ class McoreSource:
                 f"{list(index)} ({got} of {nbytes} bytes)"
             )
         self._count(nbytes)
-        region.copy_(torch.frombuffer(buf, dtype=dtype).reshape(region.shape))
+        if not direct:
+            region.copy_(torch.frombuffer(buf, dtype=dtype).reshape(region.shape))

@@ -43,10 +43,37 @@ def recorded_shape(manifest: dict[str, Any] | None, source: str, purpose: str) -
         raise ConversionError(f"{source}: model_config in the manifest is not ours: {e}") from None
 
 
+class _NoMetaInit(torch.overrides.TorchFunctionMode):
+    """Skips the random initialisation of meta tensors (they hold no values): the first such call
+    imports ``torch._dynamo`` (torch's meta random ops are Python references behind a
+    dynamo-disabling wrapper), which cost an HF export or import about 0.6 s of its start."""
+
+    RANDOM_INITS = frozenset(
+        (
+            "normal_",
+            "uniform_",
+            "trunc_normal_",
+            "kaiming_uniform_",
+            "kaiming_normal_",
+            "xavier_uniform_",
+            "xavier_normal_",
+        )
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self.RANDOM_INITS:
+            target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def meta_model(shape: ModelShape) -> ShapeModel:
-    """The transformer of ``shape`` on the meta device (shapes, no memory). Building one costs
-    milliseconds per layer, so a caller that needs it twice builds it once and passes it on."""
-    with torch.device("meta"):
+    """The transformer of ``shape`` on the meta device (shapes, no memory; no initialisation is
+    run: :class:`_NoMetaInit`). Building one costs milliseconds per layer, so a caller that needs
+    it twice builds it once and passes it on."""
+    with torch.device("meta"), _NoMetaInit():
         return ShapeModel(shape)
 
 
