@@ -245,6 +245,27 @@ def test_stacked_reads_never_hold_a_whole_stack(tmp_path):
     assert stack == 8 * layer
 
 
+def test_a_slice_read_into_a_reused_tensor_equals_a_fresh_read(tmp_path):
+    """``read_slice(..., reuse=t)`` fills ``t`` when shape and dtype fit (the importer hands each
+    piece's tensor to the next), with exactly the values of a fresh read; a tensor that does not
+    fit is left alone and a new one returned."""
+    state = stacked_state(SMALL)
+    src = write_mcore(str(tmp_path / "src"), state)
+    with McoreSource.open(src) as source:
+        plan = plan_import(source, HEADS)
+        spare, reused = None, 0
+        for p in plan.pieces:
+            fresh = source.read_slice(p.stored, p.index)
+            before = None if spare is None else spare.data_ptr()
+            got = source.read_slice(p.stored, p.index, reuse=spare)
+            reused += got.data_ptr() == before
+            if before is not None and (spare.shape != fresh.shape or spare.dtype != fresh.dtype):
+                assert got.data_ptr() != before
+            assert torch.equal(got, fresh), p.canonical
+            spare = got
+        assert reused >= SMALL.num_layers  # the layers of a stack follow one another
+
+
 _MEASURE = """
 import json, os, sys, threading, time
 from mfsdp_ckpt.mcore import import_mcore
