@@ -138,3 +138,63 @@ def _reduce_from_parts(size: int) -> dict:
 def test_reduce_scatter_from_parts_equals_the_whole_tensors(ranks, world):
     for r in ranks(_reduce_from_parts, world, 10, timeout=60):
         assert torch.equal(r["parts"], r["whole"])
+
+
+def _reduce_from_small_parts(size: int, part: int, trailing_zeros: int) -> dict:
+    """A reduce-scatter from many small parts (a small model's gradients), counting the messages
+    this rank posts."""
+    from mfsdp_core import p2p
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = _rank_tensor(rank, n * size, 11)
+    used = size - trailing_zeros  # each rank's chunk: gradients, then its padding
+    parts: list = []
+    for k in range(n):
+        full[k * size + used : (k + 1) * size] = 0
+        parts += [full[k * size + a : k * size + min(a + part, used)] for a in range(0, used, part)]
+        if trailing_zeros:
+            parts.append(trailing_zeros)
+    whole, packed = torch.empty(size), torch.full((size,), float("nan"))
+    C.reduce_scatter_avg(whole, full, dist.group.WORLD)
+    posted = {"send": 0, "recv": 0}
+    isend, irecv = dist.isend, dist.irecv
+
+    def count(name, fn):
+        def counted(*a, **k):
+            posted[name] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    dist.isend, dist.irecv = count("send", isend), count("recv", irecv)
+    try:
+        C.reduce_scatter_avg(packed, parts, dist.group.WORLD, async_op=True).wait()
+    finally:
+        dist.isend, dist.irecv = isend, irecv
+    return {"whole": whole, "packed": packed, "posted": posted, "limit": p2p.PACK_BYTES}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_chunk_of_small_gradients_travels_as_one_message_and_sums_bitwise_the_same(ranks, world):
+    """Many small parts: one message per peer each way (not one per part), and the result is
+    bitwise the reduce-scatter of the whole tensor; also with padding after each chunk's parts."""
+    for trailing in (0, 3):
+        for r in ranks(_reduce_from_small_parts, world, 40, 4, trailing, timeout=60):
+            assert torch.equal(r["packed"], r["whole"])
+            assert r["posted"] == {"send": world - 1, "recv": world - 1}, r["posted"]
+
+
+def test_large_chunks_and_gapped_chunks_are_not_packed():
+    """Packing is decided from the chunk's lengths alone (the same on every rank): a chunk over
+    ``PACK_BYTES``, a chunk with zeros between its gradients and a one-segment chunk travel as
+    they lie."""
+    from mfsdp_core import p2p
+
+    big = p2p.PACK_BYTES // 4  # float32 elements in the limit
+    t = torch.zeros(big + 8)
+    assert p2p._packed([(0, 4, t[:4]), (4, 4, t[4:8])])
+    assert not p2p._packed([(0, big, t[:big]), (big, 8, t[big : big + 8])])
+    assert not p2p._packed([(0, 4, t[:4]), (4, 2, None), (6, 4, t[4:8])])
+    assert not p2p._packed([(0, 4, t[:4]), (4, 2, None)])
+    assert p2p._landing([(0, 4, t[:4]), (4, 4, t[4:8]), (8, 2, None)]) == [(0, 8)]
+    assert [m.numel() for m in p2p._message([(0, 4, t[:4]), (4, 4, t[4:8])])] == [8]
