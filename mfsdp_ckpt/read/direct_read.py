@@ -34,9 +34,9 @@ from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
 from mfsdp_ckpt.read.chunks import ChunkFault, ChunkFiles, chunk_location, expected_crc, missing_bytes
 from mfsdp_ckpt.read.records import locate_raw_tensor
-from mfsdp_ckpt.read.staged_read import ThreadRunner
+from mfsdp_ckpt.read.staged_read import ThreadRunner, file_descriptor
 
-__all__ = ["BLOCK_BYTES", "DirectChunk", "direct_chunk", "read_into_place"]
+__all__ = ["BLOCK_BYTES", "DirectChunk", "direct_chunk", "direct_part", "read_into_place"]
 
 BLOCK_BYTES = 4 << 20  # one read and checksum: small enough to still be in the cache when checked
 
@@ -80,6 +80,54 @@ def _host_bytes(target: torch.Tensor, dtype: torch.dtype, numel: int) -> numpy.n
     return target.reshape(-1).view(torch.uint8).numpy()
 
 
+def _checked(
+    files: ChunkFiles, index: MetadataIndex, info: Any
+) -> tuple[torch.dtype, tuple[int, ...], Any, int | None]:
+    """The chunk's dtype, shape, open file and expected crc32c; raises
+    :class:`CorruptCheckpointError` for a chunk misplaced in the manifest or truncated."""
+    dtype, shape = files.shapes[index]
+    f = files.open(info.relative_path, index.fqn)
+    try:
+        expected = expected_crc(info, index, files.manifest_chunks)
+        truncated = missing_bytes(f, info)
+        if truncated:
+            raise ChunkFault(truncated)
+    except ChunkFault as e:
+        raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}") from None
+    return dtype, tuple(shape), f, expected
+
+
+def _qualifies(files: ChunkFiles, index: MetadataIndex, info: Any) -> bool:
+    return (
+        index.offset is not None
+        and index in files.shapes
+        and not getattr(info, "transform_descriptors", None)
+        and file_descriptor(files.open(info.relative_path, index.fqn)) is not None
+    )
+
+
+def direct_part(
+    files: ChunkFiles, index: MetadataIndex, info: Any, start: int, end: int, dest: torch.Tensor
+) -> DirectChunk | None:
+    """Elements ``[start, end)`` of the chunk (its row-major flattening) to be read straight into
+    ``dest`` (a contiguous CPU tensor of the chunk's dtype and ``end - start`` elements), the
+    rest of its bytes into scratch for the checksum (:func:`read_into_place`); None when the
+    chunk does not qualify (not a plain record of a local file). For a reader that wants part of
+    a chunk (the offline reshard) and would otherwise read all of it into a temporary and copy
+    the part out. Raises :class:`CorruptCheckpointError` for a chunk misplaced or truncated."""
+    if not _qualifies(files, index, info):
+        return None
+    dtype, shape, f, expected = _checked(files, index, info)
+    memory = _host_bytes(dest, dtype, end - start)
+    if memory is None or not 0 <= start <= end <= math.prod(shape):
+        return None
+    raw = locate_raw_tensor(f, info.offset, info.length, dtype, math.prod(shape))
+    if raw is None:
+        return None
+    segments = _segments([(start * dtype.itemsize, end * dtype.itemsize, memory)], raw.nbytes)
+    return DirectChunk(index, info, raw.offset, raw.nbytes, expected, segments or [], [dest])
+
+
 def direct_chunk(
     files: ChunkFiles,
     index: MetadataIndex,
@@ -90,18 +138,9 @@ def direct_chunk(
     """The chunk as a :class:`DirectChunk` when it qualifies (see the module docstring); None
     otherwise. ``resolve(req)`` is the load planner's destination of a read request. Raises
     :class:`CorruptCheckpointError` for a chunk misplaced in the manifest or truncated."""
-    expect = files.shapes.get(index)
-    if index.offset is None or expect is None or getattr(info, "transform_descriptors", None):
+    if index.offset is None or index not in files.shapes or getattr(info, "transform_descriptors", None):
         return None
-    dtype, shape = expect[0], tuple(expect[1])
-    f = files.open(info.relative_path, index.fqn)
-    try:
-        expected = expected_crc(info, index, files.manifest_chunks)
-        truncated = missing_bytes(f, info)
-        if truncated:
-            raise ChunkFault(truncated)
-    except ChunkFault as e:
-        raise CorruptCheckpointError(f"{chunk_location(files.path(info.relative_path), index)}: {e}") from None
+    dtype, shape, f, expected = _checked(files, index, info)
     pieces, targets = [], []
     for req in reqs:
         span = _contiguous_range(shape, req.storage_offsets, req.lengths)

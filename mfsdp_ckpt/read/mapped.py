@@ -78,5 +78,5 @@ class MappedReader:
             return self._groups
         return self.raw.read(self.source_key(key))
 
-    def read_flat(self, key: str, start: int, end: int) -> torch.Tensor:
-        return self.raw.read_flat(self.source_key(key), start, end)
+    def read_flat(self, key: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.raw.read_flat(self.source_key(key), start, end, out=out)

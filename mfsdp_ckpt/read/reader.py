@@ -31,6 +31,7 @@ from mfsdp_ckpt.read.chunks import (
     chunk_location,
     read_chunk,
 )
+from mfsdp_ckpt.read.direct_read import DirectChunk, direct_part, read_into_place
 from mfsdp_ckpt.read.metadata_check import entry_faults
 
 __all__ = ["CheckpointReader", "coalesce", "compact"]
@@ -185,9 +186,13 @@ class CheckpointReader:
         """Elements ``[start, end)`` of the row-major flattening of tensor ``key``, as a new 1-D
         tensor (or in ``out``, a contiguous 1-D tensor of ``end - start`` elements of the key's
         dtype), reading only the chunks that overlap the range (each whole, so its crc32c is
-        checked). Chunks lying inside the range are read straight into place; small neighbours
-        in one file are read as one range (:func:`coalesce`). Peak memory: the range plus one
-        chunk (or one coalesced range, at most :data:`COALESCE_BYTES`)."""
+        checked). Chunks lying inside the range are read straight into place, and so is the
+        wanted part of a large chunk lying across its ends (a plain record of a local file: the
+        rest of its bytes pass through a scratch block for the checksum,
+        :func:`~mfsdp_ckpt.read.direct_read.direct_part`); small neighbours in one file are read
+        as one range (:func:`coalesce`). Peak memory: the range plus one chunk (or one coalesced
+        range, at most :data:`COALESCE_BYTES`), or plus a scratch block where the large chunks
+        qualify."""
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{self.directory}: no tensor '{shown(key)}'")
@@ -216,13 +221,21 @@ class CheckpointReader:
             placed.append((flat0, math.prod(sizes), index, info))
         covered = 0
         wanted = []  # (index, info, where its payload goes: a slice of out, or None for a temporary)
+        parts: list[DirectChunk] = []  # chunks of which only a part is wanted, read into place
         for flat0, n, index, info in sorted(placed, key=lambda c: (c[3].relative_path, c[3].offset)):
             lo, hi = max(flat0, start), min(flat0 + n, end)
             if lo >= hi:
                 continue
             covered += hi - lo
             inside = lo == flat0 and hi == flat0 + n
+            if not inside and info.length > COALESCE_CHUNK_BYTES:  # its part straight into place, if it can
+                part = direct_part(self._chunks, index, info, lo - flat0, hi - flat0, out[lo - start : hi - start])
+                if part is not None:
+                    parts.append(part)
+                    continue
             wanted.append(((index, info), out[lo - start : hi - start] if inside else None, (flat0, n, lo, hi)))
+        if parts:  # one thread: the offline tools run one reader per worker thread
+            read_into_place(self._chunks, parts, threads=1)
         for ((_index, _info), piece), (_, target, (flat0, _n, lo, hi)) in zip(
             self._payloads([w[0] for w in wanted], [w[1] for w in wanted]), wanted
         ):

@@ -435,6 +435,7 @@ def _run_jobs(
     ``stop``: set by the caller to end the run before the next job (:class:`_Cancelled`)."""
     records: list[ChunkRecord] = []
     writer = ChunkFileWriter(tmp)
+    scratch = _Scratch()
     try:
         with MappedReader(src, key_map) as reader:
             readahead = _Readahead(reader, jobs)
@@ -443,7 +444,7 @@ def _run_jobs(
                     if stop is not None and stop.is_set():
                         raise _Cancelled()
                     readahead.at(i)
-                    records += _run_job(reader, writer, job)
+                    records += _run_job(reader, writer, job, scratch)
                     report(job.nbytes)
                     if after is None or after.file != job.file:
                         writer.close_file(job.file)  # done with it: open files stay few, whatever the world size
@@ -456,8 +457,25 @@ def _run_jobs(
     return records
 
 
-def _run_job(reader: MappedReader, writer: ChunkFileWriter, job: _Job) -> list[ChunkRecord]:
-    """One job: read (every chunk crc32c-checked) and append the result to its file."""
+class _Scratch:
+    """One worker's buffer for the flat ranges it reads, grown to the largest and reused: a
+    fresh tensor per job leaves the allocator holding freed ranges it does not give back."""
+
+    def __init__(self) -> None:
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous 1-D tensor of ``numel`` elements of ``dtype``, valid until the next take."""
+        nbytes = numel * dtype.itemsize
+        if self._bytes.numel() < nbytes:
+            self._bytes = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8)
+        return self._bytes[:nbytes].view(dtype)
+
+
+def _run_job(reader: MappedReader, writer: ChunkFileWriter, job: _Job, scratch: _Scratch) -> list[ChunkRecord]:
+    """One job: read (every chunk crc32c-checked) into ``scratch`` and append the result to its
+    file (written before the next job reads)."""
     if job.start is None:
         value = reader.read(job.key)
         if not isinstance(value, torch.Tensor):
@@ -465,7 +483,7 @@ def _run_job(reader: MappedReader, writer: ChunkFileWriter, job: _Job) -> list[C
         if job.cast is not None:
             value = value.to(job.cast)
         return [writer.write_chunk(job.key, value, (0,) * value.dim(), value.shape, job.file)]
-    flat = reader.read_flat(job.key, job.start, job.end)
+    flat = reader.read_flat(job.key, job.start, job.end, out=scratch.take(job.end - job.start, reader.dtype(job.key)))
     if job.cast is not None:
         flat = flat.to(job.cast)
     shape = reader.shape(job.key)
