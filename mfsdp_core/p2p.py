@@ -4,8 +4,9 @@ tensors on gloo.
 gloo's own collectives on CPU stage through temporaries: its all-gather receives into a flat
 tensor and copies it out, its all-to-all copies a rank's own chunk to itself. Here every message
 goes straight from where it lies to where it lands (except a reduce-scatter's chunk made of
-several small gradients, which travels as one message: see :data:`PACK_BYTES`): a rank sends its shard (or its chunk of each
-other rank's share) with ``isend`` and receives each other rank's with ``irecv`` into place. The
+several small gradients, which travels as one message: see :data:`PACK_BYTES`): a rank sends its
+shard (or its chunk of each other rank's share) with ``isend`` and receives each other rank's
+with ``irecv`` into place. The
 bytes on the wire are those of the ring algorithms. Measured on the development VM (2 and 4
 ranks, 17-100 MB per rank): the all-gather takes 0.27-0.35x the time of gloo's, the reduce-scatter
 (exchange and sum) 0.74-0.85x that of gloo's all-to-all and the same sum.
@@ -98,7 +99,7 @@ def _chunks(parts: Sequence[Part], n: int, size: int) -> list[list[tuple[int, in
 
 #: a chunk whose gradient segments together hold at most this many bytes travels as one message
 #: (its segments copied into one tensor) instead of one message per segment: on the development
-#: VM each message posted costs 0.06-0.11 ms and a small model's buffers hold many small
+#: VM each message posted costs 0.06-0.14 ms and a small model's buffers hold many small
 #: parameters; above it, the copy would cost more than the messages it saves
 PACK_BYTES = 1 << 20
 
