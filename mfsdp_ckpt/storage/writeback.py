@@ -23,7 +23,6 @@ thread has more to copy): writing everything to the page cache first and fsyncin
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import io
 import sys
 from typing import IO, Any
@@ -40,7 +39,9 @@ def _sync_file_range() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+        # the process's own symbols (libc is loaded): ctypes.util.find_library("c") would run
+        # `ldconfig -p` in a subprocess at import, slow on a loaded machine
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -23,6 +23,7 @@ from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
+from mfsdp_ckpt.mcore.describe import describe_mcore
 from mfsdp_ckpt.read.chunks import ChunkFiles, Fault
 from mfsdp_ckpt.read.index_check import index_faults, read_stock_metadata
 from mfsdp_ckpt.read.locate import open_checkpoint
@@ -202,8 +203,6 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     elif not is_protected(manifest):
         info.unknown = [UNPROTECTED]
     if manifest is None or manifest.get("key_layout") == "mcore-torch_dist":  # a Megatron-Core checkpoint
-        from mfsdp_ckpt.mcore.describe import describe_mcore
-
         mcore = describe_mcore(directory)
         if mcore is not None:
             info.format, info.step = mcore["format"], mcore["step"] if info.step is None else info.step
