@@ -98,9 +98,10 @@ def _chunks(parts: Sequence[Part], n: int, size: int) -> list[list[tuple[int, in
 
 
 #: a chunk whose gradient segments together hold at most this many bytes travels as one message
-#: (its segments copied into one tensor) instead of one message per segment: on the development
-#: VM each message posted costs 0.06-0.14 ms and a small model's buffers hold many small
-#: parameters; above it, the copy would cost more than the messages it saves
+#: (its segments copied into one tensor) instead of one message per segment. On the development
+#: VM each message posted costs 0.06-0.14 ms; copying 8 segments into one tensor costs 0.003 ms
+#: at 16 KiB and 0.06 ms at 1 MiB (one thread), so up to here the copy costs at most about one
+#: message; beyond it the copy grows with the bytes while the messages saved do not
 PACK_BYTES = 1 << 20
 
 

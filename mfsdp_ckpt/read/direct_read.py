@@ -98,6 +98,8 @@ def _checked(
 
 
 def _qualifies(files: ChunkFiles, index: MetadataIndex, info: Any) -> bool:
+    """Whether the chunk can be read into place: a tensor chunk of known shape, stored without
+    stream transforms, in a local file."""
     return (
         index.offset is not None
         and index in files.shapes
@@ -138,7 +140,7 @@ def direct_chunk(
     """The chunk as a :class:`DirectChunk` when it qualifies (see the module docstring); None
     otherwise. ``resolve(req)`` is the load planner's destination of a read request. Raises
     :class:`CorruptCheckpointError` for a chunk misplaced in the manifest or truncated."""
-    if index.offset is None or index not in files.shapes or getattr(info, "transform_descriptors", None):
+    if not _qualifies(files, index, info):
         return None
     dtype, shape, f, expected = _checked(files, index, info)
     pieces, targets = [], []

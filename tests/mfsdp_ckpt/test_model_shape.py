@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from mfsdp_ckpt.sharded import model_shape
 from mfsdp_ckpt.sharded.model_shape import meta_model
 from mfsdp_core.models.config import PRESETS
 from mfsdp_core.models.gpt import GPTModel
@@ -42,9 +44,17 @@ def test_building_it_does_not_import_dynamo():
     assert out.stdout.strip() == "False"
 
 
-def test_other_meta_tensors_are_still_initialised_outside_it():
-    """The skip is scoped to building the shape model: a meta tensor initialised afterwards goes
-    through torch as usual (returns the tensor, no error)."""
+def test_the_skip_ends_with_the_build(monkeypatch):
+    """The mode that skips meta init is gone once the model is built (also after a failed build):
+    a meta tensor initialised afterwards goes through torch, not through the skip."""
     meta_model(PRESETS["tiny"])
-    t = torch.empty(4, 4, device="meta")
-    assert torch.nn.init.normal_(t) is t
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+    def failing_build(shape):
+        assert torch.overrides._get_current_function_mode_stack()  # the skip is active while building
+        raise RuntimeError("build failed")
+
+    monkeypatch.setattr(model_shape, "ShapeModel", failing_build)
+    with pytest.raises(RuntimeError, match="build failed"):
+        model_shape.meta_model(PRESETS["tiny"])
+    assert torch.overrides._get_current_function_mode_stack() == []
