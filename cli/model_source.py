@@ -37,6 +37,7 @@ from mfsdp_core.models.moe import set_aux_loss_group, update_expert_bias
 from .hf_source import HFSource
 from .mcore_source import McoreSource
 from .model_base import ModelSource
+from .train_args import DEFAULT_PRESET
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -48,7 +49,6 @@ __all__ = [
     "MODEL_FLAGS",
 ]
 
-DEFAULT_PRESET = "tiny"
 
 #: the flags that name a model, each excluding the others (argparse attribute -> flag)
 MODEL_FLAGS = {

@@ -12,11 +12,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mfsdp_core.data import describe_token_file
-
 from .train_config import resolved_settings
 
-__all__ = ["RECORDED_FLAGS", "run_config", "allowed_changes", "changed_settings"]
+__all__ = [
+    "RECORDED_FLAGS",
+    "LATEST",
+    "AUTO",
+    "run_config",
+    "allowed_changes",
+    "changed_settings",
+    "start_checkpoint",
+    "recorded_settings",
+]
+
+LATEST = "<ckpt-dir>/latest"  # --resume without a path
+AUTO = "auto"  # --resume auto: <ckpt-dir>/latest if there is one, else a fresh start
 
 # flag -> argparse attribute; the Muon and MXFP8 details count only when those are on
 RECORDED_FLAGS: dict[str, str] = {
@@ -49,6 +59,8 @@ SETTINGS_KEY = "settings"  # every resolved setting, the defaults of a resumed r
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The recorded settings of this run, by flag name (``data``: where the samples come from),
     and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)."""
+    from mfsdp_core.data import describe_token_file  # (torch: this module is imported by the light parser)
+
     out: dict[str, Any] = {SETTINGS_KEY: resolved_settings(args)}
     for flag, attr in RECORDED_FLAGS.items():
         if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
@@ -89,3 +101,37 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any], allowed: se
 
 def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
+
+
+def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(flag, checkpoint)`` the run starts from, as far as flags tell before rank 0 picks it
+    (``--resume`` without a path: ``<ckpt-dir>/latest``, if it exists)."""
+    if args.init_from:
+        return "--init-from", args.init_from
+    if args.resume in (LATEST, AUTO):
+        import mfsdp_ckpt
+        from mfsdp_ckpt.storage import fs as mfsdp_fs
+
+        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+        return ("--resume", latest) if mfsdp_fs.exists(latest) else None
+    return ("--resume", args.resume) if args.resume else None
+
+
+def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting (``settings``) the checkpoint that ``--resume`` names recorded; none for a
+    fresh run, or when it cannot be read (the trainer's checks then say why). Imports the
+    checkpoint layer, so only a resumed run pays for it."""
+    if not args.resume or (args.resume in (LATEST, AUTO) and not args.ckpt_dir):
+        return {}
+    import mfsdp_ckpt
+    from mfsdp_ckpt.read.manifest import read_manifest
+
+    try:
+        start = start_checkpoint(args)
+        if start is None:
+            return {}
+        saved = read_manifest(mfsdp_ckpt.resolve_checkpoint(start[1])).get("run_config") or {}
+    except (mfsdp_ckpt.CheckpointError, OSError, ValueError):
+        return {}
+    settings = saved.get(SETTINGS_KEY) if isinstance(saved, dict) else None
+    return dict(settings) if isinstance(settings, dict) else {}

@@ -41,7 +41,7 @@ def _stderr_of(args: list[str]) -> str:
 
 
 def test_importing_the_trainer_and_the_cli_prints_nothing() -> None:
-    assert _stderr_of(["-c", "import cli.train, cli.main, cli.hf, mfsdp_ckpt"]) == ""
+    assert _stderr_of(["-c", "import cli.train, cli.trainer, cli.main, cli.hf, mfsdp_ckpt"]) == ""
 
 
 def test_a_single_process_save_and_load_prints_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,386 @@
+"""The trainer's command line, without torch: ``mfsdp-train --help``, ``--version`` and a usage
+error answer from here at once, and the launcher decides with it, before any rank starts, what
+the flags alone refuse (:func:`check_flags`). Nothing here imports torch, ``mfsdp_core`` or
+``mfsdp_ckpt`` at module level; reading a resumed checkpoint's recorded settings does, and only
+when ``--resume`` names one.
+
+The model presets, strategies, the default placement policy and the token-file dtypes are named
+here as plain strings (``--help`` lists them); a test checks that they are the runtime's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.metadata
+import os
+import sys
+from typing import Any, NoReturn
+
+from .run_config import AUTO, LATEST, recorded_settings
+from .train_config import NOT_CARRIED, ConfigError, config_argv
+from .train_launch import add_launch_arguments
+
+__all__ = [
+    "UsageError",
+    "TrainerParser",
+    "build_parser",
+    "parse_args",
+    "DEFAULT_PRESET",
+    "PRESET_NAMES",
+    "STRATEGY_NAMES",
+    "DEFAULT_STRATEGY",
+    "DEFAULT_POLICY",
+    "TOKEN_DTYPE_NAMES",
+]
+
+#: ``mfsdp_core.models.gpt.PRESETS``, ``mfsdp_core.strategy.STRATEGY_NAMES``, ``mfsdp_core.plan``'s
+#: defaults and ``mfsdp_core.data.TOKEN_DTYPES`` by name (tests/cli/test_train_flows.py checks them)
+PRESET_NAMES = ("tiny", "tiny-moe", "llama-like-small", "qwen3-like-small", "mixtral-like-small", "tiny-deepseek")
+DEFAULT_PRESET = "tiny"
+STRATEGY_NAMES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DEFAULT_STRATEGY = "optim_grads_params"
+DEFAULT_POLICY = "even"
+TOKEN_DTYPE_NAMES = ("uint16", "uint32")
+
+
+class UsageError(Exception):
+    """Bad flags or a request that cannot be met: one line on stderr, non-zero exit."""
+
+
+_LATEST, _AUTO = LATEST, AUTO  # --resume without a path; --resume auto
+
+
+class TrainerParser(argparse.ArgumentParser):
+    """The trainer's parser: a usage error is one line, printed once (by rank 0 of a job), with the
+    closest flag for a misspelt one; ``raising=True`` raises it instead (to check config entries)."""
+
+    def __init__(self, *args: Any, raising: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raising = raising
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        message = _with_suggestions(message, list(self._option_string_actions))
+        if self.raising:
+            raise ConfigError(message)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message} (mfsdp-train --help lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _with_suggestions(message: str, options: list[str]) -> str:
+    """argparse's message, with the closest known flag of each unknown ``--flag``."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    hints = []
+    for word in message.split(":", 1)[1].split():
+        close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1) if word.startswith("--") else []
+        hints += [f"{word}: did you mean {close[0]}?"] if close else []
+    return message + (f" ({'; '.join(hints)})" if hints else "")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """``--help`` says each flag's default, where its help does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unshown = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        if "default" in text or not action.option_strings or unshown:  # (0 is shown: 0 == False, but not `is`)
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def build_parser(raising: bool = False) -> TrainerParser:
+    """The trainer's command line (``parse_args`` parses with it); its argument groups are the
+    sections of a ``--config`` file."""
+    p = TrainerParser(
+        prog="mfsdp-train",
+        description="Resumable sharded training of a reference GPT, a "
+        "Hugging Face transformers causal LM or a Megatron-Core GPTModel.",
+        formatter_class=_DefaultsShown,
+        raising=raising,
+    )
+    p.add_argument("--version", action="version", version=f"mfsdp-train {_version()}")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read settings from this TOML file (flat, or in sections named as the groups below); "
+        "flags on the command line override it",
+    )
+    _add_model_arguments(p.add_argument_group("model"))
+    _add_parallelism_arguments(p.add_argument_group("parallelism"))
+    _add_precision_arguments(p.add_argument_group("precision"))
+    _add_optimizer_arguments(p.add_argument_group("optimizer"))
+    _add_schedule_arguments(p.add_argument_group("training"))
+    _add_data_arguments(p.add_argument_group("data"))
+    _add_checkpoint_arguments(p.add_argument_group("checkpoint"))
+    _add_logging_arguments(p.add_argument_group("logging"))
+    add_launch_arguments(p.add_argument_group("launch"))
+    return p
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mfsdp-ckpt")
+    except importlib.metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _add_model_arguments(p: argparse._ActionsContainer) -> None:
+    """Which model to train: a preset, a config file, a Hugging Face directory or an MCore config
+    (``cli.model_source`` turns them into a model source)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model preset: {', '.join(PRESET_NAMES)} (default: the config recorded in the --init-from or --resume "
+        f"checkpoint, else {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="FILE.json",
+        help="model config file instead of a preset: GPTConfig fields, a checkpoint manifest, or a Hugging "
+        "Face config.json of a known architecture",
+    )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        metavar="DIR",
+        help="train the Hugging Face transformers causal LM of this model directory (config.json, with or "
+        "without safetensors weights; weights are loaded when present); needs transformers",
+    )
+    p.add_argument(
+        "--mcore-config",
+        default=None,
+        metavar="FILE.json",
+        help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
+        "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'",
+    )
+
+
+def _add_parallelism_arguments(p: argparse._ActionsContainer) -> None:
+    """How the model is sharded over the ranks: the FSDP strategy, the placement policy and the
+    expert-parallel size."""
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=", ".join(STRATEGY_NAMES))
+    p.add_argument("--policy", default=DEFAULT_POLICY, help="even, row, block(N) or tensor")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="E",
+        help="expert parallelism: E ranks share each layer's experts (E divides the world size and "
+        "the expert count); experts are sharded over the world size / E ranks holding the same ones",
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP: R replica groups of world size / R ranks; dense parameters are sharded inside a "
+        "group and replicated across the groups (gradients all-reduced across them)",
+    )
+    p.add_argument(
+        "--hfsdp",
+        action="store_true",
+        help="with --dp-replicate: shard the optimizer state and main params across the replicas too",
+    )
+    p.add_argument(
+        "--moe-aux-loss",
+        default="local",
+        choices=["local", "global"],
+        help="MoE load-balancing loss over this rank's tokens (local), or over the whole batch of every "
+        "rank, token counts all-reduced (global: the loss and gradients do not depend on the layout)",
+    )
+    p.add_argument(
+        "--comm-stream",
+        action="store_true",
+        help="GPU only: issue all-gathers and reduce-scatters from one CUDA stream of their own, so "
+        "prefetches do not wait behind queued compute (docs/runtime.md)",
+    )
+
+
+def _add_precision_arguments(p: argparse._ActionsContainer) -> None:
+    """The number formats the model stores and computes in: MXFP8 weights and the compute dtype."""
+    p.add_argument(
+        "--mxfp8",
+        nargs="?",
+        const="e4m3",
+        default=None,
+        choices=["e4m3", "e5m2"],
+        metavar="ELEMENT",
+        help="store the transformer layers' linear weights as MXFP8 (elements e4m3, the default, or e5m2): "
+        "sharded on whole 32-row blocks, quantized locally after each step, gathered as MX planes",
+    )
+    p.add_argument(
+        "--mx-rule",
+        default="floor",
+        choices=["floor", "rceil"],
+        help="MXFP8 scale rule: OCP floor (default) or NVIDIA rceil",
+    )
+    p.add_argument(
+        "--dtype",
+        "--param-dtype",
+        dest="param_dtype",
+        default="float32",
+        type=_compute_dtype,
+        metavar="{fp32,bf16}",
+        help="dtype the model computes in: fp32, or bf16 for mixed precision "
+        "(main params, optimizer state and gradient reduction stay fp32)",
+    )
+
+
+def _add_optimizer_arguments(p: argparse._ActionsContainer) -> None:
+    """The optimizer (AdamW, Muon or plain SGD) and the settings only Muon has."""
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "muon", "sgd"],
+        help="adamw; muon: Muon for the hidden matrices (whole under --policy tensor, owner-computed "
+        "under flat policies) and AdamW for embeddings, output layer and vectors; sgd: plain SGD (no "
+        "momentum; --weight-decay applies), whose step is a linear function of the gradient",
+    )
+    p.add_argument(
+        "--muon-lr", type=float, default=0.02, help="peak learning rate of the Muon matrices (same schedule)"
+    )
+    p.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="Muon's Newton-Schulz dtype")
+
+
+def _add_schedule_arguments(p: argparse._ActionsContainer) -> None:
+    """The length of the run, the batch, the learning-rate schedule and the other training
+    hyperparameters (all but ``--stop-at`` recorded in the run config that ``--resume`` compares)."""
+    p.add_argument("--steps", type=int, default=100, help="total steps of the run (the LR schedule spans them)")
+    p.add_argument(
+        "--stop-at", type=int, default=None, help="exit after this step, with a checkpoint (as a job time limit would)"
+    )
+    p.add_argument("--batch-size", type=int, default=12, help="global batch in sequences (split over ranks)")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per step")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay of the 2-D weights")
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+
+
+def _add_data_arguments(p: argparse._ActionsContainer) -> None:
+    """Where the samples come from: a token file, or (by default) the synthetic stream."""
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="train on a tokenized corpus: one flat binary file of token ids, no header (nanoGPT's train.bin, "
+        "the .bin of Megatron's preprocessing), memory-mapped and cut into --seq-len windows shuffled "
+        "per epoch by --seed; the position is checkpointed (default: a synthetic token stream)",
+    )
+    p.add_argument("--data-dtype", default="uint16", choices=TOKEN_DTYPE_NAMES, help="the token id type of --data")
+
+
+def _add_checkpoint_arguments(p: argparse._ActionsContainer) -> None:
+    """Saving checkpoints, and starting a run from one (``--resume`` continues a run,
+    ``--init-from`` starts one from its weights)."""
+    p.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="checkpoint directory: a local path, or an object-store URL such as s3://bucket/run "
+        "(endpoint and credentials from the environment: FSSPEC_S3_ENDPOINT_URL, AWS_*)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="with --ckpt-dir: save every N steps, and at the end (0: at the end only)",
+    )
+    p.add_argument("--keep", type=int, default=None, help="keep only the newest K checkpoints (default: keep all)")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="save asynchronously: go on training while the state is copied to host memory and written "
+        "(at most one save in flight; logs each save's blocking and total seconds)",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=_LATEST,
+        default=None,
+        metavar="CKPT",
+        help="continue from CKPT (e.g. the output of mfsdp-ckpt reshard), or without CKPT from "
+        "<ckpt-dir>/latest; 'auto': from <ckpt-dir>/latest when it exists, else start fresh; at any "
+        "world size. Refused when a flag that changes the samples or the math differs from the run's",
+    )
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="with --resume: accept a new value of this recorded flag (e.g. lr); repeatable",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CKPT",
+        help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
+        "fresh optimizer, step 0, any world size",
+    )
+
+
+def _add_logging_arguments(p: argparse._ActionsContainer) -> None:
+    """What the run reports besides its log: per-step metrics, curves, how often it logs, and
+    whether third-party libraries may speak too."""
+    p.add_argument("--metrics", default=None, help="append one JSON line per step (exact floats) to this file")
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write TensorBoard event files (loss, lr, grad-norm, tokens/s, step and save times) to DIR; "
+        "needs the tensorboard package",
+    )
+    p.add_argument("--log-every", type=int, default=1, help="log a line every N steps (and the last one)")
+    p.add_argument("--verbose", action="store_true", help="show third-party libraries' warnings and logs")
+
+
+#: settings of where checkpoints go: a resumed run takes the recorded ones only with a --ckpt-dir
+DESTINATION = frozenset({"save_every", "keep", "async_save"})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's settings: the command line over the ``--config`` file over what a resumed
+    checkpoint recorded over the defaults (:mod:`cli.train_config`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    words: list[str] = []
+    if first.config:
+        try:
+            words = config_argv(first.config, parser, build_parser(raising=True))
+        except ConfigError as e:
+            parser.error(str(e))
+    args = parser.parse_args([*words, *argv])
+    saved = _recorded_defaults(args, parser)
+    if saved:
+        parser.set_defaults(**saved)
+        args = parser.parse_args([*words, *argv])
+    return args
+
+
+def _recorded_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The settings the checkpoint that ``--resume`` names recorded, as this run's defaults: those
+    of one invocation (``NOT_CARRIED``) apart, and those of where checkpoints go (``DESTINATION``)
+    apart unless this run has a ``--ckpt-dir`` (a resume from a path alone saves nothing)."""
+    if not args.resume or (args.resume in (_LATEST, _AUTO) and not args.ckpt_dir):
+        return {}
+    settings = recorded_settings(args)  # reads the manifest (imports the checkpoint layer)
+    known = {a.dest for a in parser._actions}
+    skipped = NOT_CARRIED if args.ckpt_dir else NOT_CARRIED | DESTINATION
+    return {k: v for k, v in settings.items() if k in known and k not in skipped}
+
+
+_DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _compute_dtype(name: str) -> str:
+    if name not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r}: one of fp32, bf16 (or float32, bfloat16)")
+    return _DTYPE_NAMES[name]
