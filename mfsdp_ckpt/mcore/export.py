@@ -12,8 +12,12 @@ holding the checkpoint's ``extra.*`` values (``iteration`` …; per-rank RNG sta
 out, and so is a ``model`` / ``optimizer`` value that is not a dict, e.g. our trainer's model
 name: Megatron-LM loads its sharded state under those names); and the ``_extra_state`` objects
 MCore's loader asks for, each ``[None]`` as MCore writes them without Transformer Engine.
-Optimizer state goes out in the ``fully_reshardable`` layout (``optimizer.state.<state>.<key>``,
-``main_param`` as ``param``). The output is built in a hidden
+Optimizer state goes out as MCore's distributed optimizer writes it with sharding type
+``fully_reshardable``: tensors ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` in the
+parameters' shapes (``param``: the fp32 main params, ``main_param``; for an fp32 model the weights
+themselves, as MCore keeps them), and the step, one for all parameters, in ``common.pt``'s
+``optimizer.optimizer.param_groups[i].step`` next to ``param_state_sharding_type``; no
+``optimizer.state.step.*`` (see :func:`_optimizer_common`). The output is built in a hidden
 sibling and renamed into place when complete; it also carries our ``mfsdp.json`` (checksums of
 every chunk: ``mfsdp-ckpt verify`` checks it), which MCore ignores.
 """
@@ -53,6 +57,13 @@ BACKEND = {
     "common_backend_version": 1,
 }
 _STATE_NAMES = {MAIN_PARAM: "param"}
+_STEP = "step"
+#: what MCore's distributed optimizer matches a saved param group to its own by
+#: (``megatron.core.optimizer.param_group_identifier_keys``), with the values of a group of
+#: MCore's defaults (no expert parallelism, no decoupled learning rate); ``wd_mult`` is set from
+#: the group's weight decay (see :func:`_mcore_group`)
+MCORE_GROUP_KEYS = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+SHARDING_TYPE = "fully_reshardable"
 #: the top-level names under which Megatron-LM's trainer asks for the sharded state (``model``,
 #: ``model<i>`` per virtual pipeline stage, ``optimizer``): ``dist_checkpointing.load`` merges
 #: ``common.pt`` into the loaded state, and a value there that is not a dict (e.g. our trainer's
@@ -88,6 +99,8 @@ def _target(key: str, layout: _Layout) -> tuple[str, tuple[int, ...], tuple[int,
         return target_of(key[len("model.") :], layout.naming, layout.per_layer, layout.local)
     if key.startswith("optim.") and key != PARAM_GROUPS:
         fqn, state = key[len("optim.") :].rsplit(".", 1)
+        if state == _STEP:
+            return None  # one step for all parameters, in common.pt's param groups (_optimizer_common)
         stored, index, dims = target_of(fqn, layout.naming, layout.per_layer, layout.local)
         return f"{OPTIM_STATE}{_STATE_NAMES.get(state, state)}.{stored}", index, dims
     return None
@@ -120,24 +133,46 @@ _Stacks = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # stored key -> (dtype
 _Targets = dict[str, tuple[str, tuple[int, ...]]]  # canonical key -> (stored key, leading index)
 
 
-def _stack_targets(reader: MappedReader, keys: list[str], layout: _Layout) -> tuple[_Targets, _Stacks]:
+def _weights_as_main_params(reader: MappedReader, keys: list[str]) -> dict[str, str]:
+    """``{optim.<fqn>.main_param: model.<fqn>}`` for each fp32 parameter with optimizer state but
+    no main params: MCore's distributed optimizer keeps fp32 main params of every parameter (an
+    fp32 model's are its weights) and its loader asks for them (``optimizer.state.param.*``), so
+    the weights go out there too; import-mcore leaves out main params of the weights' own dtype,
+    so the round trip gives the checkpoint back as it was. A parameter of another dtype without
+    main params gets none (an upcast copy would come back as main params it never had)."""
+    present = set(keys)
+    out = {}
+    for key in keys:
+        if not (key.startswith("optim.") and key.endswith(".exp_avg")) or not reader.is_tensor(key):
+            continue
+        fqn = key[len("optim.") : -len(".exp_avg")]
+        weights, main = f"model.{fqn}", f"optim.{fqn}.{MAIN_PARAM}"
+        if main not in present and weights in present and reader.dtype(weights) == torch.float32:
+            out[main] = weights
+    return out
+
+
+def _stack_targets(
+    reader: MappedReader, keys: list[str], layout: _Layout, reads: dict[str, str]
+) -> tuple[_Targets, _Stacks]:
     """``(targets, stacks)``: where each exported tensor goes (its stored key and index in the
     stack) and each stack's dtype and shape, refusing tensors that do not stack with the others of
-    their stored key, or whose index is outside the model's layers and experts."""
+    their stored key, or whose index is outside the model's layers and experts. ``reads``: entries
+    exported from another key's data (:func:`_weights_as_main_params`)."""
     targets: _Targets = {}
     stacks: _Stacks = {}
-    for key in keys:
-        if not reader.is_tensor(key):
+    for key in [*keys, *reads]:
+        if key not in reads and not reader.is_tensor(key):
             continue
         target = _target(key, layout)
         if target is None:
             continue
         stored, index, dims = target
-        shape = tuple(dims) + tuple(reader.shape(key))
-        dtype = reader.dtype(key)
+        shape = tuple(dims) + tuple(reader.shape(reads.get(key, key)))
+        dtype = reader.dtype(reads.get(key, key))
         if stored in stacks and stacks[stored] != (dtype, shape):
             raise ConversionError(
-                f"{reader.directory}: key '{key}': {dtype} {list(reader.shape(key))} does not stack "
+                f"{reader.directory}: key '{key}': {dtype} {list(shape[len(index) :])} does not stack "
                 f"with the others of '{stored}' ({stacks[stored][0]} {list(stacks[stored][1][len(index) :])})"
             )
         if any(not 0 <= i < d for i, d in zip(index, dims)):
@@ -150,9 +185,65 @@ def _stack_targets(reader: MappedReader, keys: list[str], layout: _Layout) -> tu
     return targets, stacks
 
 
-def _common_state(reader: MappedReader, keys: list[str]) -> dict[str, Any]:
+def _optimizer_step(reader: MappedReader, keys: list[str]) -> int | float | None:
+    """The optimizer step every parameter's state records (``optim.<fqn>.step``; None without
+    one). MCore's optimizers keep one step for all parameters (the distributed optimizer in its
+    param groups), so steps that differ are refused, naming two keys."""
+    step: int | float | None = None
+    first = ""
+    for key in keys:
+        if not (key.startswith("optim.") and key.endswith(f".{_STEP}")):
+            continue
+        value = reader.read(key)
+        number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ConversionError(
+                f"{reader.directory}: key '{key}': an optimizer step that is not a number ({type(value).__name__})"
+            )
+        if step is None:
+            step, first = number, key
+        elif number != step:
+            raise ConversionError(
+                f"{reader.directory}: key '{key}': optimizer step {number:g}, but '{first}' {step:g}: MCore's "
+                "optimizer keeps one step for all parameters; export the weights alone (reshard --model-only first)"
+            )
+    return int(step) if isinstance(step, float) and step.is_integer() else step
+
+
+def _mcore_group(group: dict[str, Any], step: int | float | None) -> dict[str, Any]:
+    """``group`` (our hyper-parameters and parameter names) as a param group of MCore's
+    distributed optimizer: plus the keys MCore matches groups by (:data:`MCORE_GROUP_KEYS`;
+    ``wd_mult`` 0 for a group without weight decay, as MCore groups norms) and the ``step``. The
+    ``params`` names stay: MCore's loader replaces them by its own parameters; import-mcore reads
+    them back into ``optim.param_groups``."""
+    out = dict(group)
+    for name, value in MCORE_GROUP_KEYS.items():
+        out.setdefault(name, (1.0 if group.get("weight_decay") else 0.0) if name == "wd_mult" else value)
+    if step is not None:
+        out[_STEP] = step
+    return out
+
+
+def _optimizer_common(reader: MappedReader, keys: list[str], step: int | float | None) -> dict[str, Any] | None:
+    """``common.pt``'s ``optimizer``: what MCore's distributed optimizer keeps out of the sharded
+    tensors with sharding type ``fully_reshardable`` (``DistributedOptimizer.state_dict()``:
+    ``{"optimizer": {"param_groups": [...]}, "param_state_sharding_type": ...}``), the step in
+    every param group; from ``optim.param_groups`` (:func:`_mcore_group`), else one group. None
+    when the checkpoint carries MCore's own (``extra.optimizer``, an import's): it goes on as it
+    came."""
+    if PARAM_GROUPS in keys:
+        groups = [_mcore_group(g, step) for g in reader.read(PARAM_GROUPS)]
+    elif "extra.optimizer" in keys and isinstance(reader.read("extra.optimizer"), dict):
+        return None
+    else:
+        groups = [_mcore_group({}, step)]
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING_TYPE}
+
+
+def _common_state(reader: MappedReader, keys: list[str], optimizer: dict[str, Any] | None) -> dict[str, Any]:
     """What ``common.pt`` holds: the checkpoint's ``extra.*`` objects (no RNG states, no value that
-    would collide with the sharded state Megatron-LM loads), and the step as ``iteration``."""
+    would collide with the sharded state Megatron-LM loads), the step as ``iteration``, and
+    ``optimizer`` (:func:`_optimizer_common`) when given."""
     common: dict[str, Any] = {}
     for key in keys:
         name = extra_name(key)
@@ -163,34 +254,41 @@ def _common_state(reader: MappedReader, keys: list[str]) -> dict[str, Any]:
             common[name] = value
     if "iteration" not in common and isinstance((reader.manifest or {}).get("step"), int):
         common["iteration"] = reader.manifest["step"]
+    if optimizer is not None:
+        common["optimizer"] = optimizer
     return common
+
+
+def _nbytes(reader: MappedReader, reads: dict[str, str], key: str) -> int:
+    """The bytes of exported tensor ``key`` (read from ``reads[key]`` when there)."""
+    source = reads.get(key, key)
+    return reader.shape(source).numel() * reader.dtype(source).itemsize
 
 
 def _write_files(
     tmp: str,
     reader: MappedReader,
     tasks: list[tuple[str, str]],
-    targets: _Targets,
-    stacks: _Stacks,
+    plan: _Export,
     objects: tuple[str, list[str]] | None,
     progress: Callable[[int, int], None] | None,
 ) -> list[ChunkRecord]:
     """Write this process's ``tasks`` (canonical key, data file; in export order), each tensor as
-    one chunk of its stack, one at a time (memory: one tensor), and ``objects`` (the last file's
-    name and the ``_extra_state`` keys, as MCore writes them: ``[None]``) after the chunks of
-    that file, when this process writes it. A file is closed once its last entry is in."""
+    one chunk of its stack (``plan``), one at a time (memory: one tensor), and ``objects`` (the
+    last file's name and the ``_extra_state`` keys, as MCore writes them: ``[None]``) after the
+    chunks of that file, when this process writes it. A file is closed once its last entry is in."""
     writer = ChunkFileWriter(tmp)
     records: list[ChunkRecord] = []
     last = {file: j for j, (_, file) in enumerate(tasks)}
-    total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k, _ in tasks)
+    total = sum(_nbytes(reader, plan.reads, k) for k, _ in tasks)
     done = 0
     try:
         for j, (key, file) in enumerate(tasks):
-            stored, index = targets[key]
-            tensor = reader.read(key)
+            stored, index = plan.targets[key]
+            tensor = reader.read(plan.reads.get(key, key))
             chunk = tensor.reshape((1,) * len(index) + tuple(tensor.shape))
             records.append(
-                writer.write_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), stacks[stored][1], file)
+                writer.write_chunk(stored, chunk, tuple(index) + (0,) * tensor.dim(), plan.stacks[stored][1], file)
             )
             writer.start_writeback(records[-1])
             done += tensor.numel() * tensor.element_size()
@@ -239,6 +337,7 @@ class _Export:
     extra_states: list[str]
     files: list[int]
     common: dict[str, Any] | None
+    reads: dict[str, str]  # exported tensor -> the key its data is read from, where not itself
 
 
 def _plan_export(reader: MappedReader, moe_norm: str, max_bytes: int, main: bool) -> _Export:
@@ -247,10 +346,16 @@ def _plan_export(reader: MappedReader, moe_norm: str, max_bytes: int, main: bool
     layout = _layout(cfg, moe_norm)
     args = to_mcore_args(cfg, reader.directory)  # refuses a model it cannot describe, before writing
     keys = reader.keys()
-    targets, stacks = _stack_targets(reader, keys, layout)
-    files = split_by_size([reader.shape(k).numel() * reader.dtype(k).itemsize for k in targets], max_bytes)
-    common = _common_state(reader, keys) if main else None
-    return _Export(layout, cfg, args, targets, stacks, extra_state_keys_of(cfg, layout.per_layer), files, common)
+    reads = _weights_as_main_params(reader, keys)
+    targets, stacks = _stack_targets(reader, keys, layout, reads)
+    step = _optimizer_step(reader, keys)  # refuses steps that differ, on every process
+    files = split_by_size([_nbytes(reader, reads, k) for k in targets], max_bytes)
+    common = None
+    if main:
+        optimizer = step is not None or any(s.startswith(OPTIM_STATE) for s, _ in targets.values())
+        common = _common_state(reader, keys, _optimizer_common(reader, keys, step) if optimizer else None)
+    extra_states = extra_state_keys_of(cfg, layout.per_layer)
+    return _Export(layout, cfg, args, targets, stacks, extra_states, files, common, reads)
 
 
 def export_mcore(
@@ -285,7 +390,7 @@ def export_mcore(
             lambda: _plan_export(reader, moe_norm, max_file_bytes(max_file_size), job.main),
         )
         path = _write(job, reader, plan, os.fspath(dst), overwrite, progress)
-        total = sum(reader.shape(k).numel() * reader.dtype(k).itemsize for k in plan.targets)
+        total = sum(_nbytes(reader, plan.reads, k) for k in plan.targets)
     return McoreExportResult(path=path, tensors=len(plan.targets), bytes=total, seconds=time.perf_counter() - start)
 
 
@@ -303,7 +408,7 @@ def _write(
     names = [f"__0_{k}.distcp" for k in plan.files]
     sizes = [0] * (max(plan.files, default=0) + 1)
     for k, key in zip(plan.files, plan.targets):
-        sizes[k] += reader.shape(key).numel() * reader.dtype(key).itemsize
+        sizes[k] += _nbytes(reader, plan.reads, key)
     mine = set(job.mine(sizes))
     tasks = [(key, name) for k, name, key in zip(plan.files, names, plan.targets) if k in mine]
     last = names[-1] if names else "__0_0.distcp"
@@ -320,7 +425,7 @@ def _write(
         job,
         dst,
         manifest,
-        lambda tmp: (_write_files(tmp, reader, tasks, plan.targets, plan.stacks, objects, progress), None),
+        lambda tmp: (_write_files(tmp, reader, tasks, plan, objects, progress), None),
         overwrite=overwrite,
         sources=(reader.directory,),
         finish=lambda builder, _: _write_mcore_files(builder, plan.args, common),

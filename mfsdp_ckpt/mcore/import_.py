@@ -9,7 +9,11 @@ Engine's FP8 scaling state: refused, naming the key, never silently lost), the m
 (:mod:`~mfsdp_ckpt.mcore.config`) and the keys and shapes against our model's. Then each
 canonical tensor is read as one slice of its stack (:meth:`McoreSource.read_slice`) and appended
 to the checkpoint being built, one at a time; it commits atomically (nothing is left at the
-destination on error). ``world_size`` > 1 lays the result out for that many ranks with the
+destination on error). The optimizer's step, which MCore's distributed optimizer keeps once for all
+parameters in its param groups (``common.pt``'s ``optimizer.optimizer.param_groups[i].step``),
+becomes each parameter's ``optim.<fqn>.step`` (a 0-dim fp32 tensor, as torch's Adam keeps it), and
+param groups that name their parameters (export-mcore's) become ``optim.param_groups`` again
+(:func:`_optimizer_from_common`). ``world_size`` > 1 lays the result out for that many ranks with the
 offline reshard (one file per target rank), from a hidden temporary checkpoint next to it.
 """
 
@@ -24,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
+from mfsdp_ckpt.format.keys import PARAM_GROUPS
 from mfsdp_ckpt.hf.mapping import canonical_shapes
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.layout import (
@@ -80,6 +85,7 @@ class ImportPlan:
     notices: list[str]
     has_optimizer: bool
     model: Any
+    made: dict[str, Any] = field(default_factory=dict)  # entries made from the common state, not read
 
 
 def _plain(value: Any) -> Any:
@@ -289,6 +295,37 @@ def _optimizer_plan(
     return pieces, same_dtype
 
 
+#: the keys export-mcore adds to a param group of ours (MCore's group identifiers, the step)
+_ADDED_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "step")
+
+
+def _optimizer_from_common(directory: str, common: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
+    """The canonical entries the common state's ``optimizer`` (MCore's distributed optimizer's
+    ``state_dict()``) gives for the optimizer state of ``pieces``: ``optim.<fqn>.step`` for every
+    parameter with state, from the one step of the param groups; and ``optim.param_groups`` when
+    every group names its parameters (export-mcore's), without the keys export-mcore added. Takes
+    ``optimizer`` out of ``common`` when the groups went to ``optim.param_groups``. Refuses param
+    groups of different steps (MCore's own loader asserts one)."""
+    outer = common.get("optimizer")
+    groups = outer.get("optimizer", {}).get("param_groups") if isinstance(outer, dict) else None
+    if not pieces or not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return {}
+    steps = {g["step"] for g in groups if "step" in g}
+    if len(steps) > 1:
+        raise ConversionError(
+            f"{directory}/common.pt: 'optimizer' param groups of different steps {sorted(steps)}: MCore "
+            "keeps one step for all parameters"
+        )
+    made: dict[str, Any] = {}
+    for fqn in sorted({p.canonical[len("optim.") :].rsplit(".", 1)[0] for p in pieces}):
+        for step in steps:
+            made[f"optim.{fqn}.step"] = torch.tensor(float(step), dtype=torch.float32)
+    if all(isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"]) for g in groups):
+        made[PARAM_GROUPS] = [{k: v for k, v in g.items() if k not in _ADDED_GROUP_KEYS} for g in groups]
+        del common["optimizer"]
+    return made
+
+
 def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
     """Classify every stored entry, infer and check the model shape, and map the keys (see the
     module docstring); reads only small objects (``_extra_state``, common state), no tensor data.
@@ -322,15 +359,9 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
             f"left out {len(same_dtype)} '{OPTIM_STATE}param.*' entries ({same_dtype[0]}, ...): main params "
             "of the weights' own dtype (a canonical checkpoint stores the weights once)"
         )
-    return ImportPlan(
-        cfg,
-        assumed,
-        pieces + optim_pieces,
-        {k: _plain(v) for k, v in source.common.items()},
-        notices,
-        bool(optim_pieces),
-        model,
-    )
+    common = {k: _plain(v) for k, v in source.common.items()}
+    made = _optimizer_from_common(source.directory, common, optim_pieces)
+    return ImportPlan(cfg, assumed, pieces + optim_pieces, common, notices, bool(optim_pieces), model, made)
 
 
 def _write(
@@ -361,6 +392,11 @@ def _write(
             spare = tensor
             if progress is not None:
                 progress(done, total)
+        for key, value in plan.made.items():
+            if isinstance(value, torch.Tensor):
+                builder.add_tensor(key, value)
+            else:
+                builder.add_object(key, value)
         for name, value in sorted(plan.common.items()):
             builder.add_object(f"extra.{name}", value)
         return builder.commit(), total

@@ -127,14 +127,44 @@ def _tokens():
     return torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(TOKENS_SEED))
 
 
+def _distributed_optimizer_request(model, request) -> dict:
+    """What MCore's distributed optimizer asks ``dist_checkpointing.load`` for with sharding type
+    ``fully_reshardable`` (``DistributedOptimizer.sharded_param_state_fully_reshardable`` with
+    ``is_loading``): per parameter, its model ``ShardedTensor`` (or factory) found by identity,
+    renamed ``optimizer.state.<state>.<key>``, fp32, for ``param`` (the main params),
+    ``exp_avg``, ``exp_avg_sq``; keyed here by parameter name. (The optimizer itself cannot be
+    built on CPU: its constructor asserts CUDA tensors.)"""
+    from dataclasses import replace
+
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(request)
+    by_data = {id(sh.data): sh for sh in nested_values(tensors)}
+    state = {}
+    for name, param in model.named_parameters():
+        sh = by_data[id(param)]
+        state[name] = {}
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            kwargs = dict(key=f"optimizer.state.{kind}.{sh.key}", data=torch.empty_like(param, dtype=torch.float32))
+            if not isinstance(sh, ShardedTensorFactory):
+                kwargs["dtype"] = torch.float32
+            state[name][kind] = replace(sh, **kwargs)
+    return {"param_state": state}
+
+
 def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
     """Run in a process of its own (MCore on CPU patches ``torch.cuda`` and starts a gloo group);
     for each ``(config, mcore_dir, out)``: build a fresh MCore ``GPTModel`` of ``config`` as the
     trainer builds it (local spec, EP 1, seed FRESH_SEED), load ``mcore_dir`` into it with
-    ``megatron.core.dist_checkpointing.load``, the model's sharded state under ``"model"`` as
-    Megatron-LM's trainer asks for it (mismatched keys returned, not ignored), then
+    ``megatron.core.dist_checkpointing.load``, the model's sharded state under ``"model"`` and the
+    distributed optimizer's under ``"optimizer"`` (:func:`_distributed_optimizer_request`) as
+    Megatron-LM's trainer asks for them (mismatched keys returned, not ignored), then
     ``load_state_dict(strict=True)``; save to ``out`` the fp32 logits before and after the load,
-    the keys asked for, the mismatches and the common state's keys."""
+    the keys asked for, the mismatches, the common state's keys, the loaded optimizer tensors by
+    parameter name, and the optimizer's common state (sharding type, param groups)."""
     import argparse
 
     import torch
@@ -153,8 +183,10 @@ def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
             before = mcore.forward(model, tokens)[0]
         request = model.sharded_state_dict()
         asked = {v.key: isinstance(v, ShardedObject) for v in nested_values(request) if hasattr(v, "key")}
+        optimizer = _distributed_optimizer_request(model, request)
+        ours = mcore.canonical_names(model)  # MCore's parameter names -> the trainer's checkpoint names
         state, missing, unexpected = dist_checkpointing.load(
-            {"model": request}, mcore_dir, strict=StrictHandling.RETURN_ALL
+            {"model": request, "optimizer": optimizer}, mcore_dir, strict=StrictHandling.RETURN_ALL
         )
         model.load_state_dict(state["model"], strict=True)
         with torch.no_grad():
@@ -167,6 +199,9 @@ def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
                 "missing": sorted(missing),
                 "unexpected": sorted(unexpected),
                 "common": sorted(k for k in state if k != "model"),
+                "optimizer": {ours[n]: v for n, v in state["optimizer"]["param_state"].items()},
+                "sharding_type": state["optimizer"].get("param_state_sharding_type"),
+                "param_groups": state["optimizer"].get("optimizer", {}).get("param_groups"),
                 "tensors": sorted(k for k, obj in asked.items() if not obj),
                 "objects": sorted(k for k, obj in asked.items() if obj),
             },
@@ -229,9 +264,12 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     """The trainer's checkpoint of a genuine MCore ``GPTModel`` (dense: 1 rank; MoE: 2 ranks with EP
     2; tied embeddings), through the CLI: ``export-mcore`` output loaded by MCore's own
     ``dist_checkpointing.load`` into a freshly built ``GPTModel`` (every key MCore asks for is
-    there; the checkpoint holds nothing else but the AdamW state of those tensors), whose logits
-    equal those of ``transformers`` (fp32) on ``export-hf`` of the same checkpoint within
-    LOGIT_RTOL of the largest logit."""
+    there, and so is every optimizer tensor MCore's distributed optimizer asks for with sharding
+    type ``fully_reshardable``; the checkpoint holds nothing else), whose logits equal those of
+    ``transformers`` (fp32) on ``export-hf`` of the same checkpoint within LOGIT_RTOL of the
+    largest logit. The optimizer state MCore loaded is the trained checkpoint's, bit for bit (the
+    main params: the fp32 weights), and its common state is what the distributed optimizer's
+    loader reads: the sharding type, and one step in param groups carrying MCore's group keys."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -244,14 +282,9 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     if KINDS[kind][2]:
         experts = {"decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.router.weight"}
         assert experts <= set(got["tensors"]), got["tensors"]
-    states: dict[str, set[str]] = {}  # what the checkpoint holds that MCore did not ask for: AdamW state alone
-    for key in got["missing"]:
-        assert key.startswith("optimizer.state."), key  # no model entry left unasked for
-        state, _, tensor = key[len("optimizer.state.") :].partition(".")
-        states.setdefault(state, set()).add(tensor)
-    assert {"exp_avg", "exp_avg_sq"} <= set(states), sorted(states)
-    assert all(tensors == set(got["tensors"]) for tensors in states.values()), states
-    assert got["common"] == ["data_position", "iteration", "step"], got["common"]
+    assert got["missing"] == [], got["missing"]  # the model's and the optimizer's state: nothing unasked for
+    assert got["common"] == ["data_position", "iteration", "optimizer", "step"], got["common"]
+    _check_optimizer_loaded_by_megatron(got, str(d / "ckpt" / "step_000002"))
 
     hf = AutoModelForCausalLM.from_pretrained(str(d / "hf"), dtype=torch.float32).eval()
     assert hf.config.tie_word_embeddings and all(p.dtype == torch.float32 for p in hf.parameters())
@@ -267,6 +300,28 @@ def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transfo
     )
     assert rel <= LOGIT_RTOL, rel
     assert moved > 1e-2, moved  # the load replaced the fresh model's weights: the trained ones are compared
+
+
+def _check_optimizer_loaded_by_megatron(got: dict, ckpt: str) -> None:
+    """What MCore loaded for its distributed optimizer (``got``: see :func:`_megatron_load_and_logits`)
+    against the trained checkpoint ``ckpt`` (by the trainer's names of the parameters): every
+    parameter's ``exp_avg`` / ``exp_avg_sq`` bitwise equal to ours, its ``param`` equal to our
+    fp32 weights; the sharding type and one step (2) in param groups carrying MCore's
+    ``param_group_identifier_keys``."""
+    import torch
+
+    from mfsdp_ckpt.read.mapped import MappedReader
+
+    identifiers = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")  # MCore 0.16.1's
+    assert got["sharding_type"] == "fully_reshardable", got["sharding_type"]
+    assert {g["step"] for g in got["param_groups"]} == {2}, got["param_groups"]
+    assert all(k in g for g in got["param_groups"] for k in identifiers), got["param_groups"]
+    with MappedReader(ckpt) as ours:
+        for fqn, states in got["optimizer"].items():
+            assert torch.equal(states["param"], ours.read(f"model.{fqn}")), fqn
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(states[kind], ours.read(f"optim.{fqn}.{kind}")), (fqn, kind)
+        assert len(got["optimizer"]) == len([k for k in ours.keys() if k.endswith(".exp_avg")])
 
 
 @pytest.mark.parametrize(
