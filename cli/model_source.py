@@ -37,7 +37,7 @@ from mfsdp_core.models.moe import set_aux_loss_group, update_expert_bias
 from .hf_source import HFSource
 from .mcore_source import McoreSource
 from .model_base import ModelSource
-from .train_args import DEFAULT_PRESET
+from .train_args import DEFAULT_PRESET, MODEL_FLAGS
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -48,15 +48,6 @@ __all__ = [
     "preset_name",
     "MODEL_FLAGS",
 ]
-
-
-#: the flags that name a model, each excluding the others (argparse attribute -> flag)
-MODEL_FLAGS = {
-    "model": "--model",
-    "model_config": "--model-config",
-    "hf_model": "--hf-model",
-    "mcore_config": "--mcore-config",
-}
 
 
 class GPTSource(ModelSource):
@@ -135,14 +126,13 @@ _FAMILIES: dict[str, type[ModelSource]] = {MFSDP_GPT: GPTSource, MEGATRON_CORE: 
 
 
 def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) -> ModelSource:
-    """The model of the run: the one flag of :data:`MODEL_FLAGS` given, else the model the start
+    """The model of the run: the flag of :data:`MODEL_FLAGS` given (``check_flags`` refused
+    several), else the model the start
     checkpoint records (``start_from``: ``(flag, checkpoint)``), else the ``tiny`` preset.
     ValueError: one line naming the flag (and file) at fault."""
     given = [
         (flag, getattr(args, attr, None)) for attr, flag in MODEL_FLAGS.items() if getattr(args, attr, None) is not None
     ]
-    if len(given) > 1:
-        raise ValueError(f"{' and '.join(f for f, _ in given)} exclude each other (name the model one way)")
     if given:
         flag, value = given[0]
         if flag == "--mcore-config":
@@ -155,7 +145,8 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     flag, path = start_from
     try:
         resolved = mfsdp_ckpt.resolve_checkpoint(path)
-        record = model_source_of(read_manifest(resolved))
+        manifest = read_manifest(resolved)
+        record = model_source_of(manifest)
     except mfsdp_ckpt.CheckpointError as e:
         raise ValueError(f"{flag}: {e}") from None
     if record is None:
@@ -165,7 +156,25 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     family = _FAMILIES.get(record.get("kind"))
     if family is None:
         raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")
-    return family.from_record(record, f"{flag}: {resolved}")
+    source = family.from_record(record, f"{flag}: {resolved}")
+    if source.name == "custom":
+        source.name = recorded_name(manifest, resolved)
+    return source
+
+
+def recorded_name(manifest: dict[str, Any], path: str) -> str:
+    """The name of the model a checkpoint records, for a config that is no preset: the name the
+    run that wrote it used (``run_config.settings.model_name``), else the architecture ``import-hf``
+    converted, else the checkpoint's own."""
+    run = manifest.get("run_config")
+    settings = run.get("settings") if isinstance(run, dict) else None
+    name = settings.get("model_name") if isinstance(settings, dict) else None
+    if isinstance(name, str) and name:
+        return name
+    hf = manifest.get("hf")
+    if isinstance(hf, dict) and isinstance(hf.get("architecture"), str):
+        return f"{hf['architecture']} (imported from {manifest.get('converted_from') or 'Hugging Face'})"
+    return f"the model of {path}"
 
 
 def preset_name(config: GPTConfig) -> str | None:

@@ -10,6 +10,7 @@ rate after a restart, say)."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from .train_config import resolved_settings
@@ -23,6 +24,7 @@ __all__ = [
     "changed_settings",
     "start_checkpoint",
     "recorded_settings",
+    "local_missing",
 ]
 
 LATEST = "<ckpt-dir>/latest"  # --resume without a path
@@ -61,7 +63,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)."""
     from mfsdp_core.data import describe_token_file  # (torch: this module is imported by the light parser)
 
-    out: dict[str, Any] = {SETTINGS_KEY: resolved_settings(args)}
+    # ``model_name``: what a run started from this checkpoint calls the model (not a flag: no default)
+    out: dict[str, Any] = {SETTINGS_KEY: {**resolved_settings(args), "model_name": args.model}}
     for flag, attr in RECORDED_FLAGS.items():
         if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
             out[flag] = describe_token_file(args.data, args.data_dtype) if args.data else "synthetic"
@@ -117,21 +120,32 @@ def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
     return ("--resume", args.resume) if args.resume else None
 
 
-def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Every setting (``settings``) the checkpoint that ``--resume`` names recorded; none for a
-    fresh run, or when it cannot be read (the trainer's checks then say why). Imports the
-    checkpoint layer, so only a resumed run pays for it."""
+def local_missing(path: str) -> bool:
+    """Whether ``path`` is a local path where nothing exists (known without the checkpoint layer)."""
+    local = "://" not in path or path.startswith("file://")
+    return local and not os.path.lexists(path.removeprefix("file://"))
+
+
+def recorded_settings(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """``(manifest path, settings)``: every setting the checkpoint that ``--resume`` names recorded;
+    ``(None, {})`` for a fresh run, or when it cannot be read (the trainer's checks then say why).
+    Imports the checkpoint layer, so only a resumed run pays for it (and not for a local path that
+    does not exist)."""
     if not args.resume or (args.resume in (LATEST, AUTO) and not args.ckpt_dir):
-        return {}
+        return None, {}
+    if local_missing(args.ckpt_dir if args.resume in (LATEST, AUTO) else args.resume):
+        return None, {}
     import mfsdp_ckpt
-    from mfsdp_ckpt.read.manifest import read_manifest
+    from mfsdp_ckpt.read.manifest import MANIFEST_NAME, read_manifest
+    from mfsdp_ckpt.storage import fs as mfsdp_fs
 
     try:
         start = start_checkpoint(args)
         if start is None:
-            return {}
-        saved = read_manifest(mfsdp_ckpt.resolve_checkpoint(start[1])).get("run_config") or {}
+            return None, {}
+        path = mfsdp_ckpt.resolve_checkpoint(start[1])
+        saved = read_manifest(path).get("run_config") or {}
     except (mfsdp_ckpt.CheckpointError, OSError, ValueError):
-        return {}
+        return None, {}
     settings = saved.get(SETTINGS_KEY) if isinstance(saved, dict) else None
-    return dict(settings) if isinstance(settings, dict) else {}
+    return mfsdp_fs.join(path, MANIFEST_NAME), dict(settings) if isinstance(settings, dict) else {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .train_args import build_parser, parse_args
+from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of
 from .train_launch import launch, launched_by_us
 
 __all__ = ["main", "parse_args", "build_parser", "EXIT_INTERRUPTED"]
@@ -44,7 +44,15 @@ def _main(argv: list[str]) -> int:
         if "RANK" in os.environ:
             print("error: --nproc-per-node: this process is already a rank of a torchrun job", file=sys.stderr)
             return 2
+        try:  # what the flags decide alone is refused here, before any rank starts (and imports torch)
+            check_flags(args, world_size_of(args))
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
         return launch(args, __spec__.name if __spec__ else "mfsdp_cli.train", argv)
+    from .quiet import quiet_third_party
+
+    quiet_third_party(args.verbose)  # a rank prints our lines only (--verbose: the libraries' too)
     from .trainer import run  # torch, the runtime and the checkpoint layer: only a rank needs them
 
     return run(args)

@@ -17,9 +17,10 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from .run_config import AUTO, LATEST, recorded_settings
+from .run_config import AUTO, LATEST, allowed_changes, local_missing, recorded_settings
 from .train_config import NOT_CARRIED, ConfigError, config_argv
 from .train_launch import add_launch_arguments
+from .train_tensorboard import tensorboard_missing
 
 __all__ = [
     "UsageError",
@@ -32,16 +33,29 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "DEFAULT_POLICY",
     "TOKEN_DTYPE_NAMES",
+    "MODEL_FLAGS",
+    "check_flags",
+    "check_local_writable",
+    "world_size_of",
 ]
 
 #: ``mfsdp_core.models.gpt.PRESETS``, ``mfsdp_core.strategy.STRATEGY_NAMES``, ``mfsdp_core.plan``'s
-#: defaults and ``mfsdp_core.data.TOKEN_DTYPES`` by name (tests/cli/test_train_flows.py checks them)
+#: defaults, ``mfsdp_core.data.TOKEN_DTYPES`` and a checkpoint's own files by name
+#: (tests/cli/test_train_flows.py checks them)
 PRESET_NAMES = ("tiny", "tiny-moe", "llama-like-small", "qwen3-like-small", "mixtral-like-small", "tiny-deepseek")
 DEFAULT_PRESET = "tiny"
 STRATEGY_NAMES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DEFAULT_STRATEGY = "optim_grads_params"
 DEFAULT_POLICY = "even"
 TOKEN_DTYPE_NAMES = ("uint16", "uint32")
+CHECKPOINT_FILES = ("mfsdp.json", ".metadata")  # mfsdp_ckpt's MANIFEST_NAME and METADATA_NAME
+#: the flags that name a model, each excluding the others (argparse attribute -> flag)
+MODEL_FLAGS = {
+    "model": "--model",
+    "model_config": "--model-config",
+    "hf_model": "--hf-model",
+    "mcore_config": "--mcore-config",
+}
 
 
 class UsageError(Exception):
@@ -347,7 +361,8 @@ DESTINATION = frozenset({"save_every", "keep", "async_save"})
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The run's settings: the command line over the ``--config`` file over what a resumed
-    checkpoint recorded over the defaults (:mod:`cli.train_config`)."""
+    checkpoint recorded over the defaults (:mod:`cli.train_config`). ``args._recorded_in`` is
+    ``(manifest path, the attributes taken from it)``: what a refusal names as recorded."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     first = parser.parse_args(argv)
@@ -358,23 +373,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ConfigError as e:
             parser.error(str(e))
     args = parser.parse_args([*words, *argv])
-    saved = _recorded_defaults(args, parser)
+    where, saved = _recorded_defaults(args, parser)
     if saved:
         parser.set_defaults(**saved)
         args = parser.parse_args([*words, *argv])
+    args._recorded_in = (where, set(saved) - given_flags(argv, words))
     return args
 
 
-def _recorded_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The settings the checkpoint that ``--resume`` names recorded, as this run's defaults: those
-    of one invocation (``NOT_CARRIED``) apart, and those of where checkpoints go (``DESTINATION``)
-    apart unless this run has a ``--ckpt-dir`` (a resume from a path alone saves nothing)."""
-    if not args.resume or (args.resume in (_LATEST, _AUTO) and not args.ckpt_dir):
-        return {}
-    settings = recorded_settings(args)  # reads the manifest (imports the checkpoint layer)
+def _recorded_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str | None, dict[str, Any]]:
+    """The settings the checkpoint that ``--resume`` names recorded, as this run's defaults (and the
+    manifest they come from): those of one invocation (``NOT_CARRIED``) apart, and those of where
+    checkpoints go (``DESTINATION``) apart unless this run has a ``--ckpt-dir`` (a resume from a
+    path alone saves nothing)."""
+    where, settings = recorded_settings(args)  # reads the manifest (imports the checkpoint layer)
     known = {a.dest for a in parser._actions}
     skipped = NOT_CARRIED if args.ckpt_dir else NOT_CARRIED | DESTINATION
-    return {k: v for k, v in settings.items() if k in known and k not in skipped}
+    return where, {k: v for k, v in settings.items() if k in known and k not in skipped}
 
 
 _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -384,3 +399,133 @@ def _compute_dtype(name: str) -> str:
     if name not in _DTYPE_NAMES:
         raise argparse.ArgumentTypeError(f"{name!r}: one of fp32, bf16 (or float32, bfloat16)")
     return _DTYPE_NAMES[name]
+
+
+def given_flags(argv: list[str], words: list[str]) -> set[str]:
+    """The attributes the command line or the ``--config`` file set (``words``: the file's, as
+    command-line words): what a refusal may name as the user's own."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_args([*words, *argv])))
+    except SystemExit:  # not reached: the same words parsed before
+        return set()
+
+
+def shown(args: argparse.Namespace, dest: str, flag: str) -> str:
+    """``--flag VALUE`` as a refusal names it, with the file that recorded it when the value is the
+    resumed checkpoint's, not the user's (``args._recorded_in``, set by :func:`parse_args`)."""
+    text = f"{flag} {getattr(args, dest)}"
+    recorded_in, recorded = getattr(args, "_recorded_in", (None, set()))
+    return f"{text} (recorded in {recorded_in})" if dest in recorded else text
+
+
+def world_size_of(args: argparse.Namespace) -> int | None:
+    """The world size the launcher will start: ``--nproc-per-node`` x ``--nnodes`` when both are
+    plain numbers (an elastic ``MIN:MAX`` leaves it to the rendezvous: None)."""
+    nnodes = args.nnodes or "1"
+    if args.nproc_per_node is None or not nnodes.isdigit():
+        return None
+    return args.nproc_per_node * int(nnodes)
+
+
+def check_flags(args: argparse.Namespace, world: int | None) -> None:
+    """Refuse (:class:`UsageError`, one line) what the flags decide alone, with the local files they
+    name: the launcher calls it before any rank starts (``world`` None when it cannot know it), each
+    rank again first thing (``cli.trainer.check_args``), so one rule decides both. The model-
+    dependent rules (the expert count, the model's sequence length) are the ranks'."""
+    _check_destination(args)
+    _check_start(args)
+    if world is not None:
+        _check_layout(args, world)
+    if args.hfsdp and args.dp_replicate == 1:
+        raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
+    try:
+        allowed_changes(args.allow_change)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.allow_change and not args.resume:
+        raise UsageError("--allow-change is for --resume (a fresh run has nothing to compare with)")
+    if args.tensorboard:  # the package, and a directory the events can go to
+        check_local_writable(args.tensorboard, "--tensorboard")
+        if (missing := tensorboard_missing()) is not None:
+            raise UsageError(missing)
+
+
+def _check_destination(args: argparse.Namespace) -> None:
+    """Where checkpoints go: what needs a ``--ckpt-dir``, and a local one that can be written."""
+    if not args.ckpt_dir:
+        if args.resume in (_LATEST, _AUTO):
+            what = "--resume auto" if args.resume == _AUTO else "--resume without a checkpoint path"
+            raise UsageError(f"{what} needs --ckpt-dir (it resumes from <ckpt-dir>/latest), or name one: --resume CKPT")
+        for dest, flag in (("save_every", "--save-every"), ("keep", "--keep"), ("async_save", "--async-save")):
+            if getattr(args, dest):
+                named = flag if dest == "async_save" else shown(args, dest, flag)
+                raise UsageError(f"{named} needs --ckpt-dir (without one the run saves nothing)")
+        return
+    if "://" not in args.ckpt_dir or args.ckpt_dir.startswith("file://"):
+        check_local_writable(args.ckpt_dir.removeprefix("file://"), "--ckpt-dir")
+
+
+def check_local_writable(path: str, flag: str) -> None:
+    """Refuse unless the local ``path`` is, or could be created as, a directory this process may
+    write (creating nothing: a refused run leaves no directory behind)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {probe} is not writable")
+
+
+def _check_start(args: argparse.Namespace) -> None:
+    """What the run starts from: one way of naming the model, one of ``--resume`` and
+    ``--init-from``, and a local checkpoint path that exists."""
+    given = [flag for dest, flag in MODEL_FLAGS.items() if getattr(args, dest, None) is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} exclude each other (name the model one way)")
+    if args.resume and args.init_from:
+        raise UsageError(
+            "--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)"
+        )
+    for flag, path in (("--resume", args.resume), ("--init-from", args.init_from)):
+        if path and path not in (_LATEST, _AUTO) and local_missing(path):
+            raise UsageError(f"{flag}: {os.path.abspath(path)}: no such checkpoint")
+        if path and path not in (_LATEST, _AUTO) and _hf_model_dir(path):
+            raise UsageError(
+                f"{flag} {path}: a Hugging Face model directory (config.json, *.safetensors), not a checkpoint; "
+                f"train it with --hf-model {path}, or make a checkpoint of it with 'mfsdp-ckpt import-hf {path} OUT'"
+            )
+    if args.resume == _LATEST and args.ckpt_dir and local_missing(args.ckpt_dir):
+        raise UsageError(f"--resume: no checkpoint to resume from (--ckpt-dir {args.ckpt_dir} does not exist)")
+
+
+def _check_layout(args: argparse.Namespace, world: int) -> None:
+    """The numbers that must divide the world size: ``--ep``, ``--dp-replicate`` and the batch."""
+    if args.ep < 1 or world % args.ep:
+        what = f"must be >= 1, got {args.ep}" if args.ep < 1 else f"does not divide the world size {world}"
+        raise UsageError(f"--ep {args.ep}: EP size {args.ep} {what}")
+    if args.dp_replicate < 1:
+        raise UsageError(f"--dp-replicate {args.dp_replicate}: the replica count must be >= 1")
+    if world % args.dp_replicate:
+        raise UsageError(
+            f"--dp-replicate {args.dp_replicate}: {args.dp_replicate} replicas do not divide the world size {world}"
+        )
+    if args.micro_batches < 1 or args.batch_size % (world * args.micro_batches):
+        raise UsageError(
+            f"{shown(args, 'batch_size', '--batch-size')} must be a multiple of world size x --micro-batches "
+            f"({world} x {args.micro_batches})"
+        )
+
+
+def _hf_model_dir(path: str) -> bool:
+    """Whether the local ``path`` is a Hugging Face model directory rather than a checkpoint: a
+    ``config.json`` beside ``*.safetensors`` files and no manifest (``mfsdp.json``) or ``.metadata``."""
+    try:
+        names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    except OSError:
+        return False
+    checkpoint = set(CHECKPOINT_FILES) & names
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names) and not checkpoint

@@ -56,7 +56,7 @@ from mfsdp_core import (
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import SyntheticText, TokenFile
 from mfsdp_core.expert_parallel import init_expert_mesh
-from mfsdp_core.hsdp import check_replicas, hsdp_groups, hsdp_placement
+from mfsdp_core.hsdp import hsdp_groups, hsdp_placement
 from mfsdp_core.layout import parse_policy
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
@@ -67,16 +67,18 @@ from .common import _human
 from .model_base import ModelSource
 from .model_source import source_of_run
 from .run_config import allowed_changes, changed_settings, run_config, start_checkpoint
-from .train_args import _AUTO, _LATEST, UsageError
+from .train_args import _AUTO, _LATEST, UsageError, check_flags
 from .train_launch import launched_by_us
 from .train_signals import EXIT_CODES, StopRequests, stop_signal
+from .train_tensorboard import TensorBoard, open_tensorboard
 
 
 def check_args(args: argparse.Namespace, world: int) -> ModelSource:
-    """Validate flags before anything is built; returns the model source (``args.model`` becomes its
-    name: the preset's, the config file's, the model class's, or ``custom``)."""
-    if (args.resume in (_LATEST, _AUTO) or args.save_every) and not args.ckpt_dir:
-        raise UsageError("--resume without a checkpoint path (or 'auto'), and --save-every, need --ckpt-dir")
+    """Validate flags before anything is built: what the flags decide alone
+    (:func:`cli.train_args.check_flags`, the launcher's pre-flight too), then what needs the model;
+    returns the model source (``args.model`` becomes its name: the preset's, the config file's, the
+    model class's, or the one the start checkpoint records)."""
+    check_flags(args, world)
     try:
         source = source_of_run(args, start_checkpoint(args))
         args.model = source.name
@@ -88,55 +90,18 @@ def check_args(args: argparse.Namespace, world: int) -> ModelSource:
         source.check_parallel(world, args.ep)
     except ValueError as e:
         raise UsageError(f"--ep {args.ep}: {e}") from None
-    try:
-        check_replicas(world, args.dp_replicate)
-    except ValueError as e:
-        raise UsageError(f"--dp-replicate {args.dp_replicate}: {e}") from None
-    if args.hfsdp and args.dp_replicate == 1:
-        raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
     if args.comm_stream and not torch.cuda.is_available():
         raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
-    if args.batch_size % (world * args.micro_batches):
-        raise UsageError(
-            f"--batch-size {args.batch_size} must be a multiple of world size x --micro-batches ({world} x {args.micro_batches})"
-        )
     if source.seq_length is not None and args.seq_len > source.seq_length:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {source.seq_length}")
     if args.data:
         open_data(args, source)  # a missing, misshapen or too short file fails now
-    try:
-        allowed_changes(args.allow_change)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.allow_change and not args.resume:
-        raise UsageError("--allow-change is for --resume (a fresh run has nothing to compare with)")
-    if args.async_save and not args.ckpt_dir:
-        raise UsageError("--async-save needs --ckpt-dir")
-    if args.resume and args.init_from:
-        raise UsageError(
-            "--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)"
-        )
-    if args.ckpt_dir:  # fail now, not at the first save after hours of training
-        check_writable_dir(args.ckpt_dir, "--ckpt-dir")
-    return source
-
-
-def check_writable_dir(path: str, flag: str) -> None:
-    """Raise unless ``path`` is, or could be created as, a directory this process may write. An
-    object-store URL: its bucket exists and a probe object can be written and deleted there."""
-    if not mfsdp_fs.is_local(path):
+    if args.ckpt_dir and not mfsdp_fs.is_local(args.ckpt_dir):  # fail now, not at the first save
         try:
-            check_writable_prefix(path)
+            check_writable_prefix(args.ckpt_dir)
         except mfsdp_ckpt.CheckpointError as e:
-            raise UsageError(f"{flag} {e}") from None
-        return
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise UsageError(f"{flag} {path}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: {probe} is not writable")
+            raise UsageError(f"--ckpt-dir {e}") from None
+    return source
 
 
 def open_data(args: argparse.Namespace, source: ModelSource) -> SyntheticText | TokenFile:
@@ -278,24 +243,28 @@ def memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def refuse_held_dir(args: argparse.Namespace) -> None:
+    """Rank 0, before anything is built: refuse a ``--ckpt-dir`` that already holds a run unless it
+    is resumed (starting again at step 0 would move ``latest`` back and replace equal step
+    numbers). Creates nothing."""
+    if args.ckpt_dir and not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
+        _refuse_held(args)
+
+
 def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
-    """Rank 0, for the whole run: hold the writer lock of ``--ckpt-dir`` (a second job writing
-    there is refused), and refuse a directory that already holds a run unless it is resumed
-    (starting again at step 0 would move ``latest`` back and replace equal step numbers). An
-    object store has no lock: one job per prefix is the user's responsibility."""
-    if not args.ckpt_dir:
-        return
-    if not mfsdp_fs.is_local(args.ckpt_dir):
-        if not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
-            _refuse_held(args)
+    """Rank 0, once the run is accepted (its start checkpoint checked, the model built and loaded)
+    and for the rest of it: hold the writer lock of ``--ckpt-dir``, creating it (a second job
+    writing there is refused), and check again under the lock that it holds no other run. A
+    refusal before this point leaves no directory behind. An object store has no lock: one job per
+    prefix is the user's responsibility."""
+    if not args.ckpt_dir or not mfsdp_fs.is_local(args.ckpt_dir):
         return
     try:
         run.enter_context(mfsdp_ckpt.run_lock(args.ckpt_dir))
     except mfsdp_ckpt.CheckpointError as e:
         raise UsageError(f"--ckpt-dir: {e}") from None
-    if args.resume:
-        return
-    _refuse_held(args)
+    if not args.resume:
+        _refuse_held(args)
 
 
 def _refuse_held(args: argparse.Namespace) -> None:
@@ -313,9 +282,14 @@ def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, 
         args.resume = rank0_decides(resolve_auto_resume, args)
         if rank == 0 and args.resume is None:
             print(f"--resume auto: no checkpoint in {args.ckpt_dir}, starting fresh", flush=True)
-    with contextlib.ExitStack() as run:
-        rank0_decides(claim_run_dir, args, run)
-        return _train(args, source, rank, world, stops)
+    rank0_decides(refuse_held_dir, args)
+    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
+    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
+    if args.resume:
+        args.resume = rank0_decides(resume_point, args, source)
+    if args.init_from:
+        args.init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from")
+    return _train(args, source, rank, world, stops)
 
 
 def _start(
@@ -351,18 +325,30 @@ def _start(
 
 
 def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
-    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
-    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
-    if args.resume:
-        args.resume = rank0_decides(resume_point, args, source)
-    if args.init_from:
-        args.init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from")
+    """Build, load and train (the start checkpoint already checked); the exit code."""
     if args.mxfp8:
         prepare_native_kernel(rank)
     model, optim = build(source, args)
     device = next(model.parameters()).device
     data = open_data(args, source)
     step, position = _start(args, source, model, optim, rank, world)
+    with contextlib.ExitStack() as run:
+        rank0_decides(claim_run_dir, args, run)
+        return _loop(args, source, rank, world, stops, (model, optim, data, device), step, position)
+
+
+def _loop(
+    args: argparse.Namespace,
+    source: ModelSource,
+    rank: int,
+    world: int,
+    stops: StopRequests,
+    built: tuple[torch.nn.Module, Any, SyntheticText | TokenFile, torch.device],
+    step: int,
+    position: int,
+) -> int:
+    """The accepted run, from ``step``: its header, the steps, the saves, its last line."""
+    model, optim, data, device = built
     if rank == 0:
         for line in run_header(args, source, world):
             print(line, flush=True)
@@ -370,6 +356,9 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int,
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if args.async_save else None
     loop = _Loop(args, source, rank, world, model, optim, data, device, bar, saving, stops)
+    loop.tb = open_tensorboard(args, rank, step)  # --tensorboard: rank 0's curves (None elsewhere)
+    if saving is not None:
+        saving.tb = loop.tb
     try:
         done, stopped_by = loop.run(step, position, last)
         if saving is not None:
@@ -377,6 +366,8 @@ def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int,
     finally:
         if saving is not None:
             saving.wait()  # on an error: let the save in flight end before the process group goes
+        if loop.tb is not None:
+            loop.tb.close()
     if bar is not None:
         bar.close()
     if rank == 0:
@@ -411,26 +402,29 @@ def run_header(args: argparse.Namespace, source: ModelSource, world: int) -> lis
         f"data {args.data or 'synthetic'}, batch {args.batch_size} x {args.seq_len} tokens"
         f"{f' in {args.micro_batches} micro-batches' if args.micro_batches > 1 else ''}, {args.steps} steps, "
         f"seed {args.seed}",
+        _checkpoint_line(args),
     ]
 
 
+def _checkpoint_line(args: argparse.Namespace) -> str:
+    """Where the run saves: said once, so that a run without ``--ckpt-dir`` (a resume from a path,
+    say) does not look as if it saved."""
+    if not args.ckpt_dir:
+        return "checkpoints: none (no --ckpt-dir: this run saves nothing)"
+    every = f"every {args.save_every} steps and at the end" if args.save_every else "at the end"
+    keep = f", keeping the newest {args.keep}" if args.keep else ""
+    return f"checkpoints: {args.ckpt_dir}, {every}{keep}{' (async)' if args.async_save else ''}"
+
+
 def prepare_native_kernel(rank: int) -> None:
-    """Build (or load) the native MXFP8 cast kernel now, saying so when it is built: a first build
-    takes about a minute, which the first step would otherwise spend in silence."""
+    """Build (or load) the native MXFP8 cast kernel now rather than in the first step: a build (first
+    use, or the sources or flags changed since the cached one) takes about a minute, and
+    ``mx_native`` says so on stderr whenever one runs, from the process that runs it."""
     from mfsdp_core import mx_native
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = mx_native.build_dir(device)
-    built = any(out.glob("*.so")) if out.is_dir() else False
-    start = time.perf_counter()
-    if rank == 0 and not built:
-        print(f"building the native MXFP8 kernel (once per machine, about a minute) in {out}", flush=True)
-    module = mx_native.load(device)
-    if rank == 0 and not built:
-        if module is None:
-            print(f"native MXFP8 kernel unavailable: {mx_native.unavailable_reason(device)}", flush=True)
-        else:
-            print(f"built the native MXFP8 kernel in {time.perf_counter() - start:.0f} s", flush=True)
+    if mx_native.load(device) is None and rank == 0:
+        print(f"native MXFP8 kernel unavailable: {mx_native.unavailable_reason(device)}", flush=True)
 
 
 def last_checkpoint(args: argparse.Namespace) -> str:
@@ -470,6 +464,8 @@ class _Loop:
     """The training loop over ``[step, last)``: each step, its log line, its save, and the stop
     the ranks agree on after a step when one of them was signalled."""
 
+    tb: TensorBoard | None = None  # --tensorboard's writer (rank 0)
+
     def __init__(
         self,
         args: argparse.Namespace,
@@ -498,9 +494,12 @@ class _Loop:
             start = time.perf_counter()
             lr = lr_at(step, args)
             position, mean_loss, grad_norm, stop = self.step(step, position, lr)
-            self.window.add(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.window.add(seconds)
             if self.rank == 0:
                 _report(args, self.bar, step, last, mean_loss, lr, grad_norm, self.window)
+            if self.tb is not None:
+                self.tb.step(step, mean_loss, lr, grad_norm, seconds)
             if self.saving is not None:
                 self.saving.poll()
             due = args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last)
@@ -540,6 +539,7 @@ class _Loop:
         """Checkpoint ``step`` into ``--ckpt-dir`` (in the background under ``--async-save``)."""
         args, source = self.args, self.source
         save = _timed_save if self.saving is None else self.saving.start
+        started = time.perf_counter()
         try:
             line = save(
                 mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
@@ -557,6 +557,8 @@ class _Loop:
             raise UsageError(f"saving step {step}: {e}") from None
         if line is not None and self.rank == 0:
             _log(self.bar, line)
+        if line is not None and self.tb is not None:
+            self.tb.save(mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"), time.perf_counter() - started)
 
 
 def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
@@ -601,6 +603,8 @@ class _AsyncSaves:
     has committed. Errors surface where every rank is alike: at the next save
     and at the end of the run."""
 
+    tb: TensorBoard | None = None  # --tensorboard's writer (rank 0)
+
     def __init__(self, rank: int, bar: Any) -> None:
         self.rank, self.bar = rank, bar
         self.handle: mfsdp_ckpt.AsyncSaveHandle | None = None
@@ -643,6 +647,8 @@ class _AsyncSaves:
             f"(call {h.call_s:.3f} s + fence {h.fence_s:.3f} s), total {h.total_s:.2f} s; "
             f"{_written(h.path)} to {h.path}",
         )
+        if self.tb is not None:
+            self.tb.save(h.path, h.total_s, h.blocked_s)
 
 
 def _progress(rank: int, step: int, steps: int) -> Any:

@@ -376,4 +376,4 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path):
     assert f"resumed from {ckpt}/step_000002 at step 2" in again.stdout
     assert os.readlink(os.path.join(ckpt, "latest-checkpoint")) == "step_000004"
     no_dir = _run(None, *SMALL, "--steps", "4", "--resume", "auto")
-    assert no_dir.returncode == 1 and "need --ckpt-dir" in no_dir.stderr
+    assert no_dir.returncode == 1 and "--resume auto needs --ckpt-dir" in no_dir.stderr

@@ -51,6 +51,7 @@ def test_the_light_parser_names_what_the_runtime_has() -> None:
     """The presets, strategies, default policy and token dtypes ``--help`` lists without torch are
     the runtime's own."""
     from cli import train_args
+    from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
     from mfsdp_core.data import TOKEN_DTYPES
     from mfsdp_core.models.gpt import PRESETS
     from mfsdp_core.plan import DEFAULT_POLICY, DEFAULT_STRATEGY
@@ -62,6 +63,7 @@ def test_the_light_parser_names_what_the_runtime_has() -> None:
     assert train_args.DEFAULT_STRATEGY == DEFAULT_STRATEGY.value
     assert train_args.DEFAULT_POLICY == str(DEFAULT_POLICY)
     assert train_args.TOKEN_DTYPE_NAMES == tuple(sorted(TOKEN_DTYPES))
+    assert train_args.CHECKPOINT_FILES == (MANIFEST_NAME, METADATA_NAME)
 
 
 def _help_entries() -> dict[str, str]:
@@ -109,3 +111,115 @@ def test_logging_flags_for_the_other_parts() -> None:
     assert args.verbose is True and args.tensorboard == "tb"
     args = parse_args([])
     assert args.verbose is False and args.tensorboard is None
+
+
+# ---- refusals the flags decide: printed by the launcher, before any rank starts --------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "tiny-moe", "--ep", "3"], "error: --ep 3: EP size 3 does not divide the world size 2"),
+        (
+            ["--batch-size", "5"],
+            "error: --batch-size 5 must be a multiple of world size x --micro-batches (2 x 1)",
+        ),
+        (["--resume", "{tmp}/nope"], "error: --resume: {tmp}/nope: no such checkpoint"),
+        (["--save-every", "3"], "error: --save-every 3 needs --ckpt-dir (without one the run saves nothing)"),
+        (
+            ["--resume", "--ckpt-dir", "{tmp}/new"],
+            "error: --resume: no checkpoint to resume from (--ckpt-dir {tmp}/new does not exist)",
+        ),
+    ],
+    ids=["ep", "batch", "missing-resume", "save-every", "resume-new-dir"],
+)
+def test_a_refusal_under_nproc_per_node_is_one_line_before_any_rank(tmp_path, flags, message) -> None:
+    """The launching process refuses without importing torch (so no rank was started: a rank is a
+    torch process the launcher starts after importing torch's launcher), in one line, and creates
+    nothing."""
+    argv = [f.format(tmp=tmp_path) for f in flags]
+    out = _front_end("--nproc-per-node", "2", *argv)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr
+    assert lines == [message.format(tmp=tmp_path), "HEAVY="], out.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def _hf_dir(path) -> str:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+@pytest.mark.parametrize("flag", ["--init-from", "--resume"])
+def test_a_hf_model_dir_given_as_a_checkpoint_points_to_hf_model_and_import_hf(tmp_path, flag) -> None:
+    hf = _hf_dir(tmp_path / "hf")
+    out = _front_end(flag, hf, "--steps", "1")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 2, out.stderr
+    assert lines[0] == (
+        f"error: {flag} {hf}: a Hugging Face model directory (config.json, *.safetensors), not a checkpoint; "
+        f"train it with --hf-model {hf}, or make a checkpoint of it with 'mfsdp-ckpt import-hf {hf} OUT'"
+    )
+    assert "the save did not finish" not in out.stderr
+
+
+# ---- resuming from a given checkpoint path, with no --ckpt-dir -------------------------------
+
+TINY_RUN = ("--steps", "4", "--batch-size", "4", "--seq-len", "16", "--log-every", "4")
+LAYOUTS = {  # flags of the first run; the layout flags (--ep, --dp-replicate) are given again on resume
+    "zero3": (["--model", "tiny"], []),
+    "ep": (["--model", "tiny-moe", "--ep", "2"], ["--ep", "2"]),
+    "muon": (["--model", "tiny", "--optimizer", "muon"], []),
+    "hsdp": (["--model", "tiny", "--dp-replicate", "2"], ["--dp-replicate", "2"]),
+}
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    from tests.torchrun import ENV
+
+    cmd = [sys.executable, "-m", "cli.train", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_from_a_path_without_ckpt_dir_trains_on_and_saves_nothing(tmp_path, layout) -> None:
+    """The run saved step 2 on its way to step 4; a run resumed from ``RUN/step_000002`` alone
+    (no --ckpt-dir: the recorded --save-every does not apply) says once that it saves nothing,
+    and its steps 3-4 are bitwise the uninterrupted run's."""
+    from tests.torchrun import failure, read_metrics
+
+    first, again = LAYOUTS[layout]
+    run = tmp_path / "run"
+    full = _launch(*first, *TINY_RUN, "--ckpt-dir", str(run), "--save-every", "2", "--metrics", str(tmp_path / "a"))
+    assert full.returncode == 0, failure(full)
+    before = sorted(os.listdir(run))
+    resumed = _launch("--resume", str(run / "step_000002"), *again, "--metrics", str(tmp_path / "b"))
+    assert resumed.returncode == 0, failure(resumed)
+    assert resumed.stdout.count("checkpoints: none (no --ckpt-dir: this run saves nothing)") == 1, resumed.stdout
+    assert "saved" not in resumed.stdout and resumed.stdout.rstrip().endswith("finished: step 4 of 4")
+    assert sorted(os.listdir(run)) == before
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert sorted(b) == [3, 4] and [b[s]["loss"] for s in (3, 4)] == [a[s]["loss"] for s in (3, 4)]
+
+
+def test_a_refused_resume_creates_no_ckpt_dir(tmp_path) -> None:
+    """Refused after the start checkpoint was read (another --lr than the recorded one), a run with
+    a new --ckpt-dir leaves no directory behind (it was created, empty, before the check)."""
+    from tests.torchrun import failure, run_train
+
+    first = run_train(None, "--model", "tiny", *TINY_RUN, "--ckpt-dir", str(tmp_path / "run"))
+    assert first.returncode == 0, failure(first)
+    new = tmp_path / "new"
+    refused = run_train(None, "--resume", str(tmp_path / "run" / "step_000004"), "--lr", "1e-2", "--ckpt-dir", str(new))
+    assert refused.returncode == 1 and "--allow-change lr" in refused.stderr, failure(refused)
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert not new.exists()
