@@ -16,22 +16,35 @@ is gone and then import). A builder that dies leaves that file behind and every 
 wait forever, so this loader first takes an ``fcntl.flock`` on ``<dir>.flock`` (released by the
 kernel when a process dies), and while holding it removes a baton nobody can hold any more.
 
+Saying when it builds: a build takes about a minute, so one line goes to stderr whenever one runs,
+``building the MXFP8 native kernel (first use or sources changed; about a minute) in <dir>``.
+Whether one runs is ninja's decision, not the cache's content: in a new process cpp_extension
+always (re)writes ``build.ninja`` and runs ninja, which compiles when the source, a header or
+the command line (flags) changed since the ``.so`` there was made, or when it is missing. So the
+notice asks ninja itself (:func:`build_pending`: ``ninja -n``, a dry run) at the moment
+cpp_extension is about to run it, against the ``build.ninja`` it has just written: a stale
+``.so`` is announced (and ``built the MXFP8 native kernel in <n> s`` after it), an up-to-date one
+is loaded without a word.
+
 rceil needs a table measured from ``torch.log2`` (see ``csrc/mx_cast.cpp`` and the docstring of
 ``mfsdp_core.mx``); ``rceil_table(device)`` measures and checks it once per process and device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
-__all__ = ["load", "unavailable_reason", "quantize", "build_dir", "rceil_table", "source_dir"]
+__all__ = ["load", "unavailable_reason", "quantize", "build_dir", "rceil_table", "source_dir", "build_pending"]
 
 _NAMES = {"cpu": ("mfsdp_mx_cast", "mx_cast.cpp"), "cuda": ("mfsdp_mx_cast_cuda", "mx_cast.cu")}
 # -fno-trapping-math lets GCC if-convert the cast (vectorize it); it changes no result. No
@@ -39,6 +52,7 @@ _NAMES = {"cpu": ("mfsdp_mx_cast", "mx_cast.cpp"), "cuda": ("mfsdp_mx_cast_cuda"
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 
 _LOCK_TIMEOUT_S = 1800.0  # a first build takes ~1 min; ranks wait for it rather than build twice
+NOTICE = "building the MXFP8 native kernel (first use or sources changed; about a minute) in {}"
 
 _modules: dict[str, ModuleType | None] = {}
 _reasons: dict[str, str] = {}
@@ -92,6 +106,50 @@ def _why_not(device: str) -> str | None:
     return None
 
 
+def build_pending(out: Path) -> bool:
+    """Whether ninja, run in build directory ``out``, would compile or link anything: ninja's own
+    answer (``ninja -n``, a dry run: ``ninja: no work to do.`` when the ``.so`` is newer than the
+    sources and headers it was made from, and was made by the same command lines). True without a
+    ``build.ninja`` or when ninja cannot answer (cpp_extension then builds, or fails saying why)."""
+    if not (out / "build.ninja").is_file():
+        return True
+    try:
+        dry = subprocess.run(["ninja", "-n"], cwd=out, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return dry.returncode != 0 or "no work to do" not in dry.stdout
+
+
+@contextlib.contextmanager
+def _announcing_builds() -> Iterator[None]:
+    """While it is entered, print :data:`NOTICE` on stderr just before cpp_extension runs ninja in a
+    build directory where ninja has work (:func:`build_pending`), and the build's time after: by then cpp_extension has
+    written the ``build.ninja`` of this build, so the answer is the build's own. (cpp_extension
+    has no hook for it: its module-level ``_run_ninja_build`` is wrapped for the duration, under
+    the build lock; a torch without that function gets the answer from the ``build.ninja`` a
+    previous build left, before the load.)"""
+    from torch.utils import cpp_extension
+
+    real = getattr(cpp_extension, "_run_ninja_build", None)
+
+    def run_ninja(build_directory: str, *args: object, **kwargs: object) -> None:
+        if not build_pending(Path(build_directory)):
+            return real(build_directory, *args, **kwargs)
+        print(NOTICE.format(build_directory), file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        real(build_directory, *args, **kwargs)
+        print(f"built the MXFP8 native kernel in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+    if real is None:
+        yield
+        return
+    cpp_extension._run_ninja_build = run_ninja
+    try:
+        yield
+    finally:
+        cpp_extension._run_ninja_build = real
+
+
 def _build(device: str) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -117,9 +175,12 @@ def _build(device: str) -> ModuleType:
             else:
                 openmp = _openmp_flags()
                 flags = dict(extra_cflags=_CFLAGS + openmp, extra_ldflags=openmp)
-            return cpp_extension.load(
-                name=name, sources=[str(source_dir() / src)], build_directory=str(out), verbose=False, **flags
-            )
+            if getattr(cpp_extension, "_run_ninja_build", None) is None and build_pending(out):
+                print(NOTICE.format(out), file=sys.stderr, flush=True)
+            with _announcing_builds():
+                return cpp_extension.load(
+                    name=name, sources=[str(source_dir() / src)], build_directory=str(out), verbose=False, **flags
+                )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
