@@ -1,16 +1,73 @@
-"""``diff --html``: which tensors of two checkpoints differ, by how much, and how each side was laid out."""
+"""``diff --html``: which tensors of two checkpoints differ, by how much, and how each side was laid out.
+
+The page holds a summary by kind (embeddings, attention, MLP, experts, norms) and by layer, one
+histogram of |Δ| over every differing element, and a table of every difference that sorts by any
+column (click its header) and filters by name, group, kind, layer and problem; clicking a cell of
+the summary filters the table to it. Histograms carry their counts; bin labels never overlap.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+from collections import defaultdict
+from dataclasses import dataclass
 
+from mfsdp_ckpt.format.keys import group_of
 from mfsdp_ckpt.tools.diff import HISTOGRAM_BINS, CheckpointDiff
 from mfsdp_ckpt.tools.inspect import CheckpointInfo, inspect_checkpoint
+from mfsdp_ckpt.tools.report.kinds import KINDS, layer_of, param_kind
 from mfsdp_ckpt.tools.report.page import page, write_page
 from mfsdp_ckpt.tools.report.svg import esc, histogram
 
-__all__ = ["diff_html", "render_diff"]
+__all__ = ["DiffRow", "diff_rows", "diff_html", "render_diff"]
+
+#: the table's columns: (header, sort type, tooltip)
+_COLUMNS = (
+    ("key", "text", "the checkpoint key"),
+    ("group", "text", "model / optim / grad / mx / extra"),
+    ("kind", "text", "what part of the model the key belongs to"),
+    ("layer", "num", "the layer index in the key (- outside the layers)"),
+    ("problem", "text", "values, shape, dtype, object, or only on one side"),
+    ("max |Δ|", "num", "the largest |a - b| (NaN against a number counts as the largest)"),
+    ("‖Δ‖/‖B‖", "num", "the norm of the difference over the norm of B"),
+    ("elements ≠", "num", "elements with |a - b| > 0"),
+    ("detail, and |Δ| per bin (elements, log height)", "text", "where the largest difference is"),
+)
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """One differing (or one-sided) entry, with the kind and layer its name says."""
+
+    key: str
+    group: str
+    kind: str
+    layer: int | None
+    problem: str
+    max_abs: float | None = None
+    rel: float | None = None
+    histogram: list[int] | None = None
+    detail: str = ""
+
+    @property
+    def differing(self) -> int | None:
+        """Elements whose |a - b| is not 0 (None where no histogram was made)."""
+        return sum(self.histogram[1:]) if self.histogram else None
+
+
+def diff_rows(result: CheckpointDiff) -> list[DiffRow]:
+    """Every row of the table: the differing entries, then those only in A, then only in B."""
+
+    def row(key: str, problem: str, **more: object) -> DiffRow:
+        return DiffRow(key, group_of(key), param_kind(key), layer_of(key), problem, **more)  # type: ignore[arg-type]
+
+    rows = [
+        row(d.key, d.problem, max_abs=d.max_abs, rel=d.rel, histogram=d.histogram, detail=d.detail)
+        for d in result.different
+    ]
+    rows += [row(k, "only in A") for k in result.only_in_a]
+    return rows + [row(k, "only in B") for k in result.only_in_b]
 
 
 def diff_html(a: str | os.PathLike, b: str | os.PathLike, result: CheckpointDiff, out: str | os.PathLike) -> str:
@@ -32,12 +89,22 @@ def _num(x: float | None) -> str:
     return "-" if x is None else ("nan" if isinstance(x, float) and math.isnan(x) else f"{x:.4g}")
 
 
+def _sort_value(x: float | None) -> str:
+    """A cell's ``data-v``: NaN sorts as the largest (a NaN against a number is the worst
+    mismatch), a missing value as the smallest."""
+    if x is None:
+        return "-Infinity"
+    return "Infinity" if math.isnan(x) or math.isinf(x) else repr(float(x))
+
+
 def render_diff(a: CheckpointInfo, b: CheckpointInfo, result: CheckpointDiff) -> str:
     verdict = "equal" if result.equal else "different"
+    rows = diff_rows(result)
     body = [
         f"<h1>diff: {esc(verdict)}</h1><table>",
         *(
-            f"<tr><th>{side}</th><td><code>{esc(info.path)}</code></td><td>step {esc(info.step)}</td>"
+            f"<tr><th>{side}</th><td><code>{esc(info.path)}</code></td>"
+            f"<td>step {esc('unknown' if info.step is None else info.step)}</td>"
             f"<td><code>{esc(_layout(info))}</code></td></tr>"
             for side, info in (("A", a), ("B", b))
         ),
@@ -45,23 +112,149 @@ def render_diff(a: CheckpointInfo, b: CheckpointInfo, result: CheckpointDiff) ->
         f"<p>{result.compared} common entries compared: {len(result.different)} differ, "
         f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B.</p>",
     ]
-    rows = []
-    for d in result.different:
-        hist = histogram(HISTOGRAM_BINS, d.histogram) if d.histogram else ""
-        rows.append(
-            f'<tr class="differs" data-key="{esc(d.key)}"><td class=key>{esc(d.key)}</td><td>{esc(d.problem)}</td>'
-            f"<td class=num>{esc(_num(d.max_abs))}</td><td class=num>{esc(_num(d.rel))}</td>"
-            f"<td>{esc(d.detail)}{hist}</td></tr>"
-        )
-    rows += [
-        f'<tr class="differs" data-key="{esc(k)}"><td class=key>{esc(k)}</td><td>only in {side}</td>'
-        "<td></td><td></td><td></td></tr>"
-        for side, keys in (("A", result.only_in_a), ("B", result.only_in_b))
-        for k in keys
-    ]
-    head = (
-        "<tr><th>key</th><th>problem</th><th class=num>max |Δ|</th><th class=num>‖Δ‖/‖B‖</th>"
-        "<th>detail, and a histogram of |Δ| (elements per bin, log height)</th></tr>"
-    )
-    body.append(f"<h2>differences</h2><table id='entries'>{head}{''.join(rows)}</table>")
+    if rows:
+        body += [_by_kind(rows), _by_layer(rows), _overall(rows)]
+    body.append(_table(rows))
     return page(f"diff {a.path} {b.path}", "".join(body))
+
+
+def _worst(values: list[float | None]) -> float | None:
+    """The largest of ``values`` (NaN the largest of all), None when there is none."""
+    present = [v for v in values if v is not None]
+    if any(math.isnan(v) for v in present):
+        return math.nan
+    return max(present, default=None)
+
+
+def _by_kind(rows: list[DiffRow]) -> str:
+    """A row per kind: how many entries differ, by problem, and the largest differences."""
+    per: dict[str, list[DiffRow]] = defaultdict(list)
+    for r in rows:
+        per[r.kind].append(r)
+    out = []
+    for kind in (k for k in KINDS if k in per):
+        rs = per[kind]
+        groups = defaultdict(int)
+        for r in rs:
+            groups[r.group] += 1
+        split = ", ".join(f"{g} {n}" for g, n in sorted(groups.items()))
+        one_sided = {side: sum(r.problem == f"only in {side}" for r in rs) for side in "AB"}
+        out.append(
+            f'<tr data-set-kind="{esc(kind)}" data-set-layer="" class="pick"><td>{esc(kind)}</td>'
+            f"<td class=num>{len(rs) - one_sided['A'] - one_sided['B']}</td><td class=num>{one_sided['A']}</td>"
+            f"<td class=num>{one_sided['B']}</td><td>{esc(split)}</td>"
+            f"<td class=num>{esc(_num(_worst([r.max_abs for r in rs])))}</td>"
+            f"<td class=num>{esc(_num(_worst([r.rel for r in rs])))}</td></tr>"
+        )
+    head = (
+        "<tr><th>kind</th><th class=num>differ</th><th class=num>only in A</th><th class=num>only in B</th>"
+        "<th>by group</th><th class=num>largest max |Δ|</th><th class=num>largest ‖Δ‖/‖B‖</th></tr>"
+    )
+    return (
+        "<h2>summary by kind</h2><p class=note>click a row to show only its entries in the table below</p>"
+        f'<table id="by-kind">{head}{"".join(out)}</table>'
+    )
+
+
+def _shade(rel: float | None) -> str:
+    """A cell's background: pale for a tiny ‖Δ‖/‖B‖, deep red from 1 up (log scale from 1e-8)."""
+    if rel is None:
+        return "#eeeeee"
+    t = 1.0 if math.isnan(rel) else min(1.0, max(0.0, (math.log10(max(rel, 1e-12)) + 8) / 8))
+    g = round(235 - 170 * t)
+    return f"#f0{g:02x}{g:02x}" if t < 1 else "#d62728"
+
+
+def _by_layer(rows: list[DiffRow]) -> str:
+    """A row per kind, a column per layer (and one for what sits outside the layers): how many
+    entries differ there, shaded by the largest ‖Δ‖/‖B‖ among them."""
+    cells: dict[str, dict[int | None, list[DiffRow]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        cells[r.kind][r.layer].append(r)
+    seen = {r.layer for r in rows}
+    layers = ([None] if None in seen else []) + sorted(x for x in seen if x is not None)
+    out = []
+    for kind in (k for k in KINDS if k in cells):
+        tds = []
+        for layer in layers:
+            rs = cells[kind].get(layer, [])
+            if not rs:
+                tds.append("<td></td>")
+                continue
+            rel = _worst([r.rel for r in rs])
+            where = "outside the layers" if layer is None else f"layer {layer}"
+            tip = f"{where}, {kind}: {len(rs)} entries; largest ‖Δ‖/‖B‖ {_num(rel)}"
+            tds.append(
+                f'<td class="num pick" style="background:{_shade(rel)}" data-set-kind="{esc(kind)}" '
+                f'data-set-layer="{"-" if layer is None else layer}" title="{esc(tip)}">{len(rs)}</td>'
+            )
+        out.append(f"<tr><th>{esc(kind)}</th>{''.join(tds)}</tr>")
+    head = '<tr><th class="corner">kind \\ layer</th>' + "".join(
+        f"<th class=num>{'-' if x is None else x}</th>" for x in layers
+    )
+    return (
+        "<h2>summary by layer</h2><p class=note>entries that differ (or exist on one side only) per kind and "
+        "layer (-: outside the layers); the shade is the cell's largest ‖Δ‖/‖B‖ (log scale, white 1e-8, red 1 or "
+        "more); click a cell to filter the table</p>"
+        f'<div class="scroll"><table id="by-layer" class="matrix">{head}</tr>{"".join(out)}</table></div>'
+    )
+
+
+def _overall(rows: list[DiffRow]) -> str:
+    """One histogram of |Δ| over every element of every differing tensor."""
+    hists = [r.histogram for r in rows if r.histogram]
+    if not hists:
+        return ""
+    total = [sum(col) for col in zip(*hists)]
+    return (
+        f"<h2>|Δ| of every element of the {len(hists)} differing tensors</h2>"
+        "<p class=note>elements per bin (the count over each bar; log heights); bins are decades of |a - b|</p>"
+        f'<div id="overall">{histogram(HISTOGRAM_BINS, total, height=70)}</div>'
+    )
+
+
+def _select(name: str, values: list[str]) -> str:
+    options = "".join(f'<option value="{esc(v)}">{esc(v)}</option>' for v in values)
+    return (
+        f'<label>{esc(name)} <select data-filter="{esc(name)}"><option value="">all</option>{options}</select></label>'
+    )
+
+
+def _table(rows: list[DiffRow]) -> str:
+    """Every difference: sortable by any column, filtered by the search box and the selects."""
+    layers = sorted({r.layer for r in rows if r.layer is not None})
+    filters = " ".join(
+        [
+            _select("group", sorted({r.group for r in rows})),
+            _select("kind", [k for k in KINDS if any(r.kind == k for r in rows)]),
+            _select("layer", [str(x) for x in layers] + (["-"] if any(r.layer is None for r in rows) else [])),
+            _select("problem", sorted({r.problem for r in rows})),
+        ]
+    )
+    head = "".join(
+        f'<th data-sort="{kind}" title="{esc(tip)}"{" class=num" if kind == "num" else ""}>{esc(name)}</th>'
+        for name, kind, tip in _COLUMNS
+    )
+    body = "".join(_row(r) for r in rows)
+    return (
+        f"<h2>differences ({len(rows)})</h2><p class=note>click a column's header to sort by it (again to reverse)</p>"
+        f'<div class="filters">{filters}</div>'
+        f"<table id='entries' class='sortable'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    )
+
+
+def _row(r: DiffRow) -> str:
+    layer = "-" if r.layer is None else str(r.layer)
+    hist = histogram(HISTOGRAM_BINS, r.histogram, trim=True) if r.histogram else ""
+    differing = r.differing
+    return (
+        f'<tr class="differs" data-key="{esc(r.key)}" data-group="{esc(r.group)}" data-kind="{esc(r.kind)}" '
+        f'data-layer="{layer}" data-problem="{esc(r.problem)}">'
+        f"<td class=key>{esc(r.key)}</td><td>{esc(r.group)}</td><td>{esc(r.kind)}</td>"
+        f'<td class=num data-v="{-1 if r.layer is None else r.layer}">{layer}</td><td>{esc(r.problem)}</td>'
+        f'<td class=num data-v="{_sort_value(r.max_abs)}">{esc(_num(r.max_abs))}</td>'
+        f'<td class=num data-v="{_sort_value(r.rel)}">{esc(_num(r.rel))}</td>'
+        f'<td class=num data-v="{-1 if differing is None else differing}">'
+        f"{'-' if differing is None else f'{differing:,}'}</td>"
+        f'<td><div class="detail">{esc(r.detail)}</div>{hist}</td></tr>'
+    )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 
 from mfsdp_ckpt.format.keys import GROUPS
 from mfsdp_ckpt.tools.inspect import compact_ranges
 from mfsdp_ckpt.tools.report.layout import CheckpointLayout, checkpoint_layout
+from mfsdp_ckpt.tools.report.model_table import ModelSummary, model_section, model_summary
 from mfsdp_ckpt.tools.report.page import page, write_page
 from mfsdp_ckpt.tools.report.svg import esc, human_bytes, rank_strips, tensor_boxes
 
@@ -38,7 +38,8 @@ def rank_labels(layout: CheckpointLayout) -> dict[int, str]:
 
 def render_inspect(layout: CheckpointLayout) -> str:
     info = layout.info
-    body = [f"<h1>checkpoint <code>{esc(info.path)}</code></h1>", _summary(layout)]
+    model = model_summary(info, layout.manifest)
+    body = [f"<h1>checkpoint <code>{esc(info.path)}</code></h1>", _summary(layout, model), model_section(model)]
     body += _files(layout) + _experts(layout) + _mx(layout) + _padding(layout)
     by_group: dict[str, list] = defaultdict(list)
     for c in layout.chunks:
@@ -74,12 +75,15 @@ def render_inspect(layout: CheckpointLayout) -> str:
     return page(f"checkpoint {info.path}", "".join(body))
 
 
-def _summary(layout: CheckpointLayout) -> str:
+def _summary(layout: CheckpointLayout, model: ModelSummary) -> str:
+    """Format, step, a one-line model (its table and raw config follow in the "model" section),
+    the writer's layout."""
     info = layout.info
+    facts = dict(model.facts)
     rows = [
         ("format", info.format + ("" if info.committed else " (no mfsdp.json)")),
         ("step", info.step if info.step is not None else "unknown"),
-        ("source", json.dumps(info.model_source) if info.model_source else "unknown"),
+        ("model", f"{facts['family']} · {facts['architecture']} · {model.params:,} parameters"),
     ]
     if info.writer:
         layouts = "; ".join(
@@ -89,7 +93,6 @@ def _summary(layout: CheckpointLayout) -> str:
         rows.append(("writer", f"world size {info.writer.get('world_size')}: {layouts}"))
     if layout.replicas > 1:
         rows.append(("HSDP", f"{layout.replicas} replica groups"))
-    rows.append(("model", json.dumps(info.model_config) if info.model_config else "unknown"))
     if info.unknown:
         rows.append(("unknown", ", ".join(info.unknown)))
     cells = "".join(f"<tr><th>{esc(k)}</th><td><code>{esc(v)}</code></td></tr>" for k, v in rows)

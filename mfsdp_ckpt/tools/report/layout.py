@@ -68,6 +68,7 @@ class CheckpointLayout:
     chunks: list[ChunkView] = field(default_factory=list)
     buffers: list[BufferPadding] = field(default_factory=list)
     replicas: int = 1  # HSDP / HFSDP replica groups of the writer (1 without)
+    manifest: dict[str, Any] | None = None  # mfsdp.json as read (None for a stock or MCore checkpoint)
 
     @property
     def ranks(self) -> list[int]:
@@ -103,7 +104,7 @@ def checkpoint_layout(path: str | os.PathLike) -> CheckpointLayout:
     """The layout of the checkpoint at ``path`` (metadata only; no chunk is read)."""
     info = inspect_checkpoint(path)
     _, manifest, metadata, reader = open_checkpoint(os.fspath(path))
-    out = CheckpointLayout(info)
+    out = CheckpointLayout(info, manifest=manifest)
     for key in sorted(reader.stored):
         md = metadata.state_dict_metadata.get(key)
         sizes_at = (

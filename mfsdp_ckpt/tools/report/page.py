@@ -1,5 +1,6 @@
 """The frame of every report page: one self-contained HTML file (inline CSS, inline SVG, one
-inline script for the search box), and writing it so that no half-written page is left.
+inline script for the search box, the filters and sorting a table by a column), and writing it
+so that no half-written page is left.
 
 The page's Content-Security-Policy allows nothing from the network and only its own script (by
 hash): even a name that escaped escaping could neither load nor run anything.
@@ -30,19 +31,72 @@ svg text { font: 11px ui-monospace, monospace; fill: #222; }
 tr.differs td { background: #fde8e8; } .hidden { display: none !important; }
 #search { width: 360px; padding: 4px 6px; margin: 6px 0; }
 .note { color: #666; }
+th[data-sort] { cursor: pointer; white-space: nowrap; } th[aria-sort=ascending]::after { content: " ▲"; }
+th[aria-sort=descending]::after { content: " ▼"; } .pick { cursor: pointer; } tr.pick:hover td, td.pick:hover { outline: 1px solid #333; }
+.filters label { margin-right: 14px; } .filters select { margin-left: 2px; }
+table.matrix td, table.matrix th { padding: 2px 3px; min-width: 16px; } .scroll { overflow-x: auto; } .detail { margin-bottom: 2px; }
+.side { display: flex; flex-wrap: wrap; gap: 0 32px; align-items: flex-start; }
+.share { display: inline-block; height: 10px; background: #1f77b4; vertical-align: middle; }
+details.raw-config { margin: 4px 0 10px; } details.raw-config summary { cursor: pointer; color: #1f5fa8; }
+details.raw-config pre { max-height: 420px; overflow: auto; background: #f8f8f8; padding: 6px 8px; font-size: 12px; }
 """
 
 _SCRIPT = """
-document.getElementById('search').addEventListener('input', function (e) {
-  var q = e.target.value.toLowerCase();
-  var n = 0;
-  document.querySelectorAll('[data-key]').forEach(function (el) {
-    var hit = !q || el.getAttribute('data-key').toLowerCase().indexOf(q) >= 0;
-    el.classList.toggle('hidden', !hit);
-    if (hit && el.tagName === 'TR') { n += 1; }
+(function () {
+  var search = document.getElementById('search');
+  var selects = Array.prototype.slice.call(document.querySelectorAll('select[data-filter]'));
+  function apply() {
+    var q = search.value.toLowerCase();
+    var want = selects.filter(function (s) { return s.value; });
+    var n = 0;
+    document.querySelectorAll('[data-key]').forEach(function (el) {
+      var hit = !q || el.getAttribute('data-key').toLowerCase().indexOf(q) >= 0;
+      want.forEach(function (s) {
+        if (el.getAttribute('data-' + s.getAttribute('data-filter')) !== s.value) { hit = false; }
+      });
+      el.classList.toggle('hidden', !hit);
+      if (hit && el.tagName === 'TR') { n += 1; }
+    });
+    document.getElementById('matches').textContent = q || want.length ? n + ' matching rows' : '';
+  }
+  function pick(el) {
+    selects.forEach(function (s) {
+      var v = el.getAttribute('data-set-' + s.getAttribute('data-filter'));
+      s.value = v === null ? '' : v;
+    });
+    apply();
+    document.getElementById('entries').scrollIntoView();
+  }
+  function cell(row, col, num) {
+    var c = row.cells[col];
+    var v = c.hasAttribute('data-v') ? c.getAttribute('data-v') : c.textContent;
+    if (!num) { return v.toLowerCase(); }
+    v = parseFloat(v);
+    return isNaN(v) ? -Infinity : v;
+  }
+  function sortBy(th) {
+    var table = th.closest('table'), body = table.tBodies[0], col = th.cellIndex;
+    var num = th.getAttribute('data-sort') === 'num', up = th.getAttribute('aria-sort') !== 'ascending';
+    var rows = Array.prototype.slice.call(body.rows).map(function (r, i) { return [cell(r, col, num), i, r]; });
+    rows.sort(function (a, b) {
+      var d = a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0;
+      return (up ? d : -d) || a[1] - b[1];
+    });
+    rows.forEach(function (r) { body.appendChild(r[2]); });
+    table.querySelectorAll('th[data-sort]').forEach(function (h) { h.removeAttribute('aria-sort'); });
+    th.setAttribute('aria-sort', up ? 'ascending' : 'descending');
+  }
+  search.addEventListener('input', apply);
+  selects.forEach(function (s) { s.addEventListener('change', apply); });
+  document.querySelectorAll('.pick').forEach(function (el) {
+    el.addEventListener('click', function () { pick(el); });
   });
-  document.getElementById('matches').textContent = q ? n + ' matching rows' : '';
-});
+  document.querySelectorAll('th[data-sort]').forEach(function (th) {
+    th.tabIndex = 0;
+    th.addEventListener('click', function () { sortBy(th); });
+    th.addEventListener('keydown', function (e) { if (e.key === 'Enter') { sortBy(th); } });
+  });
+})();
 """
 
 

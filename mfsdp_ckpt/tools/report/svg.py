@@ -22,6 +22,7 @@ __all__ = [
     "rank_strips",
     "tensor_boxes",
     "histogram",
+    "short_count",
     "human_bytes",
     "MX_BLOCK_ROWS",
 ]
@@ -164,23 +165,51 @@ def tensor_boxes(key: str, shape: Sequence[int], chunks: Sequence[ChunkView], mx
     return "".join(parts)
 
 
-def histogram(labels: Sequence[str], counts: Sequence[int]) -> str:
-    """Bars of ``counts`` (log-scaled heights, so a single outlier still shows) under ``labels``."""
-    bar, gap, height = 22, 3, 60
-    top = max((math.log10(1 + n) for n in counts), default=0) or 1
+def short_count(n: int) -> str:
+    """``7``, ``950``, ``1.2k``, ``34k``, ``5.6M``: at most 4 characters, so counts fit over their bars."""
+    if n < 1000:
+        return str(n)
+    for div, unit in ((10**3, "k"), (10**6, "M"), (10**9, "G"), (10**12, "T")):
+        v = n / div
+        if v < 9.95:
+            return f"{v:.1f}{unit}"
+        if round(v) < 1000:
+            return f"{round(v)}{unit}"
+    return f"{n:.0e}"
+
+
+#: a histogram's geometry: bin pitch, bar width, tallest bar, and the rows of its two labels
+HIST_PITCH, HIST_BAR, HIST_FONT = 46, 38, 10
+
+
+def histogram(labels: Sequence[str], counts: Sequence[int], *, trim: bool = False, height: int = 40) -> str:
+    """Bars of ``counts`` (log-scaled heights, so a single outlier still shows), each with its
+    count above it and its bin's label below. Every bin is :data:`HIST_PITCH` wide and no label
+    is longer than a bin (6 characters of a 10 px monospace font), so labels never overlap.
+    ``trim`` draws only the bins from the first to the last non-empty one (a table row's)."""
+    bins = list(zip(labels, counts))
+    if trim:
+        filled = [i for i, (_, n) in enumerate(bins) if n]
+        bins = bins[filled[0] : filled[-1] + 1] if filled else bins[:1]
+    top = max((math.log10(1 + n) for _, n in bins), default=0) or 1
+    count_row, width = HIST_FONT + 2, len(bins) * HIST_PITCH
+    base = count_row + height
     parts = [
-        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" width="{len(counts) * (bar + gap)}" '
-        f'height="{height + 34}" role="img">'
+        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{base + HIST_FONT + 6}" '
+        f'role="img" font-size="{HIST_FONT}">',
+        f'<line x1="0" x2="{width}" y1="{base + 0.5}" y2="{base + 0.5}" stroke="#999999" stroke-width="1"/>',
     ]
-    for i, (label, n) in enumerate(zip(labels, counts)):
+    for i, (label, n) in enumerate(bins):
         h = height * math.log10(1 + n) / top
-        x = i * (bar + gap)
+        x, mid, shown = i * HIST_PITCH + (HIST_PITCH - HIST_BAR) / 2, (i + 0.5) * HIST_PITCH, label.replace("<=", "≤")
         parts.append(
-            f'<rect x="{x}" y="{height - h:.2f}" width="{bar}" height="{h:.2f}" fill="#d62728">'
-            f"<title>{esc(f'|Δ| {label}: {n} elements')}</title></rect>"
+            f'<rect x="{x:.1f}" y="{base - h:.2f}" width="{HIST_BAR}" height="{h:.2f}" fill="#d62728">'
+            f"<title>{esc(f'|Δ| {shown}: {n:,} elements')}</title></rect>"
         )
-        parts.append(
-            f'<text x="{x + bar / 2}" y="{height + 12}" text-anchor="middle" font-size="8">{esc(label)}</text>'
-        )
+        if n:
+            parts.append(
+                f'<text class="count" x="{mid}" y="{base - h - 2:.2f}" text-anchor="middle">{short_count(n)}</text>'
+            )
+        parts.append(f'<text class="bin" x="{mid}" y="{base + HIST_FONT + 3}" text-anchor="middle">{esc(shown)}</text>')
     parts.append("</svg>")
     return "".join(parts)
