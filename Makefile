@@ -14,13 +14,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks with the
-# settings the checkpoint recorded
+# settings the checkpoint recorded; last, a run continues from a given step on 4 ranks, without a
+# --ckpt-dir (it trains on and saves nothing)
 DEMO_DIR ?= out/demo
 TRAIN := --model tiny-moe --steps 60 --ckpt-dir $(DEMO_DIR) --log-every 5
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/mfsdp-train --nproc-per-node 2 $(TRAIN) --save-every 10 --stop-at 30
 	$(VENV)/bin/mfsdp-train --nproc-per-node 3 --ckpt-dir $(DEMO_DIR) --resume
+	$(VENV)/bin/mfsdp-train --nproc-per-node 4 --resume $(DEMO_DIR)/step_000020 --stop-at 30 --log-every 10
 
 # the linter and the formatter's check (ruff, configured in pyproject.toml); `make format` applies it
 lint: $(VENV)/.installed

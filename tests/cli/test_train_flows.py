@@ -223,3 +223,24 @@ def test_a_refused_resume_creates_no_ckpt_dir(tmp_path) -> None:
     assert refused.returncode == 1 and "--allow-change lr" in refused.stderr, failure(refused)
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert not new.exists()
+
+
+def test_init_from_names_the_model_its_checkpoint_records(tmp_path) -> None:
+    """A model of no preset's shape is named in the header of an --init-from run as the run that
+    wrote the checkpoint named it (here its --model-config file), not ``custom``."""
+    import json
+
+    from mfsdp_core.models.gpt import PRESETS
+    from tests.torchrun import failure, run_train
+
+    (tmp_path / "one_layer.json").write_text(json.dumps({**PRESETS["tiny"].to_dict(), "num_layers": 1}))
+    small = ("--steps", "1", "--batch-size", "2", "--seq-len", "16")
+    first = run_train(
+        None, "--model-config", str(tmp_path / "one_layer.json"), *small, "--ckpt-dir", str(tmp_path / "a")
+    )
+    assert first.returncode == 0, failure(first)
+    assert first.stdout.startswith("model one_layer.json, "), first.stdout
+    again = run_train(None, "--init-from", str(tmp_path / "a" / "step_000001"), *small)
+    assert again.returncode == 0, failure(again)
+    header = [line for line in again.stdout.splitlines() if line.startswith("model ")]
+    assert header and header[0].startswith("model one_layer.json, "), again.stdout
