@@ -244,3 +244,43 @@ def test_init_from_names_the_model_its_checkpoint_records(tmp_path) -> None:
     assert again.returncode == 0, failure(again)
     header = [line for line in again.stdout.splitlines() if line.startswith("model ")]
     assert header and header[0].startswith("model one_layer.json, "), again.stdout
+
+
+# ---- a Ctrl-C while a rank imports torch ------------------------------------------------------
+
+_INTERRUPTED_IMPORT = """
+import sys
+
+class CtrlCAtTorch:  # the interrupt lands while the rank imports torch, every time
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlCAtTorch())
+from cli.train import main
+sys.exit(main(["--model", "tiny", "--steps", "1"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({}, "error: interrupted\n"),  # a lone process: one line
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "error: interrupted\n"),  # rank 0 of a plain torchrun job: one line
+        ({"RANK": "1", "WORLD_SIZE": "2"}, ""),  # the other ranks: nothing (rank 0 said it)
+        ({"RANK": "0", "WORLD_SIZE": "2", "MFSDP_TRAIN_LAUNCHED": "1"}, ""),  # our launcher says it for the job
+    ],
+    ids=["alone", "torchrun-rank0", "torchrun-rank1", "our-launcher"],
+)
+def test_ctrl_c_while_importing_torch_is_exit_130_and_at_most_one_line(env, said) -> None:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFSDP_TRAIN_LAUNCHED")}
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IMPORT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, **env},
+    )
+    assert out.returncode == 130, out.stderr
+    assert out.stderr == said and out.stdout == ""
