@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -345,13 +346,29 @@ def _megatron_load(ckpt, names: str, strict: str, logits_out) -> str:
 @pytest.mark.mcore_env
 def test_megatron_loads_the_export_of_the_import_strictly(tmp_path):
     """export-mcore of the imported fixture, loaded by MCore with every key checked both ways
-    (``raise_all``), computes the logits it recorded."""
+    (``raise_all``), computes bitwise the logits MCore computes from the original fixture on this
+    machine, and the recorded ones within the tolerance.
+
+    The bitwise reference is computed here, not read from the recorded file: the recorded logits
+    come from the machine that generated the fixture, and another CPU's matmul kernels (AVX-512
+    against AVX2, say) round differently (9e-8 here), so a bitwise check against them tests the
+    hardware, not the conversion."""
     import_mcore(fixture("deepseek"), tmp_path / "ckpt", world_size=2, config=CONFIG)
     export_mcore(tmp_path / "ckpt", tmp_path / "back", moe_norm="local")
     _megatron_load(tmp_path / "back", "local", "raise_all", tmp_path / "logits.pt")
-    got, rec = torch.load(tmp_path / "logits.pt", weights_only=True), recorded()
-    assert torch.equal(got["tokens"], rec["tokens"])
-    assert torch.equal(got["logits"], rec["logits"]) and torch.equal(got["mtp_logits"], rec["mtp_logits"])
+    original = tmp_path / "original"
+    shutil.copytree(fixture("deepseek_local"), original)
+    shutil.copy(tmp_path / "back" / "mcore_args.json", original / "mcore_args.json")
+    _megatron_load(original, "local", "raise_all", tmp_path / "reference.pt")
+    got, ref = (
+        torch.load(tmp_path / "logits.pt", weights_only=True),
+        torch.load(tmp_path / "reference.pt", weights_only=True),
+    )
+    rec = recorded()
+    assert torch.equal(got["tokens"], rec["tokens"]) and torch.equal(ref["tokens"], rec["tokens"])
+    assert torch.equal(got["logits"], ref["logits"]) and torch.equal(got["mtp_logits"], ref["mtp_logits"])
+    assert relative_error(got["logits"], rec["logits"]) <= RELATIVE_TOL
+    assert relative_error(got["mtp_logits"], rec["mtp_logits"]) <= RELATIVE_TOL
 
 
 def _stacked_variant(tmp_path) -> str:
