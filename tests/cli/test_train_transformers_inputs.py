@@ -105,7 +105,9 @@ def test_pickle_weights_are_not_read(capsys, tmp_path, llama):
     )
 
 
-def test_expert_parallelism_of_fused_experts_is_refused(capsys, tmp_path):
+def test_expert_parallelism_of_fused_experts_is_refused(capsys, tmp_path, monkeypatch):
+    # a world size --ep 2 divides: the flag rules, checked first, would refuse --ep 2 on 1 rank
+    monkeypatch.setenv("WORLD_SIZE", "2")
     src = make_hf_dir(tmp_path / "mixtral", "mixtral")
     err = _refused(capsys, tmp_path, "--hf-model", src, "--ep", "2")
     assert err.startswith(
