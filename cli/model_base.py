@@ -1,6 +1,6 @@
 """What the trainer needs of a model family: the interface each model source implements.
 
-The trainer (``cli.train``) is one loop for every family: it builds the model a source describes,
+The trainer (``cli.trainer``) is one loop for every family: it builds the model a source describes,
 shards the units the source names with the source's placement, runs ``forward`` for logits and the
 auxiliary loss, and saves the source's record in every checkpoint's manifest, from which the same
 source is rebuilt on ``--resume``. The families: the reference GPT (``cli.model_source``),
