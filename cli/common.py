@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import click
@@ -41,9 +44,49 @@ def _fail(message: str, kind: str, code: int = 1) -> None:
     sys.exit(code)
 
 
+_interrupted_at: float | None = None  # when :func:`_on_sigint` first ran: a Ctrl-C reached this process
+_RELAYED_WITHIN_S = 1.0  # a SIGINT this soon after the first is the same Ctrl-C, relayed
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Python's own SIGINT handler (raise ``KeyboardInterrupt``), noting when the first came. A
+    second one within :data:`_RELAYED_WITHIN_S` is the same Ctrl-C passed on by a wrapper that
+    forwards it to its process group (``timeout``, a launcher): ignored, so that it cannot cut
+    short the clean-up of the first (a staging directory left behind); a later one raises."""
+    global _interrupted_at
+    now = time.monotonic()
+    if _interrupted_at is not None and now - _interrupted_at < _RELAYED_WITHIN_S:
+        return
+    if _interrupted_at is None:
+        _interrupted_at = now
+    raise KeyboardInterrupt
+
+
+def note_interrupts() -> Callable[[], None]:
+    """From now on note every SIGINT (still raising ``KeyboardInterrupt``, as Python does), so
+    that the error boundary reports a failure that follows a Ctrl-C as the interrupt it is, even
+    where the interrupt itself was swallowed on the way up. Returns the function that puts the
+    previous handler back, unless a Ctrl-C came: then the process is on its way out with 130, and
+    the same Ctrl-C relayed during its exit must not print a traceback. (Python lets only the main
+    thread set handlers; elsewhere, nothing.)"""
+    global _interrupted_at
+    _interrupted_at = None
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+
+    def restore() -> None:
+        if _interrupted_at is None:
+            signal.signal(signal.SIGINT, previous)
+
+    return restore
+
+
 def _run(fn: Callable[[], Any]) -> Any:
     """The error boundary of every command: whatever goes wrong is one line on stderr and exit
-    code 1 (130 when interrupted); ``--debug`` shows the traceback instead."""
+    code 1 (130 when interrupted: a ``KeyboardInterrupt``, an error raised while one unwound, such
+    as torch's zip writer's ``RuntimeError`` when Ctrl-C lands inside ``torch.save``, or any
+    failure after a Ctrl-C); ``--debug`` shows the traceback instead."""
     from mfsdp_ckpt.errors import (
         CheckpointError,  # here, not at the top: ``--help`` imports no torch
     )
@@ -55,6 +98,10 @@ def _run(fn: Callable[[], Any]) -> Any:
     except Exception as e:  # the boundary: nothing escapes as a traceback
         if _debug():
             raise
+        from mfsdp_ckpt.storage.write_errors import interrupt_behind
+
+        if _interrupted_at is not None or interrupt_behind(e) is not None:
+            _fail("interrupted", "KeyboardInterrupt", 130)
         text = " ".join(str(e).split())  # one line, whatever the exception held
         if isinstance(e, CheckpointError):
             _fail(text, type(e).__name__)

@@ -199,10 +199,10 @@ class _Pool(Generic[T, S]):
             self.turns.cancel()
 
     def run(self, progress: Callable[[int], None] | None) -> None:
-        for t in self.threads:
-            t.start()
         running, failure = len(self.threads), None
-        try:
+        try:  # the starts too: a Ctrl-C while the first workers already write must stop and join them
+            for t in self.threads:
+                t.start()
             while running:
                 kind, value = self.events.get()
                 if kind == "exit":
@@ -220,6 +220,7 @@ class _Pool(Generic[T, S]):
         # daemon thread doing that while the interpreter finalizes is killed inside C++ code,
         # and the process aborts ("terminate called without an active exception") after its error
         for t in self.threads:
-            t.join()
+            if t.ident is not None:  # started (a Ctrl-C may have come before the last start)
+                t.join()
         if failure is not None:
             raise failure

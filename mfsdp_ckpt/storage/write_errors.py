@@ -5,6 +5,12 @@
 torch's zip writer. Every writer here writes through :class:`RecordingStream`, which remembers the
 first ``OSError`` of its file, and reports failures with :func:`write_failed`, which names the
 file and the operating system's reason.
+
+The same writer turns a Ctrl-C that lands inside it (``KeyboardInterrupt`` raised in the stream's
+``write`` callback) into ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected
+pos``: its end-of-archive check fails while the interrupt unwinds. :func:`reporting` raises the
+interrupt instead (:func:`interrupt_behind` finds it), so that an interrupted write is an
+interrupt, wherever it landed.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import IO, Any, Iterator, Sequence
 
 from mfsdp_ckpt.errors import CheckpointError
 
-__all__ = ["WriteFailedError", "RecordingStream", "write_failed", "reporting"]
+__all__ = ["WriteFailedError", "RecordingStream", "write_failed", "reporting", "interrupt_behind"]
 
 
 class WriteFailedError(CheckpointError):
@@ -26,6 +32,19 @@ def write_failed(error: OSError, path: str | os.PathLike) -> WriteFailedError:
     """The one-line error for ``error`` raised while writing ``path``."""
     reason = error.strerror or str(error) or type(error).__name__
     return WriteFailedError(f"{reason} while writing {os.fspath(path)}")
+
+
+def interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` that ``error`` is, or was raised while handling (its
+    ``__context__`` / ``__cause__`` chain); None when no interrupt is behind it."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class RecordingStream:
@@ -76,13 +95,17 @@ class RecordingStream:
 def reporting(path: str | os.PathLike, streams: Sequence[RecordingStream] = ()) -> Iterator[None]:
     """Inside ``with``, an ``OSError`` (raised directly, or recorded by one of ``streams`` and
     hidden behind another exception, e.g. torch's zip writer's) becomes one
-    :class:`WriteFailedError` naming the file. ``streams`` is read when the error happens, so a
+    :class:`WriteFailedError` naming the file; an error hiding a ``KeyboardInterrupt`` (Ctrl-C
+    inside ``torch.save``) is that interrupt. ``streams`` is read when the error happens, so a
     list that grows inside ``with`` is seen whole."""
     try:
         yield
     except CheckpointError:
         raise
     except BaseException as e:
+        interrupt = interrupt_behind(e)
+        if interrupt is not None and interrupt is not e:
+            raise interrupt from None
         recorded = next((s for s in streams if s.error is not None), None)
         if recorded is not None:
             raise write_failed(recorded.error, recorded.path) from None
