@@ -119,13 +119,25 @@ def _write_report(render: Callable[[str], str], html_out: str | None, png_out: s
         click.echo(f"wrote {written}", err=_as_json())  # stdout stays one JSON document under --json
 
 
+def _resolved(path: str) -> str:
+    """The checkpoint directory ``path`` names, as ``--json``'s ``path`` gives it: a ``latest``
+    pointer (or a run directory holding one) resolved to the checkpoint it points at."""
+    from mfsdp_ckpt.errors import CheckpointError
+    from mfsdp_ckpt.read.locate import resolve_checkpoint
+    from mfsdp_ckpt.storage.fs import normalize
+
+    try:
+        return resolve_checkpoint(path)
+    except CheckpointError:  # a file the command took as it is (an MCore directory, say)
+        return normalize(path)
+
+
 @main.command(short_help="Check that every tensor is covered once and every chunk matches its checksum.")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def verify(path: str, as_json: bool) -> None:
     """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
-    from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.inspect import verify_checkpoint
 
     start = time.perf_counter()
@@ -134,7 +146,7 @@ def verify(path: str, as_json: bool) -> None:
         click.echo(
             json.dumps(
                 {
-                    "path": normalize(path),
+                    "path": _resolved(path),
                     "seconds": time.perf_counter() - start,
                     "ok": not faults,
                     "faults": [f.__dict__ for f in faults],
@@ -186,7 +198,6 @@ def diff(
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
     is read through its key layout. (Per-rank RNG states are not compared: they depend on the
     world size.)"""
-    from mfsdp_ckpt.storage.fs import normalize
     from mfsdp_ckpt.tools.diff import diff_checkpoints
 
     start = time.perf_counter()
@@ -201,7 +212,7 @@ def diff(
         _write_report(lambda out: _diff_html(a, b, result, out), html_out, png_out)
     if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name (deprecated)
         seconds = time.perf_counter() - start
-        doc = {"a": normalize(a), "b": normalize(b), "ok": result.equal, **result.to_json(), "seconds": seconds}
+        doc = {"a": _resolved(a), "b": _resolved(b), "ok": result.equal, **result.to_json(), "seconds": seconds}
         click.echo(json.dumps(doc, indent=1))
     else:
         for key in result.only_in_a:

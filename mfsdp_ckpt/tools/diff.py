@@ -44,12 +44,14 @@ class CheckpointDiff:
         return not (self.only_in_a or self.only_in_b or self.different)
 
     def to_json(self) -> dict[str, Any]:
+        """docs/cli.md's JSON vocabulary: an entry's ``max_abs``, ``rel`` and ``histogram`` are absent
+        (not null) where they do not apply (a shape, dtype or object difference)."""
         return {
             "equal": self.equal,
             "compared": self.compared,
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
-            "different": [d.__dict__ for d in self.different],
+            "different": [{k: v for k, v in d.__dict__.items() if v is not None} for d in self.different],
             "counts": self.counts,
         }
 

@@ -162,7 +162,8 @@ class CheckpointInfo:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        """docs/cli.md's JSON vocabulary: what does not apply (a stock checkpoint's step) is absent, not null."""
+        """docs/cli.md's JSON vocabulary: what does not apply (a stock checkpoint's step, an object's
+        ``dtype`` and ``shape`` in ``tensor_list``) is absent, not null."""
         out = {
             "path": self.path,
             "format": self.format,
@@ -179,7 +180,7 @@ class CheckpointInfo:
             ],
             "totals": self.totals(),
             "tensors": len(self.tensors),
-            "tensor_list": [t.__dict__ for t in self.tensors],
+            "tensor_list": [{k: v for k, v in t.__dict__.items() if v is not None} for t in self.tensors],
         }
         return {k: v for k, v in out.items() if v is not None}
 

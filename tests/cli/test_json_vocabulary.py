@@ -120,3 +120,44 @@ def test_import_hf_reports_what_it_wrote(documents):
     """``bytes`` is the tensor data written into the checkpoint, which inspect totals up."""
     totals = documents["inspect"]["totals"]
     assert documents["import-hf"]["bytes"] == sum(g["bytes"] for g in totals.values())
+
+
+def _saved(path: str, step: int, trainer: dict) -> str:
+    """A committed checkpoint of one tensor and one object (``extra.trainer``)."""
+    import torch
+
+    from mfsdp_ckpt.write.builder import CheckpointBuilder
+
+    with CheckpointBuilder(path, {"step": step}) as builder:
+        builder.add_tensor("model.w", torch.ones(4))
+        builder.add_object("extra.trainer", trainer)
+        builder.commit()
+    return path
+
+
+def test_keys_that_do_not_apply_are_absent_in_nested_objects_too(tmp_path):
+    """An object's ``dtype`` and ``shape`` (inspect's ``tensor_list``), and the ``max_abs``,
+    ``rel`` and ``histogram`` of an entry that differs as an object (diff's ``different``), are
+    absent, not null, as the table says of every key."""
+    a = _saved(str(tmp_path / "a"), 1, {"step": 1})
+    b = _saved(str(tmp_path / "b"), 1, {"step": 2})
+    listed = {t["key"]: t for t in _json("inspect", a)["tensor_list"]}
+    assert set(listed["extra.trainer"]) == {"key", "group", "bytes", "chunks"}, listed["extra.trainer"]
+    assert listed["model.w"]["dtype"] == "float32" and listed["model.w"]["shape"] == [4]
+    result = CliRunner().invoke(main, ["diff", a, b, "--json"])
+    assert result.exit_code == 1, result.output
+    [entry] = json.loads(result.stdout)["different"]
+    assert entry["key"] == "extra.trainer" and set(entry) == {"key", "problem", "detail"}, entry
+
+
+def test_paths_are_resolved_through_latest(tmp_path):
+    """``verify`` and ``diff`` of a ``latest`` pointer (or the run directory holding one) name
+    the checkpoint it points at, as ``inspect`` does."""
+    run = tmp_path / "run"
+    ckpt = _saved(str(run / "step_000001"), 1, {})
+    (run / "latest").write_text("step_000001\n")
+    for given in (str(run / "latest"), str(run)):
+        assert _json("verify", given)["path"] == ckpt
+        assert _json("inspect", given)["path"] == ckpt
+        doc = _json("diff", given, ckpt)
+        assert (doc["a"], doc["b"]) == (ckpt, ckpt)
