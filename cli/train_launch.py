@@ -95,7 +95,7 @@ def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
     try:
         torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(args, module, argv)))
     except ChildFailedError as e:
-        return _report_failure(e.failures, *e.get_first_failure())
+        return _report_failure(args, e.failures)
     except SignalException as e:  # the ranks were sent the same signal and have said where they stopped
         return 128 + int(e.sigval)
     except KeyboardInterrupt:  # before the ranks started
@@ -104,14 +104,39 @@ def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
     return 0
 
 
-def _report_failure(failures: dict[int, Any], first_rank: int, first: Any) -> int:
-    """The job's exit code; one line naming the rank unless rank 0 stopped with a code of the
-    trainer's own (it has printed why, and the other ranks stopped with it)."""
+def _report_failure(args: argparse.Namespace, failures: dict[int, Any]) -> int:
+    """The job's exit code, with one line naming the rank that failed first unless rank 0 stopped
+    with a code of the trainer's own and nothing else went wrong (it has printed why, and the
+    other ranks stopped with it). A rank killed by a signal other than SIGTERM, or exiting with a
+    code of no meaning to the trainer, is a cause; one killed by SIGTERM is one the launcher
+    stopped once another had failed (so a dying rank 1 is not masked by the 143 of rank 0)."""
     codes = {rank: f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for rank, f in failures.items()}
-    refused = sorted(c for c in codes.values() if c in (1, 2))  # ranks refusing alike; rank 0 said why
-    if codes.get(0) in _EXPLAINED:  # it may have been stopped by the launcher as the others went
+    causes = [r for r, f in sorted(failures.items()) if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+    causes += [r for r, f in sorted(failures.items()) if f.exitcode > 0 and f.exitcode not in _EXPLAINED]
+    if not causes and codes.get(0) in _EXPLAINED:
+        refused = sorted(c for c in codes.values() if c in (1, 2))  # ranks refusing alike; rank 0 said why
         return refused[0] if refused else codes[0]
-    code = codes[first_rank]
-    how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {code}"
-    print(f"error: rank {first_rank} {how}", file=sys.stderr, flush=True)
-    return code
+    rank = causes[0] if causes else min(failures)
+    first = failures[rank]
+    how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {codes[rank]}"
+    print(f"error: rank {rank} {how}; {resume_hint(args)}", file=sys.stderr, flush=True)
+    return codes[rank]
+
+
+def resume_hint(args: argparse.Namespace) -> str:
+    """Where the run can go on from: its latest committed checkpoint in ``--ckpt-dir`` (read with
+    the checkpoint library, imported here: the launcher stays light until a run fails)."""
+    if not getattr(args, "ckpt_dir", None):
+        return "no --ckpt-dir, so there is no checkpoint to resume from"
+    from mfsdp_ckpt.errors import CheckpointError
+    from mfsdp_ckpt.tools.listing import list_checkpoints
+
+    try:
+        committed = [e for e in list_checkpoints(args.ckpt_dir) if e.committed]
+    except (CheckpointError, OSError):
+        committed = []
+    if not committed:
+        return f"no committed checkpoint in {args.ckpt_dir} yet"
+    latest = next((e for e in committed if e.latest), committed[-1])
+    path = os.path.join(args.ckpt_dir, latest.name)
+    return f"resume from {path} (the same command with --resume)"
