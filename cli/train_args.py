@@ -362,7 +362,8 @@ DESTINATION = frozenset({"save_every", "keep", "async_save"})
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The run's settings: the command line over the ``--config`` file over what a resumed
     checkpoint recorded over the defaults (:mod:`cli.train_config`). ``args._recorded_in`` is
-    ``(manifest path, the attributes taken from it)``: what a refusal names as recorded."""
+    ``(manifest path, the attributes taken from it)``, ``args._set_in`` ``(config file, the
+    attributes only it set)``: where a refusal says a value came from."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     first = parser.parse_args(argv)
@@ -378,6 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**saved)
         args = parser.parse_args([*words, *argv])
     args._recorded_in = (where, set(saved) - given_flags(argv, words))
+    args._set_in = (first.config, given_flags([], words) - given_flags(argv, []) if words else set())
     return args
 
 
@@ -414,11 +416,14 @@ def given_flags(argv: list[str], words: list[str]) -> set[str]:
 
 
 def shown(args: argparse.Namespace, dest: str, flag: str) -> str:
-    """``--flag VALUE`` as a refusal names it, with the file that recorded it when the value is the
-    resumed checkpoint's, not the user's (``args._recorded_in``, set by :func:`parse_args`)."""
+    """``--flag VALUE`` as a refusal names it, with the file it came from when that is not the
+    command line: the resumed checkpoint's manifest or the ``--config`` file (see :func:`parse_args`)."""
     text = f"{flag} {getattr(args, dest)}"
     recorded_in, recorded = getattr(args, "_recorded_in", (None, set()))
-    return f"{text} (recorded in {recorded_in})" if dest in recorded else text
+    set_in, in_file = getattr(args, "_set_in", (None, set()))
+    if dest in recorded:
+        return f"{text} (recorded in {recorded_in})"
+    return f"{text} (set in {set_in})" if dest in in_file else text
 
 
 def world_size_of(args: argparse.Namespace) -> int | None:

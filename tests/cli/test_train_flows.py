@@ -223,6 +223,13 @@ def test_a_refused_resume_creates_no_ckpt_dir(tmp_path) -> None:
     assert refused.returncode == 1 and "--allow-change lr" in refused.stderr, failure(refused)
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert not new.exists()
+    # a recorded value the new world size does not take is named with the manifest that recorded it
+    step = tmp_path / "run" / "step_000004"
+    out = _front_end("--nproc-per-node", "3", "--resume", str(step))
+    assert out.returncode == 1 and out.stderr.splitlines()[0] == (
+        f"error: --batch-size 4 (recorded in {step}/mfsdp.json) must be a multiple of world size x "
+        "--micro-batches (3 x 1)"
+    ), out.stderr
 
 
 def test_init_from_names_the_model_its_checkpoint_records(tmp_path) -> None:
@@ -284,3 +291,16 @@ def test_ctrl_c_while_importing_torch_is_exit_130_and_at_most_one_line(env, said
     )
     assert out.returncode == 130, out.stderr
     assert out.stderr == said and out.stdout == ""
+
+
+def test_a_refusal_names_the_file_a_value_came_from(tmp_path) -> None:
+    """A refused value the user did not type is named with the file that set it (a resumed
+    checkpoint's manifest: tested above); one typed on the command line is not."""
+    config = tmp_path / "run.toml"
+    config.write_text("save-every = 5\n[training]\nbatch-size = 7\n")
+    out = _front_end("--nproc-per-node", "2", "--config", str(config), "--ckpt-dir", str(tmp_path / "c"))
+    assert out.stderr.splitlines()[0] == (
+        f"error: --batch-size 7 (set in {config}) must be a multiple of world size x --micro-batches (2 x 1)"
+    )
+    out = _front_end("--nproc-per-node", "2", "--config", str(config), "--save-every", "3", "--batch-size", "8")
+    assert out.stderr.splitlines()[0] == "error: --save-every 3 needs --ckpt-dir (without one the run saves nothing)"
