@@ -423,12 +423,14 @@ def upcycle(
     )
 
 
-@main.command(name="ls", short_help="List the checkpoints of a run directory and which is latest.")
+@main.command(name="ls", short_help="List the checkpoints under a folder, by run, and which is latest.")
 @click.argument("root")
 @click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def ls(root: str, clean: bool, as_json: bool) -> None:
-    """The checkpoints under a run directory ROOT: step, size, committed or not, latest."""
+    """The checkpoints under ROOT: step, size, committed or not, latest. ROOT may be a run
+    directory or a folder of runs (up to 3 levels down, ROOT's own checkpoints included): each
+    run's checkpoints are then grouped under it, the run written last first."""
     from mfsdp_ckpt.storage.fs import normalize as fs_normalize
     from mfsdp_ckpt.tools.listing import clean_run_dir, list_runs
 

@@ -1,5 +1,5 @@
 """The checkpoints under a run directory: step, size, committed or not (or a stock DCP checkpoint,
-which has no commit marker), which one is ``latest``."""
+which has no commit marker), which one is ``latest``; and every run under a folder of runs."""
 
 from __future__ import annotations
 
@@ -75,17 +75,28 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
 
 
 def list_runs(root: str | os.PathLike, depth: int = RUN_SEARCH_DEPTH) -> list[tuple[str, list[CheckpointEntry]]]:
-    """(run directory, its checkpoints) for ``root`` itself when it holds checkpoints, else for
-    every run directory found below it, at most ``depth`` levels down (so that ``ls out/`` over a
-    huge tree ends), in path order. A checkpoint directory is not searched into; symlinks and
-    hidden directories are not followed."""
+    """(run directory, its checkpoints) for every run under ``root``: ``root`` itself when it
+    holds checkpoints, and every directory holding checkpoints below it, at most ``depth`` levels
+    down (so that ``ls out/`` over a huge tree ends), a run directory's own subdirectories
+    included. Newest run first (by its newest checkpoint's modification time; on an object
+    store, which keeps none for a directory, in path order). A checkpoint directory is not
+    searched into; symlinks and hidden directories are not followed."""
     root = fs.normalize(root)
     entries = list_checkpoints(root)
-    if entries:
-        return [(root, entries)]
-    runs: list[tuple[str, list[CheckpointEntry]]] = []
+    runs: list[tuple[str, list[CheckpointEntry]]] = [(root, entries)] if entries else []
     _find_runs(root, depth, runs)
-    return runs
+    newest = {run: max(_mtime(fs.join(run, e.name)) for e in entries) for run, entries in runs}
+    return sorted(runs, key=lambda r: -newest[r[0]])
+
+
+def _mtime(path: str) -> float:
+    """A local directory's modification time (0 where there is none to read: an object store)."""
+    if not fs.is_local(path):
+        return 0.0
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _find_runs(directory: str, depth: int, runs: list[tuple[str, list[CheckpointEntry]]]) -> None:
@@ -106,8 +117,7 @@ def _find_runs(directory: str, depth: int, runs: list[tuple[str, list[Checkpoint
             continue
         if entries:
             runs.append((d, entries))
-        else:
-            _find_runs(d, depth - 1, runs)
+        _find_runs(d, depth - 1, runs)
 
 
 def _stock(directory: str) -> bool:
