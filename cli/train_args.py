@@ -491,6 +491,8 @@ def _check_start(args: argparse.Namespace) -> None:
     given = [flag for dest, flag in MODEL_FLAGS.items() if getattr(args, dest, None) is not None]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)} exclude each other (name the model one way)")
+    if args.model is not None and args.model not in PRESET_NAMES:  # as mfsdp_core's get_preset says it
+        raise UsageError(f"unknown model preset {args.model!r}; expected one of {', '.join(sorted(PRESET_NAMES))}")
     if args.resume and args.init_from:
         raise UsageError(
             "--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)"

@@ -130,8 +130,13 @@ def test_logging_flags_for_the_other_parts() -> None:
             ["--resume", "--ckpt-dir", "{tmp}/new"],
             "error: --resume: no checkpoint to resume from (--ckpt-dir {tmp}/new does not exist)",
         ),
+        (
+            ["--model", "gpt-17"],
+            "error: unknown model preset 'gpt-17'; expected one of llama-like-small, mixtral-like-small, "
+            "qwen3-like-small, tiny, tiny-deepseek, tiny-moe",
+        ),
     ],
-    ids=["ep", "batch", "missing-resume", "save-every", "resume-new-dir"],
+    ids=["ep", "batch", "missing-resume", "save-every", "resume-new-dir", "preset"],
 )
 def test_a_refusal_under_nproc_per_node_is_one_line_before_any_rank(tmp_path, flags, message) -> None:
     """The launching process refuses without importing torch (so no rank was started: a rank is a
