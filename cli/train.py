@@ -21,7 +21,7 @@ import os
 import sys
 
 from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of
-from .train_launch import launch, launched_by_us
+from .train_launch import launch, launched_by_us, unblock_sigint
 
 __all__ = ["main", "parse_args", "build_parser", "EXIT_INTERRUPTED"]
 
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     (1 a refused run, 2 a usage error, 130 interrupted, 143 stopped by SIGTERM after saving)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        unblock_sigint()  # a rank of our launcher starts with SIGINT blocked (see train_launch)
         return _main(argv)
     except KeyboardInterrupt:
         return _interrupted()

@@ -15,9 +15,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from typing import Any
 
-__all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us"]
+from .train_signals import STOP_SAID_ENV, note_sigint, raise_if_sigint_noted
+
+__all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us", "unblock_sigint"]
 
 LAUNCHED_ENV = "MFSDP_TRAIN_LAUNCHED"  # set for the ranks this launcher starts
 # the trainer's own exit codes, which rank 0 explains itself
@@ -89,19 +92,59 @@ def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    raise_if_sigint_noted()  # a Ctrl-C that torch's import swallowed
     _quiet_launcher_logs()
+    _ranks_start_with_sigint_blocked()
     os.environ[LAUNCHED_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its warning
-    try:
-        torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(args, module, argv)))
-    except ChildFailedError as e:
-        return _report_failure(args, e.failures)
-    except SignalException as e:  # the ranks were sent the same signal and have said where they stopped
-        return 128 + int(e.sigval)
-    except KeyboardInterrupt:  # before the ranks started
-        print("error: interrupted", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+    with tempfile.TemporaryDirectory(prefix="mfsdp-train-") as tmp:
+        said = os.environ[STOP_SAID_ENV] = os.path.join(tmp, "stop-said")
+        try:
+            torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(args, module, argv)))
+        except ChildFailedError as e:
+            return _report_failure(args, e.failures)
+        except SignalException as e:  # the ranks were sent the same signal
+            if e.sigval == signal.SIGINT and not os.path.exists(said):  # none stopped in the loop to say it
+                print("error: interrupted", file=sys.stderr, flush=True)
+            return 128 + int(e.sigval)
+        except KeyboardInterrupt:  # before the ranks started
+            print("error: interrupted", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
     return 0
+
+
+def _ranks_start_with_sigint_blocked() -> None:
+    """Start each rank with SIGINT blocked (a signal mask survives exec), so that a Ctrl-C in
+    its first moments, before its Python code can take it (the interpreter starting, the trainer
+    module loading), waits instead of printing a traceback of the import machinery; the rank
+    unblocks it first thing (:func:`unblock_sigint`), and takes it then. The launcher itself
+    blocks it only while it starts a process: a Ctrl-C then is delivered to it right after.
+    Wraps the elastic launcher's process start (a private method: left alone if it is gone)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    popen = getattr(handler, "_popen", None)
+    if popen is None or getattr(popen, "_sigint_blocked", False):
+        return
+
+    def blocked_popen(self: Any, *a: Any, **kw: Any) -> Any:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return popen(self, *a, **kw)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    blocked_popen._sigint_blocked = True  # type: ignore[attr-defined]
+    handler._popen = blocked_popen  # type: ignore[method-assign]
+
+
+def unblock_sigint() -> None:
+    """First thing in every process of the trainer: take SIGINT from now on, noted
+    (:func:`cli.train_signals.note_sigint`) so that one swallowed by an import still stops the
+    process; in a rank, one that came while it was blocked (see
+    :func:`_ranks_start_with_sigint_blocked`) is raised here, as ``KeyboardInterrupt``."""
+    note_sigint()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _report_failure(args: argparse.Namespace, failures: dict[int, Any]) -> int:

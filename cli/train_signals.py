@@ -8,19 +8,53 @@ then saves a checkpoint of that step before the run exits, as Megatron-LM's
 ``--exit-signal-handler`` does; SIGINT does not. A second signal, given more than a moment after
 the first (a launcher forwards the terminal's Ctrl-C to its workers, which then see it twice at
 once), stops the process at once.
+
+Before the training loop (``step`` still 0: the model built, the checkpoint loaded, the ranks
+meeting), a Ctrl-C stops the rank at once (``KeyboardInterrupt``): there is no step to finish,
+and a rank that went on would wait in a collective for peers the same Ctrl-C has stopped. In the
+loop, rank 0 of ``mfsdp-train --nproc-per-node`` that notes a Ctrl-C creates the file
+``MFSDP_TRAIN_STOP_SAID`` names: it will print where the run stopped, and the launcher, which
+says ``error: interrupted`` for a job whose ranks stopped before the loop, then says nothing.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from types import FrameType
 
-__all__ = ["StopRequests", "EXIT_CODES", "stop_signal"]
+__all__ = ["StopRequests", "EXIT_CODES", "STOP_SAID_ENV", "stop_signal", "note_sigint", "raise_if_sigint_noted"]
 
 # the exit status of a run stopped by the signal, as a shell reports a process killed by it
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 _SECOND_SIGNAL_AFTER_S = 1.0
+#: the file rank 0 creates when it notes a Ctrl-C in the training loop (set by the launcher)
+STOP_SAID_ENV = "MFSDP_TRAIN_STOP_SAID"
+
+
+_sigint_noted = False  # set by _noting_handler: a Ctrl-C came before StopRequests took over
+
+
+def _noting_handler(signum: int, frame: FrameType | None) -> None:
+    """Python's own SIGINT handler (raise ``KeyboardInterrupt``), noting that it came."""
+    global _sigint_noted
+    _sigint_noted = True
+    raise KeyboardInterrupt
+
+
+def note_sigint() -> None:
+    """From now on, until :meth:`StopRequests.install`, a SIGINT raises ``KeyboardInterrupt`` as
+    usual and is also noted: an import that swallows the interrupt (torch's C extension clears a
+    failed import's error) must not make the process go on as if no Ctrl-C had come."""
+    signal.signal(signal.SIGINT, _noting_handler)
+
+
+def raise_if_sigint_noted() -> None:
+    """Raise ``KeyboardInterrupt`` if a SIGINT came since :func:`note_sigint` (whether or not
+    its ``KeyboardInterrupt`` reached anyone)."""
+    if _sigint_noted:
+        raise KeyboardInterrupt
 
 
 class StopRequests:
@@ -33,7 +67,9 @@ class StopRequests:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        """Handle SIGINT and SIGTERM from now on (the main thread only: Python's rule)."""
+        """Handle SIGINT and SIGTERM from now on (the main thread only: Python's rule); a Ctrl-C
+        noted before (:func:`note_sigint`) and swallowed on the way is raised here."""
+        raise_if_sigint_noted()
         for sig in EXIT_CODES:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -43,15 +79,31 @@ class StopRequests:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.step == 0:
+            raise KeyboardInterrupt  # before the loop: nothing to finish (see the module docstring)
         first = self.received.get(signum)
         now = time.monotonic()
         if first is not None and now - first > _SECOND_SIGNAL_AFTER_S:
             raise KeyboardInterrupt  # the second request: stop here, now
+        if first is None and signum == signal.SIGINT:
+            _tell_the_launcher()
         self.received.setdefault(signum, now)
 
     def pending(self) -> list[float]:
         """``[SIGINT received, SIGTERM received]`` as 0.0 / 1.0, the order :func:`stop_signal` reads."""
         return [float(signal.SIGINT in self.received), float(signal.SIGTERM in self.received)]
+
+
+def _tell_the_launcher() -> None:
+    """On rank 0 of our launcher's job: create the file :data:`STOP_SAID_ENV` names (rank 0 will
+    say where the run stopped; the launcher need not)."""
+    path = os.environ.get(STOP_SAID_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        try:
+            with open(path, "w"):
+                pass
+        except OSError:
+            pass  # the launcher then says "error: interrupted" as well: two lines, not none
 
 
 def stop_signal(summed: list[float]) -> signal.Signals | None:
