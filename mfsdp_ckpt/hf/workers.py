@@ -21,6 +21,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import parse_size
+from mfsdp_ckpt.write.threads import start_all
 
 __all__ = [
     "Cancelled",
@@ -201,8 +202,7 @@ class _Pool(Generic[T, S]):
     def run(self, progress: Callable[[int], None] | None) -> None:
         running, failure = len(self.threads), None
         try:  # the starts too: a Ctrl-C while the first workers already write must stop and join them
-            for t in self.threads:
-                t.start()
+            start_all(self.threads)
             while running:
                 kind, value = self.events.get()
                 if kind == "exit":
@@ -220,7 +220,7 @@ class _Pool(Generic[T, S]):
         # daemon thread doing that while the interpreter finalizes is killed inside C++ code,
         # and the process aborts ("terminate called without an active exception") after its error
         for t in self.threads:
-            if t.ident is not None:  # started (a Ctrl-C may have come before the last start)
+            if t.ident is not None:  # started (start_all's own failure may come before the last start)
                 t.join()
         if failure is not None:
             raise failure

@@ -46,6 +46,7 @@ from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
 from mfsdp_ckpt.write.job import Job, write_checkpoint
+from mfsdp_ckpt.write.threads import start_all
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
 from mfsdp_core.layout import Layout, parse_policy
@@ -534,8 +535,7 @@ def _run_parallel(
     records: list[ChunkRecord] = []
     failure: BaseException | None = None
     try:
-        for t in threads:
-            t.start()
+        start_all(threads)  # a Ctrl-C meanwhile waits until every worker can be joined
         pending = len(threads)
         while pending:
             kind, payload = events.get()
