@@ -25,6 +25,7 @@ __all__ = [
     "start_checkpoint",
     "recorded_settings",
     "local_missing",
+    "is_local",
 ]
 
 LATEST = "<ckpt-dir>/latest"  # --resume without a path
@@ -120,10 +121,14 @@ def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
     return ("--resume", args.resume) if args.resume else None
 
 
+def is_local(path: str | None) -> bool:
+    """Whether ``path`` is a local path (or a ``file://`` URL): one this process can read itself."""
+    return bool(path) and ("://" not in path or path.startswith("file://"))
+
+
 def local_missing(path: str) -> bool:
     """Whether ``path`` is a local path where nothing exists (known without the checkpoint layer)."""
-    local = "://" not in path or path.startswith("file://")
-    return local and not os.path.lexists(path.removeprefix("file://"))
+    return is_local(path) and not os.path.lexists(path.removeprefix("file://"))
 
 
 def recorded_settings(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:

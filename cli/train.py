@@ -47,6 +47,9 @@ def _main(argv: list[str]) -> int:
             return 2
         try:  # what the flags decide alone is refused here, before any rank starts (and imports torch)
             check_flags(args, world_size_of(args))
+            from .train_preflight import check_start  # an --hf-model dir or a readable checkpoint (torch then)
+
+            check_start(args, world_size_of(args))
         except UsageError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1

@@ -57,61 +57,34 @@ from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.data import SyntheticText, TokenFile
 from mfsdp_core.expert_parallel import init_expert_mesh
 from mfsdp_core.hsdp import hsdp_groups, hsdp_placement
-from mfsdp_core.layout import parse_policy
 from mfsdp_core.muon import Muon, uses_muon
 from mfsdp_core.mx import MXFormat
 from mfsdp_core.plan import DEFAULT_GROUP, mx_marked
-from mfsdp_core.strategy import parse_strategy
 
 from .common import _human
 from .model_base import ModelSource
-from .model_source import source_of_run
-from .run_config import allowed_changes, changed_settings, run_config, start_checkpoint
-from .train_args import _AUTO, _LATEST, UsageError, check_flags
+from .run_config import run_config
+from .train_args import _AUTO, UsageError, check_flags
 from .train_launch import launched_by_us
 from .train_signals import EXIT_CODES, StopRequests, stop_signal
+from .train_start import check_model, checked_checkpoint, open_data, resolve_auto_resume, resume_point
 from .train_tensorboard import TensorBoard, open_tensorboard
 
 
 def check_args(args: argparse.Namespace, world: int) -> ModelSource:
     """Validate flags before anything is built: what the flags decide alone
-    (:func:`cli.train_args.check_flags`, the launcher's pre-flight too), then what needs the model;
-    returns the model source (``args.model`` becomes its name: the preset's, the config file's, the
-    model class's, or the one the start checkpoint records)."""
+    (:func:`cli.train_args.check_flags`), then what needs the model
+    (:func:`cli.train_start.check_model`: the model, CUDA, the data file), both the launcher's
+    pre-flight too, then what only a rank checks (an object-store ``--ckpt-dir``); returns the model source (``args.model``
+    becomes its name)."""
     check_flags(args, world)
-    try:
-        source = source_of_run(args, start_checkpoint(args))
-        args.model = source.name
-        parse_strategy(args.strategy)
-        parse_policy(args.policy)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
-        source.check_parallel(world, args.ep)
-    except ValueError as e:
-        raise UsageError(f"--ep {args.ep}: {e}") from None
-    if args.comm_stream and not torch.cuda.is_available():
-        raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
-    if source.seq_length is not None and args.seq_len > source.seq_length:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {source.seq_length}")
-    if args.data:
-        open_data(args, source)  # a missing, misshapen or too short file fails now
+    source = check_model(args, world)
     if args.ckpt_dir and not mfsdp_fs.is_local(args.ckpt_dir):  # fail now, not at the first save
         try:
             check_writable_prefix(args.ckpt_dir)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--ckpt-dir {e}") from None
     return source
-
-
-def open_data(args: argparse.Namespace, source: ModelSource) -> SyntheticText | TokenFile:
-    """The run's samples: ``--data``'s token file, or the synthetic stream."""
-    if not args.data:
-        return SyntheticText(source.vocab_size, args.seq_len, seed=args.seed)
-    try:
-        return TokenFile(args.data, args.seq_len, source.vocab_size, dtype=args.data_dtype, seed=args.seed)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -193,49 +166,6 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
         ],
         ns_dtype=args.ns_dtype,
     )
-
-
-def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
-    """The checkpoint to resume from, after checking it was written for this model and with the
-    settings of this run (:mod:`cli.run_config`; ``--allow-change`` lifts the check per flag)."""
-    if args.resume != _LATEST:
-        path = checked_checkpoint(args.resume, source, "--resume")
-    else:
-        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-        if not mfsdp_fs.exists(latest):
-            raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
-        path = checked_checkpoint(latest, source, "--resume")
-    saved = read_manifest(path).get("run_config")
-    if saved is not None:  # a checkpoint from before settings were recorded has nothing to compare
-        changed = changed_settings(saved, run_config(args), allowed_changes(args.allow_change))
-        if changed:
-            flags = " ".join(f"--allow-change {c.split()[0].lstrip('-')}" for c in changed)
-            raise UsageError(
-                f"--resume: {path} was written with other settings: {', '.join(changed)}; "
-                f"pass {flags} to resume with this run's values"
-            )
-    return path
-
-
-def resolve_auto_resume(args: argparse.Namespace) -> str | None:
-    """``--resume auto``: resume from ``<ckpt-dir>/latest`` when it exists, else start fresh."""
-    latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-    return _LATEST if mfsdp_fs.exists(latest) else None
-
-
-def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
-    """The checkpoint directory ``where`` names, after checking that its manifest records the
-    model of ``source`` (for the reference GPT, fields an older manifest lacks count as their
-    defaults)."""
-    try:
-        path = mfsdp_ckpt.resolve_checkpoint(where)
-        manifest = read_manifest(path)
-    except mfsdp_ckpt.CheckpointError as e:
-        raise UsageError(f"{flag}: {e}") from None
-    diffs = source.describe_differences(manifest)
-    if diffs:
-        raise UsageError(f"{flag}: {path} was written for another model config: {', '.join(diffs)}")
-    return path
 
 
 def memory_mib() -> float:

@@ -309,3 +309,101 @@ def test_a_refusal_names_the_file_a_value_came_from(tmp_path) -> None:
     )
     out = _front_end("--nproc-per-node", "2", "--config", str(config), "--save-every", "3", "--batch-size", "8")
     assert out.stderr.splitlines()[0] == "error: --save-every 3 needs --ckpt-dir (without one the run saves nothing)"
+
+
+# ---- the start checkpoint and the --hf-model directory, checked before any rank starts ---------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A --ckpt-dir of a finished 1-process run of the tiny preset (steps 1-2, saved at 2)."""
+    from tests.torchrun import failure, run_train
+
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    out = run_train(
+        None, "--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(run)
+    )
+    assert out.returncode == 0, failure(out)
+    return run
+
+
+def _launched(monkeypatch, capsys, *argv: str) -> tuple[int, list[str], list[list[str]]]:
+    """``mfsdp-train --nproc-per-node 2 ARGV`` in this process with the rank launcher replaced by a
+    recorder: ``(exit code, stderr lines, the argvs it was asked to launch)``. An empty last item
+    means no rank was started."""
+    import cli.train
+
+    launches: list[list[str]] = []
+    monkeypatch.setattr(cli.train, "launch", lambda args, module, argv: launches.append(argv) or 0)
+    capsys.readouterr()
+    code = cli.train.main(["--nproc-per-node", "2", *argv])
+    return code, capsys.readouterr().err.strip().splitlines(), launches
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--resume", "{step}", "--model", "tiny-moe"],
+            "error: --resume: {step} was written for another model config: moe_ffn_hidden_size=0 (this run: 64), "
+            "moe_shared_expert_ffn_hidden_size=0 (this run: 64), num_experts=0 (this run: 4)",
+        ),
+        (
+            ["--resume", "{step}", "--lr", "1e-2"],
+            "error: --resume: {step} was written with other settings: --lr 0.003 (this run: 0.01); "
+            "pass --allow-change lr to resume with this run's values",
+        ),
+        (  # --ckpt-dir's latest, resolved by the launcher as rank 0 resolves it
+            ["--resume", "--ckpt-dir", "{run}", "--strategy", "optim", "--seed", "3"],
+            "error: --resume: {step} was written with other settings: --seed 0 (this run: 3); "
+            "pass --allow-change seed to resume with this run's values",
+        ),
+        (
+            ["--init-from", "{step}", "--model", "llama-like-small"],
+            "error: --init-from: {step} was written for another model config: ",
+        ),
+    ],
+    ids=["model", "settings", "latest", "init-from"],
+)
+def test_a_refused_start_checkpoint_is_one_line_before_any_rank(monkeypatch, capsys, tiny_run, flags, message):
+    """The checkpoint's own checks (written for this model, with this run's settings) are the
+    launcher's too: refused in one line, and the ranks are never launched."""
+    step = os.path.realpath(tiny_run / "step_000002")
+    argv = [f.format(step=step, run=tiny_run) for f in flags]
+    code, err, launches = _launched(monkeypatch, capsys, *argv)
+    assert (code, launches, len(err)) == (1, [], 1), err
+    assert err[0].startswith(message.format(step=step)), err
+
+
+def test_an_accepted_start_checkpoint_is_launched(monkeypatch, capsys, tiny_run):
+    """What the ranks accept the launcher accepts: another --lr allowed by --allow-change, a layout
+    flag (not recorded), --resume auto of the latest, the weights of the same model."""
+    step = str(tiny_run / "step_000002")
+    for argv in (
+        ["--resume", step, "--lr", "1e-2", "--allow-change", "lr", "--strategy", "optim"],
+        ["--resume", "auto", "--ckpt-dir", str(tiny_run)],
+        ["--init-from", step, "--steps", "1", "--batch-size", "2"],
+    ):
+        code, err, launches = _launched(monkeypatch, capsys, *argv)
+        assert (code, err, len(launches)) == (0, [], 1), (argv, err)
+
+
+def test_a_refused_hf_model_is_one_line_before_any_rank(monkeypatch, capsys, tmp_path):
+    """--ep 2 of a transformers model whose experts are fused, and a config transformers cannot
+    build, are refused by the launcher, with the ranks' words; a model it accepts is launched."""
+    from tests.hf_models import make_hf_dir
+
+    mixtral = make_hf_dir(tmp_path / "mixtral", "mixtral", weights=False)
+    code, err, launches = _launched(monkeypatch, capsys, "--hf-model", mixtral, "--ep", "2")
+    assert (code, launches, len(err)) == (1, [], 1), err
+    assert err[0].startswith(
+        "error: --ep 2: MixtralForCausalLM keeps each MoE layer's experts fused in 3-D parameters "
+        "(model.layers.0.mlp.experts.gate_up_proj)"
+    ), err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-model"}')
+    code, err, launches = _launched(monkeypatch, capsys, "--hf-model", str(tmp_path / "bad"))
+    assert (code, launches, len(err)) == (1, [], 1), err
+    assert "model_type 'no-such-model' is not an architecture transformers" in err[0], err
+    code, err, launches = _launched(monkeypatch, capsys, "--hf-model", mixtral, "--steps", "1")
+    assert (code, err, len(launches)) == (0, [], 1), err
