@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any, NoReturn
 
-from .train_signals import STOP_SAID_ENV, note_sigint, raise_if_sigint_noted
+from .train_signals import STOP_SAID_ENV, note_sigint, raise_if_sigint_noted, sigint_noted
 
 __all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us", "unblock_sigint"]
 
@@ -162,6 +162,18 @@ def unblock_sigint() -> None:
     process; in a rank, one that came while it was blocked (see
     :func:`_ranks_start_with_sigint_blocked`) is raised here, as ``KeyboardInterrupt``."""
     note_sigint()
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        """An error that escapes after a Ctrl-C is the interrupt's doing (a ``KeyboardInterrupt``
+        inside a class body's ``__set_name__`` comes out as ``RuntimeError``, say): the
+        interrupt's one line (none from a rank of our launcher, which says it) and exit 130."""
+        if not sigint_noted():
+            previous(kind, value, tb)
+            return
+        _exit_interrupted(say=not launched_by_us() and os.environ.get("RANK", "0") == "0")
+
+    sys.excepthook = excepthook
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 

@@ -24,7 +24,15 @@ import signal
 import time
 from types import FrameType
 
-__all__ = ["StopRequests", "EXIT_CODES", "STOP_SAID_ENV", "stop_signal", "note_sigint", "raise_if_sigint_noted"]
+__all__ = [
+    "StopRequests",
+    "EXIT_CODES",
+    "STOP_SAID_ENV",
+    "stop_signal",
+    "note_sigint",
+    "raise_if_sigint_noted",
+    "sigint_noted",
+]
 
 # the exit status of a run stopped by the signal, as a shell reports a process killed by it
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -48,6 +56,11 @@ def note_sigint() -> None:
     usual and is also noted: an import that swallows the interrupt (torch's C extension clears a
     failed import's error) must not make the process go on as if no Ctrl-C had come."""
     signal.signal(signal.SIGINT, _noting_handler)
+
+
+def sigint_noted() -> bool:
+    """Whether a SIGINT came since :func:`note_sigint`."""
+    return _sigint_noted
 
 
 def raise_if_sigint_noted() -> None:
