@@ -84,8 +84,15 @@ def _config_of(d: dict[str, Any], where: str) -> Any:
         ) from None
     try:
         return config_class.from_dict(dict(d))
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ValueError(f"{where}: transformers cannot build a {model_type} config from it: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of hostile values raise anything
+        raise ValueError(f"{where}: transformers cannot build a {model_type} config from it: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    """An exception of transformers (or torch) building a config or model, as one line: its
+    message's lines joined (a validation error spans several), its type where it says nothing."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
 
 
 def _class_of(config: Any, d: dict[str, Any], where: str) -> type[nn.Module]:
@@ -132,8 +139,13 @@ class HFSource(ModelSource):
         self.config_dict = {**config, "architectures": [self.cls.__name__]}
         self.model_type = self.hf_config.model_type
         self._carry(files or {})
-        with torch.device("meta"):
-            meta = self._new_model()
+        try:
+            with torch.device("meta"):
+                meta = self._new_model()
+        except Exception as e:  # noqa: BLE001 - a config transformers accepted may still not build
+            raise ValueError(
+                f"{where}: transformers cannot build {self.cls.__name__} from it: {_one_line(e)}"
+            ) from None
         try:
             hf.decoder_layers(meta)
         except ValueError as e:

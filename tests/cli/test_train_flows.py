@@ -407,3 +407,30 @@ def test_a_refused_hf_model_is_one_line_before_any_rank(monkeypatch, capsys, tmp
     assert "model_type 'no-such-model' is not an architecture transformers" in err[0], err
     code, err, launches = _launched(monkeypatch, capsys, "--hf-model", mixtral, "--steps", "1")
     assert (code, err, len(launches)) == (0, [], 1), err
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (
+            {"num_attention_heads": 0},
+            "transformers cannot build MixtralForCausalLM from it: integer division or modulo",
+        ),
+        ({"hidden_size": "x"}, "transformers cannot build a mixtral config from it: Validation error for field"),
+        ({"intermediate_size": -8}, "transformers cannot build MixtralForCausalLM from it: Trying to create tensor"),
+    ],
+    ids=["zero-heads", "string", "negative"],
+)
+def test_hostile_hf_config_values_are_one_line_before_any_rank(monkeypatch, capsys, tmp_path, change, said):
+    """Values transformers' own checks trip over (a ZeroDivisionError, huggingface_hub's validation
+    error, torch's negative dimension) are one line naming the config.json, not a traceback."""
+    import json
+
+    from tests.hf_models import make_hf_dir
+
+    src = make_hf_dir(tmp_path / "m", "mixtral", weights=False)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **change}))
+    code, err, launches = _launched(monkeypatch, capsys, "--hf-model", src)
+    assert (code, launches, len(err)) == (1, [], 1), err
+    assert err[0].startswith(f"error: {src}/config.json: {said}"), err
