@@ -438,8 +438,9 @@ def world_size_of(args: argparse.Namespace) -> int | None:
 def check_flags(args: argparse.Namespace, world: int | None) -> None:
     """Refuse (:class:`UsageError`, one line) what the flags decide alone, with the local files they
     name: the launcher calls it before any rank starts (``world`` None when it cannot know it), each
-    rank again first thing (``cli.trainer.check_args``), so one rule decides both. The model-
-    dependent rules (the expert count, the model's sequence length) are the ranks'."""
+    rank again first thing (``cli.trainer.check_args``), so one rule decides both. The rules that
+    need the model or the start checkpoint are ``cli.train_start``'s (the launcher applies them
+    too, through ``cli.train_preflight``, where it can read what the run names)."""
     _check_destination(args)
     _check_start(args)
     if world is not None:

@@ -1,7 +1,9 @@
 """The trainer's everyday flows as a user meets them: ``--help`` / ``--version`` and the refusals the
 flags alone decide answer without torch (and before any rank starts), a resume from a given
-checkpoint path needs no ``--ckpt-dir``, a refusal creates nothing, and an ``--init-from`` of a
-Hugging Face directory points to the way that reads it."""
+checkpoint path needs no ``--ckpt-dir``, a refusal creates nothing, an ``--init-from`` of a
+Hugging Face directory points to the way that reads it, and what the model and the start checkpoint
+decide (another model, other settings, ``--ep 2`` of fused experts, hostile config values) is
+refused by the launcher before it launches any rank."""
 
 from __future__ import annotations
 
