@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
 import numpy
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+
+if TYPE_CHECKING:  # a type only: DCP (and DTensor, sympy under it) costs ~0.5 s to import, the manifest's readers none
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = ["crc32c", "crc32c_combine", "payload_crc32c", "chunk_id"]
 

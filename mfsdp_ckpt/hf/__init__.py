@@ -6,10 +6,16 @@ index, ``config.json``), streaming one tensor at a time, for the architectures i
 ``export`` reads any canonical checkpoint (and may run on all ranks of a training job, each
 writing its own shard files); ``import_`` writes a committed checkpoint that ``mfsdp_ckpt.load``
 and ``python -m cli.train --init-from`` read at any world size. ``transformers`` is not
-needed for either."""
+needed for either. Those two are imported on first use (PEP 562): they import
+``torch.distributed.checkpoint`` (~0.5 s), which what only maps names or reads a ``config.json`` (the
+launcher's pre-flight of a model) does not need."""
 
-from mfsdp_ckpt.hf.export import ExportResult, export
-from mfsdp_ckpt.hf.import_ import ImportResult, import_
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
 from mfsdp_ckpt.hf.mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
 from mfsdp_ckpt.hf.registry import architectures, get_architecture, register
 
@@ -27,3 +33,44 @@ __all__ = [
     "FusedQKV",
     "GatedMLP",
 ]
+
+_LAZY = ("export", "import_", "ExportResult", "ImportResult")
+
+
+def _load(name: str) -> Any:
+    """The lazily imported public name ``name`` of :data:`_LAZY`."""
+    if name in ("export", "ExportResult"):
+        from mfsdp_ckpt.hf.export import ExportResult, export
+
+        return {"export": export, "ExportResult": ExportResult}[name]
+    from mfsdp_ckpt.hf.import_ import ImportResult, import_
+
+    return {"import_": import_, "ImportResult": ImportResult}[name]
+
+
+def __getattr__(name: str) -> Any:
+    """``export``, ``import_`` and their result types, imported on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _load(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The package's names, the lazily imported ones included."""
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package, whose ``export`` and ``import_`` are the functions (as ``__all__`` says), not the
+    submodules of those names: importing a submodule sets it as the package's attribute, so the
+    function of the submodule's name is kept instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("export", "import_") and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

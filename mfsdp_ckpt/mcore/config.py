@@ -40,7 +40,7 @@ from mfsdp_ckpt.mcore.deepseek import (
     mtp_fields,
 )
 from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
-from mfsdp_ckpt.read.locate import read_small_file
+from mfsdp_ckpt.read.resolve import read_small_file
 from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]

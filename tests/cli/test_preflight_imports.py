@@ -1,0 +1,117 @@
+"""What the launcher's pre-flight of a start checkpoint imports: refusing a ``--resume`` checkpoint
+before any rank starts (a recorded setting the new world size does not take, another model) reads
+the manifest and the model config, and needs no ``torch.distributed.checkpoint`` (with DTensor and
+sympy under it, about 0.5 s of a refusal that should take under 1.5 s). ``import mfsdp_ckpt`` (and
+its ``hf`` and ``mcore`` packages) import it only when ``save``, ``load``, ``export``... are first
+used, and those still resolve to the same functions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DCP = "torch.distributed.checkpoint"
+
+# the trainer's front end in a fresh interpreter, with the rank launcher replaced by a failure (the
+# pre-flight must refuse first); prints whether DCP was imported by the time it returned
+_PROBE = textwrap.dedent(
+    """
+    import sys
+    import cli.train
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was launched")
+
+    cli.train.launch = no_launch
+    try:
+        code = cli.train.main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code
+    print("DCP=" + str("torch.distributed.checkpoint" in sys.modules), file=sys.stderr)
+    sys.exit(code)
+    """
+)
+
+# the lazily imported public names: absent from sys.modules until used, then the same objects
+_LAZY_NAMES = textwrap.dedent(
+    """
+    import sys
+    import mfsdp_ckpt, mfsdp_ckpt.hf, mfsdp_ckpt.mcore, mfsdp_ckpt.read.manifest, mfsdp_ckpt.mcore.config
+    assert "torch.distributed.checkpoint" not in sys.modules, "imported by the packages"
+    assert "mfsdp_ckpt.sharded.save" not in sys.modules
+    for package in (mfsdp_ckpt, mfsdp_ckpt.hf, mfsdp_ckpt.mcore):
+        assert set(package.__all__) <= set(dir(package)), package.__name__
+    import mfsdp_ckpt.mcore.to_hf  # imports the submodule mfsdp_ckpt.hf.export first
+    from mfsdp_ckpt import AsyncSaveHandle, async_save, load, save
+    from mfsdp_ckpt.hf import ExportResult, export, import_
+    from mfsdp_ckpt.mcore import export_mcore, import_mcore
+    modules = sys.modules
+    assert save is modules["mfsdp_ckpt.sharded.save"].save and mfsdp_ckpt.save is save
+    assert load is modules["mfsdp_ckpt.sharded.load"].load and mfsdp_ckpt.load is load
+    assert async_save is modules["mfsdp_ckpt.sharded.async_save"].async_save
+    assert AsyncSaveHandle is modules["mfsdp_ckpt.sharded.async_save"].AsyncSaveHandle
+    assert export is modules["mfsdp_ckpt.hf.export"].export and mfsdp_ckpt.hf.export is export
+    assert ExportResult is modules["mfsdp_ckpt.hf.export"].ExportResult
+    assert import_ is modules["mfsdp_ckpt.hf.import_"].import_ and mfsdp_ckpt.hf.import_ is import_
+    assert export_mcore is modules["mfsdp_ckpt.mcore.export"].export_mcore
+    assert import_mcore is modules["mfsdp_ckpt.mcore.import_"].import_mcore
+    for package in (mfsdp_ckpt, mfsdp_ckpt.hf, mfsdp_ckpt.mcore):
+        try:
+            package.no_such_name
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError(package.__name__ + ".no_such_name resolved")
+    print("OK")
+    """
+)
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_step(tmp_path_factory) -> str:
+    """The step-2 checkpoint of a finished 1-process run of the tiny preset, ``--batch-size 4``."""
+    from tests.torchrun import failure, run_train
+
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    out = run_train(
+        None, "--model", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(run)
+    )
+    assert out.returncode == 0, failure(out)
+    return os.path.realpath(run / "step_000002")
+
+
+def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None:
+    out = _python("-c", _LAZY_NAMES)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--nproc-per-node", "3", "--resume", "{step}"],
+            "error: --batch-size 4 (recorded in {step}/mfsdp.json) must be a multiple of world size x "
+            "--micro-batches (3 x 1)",
+        ),
+        (
+            ["--nproc-per-node", "2", "--model", "tiny-moe", "--resume", "{step}"],
+            "error: --resume: {step} was written for another model config: ",
+        ),
+    ],
+    ids=["recorded-setting", "model"],
+)
+def test_a_refused_resume_imports_no_dcp(tiny_step: str, flags: list[str], message: str) -> None:
+    out = _python("-c", _PROBE, *(f.format(step=tiny_step) for f in flags))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 2, out.stderr
+    assert lines[0].startswith(message.format(step=tiny_step)), out.stderr
+    assert lines[1] == "DCP=False", f"the pre-flight imported {DCP}"
