@@ -20,6 +20,7 @@ import torch
 import mfsdp_ckpt
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
+from mfsdp_ckpt.storage.lock import check_unlocked
 from mfsdp_core.data import SyntheticText, TokenFile
 from mfsdp_core.layout import parse_policy
 from mfsdp_core.strategy import parse_strategy
@@ -29,7 +30,15 @@ from .model_source import source_of_run
 from .run_config import allowed_changes, changed_settings, is_local, run_config, start_checkpoint
 from .train_args import _AUTO, _LATEST, UsageError
 
-__all__ = ["check_model", "open_data", "resume_point", "resolve_auto_resume", "checked_checkpoint", "preflight"]
+__all__ = [
+    "check_model",
+    "open_data",
+    "refuse_locked",
+    "resume_point",
+    "resolve_auto_resume",
+    "checked_checkpoint",
+    "preflight",
+]
 
 
 def check_model(args: argparse.Namespace, world: int | None) -> ModelSource:
@@ -111,11 +120,23 @@ def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
     return path
 
 
+def refuse_locked(args: argparse.Namespace) -> None:
+    """Refuse a local ``--ckpt-dir`` another job is writing into (its writer lock held) before the
+    start checkpoint is even read: that is the reason the run cannot go on, whatever the checkpoint
+    says. Creates nothing; the lock itself is taken once the run is accepted."""
+    if args.ckpt_dir and mfsdp_fs.is_local(args.ckpt_dir):
+        try:
+            check_unlocked(args.ckpt_dir)
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"--ckpt-dir: {e}") from None
+
+
 def preflight(args: argparse.Namespace, world: int | None) -> None:
     """The launcher's check, before any rank starts, of the model and the start checkpoint it can read
     (``cli.train_preflight`` decides that it can), with the ranks' own functions: :func:`check_model`,
     then :func:`resume_point` / :func:`checked_checkpoint`. Works on a copy of ``args``; UsageError."""
     args = copy.copy(args)
+    refuse_locked(args)
     if args.resume and not is_local(args.ckpt_dir if args.resume in (_LATEST, _AUTO) else args.resume):
         args.resume = None  # an object store's: read by the ranks (only the --hf-model is checked here)
     if args.resume == _AUTO:

@@ -67,7 +67,14 @@ from .run_config import run_config
 from .train_args import _AUTO, UsageError, check_flags
 from .train_launch import launched_by_us
 from .train_signals import EXIT_CODES, StopRequests, stop_signal
-from .train_start import check_model, checked_checkpoint, open_data, resolve_auto_resume, resume_point
+from .train_start import (
+    check_model,
+    checked_checkpoint,
+    open_data,
+    refuse_locked,
+    resolve_auto_resume,
+    resume_point,
+)
 from .train_tensorboard import TensorBoard, open_tensorboard
 
 
@@ -176,7 +183,8 @@ def memory_mib() -> float:
 def refuse_held_dir(args: argparse.Namespace) -> None:
     """Rank 0, before anything is built: refuse a ``--ckpt-dir`` that already holds a run unless it
     is resumed (starting again at step 0 would move ``latest`` back and replace equal step
-    numbers). Creates nothing."""
+    numbers), and one another job is writing into (its writer lock held). Creates nothing."""
+    refuse_locked(args)
     if args.ckpt_dir and not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
         _refuse_held(args)
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.names import LOCK_NAME
 
-__all__ = ["RunLockedError", "run_lock", "holds_lock", "lock_holder"]
+__all__ = ["RunLockedError", "run_lock", "holds_lock", "lock_holder", "check_unlocked"]
 
 
 _held: dict[str, tuple[int, int]] = {}  # run directory -> (lock file descriptor, times held by this process)
@@ -133,3 +133,27 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
 def holds_lock(run_dir: str | os.PathLike) -> bool:
     """Whether this process holds the lock of ``run_dir``."""
     return os.path.abspath(os.fspath(run_dir)) in _held
+
+
+def check_unlocked(run_dir: str | os.PathLike) -> None:
+    """Raise :class:`RunLockedError` when another process holds the lock of ``run_dir``; creates
+    nothing (no directory, no lock file), so a run can refuse early and leave no trace. A lock this
+    process holds, or no lock file at all, passes. Only a hint before :func:`run_lock`: the lock may
+    be taken between the two, and ``run_lock`` then refuses as ever."""
+    run_dir = os.path.abspath(os.fspath(run_dir))
+    if run_dir in _held:
+        return
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (or none we may open): nobody to be refused for; run_lock decides
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunLockedError(
+            f"{run_dir}: another job is writing checkpoints here ({_describe(lock_holder(run_dir))})"
+        ) from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)  # closing releases a shared lock taken here
