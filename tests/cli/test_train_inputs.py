@@ -217,7 +217,9 @@ def test_init_from_a_non_preset_import_hf_output_trains_with_its_config(tmp_path
         str(tmp_path / "run"),
     )
     assert run.returncode == 0, failure(run)
-    assert "model custom, " in run.stdout and f"initialised from the weights of {tmp_path / 'ckpt'}" in run.stdout
+    # the header names the model its checkpoint records (it said "model custom" before)
+    assert f"model llama (imported from {tmp_path / 'hf'})" in run.stdout, run.stdout
+    assert f"initialised from the weights of {tmp_path / 'ckpt'}" in run.stdout
     # the first loss is the HF model's on the same batch: the imported weights are what trains
     batch = SyntheticText(300, 32, seed=0).batch(0, 2)
     with torch.no_grad():

@@ -8,8 +8,8 @@ checkpoint (checked by hand with ``await_fences`` made a no-op: every case fails
 
 from __future__ import annotations
 
+import importlib
 import os
-import sys
 import time
 
 import pytest
@@ -23,7 +23,9 @@ from mfsdp_core.fully_shard import buffers_of
 from tests.mfsdp_ckpt.util import owned_pieces, train_steps
 from tests.mfsdp_core.models import batch, loss_fn, make_adamw, make_model, shard_model
 
-ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.async_save`` is the function)
+ASYNC = importlib.import_module(
+    "mfsdp_ckpt.sharded.async_save"
+)  # the module (``mfsdp_ckpt.async_save`` is the function)
 SLOW_COPY_S = 0.6
 
 

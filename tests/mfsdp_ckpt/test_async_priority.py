@@ -6,6 +6,7 @@ checkpoints still round-trip bitwise. Read from the kernel (``/proc/self/task/<t
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -20,7 +21,7 @@ from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 
-ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]
+ASYNC = importlib.import_module("mfsdp_ckpt.sharded.async_save")
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
 

@@ -7,10 +7,10 @@ behind, at most one save is in flight, refusals come before returning, and the t
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import pathlib
-import sys
 import time
 
 import pytest
@@ -28,7 +28,9 @@ from tests.faults import FullDisk
 from tests.mfsdp_ckpt.util import build, owned_pieces, train_steps
 from tests.torchrun import failure, read_metrics, run_train
 
-ASYNC = sys.modules["mfsdp_ckpt.sharded.async_save"]  # the module (``mfsdp_ckpt.async_save`` is the function)
+ASYNC = importlib.import_module(
+    "mfsdp_ckpt.sharded.async_save"
+)  # the module (``mfsdp_ckpt.async_save`` is the function)
 STEPS = 20
 
 
@@ -345,7 +347,10 @@ def test_the_trainer_saves_asynchronously_and_resumes_bitwise(tmp_path):
 
 def test_async_save_without_a_checkpoint_directory_is_one_line():
     run = run_train(None, "--model", "tiny", "--steps", "1", "--async-save")
-    assert run.returncode == 1 and run.stderr.strip() == "error: --async-save needs --ckpt-dir", failure(run)
+    assert (
+        run.returncode == 1
+        and run.stderr.strip() == "error: --async-save needs --ckpt-dir (without one the run saves nothing)"
+    ), failure(run)
 
 
 @pytest.mark.heavy
