@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from tests.cli.test_train_mcore import ARGS as MCORE_ARGS  # the small MoE GPTModel those tests train
 from tests.hf_models import make_hf_dir
 from tests.torchrun import failure, run_train
 
@@ -26,18 +27,6 @@ OURS = [
     r"finished: step 2 of 2$",
 ]
 COMMON = ("--steps", "2", "--batch-size", "4", "--seq-len", "16", "--log-every", "1", "--save-every", "2")
-MCORE_ARGS = {
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "ffn_hidden_size": 64,
-    "vocab_size": 64,
-    "seq_length": 32,
-    "num_experts": 4,
-    "moe_router_topk": 2,
-    "moe_ffn_hidden_size": 32,
-}
 #: a line each library prints when not silenced
 THEIRS = {
     "hf": "torchao/_C_",  # torchao's .so load failures (and pytree's enum warnings)
