@@ -12,25 +12,10 @@ import time
 
 import pytest
 
-from tests.torchrun import ENV, read_metrics, start_in_own_session
+from tests.torchrun import ENV, _children, read_metrics, start_in_own_session
 
 TRAINER = [sys.executable, "-m", "mfsdp_cli.train"]
 RUN = ("--model", "tiny", "--batch-size", "6", "--seq-len", "32", "--steps", "400", "--save-every", "5")
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc: no psutil)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(name))
-    return out
 
 
 def _rank_pids(launcher: int) -> dict[int, int]:
