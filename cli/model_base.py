@@ -10,17 +10,16 @@ Hugging Face ``transformers`` models (``cli.hf_source``) and Megatron-Core ``GPT
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from mfsdp_core.expert_layout import check_expert_parallel
 
-from mfsdp_core.expert_parallel import (
-    ExpertMesh,
-    check_expert_parallel,
-    expert_placement,
-)
-from mfsdp_core.plan import PlacementFn, placement_fn
+if TYPE_CHECKING:  # describing a model (the launcher's pre-flight) imports no torch; building one does
+    import torch
+    from torch import nn
+
+    from mfsdp_core.expert_parallel import ExpertMesh
+    from mfsdp_core.plan import PlacementFn
 
 __all__ = ["ModelSource"]
 
@@ -79,6 +78,9 @@ class ModelSource:
 
     def placement(self, policy: str, mesh: ExpertMesh | None) -> PlacementFn:
         """Every parameter's placement: experts over the expert-data-parallel group under EP."""
+        from mfsdp_core.expert_parallel import expert_placement
+        from mfsdp_core.plan import placement_fn
+
         return placement_fn(None, policy) if mesh is None else expert_placement(policy)
 
     def after_shard(self, model: nn.Module) -> None:

@@ -12,11 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
@@ -27,17 +23,17 @@ from mfsdp_ckpt.format.model_source import (
     gpt_source,
     model_source_of,
 )
-from mfsdp_ckpt.hf.registry import architecture_of_hf_config
 from mfsdp_ckpt.read.manifest import read_manifest
-from mfsdp_core.expert_parallel import ExpertMesh
-from mfsdp_core.models import gpt
-from mfsdp_core.models.gpt import PRESETS, GPTConfig, GPTModel, get_preset
-from mfsdp_core.models.moe import set_aux_loss_group, update_expert_bias
+from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
-from .hf_source import HFSource
-from .mcore_source import McoreSource
 from .model_base import ModelSource
 from .train_args import DEFAULT_PRESET, MODEL_FLAGS
+
+if TYPE_CHECKING:  # describing the run's model (the launcher's pre-flight) imports no torch; building it does
+    import torch
+    from torch import nn
+
+    from mfsdp_core.expert_parallel import ExpertMesh
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -94,11 +90,17 @@ class GPTSource(ModelSource):
         return cls(config, preset_name(config) or "custom")
 
     def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+        import torch
+
+        from mfsdp_core.models import gpt
+
         torch.manual_seed(args.seed)
-        model = GPTModel(self.config)  # whole on every rank, so that each expert starts as in one process
+        model = gpt.GPTModel(self.config)  # whole on every rank, so that each expert starts as in one process
         return gpt.shard_experts(model, mesh) if mesh is not None else model
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        from mfsdp_core.models import gpt
+
         return gpt.shard_units(model)
 
     def forward(
@@ -108,21 +110,48 @@ class GPTSource(ModelSource):
         return logits, model.aux_loss
 
     def after_step(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        from mfsdp_core.models.moe import update_expert_bias
+
         update_expert_bias(model, dist.group.WORLD if dist.is_initialized() else None)
 
     def use_global_aux_loss(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        from mfsdp_core.models.moe import set_aux_loss_group
+
         set_aux_loss_group(model, dist.group.WORLD if dist.is_initialized() else None)
 
     def linear_weights(self, model: nn.Module) -> list[nn.Parameter]:
+        from mfsdp_core.models import gpt
+
         return gpt.linear_weights(model)
 
     def n_params(self) -> int:
+        import torch
+
+        from mfsdp_core.models.gpt import GPTModel
+
         with torch.device("meta"):
             return sum(p.numel() for p in GPTModel(self.config).parameters())
 
 
-#: kind -> the family that rebuilds a recorded model
-_FAMILIES: dict[str, type[ModelSource]] = {MFSDP_GPT: GPTSource, MEGATRON_CORE: McoreSource, TRANSFORMERS: HFSource}
+def family_of(kind: object) -> type[ModelSource] | None:
+    """The source class that rebuilds a recorded model of ``kind``; None for a kind we do not build.
+    The Hugging Face and Megatron-Core families are imported when named: they import torch and
+    their libraries, which describing a reference GPT run (the launcher's pre-flight) does not need."""
+    if kind == MFSDP_GPT:
+        return GPTSource
+    if kind == MEGATRON_CORE:
+        from .mcore_source import McoreSource
+
+        return McoreSource
+    if kind == TRANSFORMERS:
+        from .hf_source import HFSource
+
+        return HFSource
+    return None
 
 
 def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) -> ModelSource:
@@ -136,9 +165,9 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     if given:
         flag, value = given[0]
         if flag == "--mcore-config":
-            return McoreSource.from_file(value)
+            return family_of(MEGATRON_CORE).from_file(value)
         if flag == "--hf-model":
-            return HFSource.from_dir(value)
+            return family_of(TRANSFORMERS).from_dir(value)
     if given or start_from is None:
         config, name = model_of_run(args.model, args.model_config)
         return GPTSource(config, name)
@@ -153,7 +182,7 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
         raise ValueError(
             f"{flag}: {resolved} records no model config; name the model with {', '.join(MODEL_FLAGS.values())}"
         )
-    family = _FAMILIES.get(record.get("kind"))
+    family = family_of(record.get("kind"))
     if family is None:
         raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")
     source = family.from_record(record, f"{flag}: {resolved}")
@@ -196,6 +225,8 @@ def config_from_file(path: str) -> GPTConfig:
     if not isinstance(d, dict):
         raise ValueError(f"--model-config {path}: expected a JSON object, got {type(d).__name__}")
     if "model_type" in d or "architectures" in d:  # a Hugging Face config.json
+        from mfsdp_ckpt.hf.registry import architecture_of_hf_config
+
         try:
             return architecture_of_hf_config(d, path).from_hf_config(d, path)
         except ConversionError as e:

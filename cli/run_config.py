@@ -62,7 +62,7 @@ SETTINGS_KEY = "settings"  # every resolved setting, the defaults of a resumed r
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The recorded settings of this run, by flag name (``data``: where the samples come from),
     and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)."""
-    from mfsdp_core.data import describe_token_file  # (torch: this module is imported by the light parser)
+    from mfsdp_core.token_files import describe_token_file  # (numpy: this module is imported by the light parser)
 
     # ``model_name``: what a run started from this checkpoint calls the model (not a flag: no default)
     out: dict[str, Any] = {SETTINGS_KEY: {**resolved_settings(args), "model_name": args.model}}

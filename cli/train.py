@@ -47,7 +47,7 @@ def _main(argv: list[str]) -> int:
             return 2
         try:  # what the flags decide alone is refused here, before any rank starts (and imports torch)
             check_flags(args, world_size_of(args))
-            from .train_preflight import check_start  # an --hf-model dir or a readable checkpoint (torch then)
+            from .train_preflight import check_start  # the model, --data, a readable checkpoint
 
             check_start(args, world_size_of(args))
         except UsageError as e:

@@ -1,8 +1,11 @@
-"""The launcher's pre-flight beyond the flags, without torch until it is needed: where the run names
-an ``--hf-model`` directory or a start checkpoint the launcher can read (a local path, or a local
-``--ckpt-dir``'s latest), :func:`check_start` checks the model and that checkpoint before any rank
-starts, with the rules the ranks apply (``cli.train_start``, which imports torch and the checkpoint
-layer: only such a run pays for it). Anything else is left to the ranks, as before."""
+"""The launcher's pre-flight beyond the flags: :func:`check_start` checks the run's model, its
+``--data`` file and the start checkpoint it can read (a local path, or a local ``--ckpt-dir``'s
+latest) before any rank starts, with the rules the ranks apply (``cli.train_start``).
+
+Describing a reference GPT run, reading a manifest and sizing a token file import no torch, so
+such a refusal takes a fraction of a second. An ``--hf-model`` directory is built by transformers
+(seconds; the ranks would pay it too); a Megatron-Core config, or a model only an object-store
+checkpoint records, is left to the ranks."""
 
 from __future__ import annotations
 
@@ -14,21 +17,33 @@ from .train_args import _AUTO, _LATEST
 __all__ = ["check_start", "needs_start_check"]
 
 
-def needs_start_check(args: argparse.Namespace) -> bool:
-    """Whether the run names something the launcher can check beyond the flags: an ``--hf-model``
-    directory, or a local start checkpoint (``--init-from``, ``--resume``, ``--ckpt-dir``'s latest)."""
-    if args.hf_model is not None:
-        return True
+def _start_is_local(args: argparse.Namespace) -> bool | None:
+    """Whether the checkpoint the run starts from is one the launcher can read (None: it names none)."""
     if args.init_from:
         return is_local(args.init_from)
     if args.resume in (_LATEST, _AUTO):
         return is_local(args.ckpt_dir)
-    return is_local(args.resume)
+    if args.resume:
+        return is_local(args.resume)
+    return None
+
+
+def needs_start_check(args: argparse.Namespace) -> bool:
+    """Whether the launcher checks the run's model and start beyond the flags: always, except for a
+    Megatron-Core model (its library is the ranks' to import) that starts from no local checkpoint,
+    and a model named by nothing but an object-store checkpoint."""
+    local = _start_is_local(args)
+    if args.hf_model is not None:
+        return True
+    if args.mcore_config is not None:
+        return local is True
+    named = args.model is not None or args.model_config is not None
+    return local is not False or named
 
 
 def check_start(args: argparse.Namespace, world: int | None) -> None:
-    """Refuse (``UsageError``, one line) a model or start checkpoint the ranks would refuse, before
-    they start: called by the launcher after ``check_flags``; a no-op (no torch) for other runs."""
+    """Refuse (``UsageError``, one line) a model, data file or start checkpoint the ranks would
+    refuse, before they start: called by the launcher after ``check_flags``."""
     if not needs_start_check(args):
         return
     from .quiet import quiet_third_party

@@ -6,29 +6,33 @@ One rule for both places that decide: each rank (``cli.trainer``: rank 0 picks t
 all, since ``latest`` may move meanwhile and a plain torchrun job has no launcher), and the launcher
 of ``--nproc-per-node`` before it starts any rank (:func:`preflight`, through ``cli.train_preflight``), for what it can read itself:
 an ``--hf-model`` directory, a local checkpoint, or ``--ckpt-dir``'s latest. Importing this module
-imports torch and the checkpoint layer, not the training runtime; the light front end imports it
-only when the run names a model directory or a checkpoint.
+imports neither torch nor the training runtime: describing a reference GPT run and reading a
+manifest are torch-free, so that the launcher refuses such a run in a fraction of a second; the
+Hugging Face and Megatron-Core families, a ``--data`` file and ``--comm-stream`` import torch when
+they are checked.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-
-import torch
+from typing import TYPE_CHECKING
 
 import mfsdp_ckpt
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.lock import check_unlocked
-from mfsdp_core.data import SyntheticText, TokenFile
-from mfsdp_core.layout import parse_policy
+from mfsdp_core.policy import parse_policy
 from mfsdp_core.strategy import parse_strategy
+from mfsdp_core.token_files import token_windows
 
 from .model_base import ModelSource
 from .model_source import source_of_run
 from .run_config import allowed_changes, changed_settings, is_local, run_config, start_checkpoint
 from .train_args import _AUTO, _LATEST, UsageError
+
+if TYPE_CHECKING:
+    from mfsdp_core.data import SyntheticText, TokenFile
 
 __all__ = [
     "check_model",
@@ -60,15 +64,26 @@ def check_model(args: argparse.Namespace, world: int | None) -> ModelSource:
             raise UsageError(f"--ep {args.ep}: {e}") from None
     if source.seq_length is not None and args.seq_len > source.seq_length:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {source.seq_length}")
-    if args.comm_stream and not torch.cuda.is_available():
+    if args.comm_stream and not _cuda_available():
         raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
-    if args.data:
-        open_data(args, source)  # a missing, misshapen or too short file fails now
+    if args.data:  # a missing, misshapen or too short file fails now
+        try:
+            token_windows(args.data, args.seq_len, args.data_dtype)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return source
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def open_data(args: argparse.Namespace, source: ModelSource) -> SyntheticText | TokenFile:
     """The run's samples: ``--data``'s token file, or the synthetic stream."""
+    from mfsdp_core.data import SyntheticText, TokenFile
+
     if not args.data:
         return SyntheticText(source.vocab_size, args.seq_len, seed=args.seed)
     try:

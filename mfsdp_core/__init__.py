@@ -1,39 +1,71 @@
 """mfsdp_core: the sharding runtime (placement plans, layouts, flat buffers, ``fully_shard``,
-optimizer adapter). It never imports the checkpoint layer."""
+optimizer adapter). It never imports the checkpoint layer.
 
-from mfsdp_core.collectives import count_comm
-from mfsdp_core.companion import Companion
-from mfsdp_core.fully_shard import fully_shard, plan_of, rename_params, set_comm_stream, set_overlap
-from mfsdp_core.layout import Layout, Policy, compute_layout, parse_policy
-from mfsdp_core.mixed_precision import MixedPrecision
-from mfsdp_core.optim import clip_grad_norm_, fully_shard_optimizer
-from mfsdp_core.plan import BufferSpec, ModelPlan, Placement, plan_model
-from mfsdp_core.shards import FlatShard, ParamShard, describe_shards, refresh_compute_params
-from mfsdp_core.strategy import Strategy, parse_strategy
+The public names are imported on first use (PEP 562): each of them imports torch (~1.7 s), which
+what only parses a name or a config (``mfsdp_core.strategy``, ``mfsdp_core.policy``,
+``mfsdp_core.models.config``: the launcher's pre-flight, a manifest's schema) does not need."""
 
-__all__ = [
-    "fully_shard",
-    "fully_shard_optimizer",
-    "clip_grad_norm_",
-    "MixedPrecision",
-    "Placement",
-    "Companion",
-    "BufferSpec",
-    "ModelPlan",
-    "plan_model",
-    "plan_of",
-    "rename_params",
-    "set_overlap",
-    "set_comm_stream",
-    "Strategy",
-    "parse_strategy",
-    "Policy",
-    "parse_policy",
-    "Layout",
-    "compute_layout",
-    "describe_shards",
-    "refresh_compute_params",
-    "FlatShard",
-    "ParamShard",
-    "count_comm",
-]
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+#: public name -> the module that defines it
+_HOMES = {
+    "count_comm": "collectives",
+    "Companion": "companion",
+    "fully_shard": "fully_shard",
+    "plan_of": "fully_shard",
+    "rename_params": "fully_shard",
+    "set_comm_stream": "fully_shard",
+    "set_overlap": "fully_shard",
+    "Layout": "layout",
+    "compute_layout": "layout",
+    "Policy": "policy",
+    "parse_policy": "policy",
+    "MixedPrecision": "mixed_precision",
+    "clip_grad_norm_": "optim",
+    "fully_shard_optimizer": "optim",
+    "BufferSpec": "plan",
+    "ModelPlan": "plan",
+    "Placement": "plan",
+    "plan_model": "plan",
+    "FlatShard": "shards",
+    "ParamShard": "shards",
+    "describe_shards": "shards",
+    "refresh_compute_params": "shards",
+    "Strategy": "strategy",
+    "parse_strategy": "strategy",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use and kept as a module attribute."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package, whose ``fully_shard`` is the function (as ``__all__`` says), not the submodule of
+    that name: importing a submodule sets it as the package's attribute, so the function of the
+    submodule's name is kept instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "fully_shard" and isinstance(value, types.ModuleType):
+            value = value.fully_shard
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

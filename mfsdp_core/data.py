@@ -11,10 +11,10 @@ is structure to learn.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
+
+from mfsdp_core.token_files import TOKEN_DTYPES, describe_token_file, token_windows
 
 __all__ = ["SyntheticText", "TokenFile", "TOKEN_DTYPES", "describe_token_file"]
 
@@ -43,9 +43,6 @@ class SyntheticText:
         return torch.stack([self.sample(start + i) for i in range(count)])
 
 
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
 class TokenFile:
     """A tokenized corpus: one flat binary file of ``uint16`` or ``uint32`` token ids, native byte
     order, no header (what nanoGPT's ``prepare.py`` writes, and the ``.bin`` half of Megatron's
@@ -59,26 +56,9 @@ class TokenFile:
     """
 
     def __init__(self, path: str, seq_len: int, vocab: int, *, dtype: str = "uint16", seed: int = 0) -> None:
-        if dtype not in TOKEN_DTYPES:
-            raise ValueError(f"--data-dtype {dtype!r}: one of {', '.join(TOKEN_DTYPES)}")
         self.path, self.seq_len, self.vocab, self.seed = path, seq_len, vocab, seed
+        self.tokens, self.windows = token_windows(path, seq_len, dtype)
         np_dtype = TOKEN_DTYPES[dtype]
-        try:
-            size = os.path.getsize(path)
-        except OSError as e:
-            raise ValueError(f"--data {path}: {e.strerror or e}") from None
-        if os.path.isdir(path):
-            raise ValueError(f"--data {path}: is a directory, not a token file")
-        itemsize = np.dtype(np_dtype).itemsize
-        if size % itemsize:
-            raise ValueError(
-                f"--data {path}: {size} bytes is not a whole number of {dtype} token ids "
-                f"({itemsize} bytes each); is --data-dtype right?"
-            )
-        self.tokens = size // itemsize
-        self.windows = (self.tokens - 1) // seq_len if self.tokens else 0
-        if self.windows < 1:
-            raise ValueError(f"--data {path}: {self.tokens} tokens, fewer than one sample of --seq-len {seq_len} + 1")
         self._ids = np.memmap(path, dtype=np_dtype, mode="r")
         self._perm: tuple[int, torch.Tensor] | None = None
 
@@ -110,13 +90,3 @@ class TokenFile:
     def describe(self) -> str:
         """What a run records as its data source (compared on resume)."""
         return describe_token_file(self.path, self._ids.dtype.name)
-
-
-def describe_token_file(path: str, dtype: str) -> str:
-    """``/abs/path (uint16, N tokens)``: a token file as a run records its data source, so a resumed
-    run that reads another file, or the same one grown or read with another dtype, is told."""
-    try:
-        tokens = str(os.path.getsize(path) // np.dtype(TOKEN_DTYPES[dtype]).itemsize)
-    except (OSError, KeyError):
-        tokens = "?"
-    return f"{os.path.abspath(path)} ({dtype}, {tokens} tokens)"

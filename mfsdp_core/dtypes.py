@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mfsdp_core.dtype_names import DTYPE_ROWS
+
 __all__ = [
     "DtypeInfo",
     "DTYPES",
@@ -49,28 +51,9 @@ class DtypeInfo:
     wire: torch.dtype
 
 
-# name, safetensors, legacy storage class, travels as uint8
-_ROWS: tuple[tuple[str, str | None, str | None, bool], ...] = (
-    ("float32", "F32", "FloatStorage", False),
-    ("bfloat16", "BF16", "BFloat16Storage", False),
-    ("float16", "F16", "HalfStorage", False),
-    ("float64", "F64", "DoubleStorage", False),
-    ("int64", "I64", "LongStorage", False),
-    ("int32", "I32", "IntStorage", False),
-    ("int16", "I16", "ShortStorage", False),
-    ("int8", "I8", "CharStorage", False),
-    ("uint8", "U8", "ByteStorage", False),
-    ("bool", "BOOL", "BoolStorage", False),
-    ("float8_e4m3fn", "F8_E4M3", None, True),
-    ("float8_e5m2", "F8_E5M2", None, True),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ", None, True),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ", None, True),
-    ("float8_e8m0fnu", None, None, True),
-)
-
 DTYPES: tuple[DtypeInfo, ...] = tuple(
     DtypeInfo(name, getattr(torch, name), st, storage, torch.uint8 if as_bytes else getattr(torch, name))
-    for name, st, storage, as_bytes in _ROWS
+    for name, st, storage, as_bytes in DTYPE_ROWS
     if isinstance(getattr(torch, name, None), torch.dtype)
 )
 

@@ -22,7 +22,6 @@ whichever rank holds expert 17): the trailing integer of a parameter whose path 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -30,6 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_core import collectives as C
+from mfsdp_core.expert_layout import (
+    EDP_GROUP,
+    EP_GROUP,
+    check_expert_parallel,
+    expert_index,
+    expert_owner,
+    local_experts,
+)
 from mfsdp_core.layout import Policy, parse_policy
 from mfsdp_core.plan import DEFAULT_GROUP, DEFAULT_POLICY, Placement, PlacementFn
 
@@ -45,45 +52,6 @@ __all__ = [
     "expert_placement",
     "ep_rank_of",
 ]
-
-EP_GROUP = "ep"
-EDP_GROUP = "edp"
-
-_EXPERT_NAME = re.compile(r"^(?P<template>(?:.*\.)?experts\..*?)(?P<index>\d+)$")
-
-
-def expert_index(name: str) -> tuple[str, int] | None:
-    """``(template, global index)`` of an expert parameter name
-    (``decoder.layers.0.mlp.experts.linear_fc1.weight3`` → ``("…linear_fc1.weight", 3)``), or
-    None for any other parameter."""
-    m = _EXPERT_NAME.match(name)
-    return (m["template"], int(m["index"])) if m else None
-
-
-def check_expert_parallel(world_size: int, ep_size: int, num_experts: int) -> None:
-    """Raise ValueError, naming the numbers, unless ``ep_size`` can place ``num_experts`` experts
-    over ``world_size`` ranks: it divides both."""
-    if ep_size < 1:
-        raise ValueError(f"EP size must be >= 1, got {ep_size}")
-    if world_size % ep_size:
-        raise ValueError(f"EP size {ep_size} does not divide the world size {world_size}")
-    if ep_size > 1 and num_experts == 0:
-        raise ValueError(f"EP size {ep_size} needs a model with experts; this one has none")
-    if num_experts and ep_size > num_experts:
-        raise ValueError(f"EP size {ep_size} exceeds the number of experts {num_experts}")
-    if num_experts % ep_size:
-        raise ValueError(f"EP size {ep_size} does not divide the number of experts {num_experts}")
-
-
-def local_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
-    """The global indices of the experts EP rank ``ep_rank`` holds."""
-    n = num_experts // ep_size
-    return range(ep_rank * n, (ep_rank + 1) * n)
-
-
-def expert_owner(expert: int, num_experts: int, ep_size: int) -> int:
-    """The EP rank holding global expert ``expert``."""
-    return expert // (num_experts // ep_size)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from mfsdp_core import mx_native  # importing it builds nothing: the kernel is built on first use
+from mfsdp_core.mx_names import AXES, BACKENDS, BLOCK, ELEMENTS, RULES
 
 __all__ = [
     "BLOCK",
@@ -75,11 +76,6 @@ __all__ = [
     "BACKENDS",
 ]
 
-BLOCK = 32
-ELEMENTS = ("e4m3", "e5m2")
-RULES = ("floor", "rceil")
-AXES = ("row", "col")
-BACKENDS = ("auto", "reference", "native")
 
 # element -> (torch dtype, max finite value, exponent of the largest power of two <= max)
 _ELEM = {

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
 import numpy
-import torch
 
-if TYPE_CHECKING:  # a type only: DCP (and DTensor, sympy under it) costs ~0.5 s to import, the manifest's readers none
+if TYPE_CHECKING:  # types only: a manifest's readers (the launcher's pre-flight) import no torch (~1.7 s)
+    import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = ["crc32c", "crc32c_combine", "payload_crc32c", "chunk_id"]
@@ -31,16 +31,23 @@ def crc32c(data: Any) -> int:
 
 def payload_crc32c(data: torch.Tensor | io.BytesIO | bytes | memoryview) -> int:
     """crc32c of a chunk's payload: a tensor's bytes (row-major) or a serialized object's bytes."""
-    if isinstance(data, torch.Tensor):
-        flat = data.detach().contiguous().reshape(-1)
-        if flat.numel() == 0:
-            return crc32c(b"")
-        return crc32c(flat.view(torch.uint8).numpy())
     if isinstance(data, io.BytesIO):
         data = data.getbuffer()
     if isinstance(data, memoryview):  # a uint8 view of any memoryview format
         data = numpy.frombuffer(data, dtype=numpy.uint8)
-    return crc32c(data)
+    if isinstance(data, (bytes, bytearray, numpy.ndarray)):
+        return crc32c(data)
+    return _tensor_crc32c(data)
+
+
+def _tensor_crc32c(tensor: torch.Tensor) -> int:
+    """crc32c of a tensor's bytes, row-major (torch is imported by whoever holds a tensor)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return crc32c(b"")
+    return crc32c(flat.view(torch.uint8).numpy())
 
 
 def chunk_id(index: MetadataIndex) -> str:

@@ -16,13 +16,14 @@ from typing import Any, Callable, Mapping
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.model_source import KINDS
 from mfsdp_ckpt.format.names import member_name_problem, shown
-from mfsdp_core.dtypes import dtype_by_name
-from mfsdp_core.layout import parse_policy
-from mfsdp_core.mx import ELEMENTS as MX_ELEMENTS
-from mfsdp_core.mx import RULES as MX_RULES
+from mfsdp_ckpt.format.record_table import table_size
+from mfsdp_core.dtype_names import check_dtype_name
+from mfsdp_core.mx_names import ELEMENTS as MX_ELEMENTS
+from mfsdp_core.mx_names import RULES as MX_RULES
+from mfsdp_core.policy import parse_policy
 from mfsdp_core.strategy import parse_strategy
 
-__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT"]
+__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT", "MAX_WORLD"]
 
 MAX_DEPTH = 32  # nesting of JSON values: a manifest needs 6; deeper ones only exhaust the stack
 MAX_INT = 2**63 - 1  # offsets, lengths, sizes: what a file or a tensor can hold
@@ -182,7 +183,7 @@ def _same_length(a: str, b: str) -> Callable[[dict, str], None]:
     return then
 
 
-_DTYPE = parsed(dtype_by_name, "dtype")
+_DTYPE = parsed(check_dtype_name, "dtype")
 _STRATEGY = parsed(parse_strategy, "sharding strategy")
 _POLICY = parsed(parse_policy, "sharding policy")
 _COUNT = integer(1)
@@ -310,13 +311,98 @@ _CHUNK = record(required={"file": file_name, "offset": integer(), "length": inte
 _CRC = integer(0, 2**32 - 1)
 
 
+_EP_GROUP = "ep"  # mfsdp_core.expert_layout.EP_GROUP: the mesh group whose ranks are EP ranks
+MAX_WORLD = 1 << 20  # ranks of a job whose manifest has no index (an index proves its own: see _files_fit)
+
+
+def _rank_of_job(rank: int, world: int, at: str) -> None:
+    if rank >= world:
+        raise _Invalid(at, f"rank {rank} is not a rank of the job ({world} ranks)")
+
+
+def _files_fit(index: dict) -> int:
+    """The job's world size, as the index's data files prove it: every rank of a save writes at
+    least one data file, so ``mesh.world`` is the number of ranks the files name, and each
+    file's record table fits in the file. Checked before anything of ``world`` entries is built."""
+    world, ranks = index["mesh"]["world"], set()
+    for i, (_, rank, size, rows, _) in enumerate(index["files"]):
+        _rank_of_job(rank, world, f"index.files[{i}][1]")
+        if table_size(rows) > size:
+            raise _Invalid(f"index.files[{i}][3]", f"a record table of {rows} rows does not fit in {size} bytes")
+        ranks.add(rank)
+    if len(ranks) != world:
+        raise _Invalid(
+            "index.mesh.world", f"{world} ranks, but the index lists data files of {len(ranks)} (each rank writes one)"
+        )
+    return world
+
+
+def _mesh_fits(index: dict, world: int) -> None:
+    """Every rank the index names is one of the job's: group members, keys written whole, and
+    EP ranks (which need the mesh's EP group, and fit in its instances)."""
+    groups = index["mesh"]["groups"]
+    for name, instances in groups.items():
+        for i, ranks in enumerate(instances):
+            for j, g in enumerate(ranks):
+                _rank_of_job(g, world, f"index.mesh.groups[{shown(name)}][{i}][{j}]")
+    for key, (_, _, where) in index["keys"].items():
+        if type(where) is int:
+            _rank_of_job(where, world, f"index.keys[{shown(key)}][2]")
+    ep_size = max((len(r) for r in groups.get(_EP_GROUP, ())), default=0)
+    for i, ep_rank in enumerate(index["ep_ranks"]):
+        if ep_rank is None:
+            continue
+        if _EP_GROUP not in groups:
+            raise _Invalid(f"index.ep_ranks[{i}]", f"EP rank {ep_rank}, but the mesh has no group '{_EP_GROUP}'")
+        if ep_rank >= ep_size:
+            raise _Invalid(f"index.ep_ranks[{i}]", f"EP rank {ep_rank}, but the mesh's EP groups have {ep_size} ranks")
+
+
+def _writer_fits(writer: dict, world: int | None) -> None:
+    """The writer's group sizes within the job's world: the index's (proven by its data files),
+    else the ``world_size`` it records (at most :data:`MAX_WORLD`). Layouts and placements are
+    computed per rank of a group, so a size taken on trust is an allocation taken on trust."""
+    recorded = writer.get("world_size")
+    if world is not None and recorded is not None and recorded != world:
+        raise _Invalid("writer.world_size", f"{recorded}, but the index's mesh has {world} ranks")
+    if world is None:
+        world = recorded if recorded is not None else MAX_WORLD
+        if world > MAX_WORLD:
+            raise _Invalid("writer.world_size", f"{world} is more than {MAX_WORLD} ranks")
+    plan = writer.get("plan") or {}
+    for name, size in plan.get("group_sizes", {}).items():
+        if size > world:
+            raise _Invalid(f"writer.plan.group_sizes[{shown(name)}]", f"{size} ranks in a job of {world}")
+    for i, b in enumerate(plan.get("buffers", [])):
+        if b["group_size"] * b.get("replicate_size", 1) > world:
+            raise _Invalid(f"writer.plan.buffers[{i}].group_size", f"{b['group_size']} ranks in a job of {world}")
+    for i, g in enumerate(writer.get("groups", [])):
+        if g["group_size"] > world:
+            raise _Invalid(f"writer.groups[{i}].group_size", f"{g['group_size']} ranks in a job of {world}")
+    experts = writer.get("experts")
+    if experts is not None and experts["ep_size"] > world:
+        raise _Invalid("writer.experts.ep_size", f"{experts['ep_size']} EP ranks in a job of {world}")
+
+
+def _sizes_fit(v: dict) -> None:
+    """Sizes and ranks against what the checkpoint itself holds (the index's data files), before a
+    reader allocates or builds anything from them."""
+    world = None
+    if "index" in v:
+        world = _files_fit(v["index"])
+        _mesh_fits(v["index"], world)
+    if "writer" in v:
+        _writer_fits(v["writer"], world)
+
+
 def _chunks_or_index(v: dict, at: str) -> None:
     """A manifest lists every chunk (``chunks``: older saves, the offline tools) or holds an
-    index of the save's layout, which needs the writer's plan."""
+    index of the save's layout, which needs the writer's plan; and its sizes fit (:func:`_sizes_fit`)."""
     if "chunks" not in v and "index" not in v:
         raise _Invalid("chunks", "missing")
     if "index" in v and "plan" not in (v.get("writer") or {}):
         raise _Invalid("writer.plan", "missing: the index is derived from it")
+    _sizes_fit(v)
 
 
 MANIFEST = record(

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mfsdp_ckpt.errors import CorruptCheckpointError, UncommittedCheckpointError
 from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.format.manifest_schema import check_manifest
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, shown
 from mfsdp_ckpt.storage import fs
-from mfsdp_core.dtypes import dtype_name
-from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
+
+if TYPE_CHECKING:  # a manifest's readers (the launcher's pre-flight, `ls`) import no torch; its plan's do
+    import torch
+
+    from mfsdp_core.plan import ModelPlan
 
 __all__ = [
     "FORMAT",
@@ -92,6 +93,11 @@ def recorded_plan(
 def _recorded_plan(
     writer: dict[str, Any], shape_of: Callable[[str], torch.Size | None], dtype_of: Callable[[str], torch.dtype | None]
 ) -> ModelPlan | None:
+    import torch
+
+    from mfsdp_core.dtypes import dtype_name
+    from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
+
     if "plan" in writer:
         return ModelPlan.from_dict(writer["plan"])
     groups = writer.get("groups")

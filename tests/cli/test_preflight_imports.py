@@ -1,7 +1,8 @@
-"""What the launcher's pre-flight of a start checkpoint imports: refusing a ``--resume`` checkpoint
-before any rank starts (a recorded setting the new world size does not take, another model) reads
-the manifest and the model config, and needs no ``torch.distributed.checkpoint`` (with DTensor and
-sympy under it, about 0.5 s of a refusal that should take under 1.5 s). ``import mfsdp_ckpt`` (and
+"""What the launcher's pre-flight imports: refusing a reference GPT run before any rank starts (a
+``--resume`` checkpoint whose recorded setting the new world size does not take, another model,
+other settings; a ``--data`` file or ``--model-config`` that cannot be one; a ``--seq-len`` over the
+model's) reads the manifest, the model config and the file's size, and needs no torch (about 1.7 s
+to import, of a refusal that should take under 1.5 s), let alone ``torch.distributed.checkpoint``. ``import mfsdp_ckpt`` (and
 its ``hf`` and ``mcore`` packages) import it only when ``save``, ``load``, ``export``... are first
 used, and those still resolve to the same functions."""
 
@@ -33,6 +34,7 @@ _PROBE = textwrap.dedent(
     except SystemExit as e:
         code = e.code
     print("DCP=" + str("torch.distributed.checkpoint" in sys.modules), file=sys.stderr)
+    print("TORCH=" + str("torch" in sys.modules), file=sys.stderr)
     sys.exit(code)
     """
 )
@@ -106,12 +108,27 @@ def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None
             ["--nproc-per-node", "2", "--model", "tiny-moe", "--resume", "{step}"],
             "error: --resume: {step} was written for another model config: ",
         ),
+        (
+            ["--nproc-per-node", "2", "--lr", "0.5", "--resume", "{step}"],
+            "error: --resume: {step} was written with other settings: --lr 0.003 (this run: 0.5)",
+        ),
+        (
+            ["--nproc-per-node", "2", "--init-from", "{step}", "--model", "tiny-moe"],
+            "error: --init-from: {step} was written for another model config: ",
+        ),
+        (
+            ["--nproc-per-node", "2", "--resume", "{step}", "--seq-len", "4096", "--allow-change", "seq-len"],
+            "error: --seq-len 4096 exceeds the model's seq_length ",
+        ),
+        (["--nproc-per-node", "2", "--data", "{step}/no.bin"], "error: --data {step}/no.bin: No such file"),
+        (["--nproc-per-node", "2", "--model-config", "{step}/no.json"], "error: --model-config {step}/no.json: "),
     ],
-    ids=["recorded-setting", "model"],
+    ids=["recorded-setting", "model", "settings", "init-from-model", "seq-len", "data", "model-config"],
 )
-def test_a_refused_resume_imports_no_dcp(tiny_step: str, flags: list[str], message: str) -> None:
+def test_a_refused_run_imports_no_torch(tiny_step: str, flags: list[str], message: str) -> None:
     out = _python("-c", _PROBE, *(f.format(step=tiny_step) for f in flags))
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 1 and len(lines) == 2, out.stderr
+    assert out.returncode == 1 and len(lines) == 3, out.stderr
     assert lines[0].startswith(message.format(step=tiny_step)), out.stderr
     assert lines[1] == "DCP=False", f"the pre-flight imported {DCP}"
+    assert lines[2] == "TORCH=False", "the pre-flight imported torch"
