@@ -60,7 +60,7 @@ def read_pointer(path: str) -> str:
     :data:`MAX_POINTER_BYTES` of it; :class:`NotACheckpointError` otherwise."""
     try:
         with fs.open_regular(path) as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
+            data = fs.read_bounded(f, MAX_POINTER_BYTES)
     except OSError as e:
         raise NotACheckpointError(f"{path}: unreadable '{LATEST_NAME}' pointer ({e.strerror or e})") from None
     name = data.decode(errors="replace").strip()
@@ -96,7 +96,7 @@ def read_small_file(path: str, what: str) -> bytes:
     it otherwise."""
     try:
         with fs.open_regular(path) as f:
-            data = f.read(MAX_SMALL_FILE + 1)
+            data = fs.read_bounded(f, MAX_SMALL_FILE)
     except OSError as e:
         raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     if len(data) > MAX_SMALL_FILE:

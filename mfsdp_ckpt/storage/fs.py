@@ -291,7 +291,25 @@ def read_member(directory: str, name: str, limit: int | None = None) -> bytes:
     """The bytes of the regular file ``name`` inside ``directory`` (see :func:`open_member`);
     with ``limit``, at most that many (a longer file raises ``OSError``)."""
     with open_member(directory, name) as f:
-        data = f.read() if limit is None else f.read(limit + 1)
+        data = f.read() if limit is None else read_bounded(f, limit)
     if limit is not None and len(data) > limit:
         raise OSError(errno.EFBIG, f"longer than {limit} bytes", join(directory, name))
     return data
+
+
+_READ_PIECE = 1 << 20
+
+
+def read_bounded(f: IO[bytes], limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the open file ``f`` (one more than ``limit`` tells the caller
+    the file is longer), read in pieces of 1 MiB: ``f.read(limit + 1)`` would reserve the whole
+    bound up front (a 1 GiB manifest bound: 1 GiB of address space for a file of a few KB, which
+    fails under ``ulimit -v`` or a container's memory cap)."""
+    pieces, total = [], 0
+    while total <= limit:
+        piece = f.read(min(_READ_PIECE, limit + 1 - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
