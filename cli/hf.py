@@ -101,9 +101,11 @@ def export_hf(
     from mfsdp_ckpt.hf import export
     from mfsdp_ckpt.mcore import export_hf_from_mcore
     from mfsdp_ckpt.read.locate import is_mcore
+    from mfsdp_ckpt.storage.overlap import check_apart
 
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
+    _run(lambda: check_apart(out, {"the --model-config file": model_config, "the --mcore-config file": mcore_config}))
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
     options = dict(
         arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers

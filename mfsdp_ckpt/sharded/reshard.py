@@ -37,6 +37,7 @@ from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME
 from mfsdp_ckpt.progress import progress_adder
+from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.manifest import recorded_plan, versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
@@ -44,6 +45,7 @@ from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
 from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.storage.overlap import check_apart
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
 from mfsdp_ckpt.write.job import Job, write_checkpoint
 from mfsdp_ckpt.write.threads import start_all
@@ -596,6 +598,8 @@ def reshard(
     processes, ``workers`` threads on each.
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    if plan_from is not None:  # read as well: never written over, into or around
+        check_apart(dst, {"the --plan-from checkpoint": checkpoint_inputs(plan_from)})
     job = Job.current()
     what = f"{dst}: not written"
     rules, planned = job.run(

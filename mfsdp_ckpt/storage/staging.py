@@ -27,6 +27,7 @@ from mfsdp_ckpt.format.names import (
     PARTIAL_MARK,
     REPLACED_MARK,
 )
+from mfsdp_ckpt.storage.overlap import CONTAINS, INSIDE, IS, check_apart, overlap
 from mfsdp_ckpt.storage.paths import is_url
 from mfsdp_ckpt.storage.write_errors import write_failed
 
@@ -39,6 +40,7 @@ __all__ = [
     "commit_directory",
     "write_file_atomic",
     "check_destination",
+    "refuse_replacing_a_source",
     "remove_leftovers",
 ]
 
@@ -127,11 +129,6 @@ def _is_hf_dir(path: str) -> bool:
     return "config.json" in names and any(n.endswith(".safetensors") for n in names)
 
 
-def _inside(path: str, directory: str) -> bool:
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
 def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[str, ...] = ()) -> None:
     """Refuse a destination whose writing would lose data, before anything is written.
 
@@ -147,9 +144,7 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
     final = os.path.abspath(final)
     if os.path.lexists(final) and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
-    for src in sources:
-        if _inside(final, src) and os.path.realpath(final) != os.path.realpath(src):
-            raise CheckpointError(f"{final}: lies inside the source {src}; write it elsewhere")
+    check_apart(final, {"the source": sources}, refuse=(INSIDE,))
     if not os.path.lexists(final):
         return
     what = {"checkpoint": "a checkpoint directory", "hf": "a Hugging Face model directory", "file": "a regular file"}[
@@ -157,9 +152,7 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
     ]
     if os.path.islink(final):
         raise CheckpointError(f"{final}: is a symbolic link; refusing to replace it (give the path it points to)")
-    for src in sources:
-        if _inside(src, final):
-            raise CheckpointError(f"{final}: contains the source {src}; replacing it would delete the source")
+    refuse_replacing_a_source(final, sources)
     if kind == "file":
         if not os.path.isfile(final):
             raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
@@ -177,6 +170,14 @@ def check_destination(final: str, *, overwrite: bool, kind: str, sources: tuple[
             raise CheckpointError(f"{final}: holds other checkpoints ({held}): a run directory; refusing to replace it")
     if not os.path.isdir(final) or not (_is_checkpoint_dir(final) if kind == "checkpoint" else _is_hf_dir(final)):
         raise CheckpointError(f"{final}: is not {what}; refusing to replace it")
+
+
+def refuse_replacing_a_source(final: str, sources: Sequence[str]) -> None:
+    """Refuse replacing ``final`` when it is or contains one of ``sources`` (local or URLs, as
+    :func:`~mfsdp_ckpt.storage.overlap.overlap` compares them): that would delete the source."""
+    for src in sources:
+        if overlap(final, src) in (IS, CONTAINS):
+            raise CheckpointError(f"{final}: contains the source {src}; replacing it would delete the source")
 
 
 def remove_leftovers(parent: str, keep: Sequence[str] = (), of: str | None = None) -> list[str]:

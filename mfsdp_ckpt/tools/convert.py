@@ -25,6 +25,7 @@ from safetensors.torch import save as safetensors_save
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
+from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
@@ -317,7 +318,8 @@ def _check_convert(src: str, dst: str, to: str, key_map: Sequence[str | KeyRule]
         raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
-    check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=(src,))
+    sources = tuple(checkpoint_inputs(src))  # a `latest` pointer or run directory: what it leads to too
+    check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=sources)
     if to == "dcp" and not fs.isfile(src):
         raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
     return rules

@@ -41,11 +41,13 @@ from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
+from mfsdp_ckpt.storage.overlap import INSIDE, check_apart
 from mfsdp_ckpt.storage.staging import (
     check_destination,
     commit_directory,
     fsync_dir,
     make_partial_dir,
+    refuse_replacing_a_source,
     remove_leftovers,
 )
 from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting
@@ -406,11 +408,8 @@ def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str
     exists = fs.exists(final)
     if exists and not overwrite:
         raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
-    for src in sources:
-        if src == final or src.startswith(final + "/"):
-            raise CheckpointError(f"{final}: contains the source {src}; replacing it would delete the source")
-        if final.startswith(src + "/"):
-            raise CheckpointError(f"{final}: lies inside the source {src}; write it elsewhere")
+    refuse_replacing_a_source(final, sources)
+    check_apart(final, {"the source": sources}, refuse=(INSIDE,))
     if not exists:
         return
     if not fs.isfile(fs.join(final, MANIFEST_NAME)):
