@@ -36,6 +36,7 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
     from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
     if html_out or png_out:
+        _check_report_outputs([path], html_out, png_out)
         _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
         return
     info = _run(lambda: inspect_checkpoint(path))
@@ -98,6 +99,24 @@ def _diff_html(a: str, b: str, result: object, out: str) -> str:
     from mfsdp_ckpt.tools.report.diff_page import diff_html
 
     return diff_html(a, b, result, out)  # type: ignore[arg-type]
+
+
+def _check_report_outputs(inputs: list[str], html_out: str | None, png_out: str | None) -> None:
+    """Refuse, before anything is read, a ``--html`` or ``--png`` file that would write over, into
+    or around a checkpoint the command reads (its manifest, a data file, the ``latest`` pointer,
+    its directory), that is not a regular file (a directory, a link, a FIFO), or the two the same."""
+    from mfsdp_ckpt.errors import CheckpointError
+    from mfsdp_ckpt.storage.overlap import overlap
+    from mfsdp_ckpt.tools.report.output import check_report_out
+
+    def check() -> None:
+        for flag, out in (("--html", html_out), ("--png", png_out)):
+            if out:
+                check_report_out(out, inputs, flag)
+        if html_out and png_out and overlap(png_out, html_out):
+            raise CheckpointError(f"--png {png_out}: is the --html file; give the screenshot another name")
+
+    _run(check)
 
 
 def _write_report(render: Callable[[str], str], html_out: str | None, png_out: str | None) -> None:
@@ -201,6 +220,7 @@ def diff(
     from mfsdp_ckpt.tools.diff import diff_checkpoints
 
     start = time.perf_counter()
+    _check_report_outputs([a, b], html_out, png_out)  # before the comparison: a refusal costs nothing
     result = _run_with_progress(
         "diff",
         lambda bar: diff_checkpoints(

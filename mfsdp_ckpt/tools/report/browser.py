@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.tools.report.output import check_report_file
 
 __all__ = ["BROWSERS", "find_browser", "screenshot"]
 
@@ -50,6 +51,7 @@ def browser_args(browser: str) -> list[str]:
 def screenshot(html_path: str, png: str, width: int = 1280, height: int = 2000, timeout: float = 60) -> str:
     """Render ``html_path`` and write ``png`` (whole or not at all)."""
     browser = find_browser()
+    check_report_file(png, "--png")
     directory = os.path.dirname(os.path.abspath(png))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise CheckpointError(f"{png}: cannot write the screenshot: {directory} is not a writable directory")

@@ -17,6 +17,7 @@ from mfsdp_ckpt.format.keys import group_of
 from mfsdp_ckpt.tools.diff import HISTOGRAM_BINS, CheckpointDiff
 from mfsdp_ckpt.tools.inspect import CheckpointInfo, inspect_checkpoint
 from mfsdp_ckpt.tools.report.kinds import KINDS, layer_of, param_kind
+from mfsdp_ckpt.tools.report.output import check_report_out
 from mfsdp_ckpt.tools.report.page import page, write_page
 from mfsdp_ckpt.tools.report.svg import esc, histogram
 
@@ -71,7 +72,9 @@ def diff_rows(result: CheckpointDiff) -> list[DiffRow]:
 
 
 def diff_html(a: str | os.PathLike, b: str | os.PathLike, result: CheckpointDiff, out: str | os.PathLike) -> str:
-    """Write the page of ``result`` (``diff_checkpoints(a, b)``) to ``out``; returns ``out``."""
+    """Write the page of ``result`` (``diff_checkpoints(a, b)``) to ``out``; returns ``out``. An
+    ``out`` that is, lies inside or contains ``a`` or ``b`` is refused before anything is read."""
+    check_report_out(out, [a, b])
     return write_page(render_diff(inspect_checkpoint(a), inspect_checkpoint(b), result), out)
 
 

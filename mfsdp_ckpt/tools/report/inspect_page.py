@@ -9,6 +9,7 @@ from mfsdp_ckpt.format.keys import GROUPS
 from mfsdp_ckpt.tools.inspect import compact_ranges
 from mfsdp_ckpt.tools.report.layout import CheckpointLayout, checkpoint_layout
 from mfsdp_ckpt.tools.report.model_table import ModelSummary, model_section, model_summary
+from mfsdp_ckpt.tools.report.output import check_report_out
 from mfsdp_ckpt.tools.report.page import page, write_page
 from mfsdp_ckpt.tools.report.svg import esc, human_bytes, rank_strips, tensor_boxes
 
@@ -19,7 +20,9 @@ MAX_TENSOR_DRAWINGS = 120
 
 
 def inspect_html(path: str | os.PathLike, out: str | os.PathLike) -> str:
-    """Write the report of the checkpoint at ``path`` to ``out``; returns ``out``."""
+    """Write the report of the checkpoint at ``path`` to ``out``; returns ``out``. An ``out`` that
+    is, lies inside or contains the checkpoint is refused before anything is read."""
+    check_report_out(out, [path])
     return write_page(render_inspect(checkpoint_layout(path)), out)
 
 

@@ -14,6 +14,7 @@ import os
 import tempfile
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.tools.report.output import check_report_file
 from mfsdp_ckpt.tools.report.svg import esc
 
 __all__ = ["page", "write_page"]
@@ -116,11 +117,11 @@ def page(title: str, body: str) -> str:
 
 def write_page(text: str, out: str | os.PathLike) -> str:
     """Write ``text`` to ``out`` whole or not at all (a temporary file beside it, then a rename);
-    an unwritable ``out`` is a one-line :class:`CheckpointError` naming it."""
+    an unwritable ``out``, or one that is not a regular file (a directory, a link, a FIFO), is a
+    one-line :class:`CheckpointError` naming it."""
     out = os.fspath(out)
     directory = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        raise CheckpointError(f"{out}: is a directory; give the report's file name")
+    check_report_file(out)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".tmp", dir=directory)
     except OSError as e:

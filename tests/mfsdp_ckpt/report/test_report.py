@@ -100,7 +100,8 @@ def test_every_name_from_the_checkpoint_is_escaped(tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_1(ep_mx_ckpt, tmp_path):
-    run = cli("inspect", str(tmp_path), "--html", str(tmp_path / "x.html"))
+    (tmp_path / "empty").mkdir()  # (the page beside it: one inside an input is refused first, for that)
+    run = cli("inspect", str(tmp_path / "empty"), "--html", str(tmp_path / "x.html"))
     assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1 and "not a checkpoint" in run.stderr
     assert not (tmp_path / "x.html").exists()
     missing = tmp_path / "no" / "such" / "dir" / "x.html"
