@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from .run_config import AUTO, LATEST, allowed_changes, local_missing, recorded_settings
 from .train_config import NOT_CARRIED, ConfigError, config_argv
 from .train_launch import add_launch_arguments
+from .train_outputs import refused_output
 from .train_tensorboard import tensorboard_missing
 
 __all__ = [
@@ -443,6 +444,8 @@ def check_flags(args: argparse.Namespace, world: int | None) -> None:
     too, through ``cli.train_preflight``, where it can read what the run names)."""
     _check_destination(args)
     _check_start(args)
+    if (refused := refused_output(args)) is not None:  # an output over, into or around an input
+        raise UsageError(refused)
     if world is not None:
         _check_layout(args, world)
     if args.hfsdp and args.dp_replicate == 1:
