@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import typing
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from torch import nn
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
+from mfsdp_ckpt.mcore.config_check import check_fits_memory, check_mcore_config
 from mfsdp_core import rename_params
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import mcore
@@ -83,6 +86,50 @@ def _require_megatron(where: str) -> None:
         raise ValueError(f"{where}: megatron-core is not installed ({INSTALL_HINT})") from None
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether the JSON value ``value`` is one of type ``hint`` (a ``TransformerConfig`` field's):
+    booleans are not integers, numbers are finite; a type a JSON file cannot give (a callable, a
+    dtype, an enum, a config object) takes nothing."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        return any(_fits(value, h) for h in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if hint in (bool, str, type(None)):
+        return type(value) is hint
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float) and math.isfinite(value)
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and args:
+            return len(args) == len(value) and all(_fits(v, h) for v, h in zip(value, args))
+        item = args[0] if args else str | int | float | bool
+        return all(_fits(v, item) for v in value)
+    return False
+
+
+def _check_passed(passed: dict[str, Any], where: str) -> None:
+    """Refuse, naming it, a ``TransformerConfig`` field the arguments give (and the model takes as
+    given) with a value not of its type: Megatron-Core would fail on it somewhere in the build."""
+    from megatron.core.transformer import TransformerConfig
+
+    try:
+        hints = typing.get_type_hints(TransformerConfig)
+    except Exception:  # noqa: BLE001 - annotations this Python cannot resolve: MCore checks what it can
+        return
+    for name, value in passed.items():
+        if value is not None and name in hints and not _fits(value, hints[name]):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            hint = hints[name]
+            kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            raise ValueError(f"{where}: {name}={shown}: not a value of Megatron-Core's {name} ({kind})")
+
+
 def _default_spec() -> str:
     try:
         import transformer_engine  # noqa: F401
@@ -102,6 +149,10 @@ class McoreSource(ModelSource):
     def __init__(
         self, args: dict[str, Any], where: str, layer_spec: str | None = None, name: str = "megatron-core"
     ) -> None:
+        try:
+            check_mcore_config(args, where)
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
         _require_megatron(where)
         self.args, self.where, self.name = dict(args), where, name
         spec = layer_spec or self.args.get("transformer_impl") or _default_spec()
@@ -126,7 +177,12 @@ class McoreSource(ModelSource):
                 f"{where}: moe_grouped_gemm=true needs the transformer_engine spec (the local spec's legacy "
                 "GroupedMLP has no per-expert weights)"
             )
+        _check_passed(self._passed(), where)
         self.config = self._gpt_config()
+        try:  # before anything is built: each process builds the whole model before sharding it
+            check_fits_memory(self.config.to_dict(), where)
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
         self.vocab_size, self.seq_length, self.num_experts = (
             self.config.vocab_size,
             self.config.seq_length,
@@ -149,6 +205,10 @@ class McoreSource(ModelSource):
         args = record.get("args")
         if not isinstance(args, dict):
             raise ValueError(f"{where}: model_source.args is not a JSON object of MCore arguments")
+        try:
+            check_mcore_config(args, f"{where}: model_source.args")
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
         return cls(args, where, record.get("layer_spec"), name=str(record.get("name") or "megatron-core"))
 
     def _arg(self, *names: str, default: Any = None) -> Any:
@@ -182,6 +242,8 @@ class McoreSource(ModelSource):
         }
         if experts:
             moe_ffn = a("moe_ffn_hidden_size", "ffn_hidden_size")
+            if moe_ffn is None:
+                raise ValueError(f"{self.where}: num_experts={experts} needs moe_ffn_hidden_size (or ffn_hidden_size)")
             shapes["decoder.layers.mlp.router.weight"] = (layers, experts, hidden)
             shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = (layers, experts, hidden, moe_ffn)
             shared = a("moe_shared_expert_intermediate_size")
@@ -203,16 +265,22 @@ class McoreSource(ModelSource):
             raise ValueError(str(e)) from None
         return config
 
+    def _passed(self) -> dict[str, Any]:
+        """The arguments that are ``TransformerConfig`` fields the model takes as given (not set
+        here from the model's arguments, not fixed, not a parallel size)."""
+        from megatron.core.transformer import TransformerConfig
+
+        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        given = {_TC_NAMES.get(k, k): v for k, v in self.args.items()}
+        return {k: v for k, v in given.items() if k in fields and k not in _OURS and k not in _MUST_BE_ONE}
+
     def transformer_config(self) -> Any:
         """MCore's ``TransformerConfig`` of these arguments (EP 1: :func:`mcore.build_gpt` sets it)."""
         from megatron.core.transformer import TransformerConfig
 
         c = self.config
-        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-        given = {_TC_NAMES.get(k, k): v for k, v in self.args.items()}
-        passed = {k: v for k, v in given.items() if k in fields and k not in _OURS and k not in _MUST_BE_ONE}
         kwargs: dict[str, Any] = dict(hidden_dropout=0.0, attention_dropout=0.0)
-        kwargs.update(passed)
+        kwargs.update(self._passed())
         kwargs.update(
             num_layers=c.num_layers,
             hidden_size=c.hidden_size,

@@ -18,17 +18,18 @@ layers hold them is known.
 
 A given argument that disagrees with a shape is refused in one line naming the argument and the
 stored key; so is an argument our model cannot express (another normalisation, position
-embedding, activation, a router scaling factor, …).
+embedding, activation, a router scaling factor, …). Before any of this, the arguments pass
+:func:`~mfsdp_ckpt.mcore.config_check.check_mcore_config` (types, ranges, choices, divisibility).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.mcore.config_check import check_mcore_config, read_mcore_args
 from mfsdp_ckpt.mcore.deepseek import (
     KV_DOWN,
     PROJ,
@@ -40,7 +41,6 @@ from mfsdp_ckpt.mcore.deepseek import (
     mtp_fields,
 )
 from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
-from mfsdp_ckpt.read.resolve import read_small_file
 from mfsdp_ckpt.sharded.model_shape import ModelShape
 
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]
@@ -90,15 +90,9 @@ _ALIASES = {
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON object of MCore arguments in ``path`` (a small local file)."""
-    text = read_small_file(os.fspath(path), "config")
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ConversionError(f"{os.fspath(path)}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConversionError(f"{os.fspath(path)}: expected a JSON object of MCore arguments")
-    return value
+    """The JSON object of MCore arguments in ``path`` (a small local file), checked
+    (:func:`~mfsdp_ckpt.mcore.config_check.read_mcore_args`)."""
+    return read_mcore_args(path)
 
 
 def _normalised(args: dict[str, Any]) -> dict[str, Any]:
@@ -347,6 +341,7 @@ def infer_config(
     hold it, default all of its stack; ``mtp_layers``: the MTP layers stored) and the MCore
     arguments ``given`` (read from ``where``, named in errors); ``assumed``: the arguments taken
     from MCore's defaults. Each group of fields is read, and checked against the arguments, in turn."""
+    check_mcore_config(given, where)
     args = _normalised(given)
     _refuse_unsupported(args, where)
     ev = _Evidence(shapes, args, source, where, layers)

@@ -5,8 +5,10 @@ entries (each stored entry is model weights, ``fully_reshardable`` optimizer sta
 ``_extra_state`` object, common state, or an object left out with a notice; the distributed
 optimizer's ``dp_reshardable`` buckets and anything unknown are refused, naming the key), every
 ``_extra_state`` (``[None]`` or empty: dropped with a notice; anything else, e.g. Transformer
-Engine's FP8 scaling state: refused, naming the key, never silently lost), the model config
-(:mod:`~mfsdp_ckpt.mcore.config`) and the keys and shapes against our model's. Then each
+Engine's FP8 scaling state: refused, naming the key, never silently lost), the MCore arguments
+(``--config``, ``common.pt``'s ``args``: :mod:`~mfsdp_ckpt.mcore.config_check`), the model config
+(:mod:`~mfsdp_ckpt.mcore.config`, its size against the tensors present before the model is built)
+and the keys and shapes against our model's. Then each
 canonical tensor is read as one slice of its stack (:meth:`McoreSource.read_slice`) and appended
 to the checkpoint being built, one at a time; it commits atomically (nothing is left at the
 destination on error). The optimizer's step, which MCore's distributed optimizer keeps once for all
@@ -20,6 +22,7 @@ offline reshard (one file per target rank), from a hidden temporary checkpoint n
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
 from mfsdp_ckpt.hf.mapping import canonical_shapes
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
+from mfsdp_ckpt.mcore.config_check import check_against_tensors, check_mcore_config
 from mfsdp_ckpt.mcore.layout import (
     COMMON_STATE,
     OPTIM_DISTRIBUTED,
@@ -143,16 +147,18 @@ def _given_arguments(
     given: dict[str, Any] = {}
     args = source.common.get("args")
     if isinstance(args, argparse.Namespace):
-        given.update(vars(args))
         where = f"{source.directory}/common.pt 'args'"
+        check_mcore_config(vars(args), where)
+        given.update(vars(args))
     if config is None and fs.isfile(fs.join(source.directory, ARGS_FILE)):
         config = fs.join(source.directory, ARGS_FILE)  # what export-mcore writes next to the checkpoint
     if config is not None:
         if isinstance(config, dict):
+            check_mcore_config(config, "config")
             given.update(config)
             where = "config"
         else:
-            given.update(read_config_file(config))
+            given.update(read_config_file(config))  # checked as it is read
             where = os.fspath(config)
     return given, where
 
@@ -326,6 +332,15 @@ def _optimizer_from_common(directory: str, common: dict[str, Any], pieces: list[
     return made
 
 
+def _check_model_size(source: McoreSource, cfg: ModelShape, shape_of: dict[str, tuple[int, ...]]) -> None:
+    """Before the model is built: the model config the shapes and arguments gave passes the
+    bounds of every MCore config, and the parameters it describes fit in the elements the
+    checkpoint's model tensors hold (whose chunks the files already back)."""
+    fields = cfg.to_dict()
+    check_mcore_config(fields, f"{source.directory} (the model its tensors describe)")
+    check_against_tensors(fields, sum(math.prod(s) for s in shape_of.values()), source.directory)
+
+
 def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike | None = None) -> ImportPlan:
     """Classify every stored entry, infer and check the model shape, and map the keys (see the
     module docstring); reads only small objects (``_extra_state``, common state), no tensor data.
@@ -344,6 +359,7 @@ def plan_import(source: McoreSource, config: dict[str, Any] | str | os.PathLike 
     cfg, assumed = infer_config(
         view.shapes.get, given, source.directory, where, layers=view.layers.get, mtp_layers=view.mtp
     )
+    _check_model_size(source, cfg, shape_of)
     for key in entries.extra_states:
         _check_extra_state(source, key)
     notices = list(source.notices) + _entry_notices(entries, assumed)

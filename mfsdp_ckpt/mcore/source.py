@@ -52,8 +52,9 @@ def read_backend(directory: str) -> dict[str, Any]:
     path = fs.join(directory, MCORE_METADATA_NAME)
     try:
         meta = json.loads(read_small_file(path, MCORE_METADATA_NAME))
-    except ValueError as e:
-        raise ConversionError(f"{path}: not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+        raise ConversionError(f"{path}: not JSON ({what})") from None
     if not isinstance(meta, dict):
         raise ConversionError(f"{path}: expected a JSON object")
     backend = meta.get("sharded_backend")
