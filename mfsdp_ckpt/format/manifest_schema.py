@@ -18,12 +18,13 @@ from mfsdp_ckpt.format.model_source import KINDS
 from mfsdp_ckpt.format.names import member_name_problem, shown
 from mfsdp_ckpt.format.record_table import table_size
 from mfsdp_core.dtype_names import check_dtype_name
+from mfsdp_core.expert_layout import EP_GROUP
 from mfsdp_core.mx_names import ELEMENTS as MX_ELEMENTS
 from mfsdp_core.mx_names import RULES as MX_RULES
 from mfsdp_core.policy import parse_policy
 from mfsdp_core.strategy import parse_strategy
 
-__all__ = ["check_manifest", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT", "MAX_WORLD"]
+__all__ = ["check_manifest", "key_problem", "MAX_DEPTH", "MAX_INT", "MAX_EP_SIZE", "MAX_EXPERT", "MAX_WORLD"]
 
 MAX_DEPTH = 32  # nesting of JSON values: a manifest needs 6; deeper ones only exhaust the stack
 MAX_INT = 2**63 - 1  # offsets, lengths, sizes: what a file or a tensor can hold
@@ -74,6 +75,17 @@ def line(v: Any, at: str) -> None:
     string(v, at)
     if not v.isprintable():
         raise _Invalid(at, f"{shown(v)} holds control characters")
+
+
+def key_problem(key: Any) -> str | None:
+    """Why a reader refuses ``key`` as a key of the manifest (a checkpoint entry, a chunk id),
+    None when it accepts it: the rule :func:`check_manifest` applies, for a writer to check its
+    keys with before it writes anything."""
+    try:
+        line(key, "")
+    except _Invalid as e:
+        return e.message
+    return None
 
 
 def boolean(v: Any, at: str) -> None:
@@ -311,7 +323,6 @@ _CHUNK = record(required={"file": file_name, "offset": integer(), "length": inte
 _CRC = integer(0, 2**32 - 1)
 
 
-_EP_GROUP = "ep"  # mfsdp_core.expert_layout.EP_GROUP: the mesh group whose ranks are EP ranks
 MAX_WORLD = 1 << 20  # ranks of a job whose manifest has no index (an index proves its own: see _files_fit)
 
 
@@ -348,12 +359,12 @@ def _mesh_fits(index: dict, world: int) -> None:
     for key, (_, _, where) in index["keys"].items():
         if type(where) is int:
             _rank_of_job(where, world, f"index.keys[{shown(key)}][2]")
-    ep_size = max((len(r) for r in groups.get(_EP_GROUP, ())), default=0)
+    ep_size = max((len(r) for r in groups.get(EP_GROUP, ())), default=0)
     for i, ep_rank in enumerate(index["ep_ranks"]):
         if ep_rank is None:
             continue
-        if _EP_GROUP not in groups:
-            raise _Invalid(f"index.ep_ranks[{i}]", f"EP rank {ep_rank}, but the mesh has no group '{_EP_GROUP}'")
+        if EP_GROUP not in groups:
+            raise _Invalid(f"index.ep_ranks[{i}]", f"EP rank {ep_rank}, but the mesh has no group '{EP_GROUP}'")
         if ep_rank >= ep_size:
             raise _Invalid(f"index.ep_ranks[{i}]", f"EP rank {ep_rank}, but the mesh's EP groups have {ep_size} ranks")
 

@@ -177,7 +177,8 @@ def manifest_checksum(manifest: dict[str, Any]) -> int:
 def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:
     """Write ``mfsdp.json`` in ``directory`` (local: via a temporary file and a rename; object
     store: one upload), with the checksum of ``.metadata`` (when it is already in ``directory``,
-    as every writer leaves it) and then of the manifest itself."""
+    as every writer leaves it) and then of the manifest itself; :class:`CorruptCheckpointError`
+    naming the field, and nothing written, for a manifest its readers would refuse."""
     out = json.loads(json.dumps(manifest))  # the values as a reader will see them (tuples: lists, keys: strings)
     out.pop("metadata_crc32c", None)
     metadata = fs.join(directory, METADATA_NAME)
@@ -185,6 +186,8 @@ def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) 
         out["metadata_crc32c"] = crc32c(fs.read_bytes(metadata))
     out["format_version"] = FORMAT_VERSION  # the version that carries the checksums
     out["manifest_crc32c"] = manifest_checksum(out)
+    # a writer never commits what its readers refuse (they all check the schema first)
+    check_manifest(out, f"{fs.join(directory, MANIFEST_NAME)} (not committed)")
     text = json.dumps(out, indent=1, sort_keys=True) + "\n"
     fs.write_bytes(fs.join(directory, MANIFEST_NAME), text.encode(), sync=sync)
 

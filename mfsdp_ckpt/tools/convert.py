@@ -24,6 +24,8 @@ from safetensors.torch import save as safetensors_save
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
+from mfsdp_ckpt.format.manifest_schema import key_problem
+from mfsdp_ckpt.format.names import shown
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.manifest import versions, writer_layout
@@ -325,12 +327,22 @@ def _check_convert(src: str, dst: str, to: str, key_map: Sequence[str | KeyRule]
     return rules
 
 
+def _check_keys(src: str, state: dict[str, Any]) -> None:
+    """Refuse, before anything is written, a key the checkpoint's readers would refuse (one with
+    control characters: every message names keys on one line), naming the first such key."""
+    for key in state:
+        problem = key_problem(key)
+        if problem is not None:
+            raise CheckpointError(f"{src}: key {shown(key)}: {problem}; a checkpoint cannot hold it")
+
+
 def _file_to_dcp(job: Job, src: str, dst: str) -> str:
     """``--to dcp``: the single file, read whole by process 0, as a checkpoint of one data file."""
     state: list[dict[str, Any]] = []
 
     def read() -> dict[str, Any]:
         loaded, carried = _read_single_file(src)
+        _check_keys(src, loaded)
         state.append(loaded)
         return carried
 

@@ -27,8 +27,10 @@ its fp32 main params (``optim.<fqn>.main_param``), as ``load`` and ``export-hf``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -39,6 +41,7 @@ from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.format.keys import MAIN_PARAM, group_of, model_key, optim_key
 from mfsdp_ckpt.format.model_source import gpt_source
+from mfsdp_ckpt.hf.config import MAX_COUNT
 from mfsdp_ckpt.hf.registry import architectures
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
@@ -48,11 +51,23 @@ from mfsdp_ckpt.sharded.model_shape import ModelShape, default_plan, meta_model,
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 
-__all__ = ["UpcycleSpec", "UpcycleResult", "ROUTER_INIT_STD", "EXACT_MOE_FIELDS", "moe_config", "upcycle"]
+__all__ = [
+    "UpcycleSpec",
+    "UpcycleResult",
+    "ROUTER_INIT_STD",
+    "EXACT_MOE_FIELDS",
+    "MAX_EXPERTS",
+    "moe_config",
+    "upcycle",
+]
 
 #: standard deviation of the routers' normal initialisation (Megatron-Core's ``init_method_std``
 #: default, and the reference model's initialisation of every 2-D weight)
 ROUTER_INIT_STD = 0.02
+
+#: the most experts per layer: as many as a model config may declare (``mfsdp_ckpt.hf.config``);
+#: the plan holds a key per expert, so the bound comes before it is built
+MAX_EXPERTS = MAX_COUNT
 
 #: a dense MLP's parameters: ``<layer>.mlp.linear_fc1.layer_norm_weight`` (its fused norm) and
 #: ``<layer>.mlp.linear_fc{1,2}.weight``, ``<layer>`` the transformer layer holding it
@@ -128,6 +143,8 @@ def _check_spec(src: str, spec: UpcycleSpec) -> None:
     e, k, g = spec.num_experts, spec.topk, spec.granularity
     if e < 1:
         raise ConversionError(f"{src}: --num-experts {e}: must be at least 1")
+    if e > MAX_EXPERTS:
+        raise ConversionError(f"{src}: --num-experts {e}: must be at most {MAX_EXPERTS} (a model config's limit)")
     if not 1 <= k <= e:
         raise ConversionError(f"{src}: --topk {k}: must be in [1, --num-experts {e}]")
     if g < 1:
@@ -136,6 +153,39 @@ def _check_spec(src: str, spec: UpcycleSpec) -> None:
         raise ConversionError(
             f"{src}: --granularity {g} must divide --num-experts {e} and --topk {k} "
             "(the router must pick whole groups of G experts for the MoE model to compute the dense one)"
+        )
+
+
+def _upcycled_bytes(reader: MappedReader, sources: dict[str, str], moe: ModelShape, spec: UpcycleSpec) -> int:
+    """The tensor bytes the upcycled checkpoint holds, from the source's shapes alone: each dense
+    MLP weight ``E / G`` times, a router ``[E, H]`` per MLP layer, the rest once."""
+    total = 0
+    for name, key in sources.items():
+        nbytes = math.prod(reader.shape(key)) * reader.dtype(key).itemsize
+        mlp = _MLP.fullmatch(name)
+        total += nbytes * spec.num_experts // spec.granularity if mlp and mlp.group("what") == "weight" else nbytes
+    layers = _mlp_layers(reader, sources)
+    return total + sum(moe.num_experts * moe.hidden_size * dtype.itemsize for dtype in layers.values())
+
+
+def _free_bytes(dst: str) -> tuple[str, int] | None:
+    """(the nearest existing folder of a local ``dst``, its free bytes); None for a remote one."""
+    if not fs.is_local(dst):
+        return None
+    where = os.path.abspath(dst)
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    return where, shutil.disk_usage(where).free
+
+
+def _check_room(src: str, dst: str, nbytes: int, spec: UpcycleSpec) -> None:
+    """Refuse, naming --num-experts, an upcycled checkpoint larger than the free space where it
+    goes (before its plan, a key per expert, is built)."""
+    free = _free_bytes(dst)
+    if free is not None and nbytes > free[1]:
+        raise ConversionError(
+            f"{src}: --num-experts {spec.num_experts}: the upcycled checkpoint needs {nbytes / 2**30:.1f} GiB, "
+            f"{free[0]} has {free[1] / 2**30:.1f} GiB free"
         )
 
 
@@ -368,7 +418,8 @@ def upcycle(
     ``src``: any canonical checkpoint (local or fsspec URL, any world size or layout) whose
     manifest records a dense ``model_config``. Refused, one line naming ``src``, before anything
     is written: an MoE source, no model config, weights that are not the config's, E < 1, K
-    outside [1, E], G not dividing E, K and the FFN size. ``dst`` is committed whole or not at
+    outside [1, E], E over :data:`MAX_EXPERTS` or a result larger than the free space at ``dst``,
+    G not dividing E, K and the FFN size. ``dst`` is committed whole or not at
     all (``overwrite`` replaces an existing checkpoint). ``progress(done, total)`` gets tensor
     bytes written. Memory: one source tensor and one expert slice."""
     start = time.perf_counter()
@@ -378,6 +429,7 @@ def upcycle(
         dense = _dense_shape(reader, spec)
         moe = _moe_shape(reader.directory, dense, spec)
         sources = _source_keys(reader, dense)
+        _check_room(reader.directory, fs.normalize(dst), _upcycled_bytes(reader, sources, moe, spec), spec)
         planned = _planned(reader, sources, moe, spec)
         _check_plan(reader.directory, moe, planned)
         nbytes = sum(t.numel() * t.element_size() for t in planned.values())
