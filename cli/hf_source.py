@@ -29,7 +29,14 @@ from torch import nn
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
-from mfsdp_ckpt.hf.files import HFDirectory, read_json_file
+from mfsdp_ckpt.hf.config_check import (
+    check_hf_config,
+    check_hf_model_dir,
+    check_model_fits,
+    safetensors_bytes,
+    without_remote_code,
+)
+from mfsdp_ckpt.hf.files import HFDirectory
 from mfsdp_ckpt.hf.transformers_layout import (
     DiskTensor,
     carried_files,
@@ -121,7 +128,13 @@ def _class_of(config: Any, d: dict[str, Any], where: str) -> type[nn.Module]:
 class HFSource(ModelSource):
     """A transformers causal LM of the ``config.json`` dict ``config`` (read from ``where``, named
     in errors); ``weights``: the model directory whose safetensors to load (checked here), or None;
-    ``files``: the directory's carried files (name -> bytes)."""
+    ``files``: the directory's carried files (name -> bytes).
+
+    The config passes :func:`~mfsdp_ckpt.hf.config_check.check_hf_config` before transformers
+    sees it, and the model it describes (with transformers' defaults filled in) must fit this
+    machine's memory and the weights present (:func:`~mfsdp_ckpt.hf.config_check.check_model_fits`)
+    before anything is built, even on ``meta``. ``auto_map`` / ``trust_remote_code`` are dropped:
+    the class is always transformers' own, and checkpoints never record them."""
 
     kind = TRANSFORMERS
 
@@ -134,7 +147,14 @@ class HFSource(ModelSource):
         files: dict[str, bytes] | None = None,
     ) -> None:
         self.where, self.name, self.weights = where, name, weights
-        self.hf_config = _config_of(config, where)
+        config = without_remote_code(config)
+        try:
+            check_hf_config(config, where)
+            self.hf_config = _config_of(config, where)
+            weights_bytes = safetensors_bytes(weights) if weights is not None else None
+            check_model_fits(self.hf_config.to_dict(), where, weights_bytes=weights_bytes)
+        except ConversionError as e:
+            raise ValueError(str(e)) from None
         self.cls = _class_of(self.hf_config, config, where)
         self.config_dict = {**config, "architectures": [self.cls.__name__]}
         self.model_type = self.hf_config.model_type
@@ -173,18 +193,11 @@ class HFSource(ModelSource):
         """The source of ``--hf-model path``: ValueError, one line naming the file and field at
         fault, for a directory that is not an HF model, an architecture transformers does not
         know, or weights that disagree with the config."""
-        flag = f"--hf-model {path}"
-        if not os.path.isdir(path):
-            raise ValueError(f"{flag}: not a directory")
-        config_path = os.path.join(path, "config.json")
-        if not os.path.lexists(config_path):
-            raise ValueError(f"{flag}: no config.json (not a Hugging Face model directory)")
         try:
-            d = read_json_file(config_path, "config.json")
+            d = check_hf_model_dir(path)  # the launcher's torch-free check, first: the same rules
         except ConversionError as e:
             raise ValueError(str(e)) from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{config_path}: not a JSON object ({type(d).__name__} at the top level)")
+        config_path = os.path.join(path, "config.json")
         if not has_weights(path) and any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(path)):
             raise ValueError(
                 f"{path}: its weights are pickle files (.bin/.pt); only safetensors weights are read "
@@ -251,10 +264,12 @@ class HFSource(ModelSource):
         out = []
         if record.get("class") != self.cls.__name__:
             out.append(f"class={record.get('class')!r} (this run: {self.cls.__name__!r})")
+        recorded = record.get("config") if isinstance(record.get("config"), dict) else {}
         try:
-            saved = _config_of(record.get("config") or {}, "saved").to_dict()
-        except ValueError:
-            saved = dict(record.get("config") or {})
+            check_hf_config(recorded, "saved")  # hostile values never reach transformers
+            saved = _config_of(recorded, "saved").to_dict()
+        except (ValueError, ConversionError):
+            saved = dict(recorded)
         ours = self.hf_config.to_dict()
         keys = sorted((set(saved) | set(ours)) - _VOLATILE)
         out += [f"{k}={saved.get(k)!r} (this run: {ours.get(k)!r})" for k in keys if saved.get(k) != ours.get(k)]

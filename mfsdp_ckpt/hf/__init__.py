@@ -16,9 +16,6 @@ import sys
 import types
 from typing import Any
 
-from mfsdp_ckpt.hf.mapping import Architecture, Direct, FusedQKV, GatedMLP, Rule
-from mfsdp_ckpt.hf.registry import architectures, get_architecture, register
-
 __all__ = [
     "export",
     "import_",
@@ -35,10 +32,22 @@ __all__ = [
 ]
 
 _LAZY = ("export", "import_", "ExportResult", "ImportResult")
+#: the mapping's names, imported on first use too: they import torch, which checking a
+#: ``config.json`` (:mod:`mfsdp_ckpt.hf.config_check`, the launcher's pre-flight) does not need
+_MAPPING = {"Architecture", "Direct", "FusedQKV", "GatedMLP", "Rule"}
+_REGISTRY = {"architectures", "get_architecture", "register"}
 
 
 def _load(name: str) -> Any:
-    """The lazily imported public name ``name`` of :data:`_LAZY`."""
+    """The lazily imported public name ``name`` of :data:`_LAZY`, :data:`_MAPPING` or :data:`_REGISTRY`."""
+    if name in _MAPPING:
+        from mfsdp_ckpt.hf import mapping
+
+        return getattr(mapping, name)
+    if name in _REGISTRY:
+        from mfsdp_ckpt.hf import registry
+
+        return getattr(registry, name)
     if name in ("export", "ExportResult"):
         from mfsdp_ckpt.hf.export import ExportResult, export
 
@@ -49,8 +58,8 @@ def _load(name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """``export``, ``import_`` and their result types, imported on first use."""
-    if name not in _LAZY:
+    """``export``, ``import_``, their result types and the mapping's names, imported on first use."""
+    if name not in _LAZY and name not in _MAPPING and name not in _REGISTRY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = _load(name)
     globals()[name] = value

@@ -32,6 +32,12 @@ import torch
 from mfsdp_ckpt.errors import CheckpointError, ConversionError, raise_key_problems
 from mfsdp_ckpt.format.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
+from mfsdp_ckpt.hf.config_check import (
+    REMOTE_CODE_KEYS,
+    check_against_tensors,
+    check_hf_config,
+    without_remote_code,
+)
 from mfsdp_ckpt.hf.files import INDEX_NAME, SafetensorsWriter, parse_size, shard_name
 from mfsdp_ckpt.hf.mapping import Architecture, Conversion, check_against, expand
 from mfsdp_ckpt.hf.mx import (
@@ -281,10 +287,14 @@ def _transformers_plan(
 ) -> _Plan:
     """The export of a checkpoint of a ``transformers`` model (tensors under the model's own
     names): each parameter as ``save_pretrained`` writes it (fused experts per expert), the
-    recorded ``config.json``, and the files the checkpoint carries (``extra.hf_files``)."""
+    recorded ``config.json`` (checked, and against the tensors: a tampered record is refused,
+    never written; ``auto_map`` / ``trust_remote_code`` dropped), and the files the checkpoint
+    carries (``extra.hf_files``; code files left out)."""
     config = record.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ConversionError(f"{source}: model_source.config is not a transformers config.json (no model_type)")
+    config = without_remote_code(config)
+    check_hf_config(config, f"{source}: model_source.config")
     model_type = config["model_type"]
     if arch_name is not None and arch_name != model_type:
         raise ConversionError(
@@ -299,6 +309,8 @@ def _transformers_plan(
     shapes = {k: reader.shape(k) for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
     if not shapes:
         raise ConversionError(f"{source}: no model tensors to export")
+    named = {k[len("model.") :]: tuple(v) for k, v in shapes.items()}
+    check_against_tensors(config, named, f"{source}: model_source.config")
     conversions = export_conversions(model_type, shapes, source)
     keys = set(reader.keys())
     items = [_item(reader, keys, conv, shapes[conv.ours], None, dtype, None, mode, set()) for conv in conversions]
@@ -311,7 +323,9 @@ def _transformers_plan(
         for name, blob in files.items():
             if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.ndim != 1:
                 raise ConversionError(f"{source}: {files_key}[{name!r}] is not a byte tensor")
-            carried[checked_carried_name(name, f"{source}: {files_key}")] = blob.numpy().tobytes()
+            name = checked_carried_name(name, f"{source}: {files_key}")
+            if not name.endswith(".py"):  # code is never exported (nothing we write names it)
+                carried[name] = _without_remote_code_bytes(name, blob.numpy().tobytes())
     plan = _Plan(
         None,
         None,
@@ -321,6 +335,20 @@ def _transformers_plan(
         label=str(record.get("class") or model_type),
     )
     return _into_shards(plan, items, max_bytes, source, len(shapes))
+
+
+def _without_remote_code_bytes(name: str, blob: bytes) -> bytes:
+    """A carried file as it is, but a JSON object (``tokenizer_config.json``) that names code to
+    import (``auto_map``, ``trust_remote_code``) rewritten without those keys."""
+    if not name.endswith(".json") or not any(k.encode() in blob for k in REMOTE_CODE_KEYS):
+        return blob
+    try:
+        value = json.loads(blob.decode("utf-8-sig"))
+    except (ValueError, RecursionError):
+        return blob  # not JSON: nothing reads keys from it
+    if not isinstance(value, dict):
+        return blob
+    return (json.dumps(without_remote_code(value), indent=2, ensure_ascii=False) + "\n").encode()
 
 
 def _into_shards(plan: _Plan, items: list[_Item], max_bytes: int, source: str, expected: int) -> _Plan:
@@ -482,13 +510,15 @@ def _write_shards(
 
 
 def _hf_config(plan: _Plan) -> dict[str, Any]:
+    """The export's ``config.json``; never with ``auto_map`` / ``trust_remote_code`` in it."""
     if plan.hf_config is not None:  # a transformers model's own config, with the exported dtype
         config = {**plan.hf_config, "dtype": dtype_name(plan.dtype)}
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype_name(plan.dtype)
-        return config
+        return without_remote_code(config)
     quantization = {"quantization_config": plan.quantization} if plan.quantization is not None else {}
-    return {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype), **quantization}
+    config = {**plan.arch.to_hf_config(plan.config), "torch_dtype": dtype_name(plan.dtype), **quantization}
+    return without_remote_code(config)
 
 
 def _finish(plan: _Plan, tmp: str) -> None:
