@@ -64,6 +64,8 @@ _VOLATILE = {
     "architectures",
     "use_cache",
     "_attn_implementation_autoset",
+    "auto_map",  # never honoured (an older record may hold them; this run's never does)
+    "trust_remote_code",
 }
 #: the key under which a checkpoint carries the directory's other files
 FILES_EXTRA = "hf_files"
