@@ -19,6 +19,8 @@ import copy
 from typing import TYPE_CHECKING
 
 import mfsdp_ckpt
+from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.config_check import check_hf_model_dir
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.lock import check_unlocked
@@ -42,6 +44,8 @@ __all__ = [
     "resolve_auto_resume",
     "checked_checkpoint",
     "preflight",
+    "check_seq_len",
+    "check_hf_dir",
 ]
 
 
@@ -62,8 +66,7 @@ def check_model(args: argparse.Namespace, world: int | None) -> ModelSource:
             source.check_parallel(world, args.ep)
         except ValueError as e:
             raise UsageError(f"--ep {args.ep}: {e}") from None
-    if source.seq_length is not None and args.seq_len > source.seq_length:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {source.seq_length}")
+    check_seq_len(args, source.seq_length)
     if args.comm_stream and not _cuda_available():
         raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
     if args.data:  # a missing, misshapen or too short file fails now
@@ -72,6 +75,24 @@ def check_model(args: argparse.Namespace, world: int | None) -> ModelSource:
         except ValueError as e:
             raise UsageError(str(e)) from None
     return source
+
+
+def check_seq_len(args: argparse.Namespace, seq_length: int | None) -> None:
+    """Refuse a ``--seq-len`` over the model's longest (``seq_length``; None: no limit)."""
+    if seq_length is not None and args.seq_len > seq_length:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {seq_length}")
+
+
+def check_hf_dir(args: argparse.Namespace) -> None:
+    """The torch-free first look at an ``--hf-model`` directory, before transformers builds its
+    model (seconds): a ``config.json`` the bridge's check refuses, a ``--seq-len`` over its
+    ``max_position_embeddings``. What needs transformers is :func:`check_model`'s."""
+    try:
+        config = check_hf_model_dir(args.hf_model)
+    except ConversionError as e:
+        raise UsageError(str(e)) from None
+    seq_length = config.get("max_position_embeddings")
+    check_seq_len(args, seq_length if type(seq_length) is int else None)
 
 
 def _cuda_available() -> bool:
@@ -156,6 +177,8 @@ def preflight(args: argparse.Namespace, world: int | None) -> None:
         args.resume = None  # an object store's: read by the ranks (only the --hf-model is checked here)
     if args.resume == _AUTO:
         args.resume = resolve_auto_resume(args)
+    if args.hf_model is not None:
+        check_hf_dir(args)
     source = check_model(args, world)
     if args.resume:
         resume_point(args, source)

@@ -8,6 +8,7 @@ used, and those still resolve to the same functions."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,6 +92,16 @@ def tiny_step(tmp_path_factory) -> str:
     return os.path.realpath(run / "step_000002")
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    """A Hugging Face Llama directory of a config.json alone (no weights: a fresh model)."""
+    path = tmp_path_factory.mktemp("llama")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+    config.update(intermediate_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=256)
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    return str(path)
+
+
 def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None:
     out = _python("-c", _LAZY_NAMES)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
@@ -122,11 +133,15 @@ def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None
         ),
         (["--nproc-per-node", "2", "--data", "{step}/no.bin"], "error: --data {step}/no.bin: No such file"),
         (["--nproc-per-node", "2", "--model-config", "{step}/no.json"], "error: --model-config {step}/no.json: "),
+        (
+            ["--nproc-per-node", "2", "--hf-model", "{hf}", "--seq-len", "4096"],
+            "error: --seq-len 4096 exceeds the model's seq_length 128",
+        ),
     ],
-    ids=["recorded-setting", "model", "settings", "init-from-model", "seq-len", "data", "model-config"],
+    ids=["recorded-setting", "model", "settings", "init-from-model", "seq-len", "data", "model-config", "hf-seq-len"],
 )
-def test_a_refused_run_imports_no_torch(tiny_step: str, flags: list[str], message: str) -> None:
-    out = _python("-c", _PROBE, *(f.format(step=tiny_step) for f in flags))
+def test_a_refused_run_imports_no_torch(tiny_step: str, hf_dir: str, flags: list[str], message: str) -> None:
+    out = _python("-c", _PROBE, *(f.format(step=tiny_step, hf=hf_dir) for f in flags))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 3, out.stderr
     assert lines[0].startswith(message.format(step=tiny_step)), out.stderr
