@@ -63,6 +63,8 @@ _MUST_BE_ONE = (
     "expert_tensor_parallel_size",
     "virtual_pipeline_model_parallel_size",
 )
+#: the most a TransformerConfig field taken as given may count (no default of MCore 0.16 is negative or over 2**20)
+MAX_PASSED_INT = 1 << 24
 #: TransformerConfig fields set here from the model's arguments or fixed, never taken as given
 _OURS = {
     "expert_model_parallel_size",
@@ -123,6 +125,8 @@ def _check_passed(passed: dict[str, Any], where: str) -> None:
     except Exception:  # noqa: BLE001 - annotations this Python cannot resolve: MCore checks what it can
         return
     for name, value in passed.items():
+        if type(value) is int and not 0 <= value <= MAX_PASSED_INT:
+            raise ValueError(f"{where}: {name}={value!r}: expected an integer in [0, {MAX_PASSED_INT}]")
         if value is not None and name in hints and not _fits(value, hints[name]):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             hint = hints[name]
@@ -183,6 +187,7 @@ class McoreSource(ModelSource):
             check_fits_memory(self.config.to_dict(), where)
         except ConversionError as e:
             raise ValueError(str(e)) from None
+        self.transformer_config()  # MCore's own checks of the arguments, now rather than in the build
         self.vocab_size, self.seq_length, self.num_experts = (
             self.config.vocab_size,
             self.config.seq_length,
@@ -315,8 +320,9 @@ class McoreSource(ModelSource):
                 kwargs["moe_shared_expert_intermediate_size"] = c.moe_shared_expert_ffn_hidden_size
         try:
             return TransformerConfig(**kwargs)
-        except (TypeError, ValueError, AssertionError) as e:
-            raise ValueError(f"{self.where}: Megatron-Core refuses these arguments: {e}") from None
+        except Exception as e:  # noqa: BLE001 - whatever MCore's checks raise (a KeyError for an unknown scope): one line
+            what = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ValueError(f"{self.where}: Megatron-Core refuses these arguments: {what}") from None
 
     # ---- what a checkpoint records ---------------------------------------------------------
     def record(self) -> dict[str, Any]:

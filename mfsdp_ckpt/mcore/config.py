@@ -79,6 +79,7 @@ REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
     "moe_expert_capacity_factor": (None,),
     "moe_router_topk_limited_devices": (None,),
     "moe_shared_expert_gate": (False,),
+    "moe_latent_size": (None,),
 }
 _ALIASES = {
     "layernorm_epsilon": "norm_epsilon",

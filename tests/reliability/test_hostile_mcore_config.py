@@ -259,6 +259,7 @@ _TRAIN_CASES = {
     "norm_epsilon-negative": ({"norm_epsilon": -1}, "norm_epsilon=-1: expected a finite number in (0, 1)"),
     "dropout-string": ({"hidden_dropout": "0.1"}, "hidden_dropout='0.1': expected a finite number in [0, 1]"),
     "passed-field-type": ({"recompute_granularity": 3}, "recompute_granularity=3: not a value of Megatron-Core's"),
+    "passed-field-value": ({"cuda_graph_scope": "RMSNorm"}, "Megatron-Core refuses these arguments: KeyError"),
     "larger-than-memory": (
         {"vocab_size": 2**24, "hidden_size": 2**16, "num_attention_heads": 256, "num_query_groups": 256},
         "parameters: ",
@@ -269,8 +270,8 @@ _TRAIN_CASES = {
 def test_mfsdp_train_refuses_a_hostile_mcore_config_before_building(tmp_path):
     """``mfsdp-train --mcore-config`` (the ranks' check; one process here): one line naming the flag,
     the file and the argument, exit 1, no checkpoint directory, the file unchanged. Was: NaN and a
-    negative epsilon trained; a string dropout, an int for a Literal field and a 4 TiB model ended
-    in tracebacks from torch or Megatron-Core."""
+    negative epsilon trained; a string dropout, an int for a Literal field, a scope MCore does not
+    know and a 4 TiB model ended in tracebacks from torch or Megatron-Core."""
     argv, expect = [], []
     for name, (change, says) in _TRAIN_CASES.items():
         config = _write_config(tmp_path, {**_TRAIN_ARGS, **change}, f"{name}.json")
@@ -298,3 +299,27 @@ def test_a_recorded_model_source_with_hostile_args_is_refused():
         str(e.value)
         == "--resume: /ck/step_2: model_source.args: rotary_base=nan: expected a finite number in (0, 1e+15]"
     )
+
+
+_LAUNCHER = textwrap.dedent(
+    """
+    import sys
+    from mfsdp_ckpt.errors import ConversionError
+    from mfsdp_ckpt.mcore.config_check import check_mcore_config_file
+    try:
+        check_mcore_config_file(sys.argv[1], copies=2)
+    except ConversionError as e:
+        print(e)
+    print("torch" in sys.modules)
+    """
+)
+
+
+def test_the_launchers_check_of_an_mcore_config_imports_no_torch(tmp_path):
+    """What the launcher can call before any rank starts (``check_mcore_config_file``): the same
+    refusal without importing torch."""
+    config = _write_config(tmp_path, {**_TRAIN_ARGS, "norm_epsilon": -1})
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", _LAUNCHER, config], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [f"{config}: norm_epsilon=-1: expected a finite number in (0, 1)", "False"]
