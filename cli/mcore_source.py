@@ -128,7 +128,8 @@ def _check_passed(passed: dict[str, Any], where: str) -> None:
         if type(value) is int and not 0 <= value <= MAX_PASSED_INT:
             raise ValueError(f"{where}: {name}={value!r}: expected an integer in [0, {MAX_PASSED_INT}]")
         if value is not None and name in hints and not _fits(value, hints[name]):
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            shown = " ".join(repr(value).split())
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
             hint = hints[name]
             kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
             raise ValueError(f"{where}: {name}={shown}: not a value of Megatron-Core's {name} ({kind})")

@@ -130,7 +130,7 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 
 def _shown(value: Any) -> str:
     """``value`` as an error shows it: its repr, on one line and short."""
-    text = repr(value)
+    text = " ".join(repr(value).split())  # a tensor's repr spans lines
     return text if len(text) <= 60 else text[:57] + "..."
 
 
