@@ -4,8 +4,8 @@ latest) before any rank starts, with the rules the ranks apply (``cli.train_star
 
 Describing a reference GPT run, reading a manifest and sizing a token file import no torch, so
 such a refusal takes a fraction of a second. An ``--hf-model`` directory is built by transformers
-(seconds; the ranks would pay it too); a Megatron-Core config, or a model only an object-store
-checkpoint records, is left to the ranks."""
+(seconds; the ranks would pay it too); a Megatron-Core config file is checked torch-free
+(the model itself, and a model only an object-store checkpoint records, are left to the ranks)."""
 
 from __future__ import annotations
 
@@ -44,11 +44,13 @@ def needs_start_check(args: argparse.Namespace) -> bool:
 def check_start(args: argparse.Namespace, world: int | None) -> None:
     """Refuse (``UsageError``, one line) a model, data file or start checkpoint the ranks would
     refuse, before they start: called by the launcher after ``check_flags``."""
+    from .train_start import check_mcore_file, preflight
+
+    if args.mcore_config is not None:
+        check_mcore_file(args)
     if not needs_start_check(args):
         return
     from .quiet import quiet_third_party
 
     quiet_third_party(args.verbose)  # building an --hf-model source imports transformers: our lines only
-    from .train_start import preflight
-
     preflight(args, world)

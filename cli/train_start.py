@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.config_check import check_hf_model_dir
+from mfsdp_ckpt.mcore.config_check import check_mcore_config_file
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.lock import check_unlocked
@@ -46,6 +47,7 @@ __all__ = [
     "preflight",
     "check_seq_len",
     "check_hf_dir",
+    "check_mcore_file",
 ]
 
 
@@ -93,6 +95,17 @@ def check_hf_dir(args: argparse.Namespace) -> None:
         raise UsageError(str(e)) from None
     seq_length = config.get("max_position_embeddings")
     check_seq_len(args, seq_length if type(seq_length) is int else None)
+
+
+def check_mcore_file(args: argparse.Namespace) -> None:
+    """The torch-free look at ``--mcore-config`` before any rank starts: a file the Megatron-Core
+    bridge's check refuses (types, bounds, finite numbers, choices, divisibility), or a fresh model
+    the memory of this node's ``--nproc-per-node`` ranks cannot hold. What needs Megatron-Core (its
+    ``TransformerConfig``'s own field types) the ranks check."""
+    try:
+        check_mcore_config_file(args.mcore_config, copies=max(1, args.nproc_per_node or 1))
+    except ConversionError as e:
+        raise UsageError(f"--mcore-config {e}") from None
 
 
 def _cuda_available() -> bool:

@@ -102,6 +102,15 @@ def hf_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def mcore_config(tmp_path_factory) -> str:
+    """A Megatron-Core arguments file whose RoPE base is NaN (no model runs with it)."""
+    path = tmp_path_factory.mktemp("mcore") / "args.json"
+    args = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128}
+    path.write_text(json.dumps({**args, "padded_vocab_size": 256, "seq_length": 64, "rotary_base": float("nan")}))
+    return str(path)
+
+
 def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None:
     out = _python("-c", _LAZY_NAMES)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
@@ -137,13 +146,27 @@ def test_the_packages_import_dcp_only_when_save_load_or_export_is_used() -> None
             ["--nproc-per-node", "2", "--hf-model", "{hf}", "--seq-len", "4096"],
             "error: --seq-len 4096 exceeds the model's seq_length 128",
         ),
+        (["--nproc-per-node", "2", "--mcore-config", "{mcore}"], "error: --mcore-config {mcore}: rotary_base=nan"),
     ],
-    ids=["recorded-setting", "model", "settings", "init-from-model", "seq-len", "data", "model-config", "hf-seq-len"],
+    ids=[
+        "recorded-setting",
+        "model",
+        "settings",
+        "init-from-model",
+        "seq-len",
+        "data",
+        "model-config",
+        "hf-seq-len",
+        "mcore-config",
+    ],
 )
-def test_a_refused_run_imports_no_torch(tiny_step: str, hf_dir: str, flags: list[str], message: str) -> None:
-    out = _python("-c", _PROBE, *(f.format(step=tiny_step, hf=hf_dir) for f in flags))
+def test_a_refused_run_imports_no_torch(
+    tiny_step: str, hf_dir: str, mcore_config: str, flags: list[str], message: str
+) -> None:
+    names = {"step": tiny_step, "hf": hf_dir, "mcore": mcore_config}
+    out = _python("-c", _PROBE, *(f.format(**names) for f in flags))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 3, out.stderr
-    assert lines[0].startswith(message.format(step=tiny_step)), out.stderr
+    assert lines[0].startswith(message.format(**names)), out.stderr
     assert lines[1] == "DCP=False", f"the pre-flight imported {DCP}"
     assert lines[2] == "TORCH=False", "the pre-flight imported torch"
