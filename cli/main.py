@@ -31,14 +31,14 @@ def main(debug: bool) -> None:
 def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH.
     --html draws, per tensor group, a strip per rank of what it wrote and where in which file."""
+    if html_out or png_out:  # refused before torch is imported: at once
+        _check_report_outputs([path], html_out, png_out)
+        _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
+        return
     from mfsdp_ckpt.errors import shown_list
     from mfsdp_ckpt.format.model_source import describe_source
     from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
 
-    if html_out or png_out:
-        _check_report_outputs([path], html_out, png_out)
-        _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
-        return
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
         click.echo(json.dumps(info.to_json(), indent=1))
@@ -105,6 +105,8 @@ def _check_report_outputs(inputs: list[str], html_out: str | None, png_out: str 
     """Refuse, before anything is read, a ``--html`` or ``--png`` file that would write over, into
     or around a checkpoint the command reads (its manifest, a data file, the ``latest`` pointer,
     its directory), that is not a regular file (a directory, a link, a FIFO), or the two the same."""
+    if not (html_out or png_out):
+        return
     from mfsdp_ckpt.errors import CheckpointError
     from mfsdp_ckpt.storage.overlap import overlap
     from mfsdp_ckpt.tools.report.output import check_report_out
@@ -217,10 +219,10 @@ def diff(
     Entries are matched by canonical name: a stock DCP checkpoint (FSDP2, torchtitan, dcp.save)
     is read through its key layout. (Per-rank RNG states are not compared: they depend on the
     world size.)"""
+    start = time.perf_counter()
+    _check_report_outputs([a, b], html_out, png_out)  # before the comparison (and torch): at once
     from mfsdp_ckpt.tools.diff import diff_checkpoints
 
-    start = time.perf_counter()
-    _check_report_outputs([a, b], html_out, png_out)  # before the comparison: a refusal costs nothing
     result = _run_with_progress(
         "diff",
         lambda bar: diff_checkpoints(
