@@ -23,6 +23,7 @@ from mfsdp_ckpt.format.model_source import (
     gpt_source,
     model_source_of,
 )
+from mfsdp_ckpt.hf.config_check import machine_memory
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
@@ -87,6 +88,7 @@ class GPTSource(ModelSource):
             config = GPTConfig.from_dict(record.get("config") or {})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: its model config is not one this trainer builds: {e}") from None
+        check_fits_memory(config, f"{where}: model_source.config")
         return cls(config, preset_name(config) or "custom")
 
     def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
@@ -206,6 +208,18 @@ def recorded_name(manifest: dict[str, Any], path: str) -> str:
     return f"the model of {path}"
 
 
+def check_fits_memory(config: GPTConfig, where: str) -> None:
+    """ValueError naming ``where`` when even a lower bound of the model's fp32 parameters
+    (:meth:`GPTConfig.estimated_params`) is more than this machine's memory: every rank builds the
+    whole model before sharding it, so such a config would allocate until the machine gives out."""
+    need, memory = 4 * config.estimated_params(), machine_memory()
+    if memory is not None and need > memory:
+        raise ValueError(
+            f"{where}: the model has at least {need // 4:,} parameters ({need / 2**30:.1f} GiB in fp32), "
+            f"more than this machine's memory ({memory / 2**30:.1f} GiB)"
+        )
+
+
 def preset_name(config: GPTConfig) -> str | None:
     """The name of the preset equal to ``config``, if one is."""
     return next((name for name, preset in PRESETS.items() if preset == config), None)
@@ -228,15 +242,18 @@ def config_from_file(path: str) -> GPTConfig:
         from mfsdp_ckpt.hf.registry import architecture_of_hf_config
 
         try:
-            return architecture_of_hf_config(d, path).from_hf_config(d, path)
+            config = architecture_of_hf_config(d, path).from_hf_config(d, path)
         except ConversionError as e:
             raise ValueError(f"--model-config {e}") from None
-    if isinstance(d.get("model_config"), dict):  # a checkpoint manifest
-        d = d["model_config"]
-    try:
-        return GPTConfig.from_dict(d)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--model-config {path}: not a model config: {e}") from None
+    else:
+        if isinstance(d.get("model_config"), dict):  # a checkpoint manifest
+            d = d["model_config"]
+        try:
+            config = GPTConfig.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--model-config {path}: not a model config: {e}") from None
+    check_fits_memory(config, f"--model-config {path}")
+    return config
 
 
 def model_of_run(model: str | None, model_config: str | None) -> tuple[GPTConfig, str]:

@@ -26,6 +26,7 @@ import stat
 from typing import Any, Mapping
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.storage import fs
 
 __all__ = [
     "MAX_LAYERS",
@@ -399,25 +400,24 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def read_config_json(path: str) -> dict[str, Any]:
+def read_config_json(path: str, what: str = "config.json") -> dict[str, Any]:
     """The JSON object in the regular file ``path`` (at most :data:`MAX_CONFIG_BYTES`; a FIFO, a
-    directory or a device is refused, never waited on), or one ConversionError line naming it."""
+    directory or a device is refused, never waited on), or one ConversionError line naming it
+    (and ``what`` it should have been)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise ConversionError(f"{path}: cannot open config.json ({e.strerror or e})") from None
+        raise ConversionError(f"{path}: cannot open {what} ({e.strerror or e})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ConversionError(f"{path}: not a regular file (config.json must be one)")
+            raise ConversionError(f"{path}: not a regular file ({what} must be one)")
         if st.st_size > MAX_CONFIG_BYTES:
-            raise ConversionError(
-                f"{path}: {st.st_size} bytes, more than the {MAX_CONFIG_BYTES} a config.json may have"
-            )
+            raise ConversionError(f"{path}: {st.st_size} bytes, more than the {MAX_CONFIG_BYTES} a {what} may have")
         with os.fdopen(os.dup(fd), "rb") as f:
-            blob = f.read(MAX_CONFIG_BYTES + 1)
+            blob = fs.read_bounded(f, MAX_CONFIG_BYTES)
     except OSError as e:
-        raise ConversionError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+        raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     finally:
         os.close(fd)
     try:

@@ -11,10 +11,17 @@ was before the field existed, so manifests written earlier keep loading.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "PRESETS", "get_preset", "ROPE_TYPES", "LAYER_KINDS"]
+__all__ = ["GPTConfig", "PRESETS", "get_preset", "ROPE_TYPES", "LAYER_KINDS", "MAX_LAYERS", "MAX_WIDTH"]
+
+#: bounds on a config's integers, checked before anything is built from one (a config may come from
+#: a file or a checkpoint's manifest): layer counts, and every other size or count
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 24
+_LAYER_COUNTS = ("num_layers", "mtp_num_layers", "first_k_dense_replace")
 
 ROPE_TYPES = ("rope", "yarn")
 #: what a layer's token mixer is: softmax attention, or gated DeltaNet (Qwen3-Next's linear attention)
@@ -121,7 +128,10 @@ class GPTConfig:
     layernorm_zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_kinds, (list, tuple)) or len(self.layer_kinds) > MAX_LAYERS:
+            raise ValueError(f"GPTConfig.layer_kinds must be a list of at most {MAX_LAYERS} layer kinds")
         object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))  # a JSON list becomes a tuple
+        self._check_types()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -153,6 +163,27 @@ class GPTConfig:
             raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
 
     # ---- checks, by feature -----------------------------------------------------------------
+    def _check_types(self) -> None:
+        """Every field of its type (an integer is no bool, a number is finite) and within bounds, so
+        that a config from a file or a manifest cannot ask for a model no machine holds."""
+        for f in dataclasses.fields(self):
+            value, problem = getattr(self, f.name), None
+            if f.type == "int" and type(value) is not int:
+                problem = "must be an integer"
+            elif f.type == "int":
+                bound = MAX_LAYERS if f.name in _LAYER_COUNTS else MAX_WIDTH
+                problem = f"must be at most {bound}" if abs(value) > bound else None
+            elif f.type == "float" and (type(value) not in (int, float) or not math.isfinite(value)):
+                problem = "must be a finite number"
+            elif f.type == "bool" and type(value) is not bool:
+                problem = "must be true or false"
+            elif f.type == "str" and type(value) is not str:
+                problem = "must be a string"
+            elif f.name == "layer_kinds" and not all(type(k) is str for k in value):
+                problem = "must be a list of strings"
+            if problem:
+                raise ValueError(f"GPTConfig.{f.name} {problem}, got {str(value)[:40]}")
+
     def _check_mla(self) -> None:
         if not self.multi_latent_attention:
             return
@@ -259,6 +290,25 @@ class GPTConfig:
     def layer_kind(self, layer: int) -> str:
         """Layer ``layer``'s token mixer (MTP layers are attention layers)."""
         return self.layer_kinds[layer] if layer < len(self.layer_kinds) else "attention"
+
+    def estimated_params(self) -> int:
+        """A lower bound of the model's parameter count, from the config alone (nothing built): the
+        embedding and output layer, each layer's attention projections and MLP or experts. What a
+        build would allocate is compared with it before building."""
+        h = self.hidden_size
+        total = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        for layer in range(self.num_layers + self.mtp_num_layers):
+            if self.layer_kind(layer) == "linear_attention":
+                total += 2 * h * self.linear_num_value_heads * self.linear_value_head_dim
+            elif self.multi_latent_attention:
+                total += h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+            else:
+                total += 2 * h * self.num_attention_heads * self.kv_channels
+            if self.is_moe_layer(layer):
+                total += 2 * h * (self.num_experts * self.moe_ffn_hidden_size + self.moe_shared_expert_ffn_hidden_size)
+            else:
+                total += 2 * h * self.ffn_hidden_size
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict of every field."""
