@@ -4,8 +4,9 @@ under 0.5 s), against starting the interpreter and importing torch in the same r
 
 It writes a 2-step checkpoint of the ``tiny`` preset and a one-file Hugging Face Llama config, then
 times each command ``--rounds`` times (medians): a refusal by the flags alone, by the model and
-files (torch-free for the reference GPT), by the start checkpoint's manifest, and by an
-``--hf-model`` directory (transformers builds the model config).
+files (torch-free for the reference GPT), by the start checkpoint's manifest, by an ``--hf-model``
+directory's config.json (torch-free) or by the model transformers builds from it (torch and
+transformers imported), and by a Megatron-Core arguments file (torch-free).
 
     .venv/bin/python bench/preflight.py --dir /tmp/preflight_bench
 """
@@ -39,6 +40,9 @@ LLAMA = {
 }
 
 
+MCORE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "seq_length": 64}
+
+
 def _cases(run: str, hf: str) -> list[tuple[str, list[str], str]]:
     """(name, argv, expected start of stderr's last line) per timed command."""
     step = os.path.join(run, "step_000002")
@@ -56,6 +60,8 @@ def _cases(run: str, hf: str) -> list[tuple[str, list[str], str]]:
         ("checkpoint: another model", [*train, "--resume", step, "--model", "tiny-moe"], "error: --resume:"),
         ("checkpoint: latest, --ep 2", [*train, "--resume", "--ckpt-dir", run, "--ep", "2"], "error: --ep 2"),
         ("--hf-model: --seq-len over the model's", [*train, "--hf-model", hf, "--seq-len", "4096"], "error: --seq-len"),
+        ("--hf-model: --ep 2 (transformers builds it)", [*train, "--hf-model", hf, "--ep", "2"], "error: --ep 2"),
+        ("--mcore-config: NaN rotary_base", [*train, "--mcore-config", os.path.join(hf, "mcore.json")], "error:"),
     ]
 
 
@@ -75,6 +81,8 @@ def _setup(root: str) -> tuple[str, str]:
     os.makedirs(hf)
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump(LLAMA, f)
+    with open(os.path.join(hf, "mcore.json"), "w") as f:
+        json.dump({**MCORE, "rotary_base": float("nan")}, f)
     argv = [TRAIN, "--model", "tiny", "--steps", "2", "--seq-len", "64", "--ckpt-dir", run, "--save-every", "2"]
     subprocess.run(argv, check=True, capture_output=True, timeout=600)
     with open(os.path.join(run, "step_000002", "odd.bin"), "wb") as f:  # 1001 bytes: no whole uint16 ids
