@@ -33,6 +33,7 @@ from mfsdp_ckpt.hf.config_check import (
     check_hf_config,
     check_hf_model_dir,
     check_model_fits,
+    estimated_params,
     safetensors_bytes,
     without_remote_code,
 )
@@ -231,6 +232,9 @@ class HFSource(ModelSource):
                 )
         except ConversionError as e:
             raise ValueError(str(e)) from None
+
+    def min_params(self) -> int:
+        return estimated_params(self.hf_config.to_dict())
 
     # ---- what a checkpoint records ---------------------------------------------------------
     def record(self) -> dict[str, Any]:

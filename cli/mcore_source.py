@@ -332,6 +332,9 @@ class McoreSource(ModelSource):
     def model_config(self) -> dict[str, Any] | None:
         return self.config.to_dict()
 
+    def min_params(self) -> int:
+        return self.config.estimated_params()
+
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         record = model_source_of(manifest) or {}
         if not record and not manifest.get("model_config"):

@@ -57,6 +57,11 @@ class ModelSource:
         ours)`` each); empty when it is the same model."""
         raise NotImplementedError
 
+    def min_params(self) -> int | None:
+        """A lower bound of the model's parameter count from its config alone (None: the family
+        has none), compared with the tensors a checkpoint holds before the model is built."""
+        return None
+
     @classmethod
     def from_record(cls, record: dict[str, Any], where: str) -> "ModelSource":
         """The source a manifest's record describes; ValueError naming ``where`` if it cannot be."""

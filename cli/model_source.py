@@ -62,6 +62,9 @@ class GPTSource(ModelSource):
     def model_config(self) -> dict[str, Any] | None:
         return self.config.to_dict()
 
+    def min_params(self) -> int:
+        return self.config.estimated_params()
+
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         """The recorded config fields that differ from this run's; none when the checkpoint
         records no model at all (a converted file's): the model named on the command line is used."""
@@ -188,6 +191,7 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
     if family is None:
         raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")
     source = family.from_record(record, f"{flag}: {resolved}")
+    check_fits_checkpoint(source, manifest, f"{flag}: {resolved}")
     if source.name == "custom":
         source.name = recorded_name(manifest, resolved)
     return source
@@ -217,6 +221,19 @@ def check_fits_memory(config: GPTConfig, where: str) -> None:
         raise ValueError(
             f"{where}: the model has at least {need // 4:,} parameters ({need / 2**30:.1f} GiB in fp32), "
             f"more than this machine's memory ({memory / 2**30:.1f} GiB)"
+        )
+
+
+def check_fits_checkpoint(source: ModelSource, manifest: dict[str, Any], where: str) -> None:
+    """ValueError naming ``where`` when the model a checkpoint records has more parameters (a lower
+    bound, :meth:`ModelSource.min_params`) than the checkpoint holds bytes of tensors (its manifest's
+    ``total_bytes``; every parameter is stored in at least one byte): a recorded config changed
+    after the save would otherwise be built, at whatever size it asks, before the load refused it."""
+    stored, need = manifest.get("total_bytes"), source.min_params()
+    if type(stored) is int and need is not None and need > stored:
+        raise ValueError(
+            f"{where}: model_source describes at least {need:,} parameters, more than the {stored:,} bytes "
+            "of tensors the checkpoint holds"
         )
 
 
