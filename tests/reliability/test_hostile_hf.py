@@ -84,7 +84,7 @@ def _without(key: str) -> Callable[[dict], dict]:
     "arch,field,value,held",
     [
         ("llama", "num_hidden_layers", 10**6, None),  # over the bound of any config
-        ("llama", "num_hidden_layers", 5000, "2 layers"),
+        ("llama", "num_hidden_layers", 4000, "2 layers"),  # within the model config's bound (4096)
         ("qwen3", "num_hidden_layers", 3, "2 layers"),
         ("mixtral", "num_local_experts", 4000, "3 experts"),
         ("qwen3_moe", "num_experts", 4, "3 experts"),
@@ -121,6 +121,7 @@ def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, 
         ("llama", _set(vocab_size=10**30), ["'vocab_size'"]),  # huge
         ("llama", _set(vocab_size=-5), ["'vocab_size'"]),  # negative
         ("llama", _set(head_dim=10**12), ["'head_dim'"]),
+        ("llama", _set(num_hidden_layers=5000), ["num_hidden_layers", "at most 4096"]),  # over the bound
         ("llama", _set(max_position_embeddings=10**400), ["'max_position_embeddings'"]),
         ("llama", _set(rms_norm_eps=float("nan")), ["'rms_norm_eps'"]),  # NaN
         ("llama", _set(rope_theta=float("inf")), ["'rope_theta'"]),
@@ -159,6 +160,7 @@ def test_declared_counts_are_bounded_by_the_files_before_expanding(arch, field, 
         "vocab-huge",
         "vocab-negative",
         "head_dim-huge",
+        "layers-over-4096",
         "max_pos-400-digits",
         "eps-nan",
         "rope_theta-inf",
