@@ -11,6 +11,8 @@ per-rank loss differs by up to 1.2e-5 (loss) and 4.1e-4 (gradient norm)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.torchrun import failure, read_metrics, run_train
 
 RUN = (
@@ -30,6 +32,7 @@ def _worst(a: dict, b: dict, field: str) -> float:
     return max(abs(a[s][field] - b[s][field]) / abs(b[s][field]) for s in b)
 
 
+@pytest.mark.heavy
 def test_global_aux_loss_at_w4_ep2_is_one_process_on_the_whole_batch(tmp_path):
     one = _train(1, tmp_path / "one.jsonl")
     assert sorted(one) == list(range(1, 7))

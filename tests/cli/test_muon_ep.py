@@ -10,6 +10,7 @@ experts' gradients come from tokens gathered from both EP ranks)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mfsdp_core import describe_shards, fully_shard
@@ -28,6 +29,7 @@ def _worst(a: dict, b: dict, field: str) -> float:
     return max(abs(a[s][field] - b[s][field]) / abs(b[s][field]) for s in b)
 
 
+@pytest.mark.heavy
 def test_muon_with_ep2_follows_one_process(tmp_path):
     runs = {}
     for name, nproc, extra in (("one", 1, ()), ("tensor", 4, ("--policy", "tensor")), ("even", 4, ())):

@@ -101,6 +101,7 @@ def test_reshard_as_a_job_writes_what_one_process_writes(ckpt, tmp_path):
     assert_same_output(one, many)
 
 
+@pytest.mark.heavy
 def test_export_hf_as_a_job_writes_what_one_process_writes(ckpt, tmp_path):
     one, many = _job(tmp_path, "export-hf", ckpt, "{out}", "--max-shard-size", "100KB")
     assert len([n for n in os.listdir(many) if n.endswith(".safetensors")]) >= NPROC
@@ -131,6 +132,7 @@ def test_convert_as_a_job_writes_what_one_process_writes(ckpt, tmp_path):
     assert_same_output(one, many)
 
 
+@pytest.mark.heavy
 def test_convert_to_one_file_as_a_job_writes_it_once(ckpt, tmp_path):
     """A single file cannot be shared out: process 0 writes it, once every process has reported."""
     for to, name in (("safetensors", "full.safetensors"), ("torch", "full.pt")):

@@ -32,6 +32,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("middle", ["f.safetensors", "f.pt"])
 def test_a_round_trip_keeps_step_model_and_trains_and_exports(trained, tmp_path, middle):
     fmt = "safetensors" if middle.endswith(".safetensors") else "torch"

@@ -83,6 +83,7 @@ def test_replicated_runs_match_flat_resume_bitwise_and_reshard(mode, flat_run, t
         assert _close(resumed, flat, range(4, 7), 1e-5) == [], (name, resumed, flat)
 
 
+@pytest.mark.heavy
 def test_dp_replicate_must_divide_world_size(tmp_path):
     run = _run(2, "--model", "tiny", "--steps", "1", "--dp-replicate", "3")
     assert run.returncode == 1, failure(run)

@@ -82,6 +82,7 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_exit_130(tmp_path):
     assert step == max(read_metrics(metrics)) and saved == step - step % 5
 
 
+@pytest.mark.heavy
 def test_ctrl_c_under_plain_torchrun_leaves_no_rank_tracebacks(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = _start(
@@ -99,6 +100,7 @@ def test_ctrl_c_under_plain_torchrun_leaves_no_rank_tracebacks(tmp_path):
 PREEMPT = (*SMALL, "--steps", "40", "--save-every", "100", "--keep", "2", "--log-every", "1000")
 
 
+@pytest.mark.heavy
 def test_sigterm_saves_the_step_and_resume_with_only_the_ckpt_dir_continues_bitwise(tmp_path):
     """A scheduler's SIGTERM to the launcher: the step in flight finishes, is saved and committed;
     ``--resume`` with nothing but ``--ckpt-dir`` takes every other setting (--keep included) from

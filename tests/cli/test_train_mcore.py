@@ -62,6 +62,7 @@ def _stop_at_2_on_2_ranks_then_resume_on_1(tmp_path, *options: str):
     return config, ckpt, run
 
 
+@pytest.mark.heavy
 def test_mcore_moe_trains_resumes_at_another_world_size_and_exports(tmp_path):
     config, ckpt, run = _stop_at_2_on_2_ranks_then_resume_on_1(tmp_path)
     whole = tmp_path / "whole.jsonl"
@@ -324,6 +325,7 @@ def _check_optimizer_loaded_by_megatron(got: dict, ckpt: str) -> None:
         assert len(got["optimizer"]) == len([k for k in ours.keys() if k.endswith(".exp_avg")])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "options", [("--mxfp8",), ("--optimizer", "muon", "--policy", "tensor")], ids=["mxfp8", "muon"]
 )

@@ -45,6 +45,7 @@ def _source(kind: str, tmp_path) -> list[str]:
     return ["--mcore-config", str(path)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["tiny", "hf", "mcore"])
 def test_a_two_rank_run_prints_our_lines_only(kind, tmp_path):
     model = _source(kind, tmp_path)

@@ -32,6 +32,7 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_rank_killed_is_one_line_naming_it_and_the_checkpoint_to_resume_from(tmp_path, victim):
     ckpt, metrics = tmp_path / "D", tmp_path / "m.jsonl"

@@ -115,6 +115,7 @@ def test_corrupted_chunk_raises_on_every_rank_alike(ranks, ckpt):
         assert fragment in message, message
 
 
+@pytest.mark.heavy
 def test_trainer_resume_stops_with_the_corrupt_chunk(tmp_path):
     run = _run(2, "--model", "tiny", "--steps", "4", "--save-every", "2", "--stop-at", "2", "--ckpt-dir", str(tmp_path))
     assert run.returncode == 0, failure(run)

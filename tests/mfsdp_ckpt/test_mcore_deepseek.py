@@ -343,6 +343,7 @@ def _megatron_load(ckpt, names: str, strict: str, logits_out) -> str:
     return proc.stdout
 
 
+@pytest.mark.heavy
 @pytest.mark.mcore_env
 def test_megatron_loads_the_export_of_the_import_strictly(tmp_path):
     """export-mcore of the imported fixture, loaded by MCore with every key checked both ways

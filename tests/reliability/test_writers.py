@@ -161,6 +161,7 @@ def test_a_second_writer_is_refused_until_the_first_is_gone(run, tmp_path):
     assert verify_checkpoint(os.path.join(run, "step_9")) == [] and not os.path.exists(os.path.join(run, LOCK_NAME))
 
 
+@pytest.mark.heavy
 def test_two_trainers_on_one_directory(tmp_path):
     ckpt = tmp_path / "r"
     args = ("--model", "tiny", "--batch-size", "4", "--seq-len", "16", "--ckpt-dir", str(ckpt), "--save-every", "1")

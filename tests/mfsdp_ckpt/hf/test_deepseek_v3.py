@@ -165,6 +165,7 @@ def test_import_export_bitwise_and_transformers_logits_with_mtp(case, tmp_path):
     assert (mtp_ours - theirs).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.heavy
 def test_trained_with_ep2_exports_with_the_router_bias_transformers_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -191,6 +192,7 @@ def test_trained_with_ep2_exports_with_the_router_bias_transformers_loads(tmp_pa
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.heavy
 def test_w4_ep2_checkpoint_reshards_offline_to_one_rank_bitwise(tmp_path):
     run = run_train(
         4,

@@ -93,6 +93,7 @@ def test_import_export_bitwise_and_transformers_logits(case, tmp_path):
     assert err <= LOGIT_ATOL, err
 
 
+@pytest.mark.heavy
 def test_trains_with_ep2_from_the_import_and_transformers_loads_the_export(tmp_path):
     from transformers import AutoModelForCausalLM
 

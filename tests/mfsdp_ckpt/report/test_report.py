@@ -215,6 +215,7 @@ def test_megatron_core_checkpoint_page(tmp_path):
     assert re.search(r'<g class="strip" data-rank="0"', text) and "<h2>data files</h2>" in text
 
 
+@pytest.mark.heavy
 def test_hsdp_page_names_the_replica_of_each_writer(tmp_path):
     run = run_train(
         4,
