@@ -162,6 +162,7 @@ def test_exception_on_one_rank_surfaces(ranks):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.heavy
 def test_hanging_rank_is_killed(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
