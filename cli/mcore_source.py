@@ -35,7 +35,7 @@ from torch import nn
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
-from mfsdp_ckpt.mcore.config_check import check_fits_memory, check_mcore_config
+from mfsdp_ckpt.mcore.config_check import check_fits_memory, check_mcore_config, estimate_parameters
 from mfsdp_core import rename_params
 from mfsdp_core.expert_parallel import ExpertMesh
 from mfsdp_core.models import mcore
@@ -333,7 +333,7 @@ class McoreSource(ModelSource):
         return self.config.to_dict()
 
     def min_params(self) -> int:
-        return self.config.estimated_params()
+        return estimate_parameters(self.config.to_dict())
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         record = model_source_of(manifest) or {}

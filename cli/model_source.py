@@ -23,7 +23,8 @@ from mfsdp_ckpt.format.model_source import (
     gpt_source,
     model_source_of,
 )
-from mfsdp_ckpt.hf.config_check import machine_memory
+from mfsdp_ckpt.mcore.config_check import check_fits_memory as fits_memory
+from mfsdp_ckpt.mcore.config_check import estimate_parameters
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
@@ -63,7 +64,7 @@ class GPTSource(ModelSource):
         return self.config.to_dict()
 
     def min_params(self) -> int:
-        return self.config.estimated_params()
+        return estimate_parameters(self.config.to_dict())
 
     def describe_differences(self, manifest: dict[str, Any]) -> list[str]:
         """The recorded config fields that differ from this run's; none when the checkpoint
@@ -213,15 +214,14 @@ def recorded_name(manifest: dict[str, Any], path: str) -> str:
 
 
 def check_fits_memory(config: GPTConfig, where: str) -> None:
-    """ValueError naming ``where`` when even a lower bound of the model's fp32 parameters
-    (:meth:`GPTConfig.estimated_params`) is more than this machine's memory: every rank builds the
-    whole model before sharding it, so such a config would allocate until the machine gives out."""
-    need, memory = 4 * config.estimated_params(), machine_memory()
-    if memory is not None and need > memory:
-        raise ValueError(
-            f"{where}: the model has at least {need // 4:,} parameters ({need / 2**30:.1f} GiB in fp32), "
-            f"more than this machine's memory ({memory / 2**30:.1f} GiB)"
-        )
+    """ValueError naming ``where`` when a lower bound of the model's fp32 parameters is more than this
+    machine's memory (the check a Megatron-Core model gets, on the same config fields): every rank
+    builds the whole model before sharding it, so such a config would allocate until the machine
+    gives out."""
+    try:
+        fits_memory(config.to_dict(), where)
+    except ConversionError as e:
+        raise ValueError(str(e)) from None
 
 
 def check_fits_checkpoint(source: ModelSource, manifest: dict[str, Any], where: str) -> None:

@@ -17,7 +17,7 @@ read by import-mcore and pass (a dump of Megatron-LM's whole ``args`` works).
 
 Sizes: :func:`estimate_parameters` gives a lower bound of a model's parameter count from its shape
 fields (:func:`shape_fields` of MCore arguments); an import compares it with the elements the
-checkpoint's tensors hold (:func:`check_against_tensors`), a fresh model with the memory available
+checkpoint's tensors hold (:func:`check_against_tensors`), a fresh model with the machine's memory
 (:func:`check_fits_memory`), before any model is built.
 """
 
@@ -29,6 +29,7 @@ import os
 from typing import Any, Mapping
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.config_check import machine_memory
 from mfsdp_ckpt.read.resolve import read_small_file
 
 __all__ = [
@@ -342,42 +343,29 @@ def check_against_tensors(fields: Mapping[str, Any], present: int, where: str) -
         )
 
 
-def _available_memory() -> int | None:
-    """The memory this machine has available now (``MemAvailable``), None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def check_fits_memory(fields: Mapping[str, Any], where: str, copies: int = 1, available: int | None = None) -> int:
     """The parameter count (a lower bound) of a fresh model of shape ``fields`` (a model config's
     ``to_dict()``, or :func:`shape_fields` of checked MCore arguments); refused when ``copies``
     fp32 copies of it (one per process of this machine, each of which builds the whole model
-    before sharding) exceed the memory ``available`` (default: this machine's, now)."""
+    before sharding) exceed the memory ``available`` (default: this machine's physical memory,
+    :func:`~mfsdp_ckpt.hf.config_check.machine_memory`: the same figure on every rank, so that
+    the launcher and each rank decide alike)."""
     count = estimate_parameters(fields)
     need = count * 4 * max(1, copies)
-    have = _available_memory() if available is None else available
+    have = machine_memory() if available is None else available
     if have is not None and need > have:
         raise ConversionError(
             f"{where}: the model has at least {count:,} parameters: {need / 2**30:.1f} GiB in fp32 "
-            f"({max(1, copies)} cop{'y' if copies <= 1 else 'ies'}), more than the {have / 2**30:.1f} GiB of memory "
-            "available"
+            f"({max(1, copies)} cop{'y' if copies <= 1 else 'ies'}), more than this machine's memory "
+            f"({have / 2**30:.1f} GiB)"
         )
     return count
 
 
 def check_mcore_config_file(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
     """The launcher's check of ``mfsdp-train --mcore-config path`` before any rank starts (torch-free):
-    the file read and checked (:func:`read_mcore_args`) and the fresh model sized against the
-    memory available for ``copies`` processes (:func:`check_fits_memory`); ConversionError naming
+    the file read and checked (:func:`read_mcore_args`) and the fresh model sized against
+    the machine's memory for ``copies`` processes (:func:`check_fits_memory`); ConversionError naming
     the path. Returns the arguments."""
     args = read_mcore_args(path)
     check_fits_memory(shape_fields(args), os.fspath(path), copies)

@@ -291,25 +291,6 @@ class GPTConfig:
         """Layer ``layer``'s token mixer (MTP layers are attention layers)."""
         return self.layer_kinds[layer] if layer < len(self.layer_kinds) else "attention"
 
-    def estimated_params(self) -> int:
-        """A lower bound of the model's parameter count, from the config alone (nothing built): the
-        embedding and output layer, each layer's attention projections and MLP or experts. What a
-        build would allocate is compared with it before building."""
-        h = self.hidden_size
-        total = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        for layer in range(self.num_layers + self.mtp_num_layers):
-            if self.layer_kind(layer) == "linear_attention":
-                total += 2 * h * self.linear_num_value_heads * self.linear_value_head_dim
-            elif self.multi_latent_attention:
-                total += h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
-            else:
-                total += 2 * h * self.num_attention_heads * self.kv_channels
-            if self.is_moe_layer(layer):
-                total += 2 * h * (self.num_experts * self.moe_ffn_hidden_size + self.moe_shared_expert_ffn_hidden_size)
-            else:
-                total += 2 * h * self.ffn_hidden_size
-        return total
-
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict of every field."""
         d = dataclasses.asdict(self)
