@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.reliability.test_hostile_support import ROOT
+from tests.reliability.test_hostile_support import run_capped
 
 GIB = 1 << 30
 
@@ -40,13 +39,7 @@ def _size(path: str) -> int:
 
 
 def _capped(cap: int, *args: str) -> subprocess.CompletedProcess:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, preexec_fn=limit, capture_output=True, text=True, timeout=300
-    )
+    return run_capped(list(args), cap, env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

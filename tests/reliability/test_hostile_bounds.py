@@ -21,10 +21,7 @@ import hashlib
 import json
 import os
 import random
-import resource
 import shutil
-import subprocess
-import sys
 from collections import namedtuple
 from typing import Any, Callable
 
@@ -37,7 +34,7 @@ from mfsdp_ckpt import CheckpointError
 from mfsdp_ckpt.tools.convert import write_dcp
 from mfsdp_ckpt.tools.upcycle import MAX_EXPERTS
 from mfsdp_core.models.gpt import PRESETS, GPTModel
-from tests.reliability.test_hostile_support import ROOT, edit_manifest, read_json, save_small, trained_mlp
+from tests.reliability.test_hostile_support import edit_manifest, read_json, run_capped, save_small, trained_mlp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,20 +149,8 @@ def _snapshot(root: str) -> dict[str, tuple[int, str]]:
 def _capped(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run ``jobs`` (tests/reliability/bounds_readers.py) in one process under :data:`CAP`."""
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
-
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.reliability.bounds_readers"],
-        input=json.dumps(jobs),
-        cwd=ROOT,
-        env=env,
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out = run_capped(["-m", "tests.reliability.bounds_readers"], CAP, input=json.dumps(jobs), env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(jobs), out.stdout[-3000:]

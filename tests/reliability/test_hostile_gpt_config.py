@@ -13,38 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from tests.reliability.test_hostile_support import MODEL_CONFIG, ROOT, edit_manifest, save_small
+from tests.reliability.test_hostile_support import MODEL_CONFIG, edit_manifest, run_cli_cases, save_small
 
 CAP = 4 << 30  # torch is not imported on this path; the process needs well under 1 GiB
-
-_RUNNER = textwrap.dedent(
-    """
-    import contextlib, io, json, sys
-    import cli.train
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a rank was launched")
-
-    cli.train.launch = no_launch
-    results = []
-    for argv in json.load(sys.stdin):
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            try:
-                code = cli.train.main(argv)
-            except SystemExit as e:
-                code = e.code
-        results.append([code, err.getvalue(), "torch" in sys.modules])
-    print(json.dumps(results))
-    """
-)
 
 # field -> a hostile value, and what the one line must say
 CASES = {
@@ -66,20 +40,10 @@ CASES = {
 
 
 def _run_launcher(argvs: list[list[str]]) -> list[tuple[int, str, bool]]:
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
-
-    out = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        cwd=ROOT,
-        input=json.dumps(argvs),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=cap,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+    """``(exit code, stderr, torch imported)`` of each trainer command line, all in one capped
+    interpreter whose rank launch is replaced by a failure."""
+    results = run_cli_cases([(str(i), "train", argv) for i, argv in enumerate(argvs)], CAP)
+    return [(r.get("rc"), r["stderr"], r["torch"]) for r in (results[str(i)] for i in range(len(argvs)))]
 
 
 def _digest(path: str) -> str:

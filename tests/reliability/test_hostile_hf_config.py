@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -28,74 +27,10 @@ import torch
 
 from tests.hf_models import CONFIGS, hf_config, make_hf_dir
 
-from .test_hostile_support import ROOT, edit_manifest, fresh_copy
+from .test_hostile_support import ROOT, edit_manifest, fresh_copy, run_cli_cases
 
 CAP = 6 * 2**30  # the address space each command line gets (torch and transformers import in ~1.5 GiB)
 DEADLINE = 120  # seconds one case may take in the driver (the refusals take about one)
-
-# one interpreter runs every case: ``[(id, tool, argv)]`` as JSON on stdin, ``{id: result}`` on stdout
-_DRIVER = textwrap.dedent(
-    """
-    import contextlib, io, json, signal, sys
-    import cli.train
-
-    class Hung(BaseException):
-        pass
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a rank was launched: the launcher accepted the run")
-
-    def on_alarm(signum, frame):
-        raise Hung()
-
-    cli.train.launch = no_launch
-    signal.signal(signal.SIGALRM, on_alarm)
-    results = {}
-    for case_id, tool, argv in json.load(sys.stdin):
-        out, err = io.StringIO(), io.StringIO()
-        result = {"hung": False, "crash": None}
-        signal.alarm(DEADLINE)
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                if tool == "train":
-                    result["rc"] = cli.train.main(argv)
-                else:
-                    from cli.main import main
-                    try:
-                        main(argv, standalone_mode=True)
-                        result["rc"] = 0
-                    except SystemExit as e:
-                        result["rc"] = e.code
-        except Hung:
-            result["hung"] = True
-        except BaseException as e:
-            result["crash"] = repr(e)[:300]
-        finally:
-            signal.alarm(0)
-        result["stderr"] = err.getvalue()
-        results[case_id] = result
-    print(json.dumps(results))
-    """
-).replace("DEADLINE", str(DEADLINE))
-
-
-def _cap_address_space() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
-
-
-def _run_cases(cases: list[tuple[str, str, list[str]]]) -> dict[str, dict[str, Any]]:
-    """Every case's exit code and stderr, run by :data:`_DRIVER` in one capped interpreter."""
-    run = subprocess.run(
-        [sys.executable, "-c", _DRIVER],
-        input=json.dumps(cases),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        preexec_fn=_cap_address_space,
-        timeout=DEADLINE * len(cases) + 120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _snapshot(*paths: str) -> dict[str, bytes | None]:
@@ -222,7 +157,7 @@ def outcomes(tmp_path_factory):
     remote = _with_config(ckpt, str(tmp / "remote"), REMOTE)
     cases.append(("export-remote", "ckpt", ["export-hf", remote, str(tmp / "remote-hf")]))
     before = _snapshot(str(tmp))
-    results = _run_cases(cases)
+    results = run_cli_cases(cases, CAP, DEADLINE)
     return {"tmp": str(tmp), "expect": expect, "before": before, "results": results, "remote": remote}
 
 

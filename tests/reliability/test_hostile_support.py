@@ -12,9 +12,12 @@ import contextlib
 import json
 import os
 import pickle
+import resource
 import shutil
 import signal
+import subprocess
 import sys
+import textwrap
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -240,3 +243,84 @@ class FileAudit:
 
 
 AUDIT = FileAudit()
+
+
+# one interpreter runs every case: ``[(id, tool, argv)]`` as JSON on stdin (tool: ``train`` for the
+# trainer's front end, its rank launch replaced by a failure so that only a launcher refusal passes;
+# ``ckpt`` for ``mfsdp-ckpt``), ``{id: result}`` on stdout: ``rc``, ``stderr``, ``hung`` (past the
+# deadline), ``crash`` (an exception that escaped), ``torch`` (imported by then)
+_CLI_DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, signal, sys
+    import cli.train
+
+    class Hung(BaseException):
+        pass
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was launched: the launcher accepted the run")
+
+    def on_alarm(signum, frame):
+        raise Hung()
+
+    cli.train.launch = no_launch
+    signal.signal(signal.SIGALRM, on_alarm)
+    results = {}
+    for case_id, tool, argv in json.load(sys.stdin):
+        out, err = io.StringIO(), io.StringIO()
+        result = {"hung": False, "crash": None}
+        signal.alarm(DEADLINE)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                if tool == "train":
+                    result["rc"] = cli.train.main(argv)
+                else:
+                    from cli.main import main
+                    try:
+                        main(argv, standalone_mode=True)
+                        result["rc"] = 0
+                    except SystemExit as e:
+                        result["rc"] = e.code
+        except Hung:
+            result["hung"] = True
+        except BaseException as e:
+            result["crash"] = repr(e)[:300]
+        finally:
+            signal.alarm(0)
+        result["stderr"] = err.getvalue()
+        result["torch"] = "torch" in sys.modules  # imported by this case or an earlier one
+        results[case_id] = result
+    print(json.dumps(results))
+    """
+)
+
+
+def run_capped(
+    args: list[str], cap: int, *, input: str | None = None, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python *args`` from the project root under an address-space cap of ``cap`` bytes
+    (``RLIMIT_AS``): an input that makes a reader allocate what it declares fails the test instead
+    of swapping the machine."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        input=input,
+        env=env,
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_cli_cases(cases: list[tuple[str, str, list[str]]], cap: int, deadline: int = 120) -> dict[str, dict[str, Any]]:
+    """Every case's result (see :data:`_CLI_DRIVER`), all run in one interpreter under ``cap``, each
+    with ``deadline`` seconds."""
+    driver = _CLI_DRIVER.replace("DEADLINE", str(deadline))
+    out = run_capped(["-c", driver], cap, input=json.dumps(cases), timeout=deadline * len(cases) + 120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
