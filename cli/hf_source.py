@@ -37,6 +37,7 @@ from mfsdp_ckpt.hf.config_check import (
     safetensors_bytes,
     without_remote_code,
 )
+from mfsdp_ckpt.hf.expert_families import fused_experts_refusal
 from mfsdp_ckpt.hf.files import HFDirectory
 from mfsdp_ckpt.hf.transformers_layout import (
     DiskTensor,
@@ -284,11 +285,7 @@ class HFSource(ModelSource):
     # ---- building and training -------------------------------------------------------------
     def check_parallel(self, world: int, ep: int) -> None:
         if ep > 1 and self.fused:
-            raise ValueError(
-                f"{self.cls.__name__} keeps each MoE layer's experts fused in 3-D parameters ({self.fused[0]}); "
-                "expert parallelism places whole per-expert parameters, so train it with --ep 1 (the "
-                "experts are then sharded over all ranks)"
-            )
+            raise ValueError(fused_experts_refusal(self.cls.__name__))
         check_expert_parallel(world, ep, self.num_experts)
 
     def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:

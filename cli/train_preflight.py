@@ -3,8 +3,9 @@
 latest) before any rank starts, with the rules the ranks apply (``cli.train_start``).
 
 Describing a reference GPT run, reading a manifest and sizing a token file import no torch, so
-such a refusal takes a fraction of a second. An ``--hf-model`` directory is built by transformers
-(seconds; the ranks would pay it too); a Megatron-Core config file is checked torch-free
+such a refusal takes a fraction of a second. An ``--hf-model`` directory's config.json is checked
+torch-free first (``--ep`` included, for the families ``mfsdp_ckpt.hf.expert_families`` knows), then
+built by transformers (seconds; the ranks would pay it too); a Megatron-Core config file is checked torch-free
 (the model itself, and a model only an object-store checkpoint records, are left to the ranks)."""
 
 from __future__ import annotations

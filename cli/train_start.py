@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.config_check import check_hf_model_dir
+from mfsdp_ckpt.hf.expert_families import launcher_ep_refusal
 from mfsdp_ckpt.mcore.config_check import check_mcore_config_file
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
@@ -87,12 +88,16 @@ def check_seq_len(args: argparse.Namespace, seq_length: int | None) -> None:
 
 def check_hf_dir(args: argparse.Namespace) -> None:
     """The torch-free first look at an ``--hf-model`` directory, before transformers builds its
-    model (seconds): a ``config.json`` the bridge's check refuses, a ``--seq-len`` over its
-    ``max_position_embeddings``. What needs transformers is :func:`check_model`'s."""
+    model (seconds): a ``config.json`` the bridge's check refuses, an ``--ep`` its family cannot
+    take (fused experts, or none), a ``--seq-len`` over its ``max_position_embeddings``. What needs
+    transformers is :func:`check_model`'s."""
     try:
         config = check_hf_model_dir(args.hf_model)
     except ConversionError as e:
         raise UsageError(str(e)) from None
+    refusal = launcher_ep_refusal(config, args.ep)
+    if refusal:
+        raise UsageError(f"--ep {args.ep}: {refusal}")
     seq_length = config.get("max_position_embeddings")
     check_seq_len(args, seq_length if type(seq_length) is int else None)
 

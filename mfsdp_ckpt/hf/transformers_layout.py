@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.hf.expert_families import FUSED_LAYOUTS, FusedExperts
 from mfsdp_ckpt.hf.files import HFDirectory, read_regular_file
 from mfsdp_ckpt.hf.mapping import Conversion, Rule
 
@@ -46,23 +47,6 @@ __all__ = [
     "checked_carried_name",
 ]
 
-
-@dataclass(frozen=True)
-class FusedExperts:
-    """One model family's on-disk names for fused experts: the per-expert names of the gate half
-    and the up half of ``gate_up_proj``, of ``down_proj``, and a rename of the module path."""
-
-    gate: str
-    up: str
-    down: str
-    rename: tuple[str, str] | None = None  # (in the module name, on disk), applied to the whole name
-
-
-FUSED_LAYOUTS: dict[str, FusedExperts] = {
-    "mixtral": FusedExperts("w1", "w3", "w2", rename=(".mlp.", ".block_sparse_moe.")),
-    "qwen2_moe": FusedExperts("gate_proj", "up_proj", "down_proj"),
-    "qwen3_moe": FusedExperts("gate_proj", "up_proj", "down_proj"),
-}
 
 #: files of a model directory that travel with its weights: into every checkpoint of a run
 #: started from it (``extra.hf_files``), and out again with ``export-hf``; plus ``tokenizer*``

@@ -112,7 +112,7 @@ def test_expert_parallelism_of_fused_experts_is_refused(capsys, tmp_path, monkey
     err = _refused(capsys, tmp_path, "--hf-model", src, "--ep", "2")
     assert err.startswith(
         "--ep 2: MixtralForCausalLM keeps each MoE layer's experts fused in 3-D parameters "
-        "(model.layers.0.mlp.experts.gate_up_proj)"
+        "(mlp.experts.gate_up_proj, mlp.experts.down_proj)"
     ), err
 
 
