@@ -86,7 +86,3 @@ class TokenFile:
     def batch(self, start: int, count: int) -> torch.Tensor:
         """Samples ``start .. start + count - 1`` stacked: ``[count, seq_len + 1]``."""
         return torch.stack([self.sample(start + i) for i in range(count)])
-
-    def describe(self) -> str:
-        """What a run records as its data source (compared on resume)."""
-        return describe_token_file(self.path, self._ids.dtype.name)

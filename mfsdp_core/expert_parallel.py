@@ -69,14 +69,6 @@ class ExpertMesh:
         return self.rank % self.ep_size
 
     @property
-    def edp_size(self) -> int:
-        return self.world_size // self.ep_size
-
-    @property
-    def edp_rank(self) -> int:
-        return self.rank // self.ep_size
-
-    @property
     def ep_group(self) -> dist.ProcessGroup | None:
         return self.groups[EP_GROUP]
 

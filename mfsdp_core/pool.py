@@ -84,11 +84,6 @@ class ScratchPool:
         """Let every held tensor go."""
         self._free.clear()
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes the pool holds now."""
-        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
-
 
 def _lends(t: torch.Tensor) -> bool:
     """Whether memory is moved between storages for ``t`` (CPU, and a torch that can swap)."""

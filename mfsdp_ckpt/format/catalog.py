@@ -80,10 +80,6 @@ class Mesh:
         """``rank``'s rank inside its instance of ``group``."""
         return self._positions[group][1][rank]
 
-    def instance(self, group: str, rank: int) -> int:
-        """Which instance of ``group`` holds ``rank``."""
-        return self._positions[group][0][rank]
-
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "groups": {n: [list(r) for r in inst] for n, inst in sorted(self.groups.items())}}
 

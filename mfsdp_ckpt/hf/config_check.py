@@ -41,7 +41,6 @@ __all__ = [
     "check_model_fits",
     "check_against_tensors",
     "check_hf_model_dir",
-    "check_recorded_config",
     "read_config_json",
     "safetensors_bytes",
     "machine_memory",
@@ -464,17 +463,6 @@ def check_hf_model_dir(path: str, flag: str = "--hf-model") -> dict[str, Any]:
     check_hf_config(config, config_path)
     check_model_fits(config, config_path, weights_bytes=safetensors_bytes(path))
     return config
-
-
-def check_recorded_config(config: Any, where: str, prefix: str = "model_source.config.") -> dict[str, Any]:
-    """A ``transformers`` model's config as a checkpoint records it (``model_source.config``),
-    checked like a directory's (:func:`check_hf_config`, :func:`check_model_fits` against this
-    machine's memory) and without :data:`REMOTE_CODE_KEYS`."""
-    if not isinstance(config, dict):
-        raise ConversionError(f"{where}: {prefix.rstrip('.')} is not a JSON object (a transformers config.json)")
-    check_hf_config(config, where, prefix)
-    check_model_fits(config, where, prefix=prefix)
-    return without_remote_code(config)
 
 
 def without_remote_code(value: Any, depth: int = 4) -> Any:

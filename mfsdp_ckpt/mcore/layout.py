@@ -58,12 +58,10 @@ __all__ = [
     "optimizer_pieces",
     "layer_view",
     "is_extra_state",
-    "stored_name",
     "stack_of",
     "target_of",
     "extra_state_keys_of",
     "MOE_NORM_TE",
-    "MOE_NORM_LOCAL",
 ]
 
 STACK = "decoder.layers."
@@ -74,7 +72,6 @@ OPTIM_DISTRIBUTED = "optimizer.distributed."
 COMMON_STATE = "common_state"
 EXTRA_STATE = "._extra_state"
 MOE_NORM_TE = "decoder.layers.pre_mlp_layernorm.weight"
-MOE_NORM_LOCAL = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 _OUR_MOE_NORM = "pre_mlp_layernorm.weight"
 _DENSE_NORM = "mlp.linear_fc1.layer_norm_weight"
 _STORED_EXPERTS = "mlp.experts.experts."
@@ -300,11 +297,6 @@ def stack_of(fqn: str, moe_norm: str = MOE_NORM_TE) -> tuple[str, tuple[int, ...
     if rest == _OUR_MOE_NORM:
         return moe_norm, (int(layer),)
     return STACK + rest, (int(layer),)
-
-
-def stored_name(fqn: str) -> str:
-    """The stored entry of our parameter ``fqn`` (see :func:`stack_of`)."""
-    return stack_of(fqn)[0]
 
 
 def _linear_modules(cfg: Any, layer: int) -> list[str]:

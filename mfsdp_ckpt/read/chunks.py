@@ -39,7 +39,6 @@ __all__ = [
     "missing_bytes",
     "read_chunk",
     "expected_crc",
-    "decode_record",
     "decode_record_at",
     "tensor_view",
     "MemoryFile",
@@ -184,19 +183,6 @@ def read_chunk(
     return payload
 
 
-def decode_record(
-    record: numpy.ndarray,
-    info: Any,
-    index: MetadataIndex,
-    manifest_chunks: dict[str, Any] | None,
-    expect: tuple[torch.dtype, Sequence[int]] | None,
-) -> torch.Tensor | bytes:
-    """:func:`read_chunk` for a chunk whose ``info.length`` stored bytes are already in memory
-    (``record``, a uint8 array): the same checks, and a plain record's tensor is a view of
-    ``record`` (no copy; possibly not aligned to its element size, which torch's copies accept)."""
-    return decode_record_at(record, info, index, manifest_chunks, expect)[0]
-
-
 def decode_record_at(
     record: numpy.ndarray,
     info: Any,
@@ -205,8 +191,10 @@ def decode_record_at(
     expect: tuple[torch.dtype, Sequence[int]] | None,
     crc_of: Callable[[int, int], int] | None = None,
 ) -> tuple[torch.Tensor | bytes, int | None]:
-    """:func:`decode_record`, and where a plain record's tensor bytes start within ``record``
-    (None for an object or a record read through ``torch.load``): the verified bytes can then be
+    """:func:`read_chunk` for a chunk whose ``info.length`` stored bytes are already in memory
+    (``record``, a uint8 array): the same checks, and a plain record's tensor is a view of
+    ``record`` (no copy; possibly not aligned to its element size, which torch's copies accept).
+    Returned with where a plain record's tensor bytes start within ``record`` (None for an object or a record read through ``torch.load``): the verified bytes can then be
     read again straight from the file into their destination. ``crc_of(lo, hi)``, when given, is
     the crc32c of ``record[lo:hi]`` from checksums the caller already has (a plain record's
     tensor bytes are checked with it)."""

@@ -354,7 +354,7 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _check_param_groups(groups: Any, directory: str) -> None:
-    """The saved optimizer groups have the shape ``apply_param_groups`` reads: a list of dicts
+    """The saved optimizer groups have the shape ``param_group_updates`` reads: a list of dicts
     with string keys, each naming its parameters in a list of strings."""
     ok = isinstance(groups, list) and all(
         isinstance(g, dict)

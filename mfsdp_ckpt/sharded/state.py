@@ -30,7 +30,6 @@ __all__ = [
     "load_targets",
     "param_groups_state",
     "param_group_updates",
-    "apply_param_groups",
 ]
 
 
@@ -183,18 +182,3 @@ def param_group_updates(
             )
         updates.append({k: v for k, v in saved[found.pop()].items() if k != "params"})
     return updates
-
-
-def apply_param_groups(
-    shards: Sequence[ParamShard],
-    optimizer: torch.optim.Optimizer,
-    saved: list[dict[str, Any]],
-    source: str,
-    updates: list[dict[str, Any]] | None = None,
-) -> None:
-    """Set each group's hyper-parameters from the saved group holding its parameters
-    (``updates``: what :func:`param_group_updates` already computed from ``saved``)."""
-    if updates is None:
-        updates = param_group_updates(shards, optimizer, saved, source)
-    for group, update in zip(optimizer.param_groups, updates):
-        group.update(update)

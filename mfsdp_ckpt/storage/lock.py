@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.names import LOCK_NAME
 
-__all__ = ["RunLockedError", "run_lock", "holds_lock", "lock_holder", "check_unlocked"]
+__all__ = ["RunLockedError", "run_lock", "lock_holder", "check_unlocked"]
 
 
 _held: dict[str, tuple[int, int]] = {}  # run directory -> (lock file descriptor, times held by this process)
@@ -128,11 +128,6 @@ def run_lock(run_dir: str | os.PathLike) -> Iterator[None]:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(run_dir, LOCK_NAME))  # while still locked: nobody holds a removed file
             os.close(fd)
-
-
-def holds_lock(run_dir: str | os.PathLike) -> bool:
-    """Whether this process holds the lock of ``run_dir``."""
-    return os.path.abspath(os.fspath(run_dir)) in _held
 
 
 def check_unlocked(run_dir: str | os.PathLike) -> None:

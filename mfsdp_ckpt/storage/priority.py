@@ -39,7 +39,7 @@ __all__ = [
 
 BACKGROUND_NICE = 10  #: the nice value of background checkpoint work (Megatron-Core's)
 
-IOPRIO_CLASS_NONE, IOPRIO_CLASS_RT, IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE = 0, 1, 2, 3
+IOPRIO_CLASS_IDLE = 3  # the kernel's I/O classes: 0 none (from the nice value), 1 real-time, 2 best-effort, 3 idle
 _IOPRIO_CLASS_SHIFT = 13
 _IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread
 #: (ioprio_set, ioprio_get) syscall numbers by machine (linux/arch/*/unistd)
@@ -99,7 +99,7 @@ def _syscall() -> tuple[ctypes.CDLL, int, int] | None:
 
 def io_priority(tid: int | None = None) -> tuple[int, int] | None:
     """``(class, level)`` of thread ``tid``'s I/O priority (default: the calling thread's;
-    class 0, ``IOPRIO_CLASS_NONE``, means derived from its nice value), or None where it cannot
+    class 0, none, means derived from its nice value), or None where it cannot
     be read."""
     found = _syscall()
     if found is None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from mfsdp_core.plan import PlacementFn, placement_fn
 
-__all__ = ["decoder_layers", "shard_units", "placement", "linear_weights", "causal_lm_forward", "fused_expert_params"]
+__all__ = ["decoder_layers", "shard_units", "placement", "linear_weights", "causal_lm_forward"]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -53,12 +53,6 @@ def placement(policy: str) -> PlacementFn:
     are its experts (dimension 0), so an expert count that ``k`` does not divide is refused by the
     layout, naming the parameter."""
     return placement_fn(None, policy)
-
-
-def fused_expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The fused 3-D expert parameters (name, parameter): what our expert parallelism, which shards
-    per-expert parameters, cannot split today."""
-    return [(name, p) for name, p in model.named_parameters() if p.ndim == 3 and ".experts." in f".{name}"]
 
 
 def linear_weights(model: nn.Module) -> list[nn.Parameter]:
