@@ -1,6 +1,6 @@
 """Two rules of the code's shape that a linter does not check: every function of the checkpoint
 package and the command line does one thing (none is over 80 lines, docstring included), and
-only one module of ``mfsdp_ckpt`` knows the reference model (``sharded/model_shape``): the
+only one module of ``mfsdp_ckpt`` knows the reference model (``model/shape``): the
 bridges and tools reach a model's shape through the checkpoint's recorded model source."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_FUNCTION_LINES = 80
 REFERENCE_MODEL = "mfsdp_core.models.gpt"
-SHAPE_SEAM = os.path.join("mfsdp_ckpt", "sharded", "model_shape.py")
+SHAPE_SEAM = os.path.join("mfsdp_ckpt", "model", "shape.py")
 
 
 def _files(*packages: str) -> list[str]:

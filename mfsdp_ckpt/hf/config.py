@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.files import short_repr
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 __all__ = [
     "HFConfigReader",

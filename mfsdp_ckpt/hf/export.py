@@ -55,10 +55,10 @@ from mfsdp_ckpt.hf.mx import (
 from mfsdp_ckpt.hf.registry import get_architecture, infer_architecture
 from mfsdp_ckpt.hf.transformers_layout import checked_carried_name, export_conversions
 from mfsdp_ckpt.hf.workers import Staging, check_workers, run_tasks
+from mfsdp_ckpt.model.shape import ModelShape, recorded_shape
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.lock import run_lock
 from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir

@@ -67,9 +67,9 @@ from mfsdp_ckpt.hf.mx import (
 from mfsdp_ckpt.hf.mx import QUANT_METHOD as MX_METHOD
 from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get_architecture
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, Staging, Turns, check_workers, max_file_bytes, run_tasks
+from mfsdp_ckpt.model.shape import ModelShape, ShapeModel, default_plan, meta_model
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
-from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, default_plan, meta_model
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
 from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint
 from mfsdp_core.dtypes import dtype_by_name, dtype_name

@@ -37,7 +37,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import model_key
-from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, meta_model
+from mfsdp_ckpt.model.shape import ModelShape, ShapeModel, meta_model
 
 __all__ = [
     "Predicate",
@@ -417,7 +417,7 @@ def indices_held(arch: Architecture, c: ModelShape, keys: Iterable[str]) -> tupl
 
 def canonical_shapes(c: ModelShape, model: ShapeModel | None = None) -> dict[str, torch.Size]:
     """Every canonical model key (``model.<fqn>``) of the model of shape ``c`` and its tensor shape,
-    from a model built on the meta device (``model_shape.meta_model``: no memory); ``model``: that
+    from a model built on the meta device (``model.shape.meta_model``: no memory); ``model``: that
     model, if already built."""
     return {model_key(name): p.shape for name, p in (model or meta_model(c)).named_parameters()}
 

@@ -28,7 +28,7 @@ from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import fqn_of_model_key, mx_key
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Conversion
-from mfsdp_ckpt.sharded.model_shape import ModelShape, ShapeModel, sharding_units
+from mfsdp_ckpt.model.shape import ModelShape, ShapeModel, sharding_units
 from mfsdp_core.mx import BLOCK, ELEMENTS, RULES, MXFormat
 from mfsdp_core.mx_planes import MX_PLANES
 from mfsdp_core.plan import ModelPlan, mx_marked, placement_fn, plan_model
@@ -299,7 +299,7 @@ def parse_quantization_config(qc: Any, config_path: str) -> tuple[MXFormat, set[
 
 
 def mx_plan(cfg: ModelShape, model: ShapeModel, formats: Mapping[str, MXFormat]) -> ModelPlan:
-    """The placement plan an import records: the default one (see ``model_shape.default_plan``),
+    """The placement plan an import records: the default one (see ``model.shape.default_plan``),
     except that the parameters in ``formats`` (by fqn) are MX: ``block(32)`` with their format,
     as ``cli.train --mxfp8`` places them, so that the manifest's ``writer.plan.buffers[i].mx``
     says which parameters are MX and how."""

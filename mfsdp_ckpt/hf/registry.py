@@ -13,7 +13,7 @@ from mfsdp_ckpt.hf import archs
 from mfsdp_ckpt.hf.config import hf_classes_of, model_type_of
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 __all__ = ["architectures", "get_architecture", "architecture_of_hf_config", "infer_architecture", "register"]
 

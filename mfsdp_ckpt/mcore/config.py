@@ -1,4 +1,4 @@
-"""The model shape (:data:`~mfsdp_ckpt.sharded.model_shape.ModelShape`) of an MCore checkpoint: what
+"""The model shape (:data:`~mfsdp_ckpt.model.shape.ModelShape`) of an MCore checkpoint: what
 the stored shapes determine, plus MCore's arguments for what they cannot.
 
 The shapes fix the vocabulary, hidden size, layer count, FFN sizes, expert count, tied or untied
@@ -41,7 +41,7 @@ from mfsdp_ckpt.mcore.deepseek import (
     mtp_fields,
 )
 from mfsdp_ckpt.mcore.layout import EXPERTS, STACK
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 __all__ = ["infer_config", "read_config_file", "to_mcore_args"]
 

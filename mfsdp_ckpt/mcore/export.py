@@ -41,9 +41,9 @@ from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import OPTIM_STATE, Naming, extra_state_keys_of, naming_of, target_of
+from mfsdp_ckpt.model.shape import ModelShape, recorded_shape
 from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
-from mfsdp_ckpt.sharded.model_shape import ModelShape, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
 from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint

@@ -48,8 +48,8 @@ from mfsdp_ckpt.mcore.layout import (
     optimizer_pieces,
 )
 from mfsdp_ckpt.mcore.source import McoreSource
+from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model
 from mfsdp_ckpt.read.manifest import versions, writer_layout
-from mfsdp_ckpt.sharded.model_shape import ModelShape, default_plan, meta_model
 from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path

@@ -32,6 +32,7 @@ from mfsdp_ckpt.format.keys import (
     optim_key,
     rng_key,
 )
+from mfsdp_ckpt.model.experts import expert_count_problem, expert_counts
 from mfsdp_ckpt.read.chunks import ChunkFiles, coverage_faults
 from mfsdp_ckpt.read.dcp_reader import VerifyingReader
 from mfsdp_ckpt.read.indexed import derived, narrowed
@@ -41,7 +42,6 @@ from mfsdp_ckpt.read.metadata_check import entry_faults
 from mfsdp_ckpt.read.staged_read import DEFAULT_READ_THREADS
 from mfsdp_ckpt.read.stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
 from mfsdp_ckpt.sharded.agreement import agreed, dcp_failure, run_and_gather
-from mfsdp_ckpt.sharded.experts import expert_count_problem, expert_counts
 from mfsdp_ckpt.sharded.mx_load import MXTarget, check_planes, mx_targets, write_planes
 from mfsdp_ckpt.sharded.planner import MfsdpLoadPlanner
 from mfsdp_ckpt.sharded.state import FlatEntry, load_targets, param_group_updates

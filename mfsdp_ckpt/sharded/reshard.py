@@ -36,6 +36,7 @@ from mfsdp_ckpt.errors import CheckpointError, UncommittedCheckpointError, raise
 from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME
+from mfsdp_ckpt.model.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.locate import is_mcore
@@ -43,7 +44,6 @@ from mfsdp_ckpt.read.manifest import recorded_plan, versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
-from mfsdp_ckpt.sharded.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.overlap import check_apart
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
@@ -215,7 +215,7 @@ def _target_plan(
 
     A plan with expert parallelism (expert buffers over ``edp``), or any plan with experts when
     ``ep`` > 1, is laid out as the runtime at (``world_size``, ``ep``) builds it
-    (:func:`~mfsdp_ckpt.sharded.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
+    (:func:`~mfsdp_ckpt.model.experts.regroup_experts`); ``ep`` defaults to ``source_ep``, the writer's
     EP size. An HSDP / HFSDP buffer (sharded over a shard group, replicated across another) is
     laid out flat over ``dp``, as its checkpoint does not depend on the mesh. Any other group than
     ``dp`` and the experts' ``edp`` is refused."""

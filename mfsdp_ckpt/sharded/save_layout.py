@@ -29,7 +29,7 @@ from mfsdp_ckpt.format.catalog import (
     global_plan,
     plan_of_placed,
 )
-from mfsdp_ckpt.sharded.experts import experts_entry, merge_param_groups
+from mfsdp_ckpt.model.experts import experts_entry, merge_param_groups
 from mfsdp_ckpt.sharded.state import ParamWrites, param_groups_state
 from mfsdp_core import ModelPlan, ParamShard, plan_of
 from mfsdp_core.collectives import gather_objects, rank_and_world

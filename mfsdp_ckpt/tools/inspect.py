@@ -24,13 +24,13 @@ from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.mcore.describe import describe_mcore
+from mfsdp_ckpt.model.experts import ep_owner_ranks
 from mfsdp_ckpt.read.chunks import ChunkFiles, Fault
 from mfsdp_ckpt.read.index_check import index_faults, read_stock_metadata
 from mfsdp_ckpt.read.locate import open_checkpoint
 from mfsdp_ckpt.read.manifest import is_protected
 from mfsdp_ckpt.read.metadata_check import entry_faults, orphan_faults
 from mfsdp_ckpt.read.stock import uncommitted_reason
-from mfsdp_ckpt.sharded.experts import ep_owner_ranks
 
 __all__ = [
     "TensorInfo",

@@ -43,11 +43,11 @@ from mfsdp_ckpt.format.keys import MAIN_PARAM, group_of, model_key, optim_key
 from mfsdp_ckpt.format.model_source import gpt_source
 from mfsdp_ckpt.hf.config import MAX_COUNT
 from mfsdp_ckpt.hf.registry import architectures
+from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model, recorded_shape
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import compact
-from mfsdp_ckpt.sharded.model_shape import ModelShape, default_plan, meta_model, recorded_shape
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 

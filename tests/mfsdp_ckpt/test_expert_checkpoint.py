@@ -566,7 +566,7 @@ def test_manifest_schema_bounds_writer_experts(experts, field, problem):
 
 
 def test_merged_param_groups_name_every_parameter_in_model_order():
-    from mfsdp_ckpt.sharded.experts import merge_param_groups
+    from mfsdp_ckpt.model.experts import merge_param_groups
 
     rank0 = [
         {"lr": 0.1, "params": ["a", "x.experts.w0", "x.experts.w1", "x.experts.v0", "x.experts.v1", "b"]},

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from mfsdp_ckpt.sharded import model_shape
-from mfsdp_ckpt.sharded.model_shape import meta_model
+from mfsdp_ckpt.model import shape as model_shape
+from mfsdp_ckpt.model.shape import meta_model
 from mfsdp_core.models.config import PRESETS
 from mfsdp_core.models.gpt import GPTModel
 
@@ -32,7 +32,7 @@ def test_building_it_does_not_import_dynamo():
     on its first call: 0.6 s of every HF export and import."""
     code = (
         "import sys\n"
-        "from mfsdp_ckpt.sharded.model_shape import meta_model\n"
+        "from mfsdp_ckpt.model.shape import meta_model\n"
         "from mfsdp_core.models.config import PRESETS\n"
         "meta_model(PRESETS['tiny'])\n"
         "print('torch._dynamo' in sys.modules)\n"

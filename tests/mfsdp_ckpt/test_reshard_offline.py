@@ -215,7 +215,7 @@ def test_the_recorded_plan_is_the_runtimes_plan_for_that_model(source):
     """What the trainer records is the plan ``fully_shard`` makes of the model (every field), and
     the plan import-hf records is the same planner's, with the defaults the trainer uses."""
     from cli.train import parse_args
-    from mfsdp_ckpt.sharded.model_shape import default_plan
+    from mfsdp_ckpt.model.shape import default_plan
 
     with CheckpointReader(source) as reader:
         recorded = ModelPlan.from_dict(reader.manifest["writer"]["plan"])

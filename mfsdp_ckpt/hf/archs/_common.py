@@ -5,7 +5,7 @@ An architecture module lists its rules by composing these groups with its own.""
 from __future__ import annotations
 
 from mfsdp_ckpt.hf.mapping import HF_LAYER, LAYER, Direct, FusedQKV, GatedMLP, Rule, dense_layer, moe_layer, untied
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 #: canonical layer prefix (``model.`` is added by :func:`mfsdp_ckpt.hf.mapping.expand`)
 L = LAYER

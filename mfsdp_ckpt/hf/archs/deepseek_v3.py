@@ -15,7 +15,7 @@ from __future__ import annotations
 from mfsdp_ckpt.hf.archs._common import DENSE_MLP, H, L, feature_problems, moe_mlp
 from mfsdp_ckpt.hf.config import MAX_COUNT, HFConfigReader, common_to_hf, model_config, read_rope
 from mfsdp_ckpt.hf.mapping import Architecture, Direct, GatedMLP, Replicated, moe_layer, untied
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 _ATTN = L + "self_attention."
 _HF_ATTN = H + "self_attn."

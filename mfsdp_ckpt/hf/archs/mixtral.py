@@ -13,7 +13,7 @@ from mfsdp_ckpt.hf.config import (
     model_config,
 )
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 RULES = (
     EMBEDDING,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mfsdp_ckpt.hf.archs._common import DENSE_MLP, EMBEDDING, HEAD, attention, feature_problems
 from mfsdp_ckpt.hf.config import HFConfigReader, common_from_hf, common_to_hf, model_config
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 RULES = (EMBEDDING, *attention(qk_norm=True), *DENSE_MLP, *HEAD)
 

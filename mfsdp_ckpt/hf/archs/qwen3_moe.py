@@ -14,7 +14,7 @@ from mfsdp_ckpt.hf.config import (
 )
 from mfsdp_ckpt.hf.files import short_repr
 from mfsdp_ckpt.hf.mapping import Architecture
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 RULES = (
     EMBEDDING,

@@ -27,7 +27,7 @@ from mfsdp_ckpt.hf.mapping import (
     linear_attention_layer,
     moe_layer,
 )
-from mfsdp_ckpt.sharded.model_shape import ModelShape
+from mfsdp_ckpt.model.shape import ModelShape
 
 _ATTN, _HF_ATTN, _HF_LIN = L + "self_attention.", H + "self_attn.", H + "linear_attn."
 

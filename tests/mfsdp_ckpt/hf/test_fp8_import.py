@@ -27,8 +27,8 @@ from mfsdp_ckpt.hf import fp8
 from mfsdp_ckpt.hf.files import INDEX_NAME
 from mfsdp_ckpt.hf.mapping import FusedQKV, expand
 from mfsdp_ckpt.hf.workers import Staging
+from mfsdp_ckpt.model.shape import recorded_shape
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.sharded.model_shape import recorded_shape
 
 from .util import hf_config, hf_tensors, random_hf_model, save_hf
 

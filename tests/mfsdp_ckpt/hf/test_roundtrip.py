@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("transformers")
 
 from mfsdp_ckpt import hf
+from mfsdp_ckpt.model.shape import default_plan
 from mfsdp_ckpt.read.reader import CheckpointReader
-from mfsdp_ckpt.sharded.model_shape import default_plan
 from mfsdp_core import ModelPlan
 from mfsdp_core.models.gpt import GPTConfig
 

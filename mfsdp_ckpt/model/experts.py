@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index, local_experts
+from mfsdp_core.expert_layout import EDP_GROUP, EP_GROUP, expert_index, local_experts
 from mfsdp_core.layout import Policy
 from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan
 from mfsdp_core.strategy import Strategy
