@@ -29,7 +29,6 @@ __all__ = [
     "DtypeInfo",
     "DTYPES",
     "CAST_CHOICES",
-    "dtype_info",
     "dtype_by_name",
     "dtype_name",
     "safetensors_name",
@@ -63,11 +62,6 @@ CAST_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _BY_NAME = {d.name: d for d in DTYPES}
 _BY_DTYPE = {d.dtype: d for d in DTYPES}
 _BY_SAFETENSORS = {d.safetensors: d for d in DTYPES if d.safetensors is not None}
-
-
-def dtype_info(dtype: torch.dtype) -> DtypeInfo | None:
-    """The table's row for ``dtype``; None for a dtype it does not list."""
-    return _BY_DTYPE.get(dtype)
 
 
 def dtype_by_name(name: str) -> torch.dtype:

@@ -320,7 +320,7 @@ def check_model_fits(
             f"far more than the {weights_bytes:,} bytes of weights present hold"
         )
     memory = machine_memory() if memory is None else memory
-    needed = params * PARAM_ITEMSIZE
+    needed = estimated_param_bytes(config)
     if memory is not None and needed > memory:
         raise ConversionError(
             f"{where}: the config describes a model of about {params:,} parameters ({_sizes(config, prefix)}): "
