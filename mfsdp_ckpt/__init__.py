@@ -13,13 +13,14 @@ from mfsdp_ckpt.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     NotACheckpointError,
+    RunLockedError,
     StateMismatchError,
     UncommittedCheckpointError,
     UnsafeCheckpointError,
 )
 from mfsdp_ckpt.format.names import LATEST_LINK_NAME, LATEST_NAME
 from mfsdp_ckpt.read.resolve import resolve_checkpoint
-from mfsdp_ckpt.storage.lock import RunLockedError, run_lock
+from mfsdp_ckpt.storage.lock import run_lock
 
 __all__ = [
     "save",

@@ -40,6 +40,30 @@ class ConversionError(CheckpointError):
     tensor, a shape mismatch."""
 
 
+class OutsideCheckpointError(UnsafeCheckpointError):
+    """A checkpoint names a file outside its directory. ``reason`` is the short account."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+class RunLockedError(CheckpointError):
+    """Another process holds the run directory's lock."""
+
+
+class WriteFailedError(CheckpointError):
+    """The operating system refused a write (a full disk, a quota, a read-only file system)."""
+
+
+class CatalogError(ValueError):
+    """The plan, mesh and keys do not describe a checkpoint (a message naming what is wrong)."""
+
+
+class ChunkFault(Exception):
+    """What is wrong with one chunk (the caller adds the file and key)."""
+
+
 def raise_key_problems(
     source: str, problems: Sequence[tuple[str, Sequence[str]]], error: type[CheckpointError] = CheckpointError
 ) -> None:

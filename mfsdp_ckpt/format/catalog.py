@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Sequence
 
+from mfsdp_ckpt.errors import CatalogError
 from mfsdp_ckpt.format.boxes import Box, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import mx_plane_of
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index
@@ -38,7 +39,6 @@ __all__ = [
     "Mesh",
     "PlacedBuffer",
     "Catalog",
-    "CatalogError",
     "KeyInfo",
     "OWNED",
     "PLANE",
@@ -51,10 +51,6 @@ __all__ = [
 
 OWNED = "o"  # cut like the main params (the optimizer layout)
 PLANE = "p"  # an MXFP8 plane, cut by its companion layout
-
-
-class CatalogError(ValueError):
-    """The plan, mesh and keys do not describe a checkpoint (a message naming what is wrong)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
+from mfsdp_ckpt.errors import ChunkFault, CorruptCheckpointError, OutsideCheckpointError, UnsafeCheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.read.records import locate_raw_tensor
 from mfsdp_ckpt.storage import fs
@@ -31,7 +31,6 @@ from mfsdp_ckpt.storage.fs import FileSlice
 
 __all__ = [
     "FileSlice",
-    "ChunkFault",
     "ChunkFiles",
     "Fault",
     "chunk_shapes",
@@ -44,10 +43,6 @@ __all__ = [
     "MemoryFile",
     "coverage_faults",
 ]
-
-
-class ChunkFault(Exception):
-    """What is wrong with one chunk (the caller adds the file and key)."""
 
 
 @dataclass(frozen=True)
@@ -290,7 +285,7 @@ class ChunkFiles:
         self.directory = directory
         self.manifest_chunks = manifest_chunks
         self.shapes = shapes or {}
-        self._open: dict[str, IO[bytes] | OSError | fs.OutsideCheckpointError] = {}
+        self._open: dict[str, IO[bytes] | OSError | OutsideCheckpointError] = {}
 
     def __enter__(self) -> "ChunkFiles":
         return self
@@ -300,13 +295,13 @@ class ChunkFiles:
 
     def handle(self, relative_path: str) -> IO[bytes]:
         """The open file (only a regular file inside the directory: :func:`fs.open_member`);
-        raises the ``OSError`` or :class:`fs.OutsideCheckpointError` of opening it (remembered: no
+        raises the ``OSError`` or :class:`OutsideCheckpointError` of opening it (remembered: no
         second attempt)."""
         f = self._open.get(relative_path)
         if f is None:
             try:
                 f = fs.open_member(self.directory, relative_path)
-            except (OSError, fs.OutsideCheckpointError) as e:
+            except (OSError, OutsideCheckpointError) as e:
                 f = e
             self._open[relative_path] = f
         if isinstance(f, BaseException):
@@ -319,7 +314,7 @@ class ChunkFiles:
             self.handle(relative_path)
         except OSError as e:
             return f"cannot open ({e.strerror or e})"
-        except fs.OutsideCheckpointError as e:
+        except OutsideCheckpointError as e:
             return f"cannot open ({e.reason})"
         return None
 
@@ -331,7 +326,7 @@ class ChunkFiles:
         if problem is not None:
             error = (
                 UnsafeCheckpointError
-                if isinstance(self._open[relative_path], fs.OutsideCheckpointError)
+                if isinstance(self._open[relative_path], OutsideCheckpointError)
                 else CorruptCheckpointError
             )
             raise error(f"{self.path(relative_path)}: {problem}, needed for key '{key}'")

@@ -30,9 +30,9 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.errors import ChunkFault, CorruptCheckpointError
 from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
-from mfsdp_ckpt.read.chunks import ChunkFault, ChunkFiles, chunk_location, expected_crc, missing_bytes
+from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, expected_crc, missing_bytes
 from mfsdp_ckpt.read.records import locate_raw_tensor
 from mfsdp_ckpt.read.staged_read import ThreadRunner, file_descriptor
 

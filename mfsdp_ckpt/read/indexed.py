@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.errors import CatalogError, CorruptCheckpointError, OutsideCheckpointError
 from mfsdp_ckpt.format.boxes import Box
-from mfsdp_ckpt.format.catalog import Catalog, CatalogError
+from mfsdp_ckpt.format.catalog import Catalog
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.names import MANIFEST_NAME
 from mfsdp_ckpt.format.record_table import DataFile, Record, chunk_hash, decode_table, table_size
@@ -182,7 +182,7 @@ class IndexedCheckpoint:
                 data = handle.read(size)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: cannot read its record table ({e.strerror or e})") from None
-        except fs.OutsideCheckpointError as e:
+        except OutsideCheckpointError as e:
             raise CorruptCheckpointError(f"{path}: {e.reason}") from None
         try:
             table = decode_table(data, f.rows, f.table_crc32c)

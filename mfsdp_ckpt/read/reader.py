@@ -22,10 +22,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import CheckpointError, CorruptCheckpointError
+from mfsdp_ckpt.errors import CheckpointError, ChunkFault, CorruptCheckpointError
 from mfsdp_ckpt.format.names import shown
 from mfsdp_ckpt.read.chunks import (
-    ChunkFault,
     ChunkFiles,
     MemoryFile,
     chunk_location,

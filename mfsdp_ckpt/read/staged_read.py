@@ -43,11 +43,10 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.errors import ChunkFault, CorruptCheckpointError
 from mfsdp_ckpt.format.boxes import narrow
 from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
 from mfsdp_ckpt.read.chunks import (
-    ChunkFault,
     ChunkFiles,
     chunk_location,
     decode_record_at,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mfsdp_ckpt.errors import CheckpointError, UncommittedCheckpointError, raise_key_problems
+from mfsdp_ckpt.errors import CheckpointError, OutsideCheckpointError, UncommittedCheckpointError, raise_key_problems
 from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME
@@ -366,7 +366,7 @@ def _advise(directory: str, name: str, offset: int, length: int) -> None:
     name or symlink leading out); any failure is ignored (a hint; the read reports it)."""
     try:
         f = fs.open_member(directory, name)
-    except (OSError, fs.OutsideCheckpointError):
+    except (OSError, OutsideCheckpointError):
         return
     with f:
         try:

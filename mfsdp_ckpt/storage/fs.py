@@ -19,7 +19,7 @@ import shutil
 import stat
 from typing import IO, Any
 
-from mfsdp_ckpt.errors import UnsafeCheckpointError
+from mfsdp_ckpt.errors import OutsideCheckpointError
 from mfsdp_ckpt.format.names import member_name_problem
 from mfsdp_ckpt.storage.paths import is_url
 from mfsdp_ckpt.storage.remote import filesystem, upload
@@ -46,7 +46,6 @@ __all__ = [
     "basename",
     "islink",
     "FileSlice",
-    "OutsideCheckpointError",
     "member_path",
     "open_member",
     "read_member",
@@ -231,14 +230,6 @@ class FileSlice(io.RawIOBase):
 # (each chunk's ``file``), a ``latest`` pointer. Whatever it names, readers open only regular files
 # inside the checkpoint directory: no ``..``, no absolute names, no symlink leading out, and never a
 # FIFO or a device (opened non-blocking and checked with ``fstat`` first, so nothing blocks).
-
-
-class OutsideCheckpointError(UnsafeCheckpointError):
-    """A checkpoint names a file outside its directory. ``reason`` is the short account."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = path, reason
 
 
 def member_path(directory: str, name: object) -> str:

@@ -21,17 +21,13 @@ import socket
 import time
 from typing import Any, Iterator
 
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError, RunLockedError
 from mfsdp_ckpt.format.names import LOCK_NAME
 
-__all__ = ["RunLockedError", "run_lock", "lock_holder", "check_unlocked"]
+__all__ = ["run_lock", "lock_holder", "check_unlocked"]
 
 
 _held: dict[str, tuple[int, int]] = {}  # run directory -> (lock file descriptor, times held by this process)
-
-
-class RunLockedError(CheckpointError):
-    """Another process holds the run directory's lock."""
 
 
 def lock_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:

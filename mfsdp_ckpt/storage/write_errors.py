@@ -19,13 +19,9 @@ import contextlib
 import os
 from typing import IO, Any, Iterator, Sequence
 
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError, WriteFailedError
 
-__all__ = ["WriteFailedError", "RecordingStream", "write_failed", "reporting", "interrupt_behind"]
-
-
-class WriteFailedError(CheckpointError):
-    """The operating system refused a write (a full disk, a quota, a read-only file system)."""
+__all__ = ["RecordingStream", "write_failed", "reporting", "interrupt_behind"]
 
 
 def write_failed(error: OSError, path: str | os.PathLike) -> WriteFailedError:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mfsdp_ckpt import CheckpointExistsError
+from mfsdp_ckpt.errors import WriteFailedError
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import (
     commit_directory,
@@ -19,7 +20,6 @@ from mfsdp_ckpt.storage.staging import (
     partial_path,
     write_file_atomic,
 )
-from mfsdp_ckpt.storage.write_errors import WriteFailedError
 from mfsdp_ckpt.tools.convert import convert, write_dcp
 from mfsdp_ckpt.tools.listing import list_checkpoints
 
