@@ -87,8 +87,9 @@ def _run(fn: Callable[[], Any]) -> Any:
     code 1 (130 when interrupted: a ``KeyboardInterrupt``, an error raised while one unwound, such
     as torch's zip writer's ``RuntimeError`` when Ctrl-C lands inside ``torch.save``, or any
     failure after a Ctrl-C); ``--debug`` shows the traceback instead."""
-    from mfsdp_ckpt.errors import (
-        CheckpointError,  # here, not at the top: ``--help`` imports no torch
+    from mfsdp_ckpt.errors import (  # here, not at the top: ``--help`` imports no torch
+        CheckpointError,
+        one_line,
     )
 
     try:
@@ -102,7 +103,7 @@ def _run(fn: Callable[[], Any]) -> Any:
 
         if _interrupted_at is not None or interrupt_behind(e) is not None:
             _fail("interrupted", "KeyboardInterrupt", 130)
-        text = " ".join(str(e).split())  # one line, whatever the exception held
+        text = one_line(e)  # one line, whatever the exception held
         if isinstance(e, CheckpointError):
             _fail(text, type(e).__name__)
         elif type(e).__name__ == "NoCredentialsError":  # botocore's, raised by any s3:// request
@@ -113,7 +114,7 @@ def _run(fn: Callable[[], Any]) -> Any:
             _fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or text}", type(e).__name__)
         else:
             _fail(
-                f"{type(e).__name__}: {text[:300]} (an internal error: run with --debug for the traceback)",
+                f"{type(e).__name__}: {one_line(e, 300)} (an internal error: run with --debug for the traceback)",
                 type(e).__name__,
             )
 

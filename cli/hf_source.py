@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.config_check import (
     check_hf_config,
@@ -96,14 +96,9 @@ def _config_of(d: dict[str, Any], where: str) -> Any:
     try:
         return config_class.from_dict(dict(d))
     except Exception as e:  # noqa: BLE001 - transformers' own checks of hostile values raise anything
-        raise ValueError(f"{where}: transformers cannot build a {model_type} config from it: {_one_line(e)}") from None
-
-
-def _one_line(e: Exception) -> str:
-    """An exception of transformers (or torch) building a config or model, as one line: its
-    message's lines joined (a validation error spans several), its type where it says nothing."""
-    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    return text or type(e).__name__
+        raise ValueError(
+            f"{where}: transformers cannot build a {model_type} config from it: {one_line(e) or type(e).__name__}"
+        ) from None
 
 
 def _class_of(config: Any, d: dict[str, Any], where: str) -> type[nn.Module]:
@@ -168,7 +163,7 @@ class HFSource(ModelSource):
                 meta = self._new_model()
         except Exception as e:  # noqa: BLE001 - a config transformers accepted may still not build
             raise ValueError(
-                f"{where}: transformers cannot build {self.cls.__name__} from it: {_one_line(e)}"
+                f"{where}: transformers cannot build {self.cls.__name__} from it: {one_line(e) or type(e).__name__}"
             ) from None
         try:
             hf.decoder_layers(meta)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.config_check import check_fits_memory, check_mcore_config, estimate_parameters
@@ -322,7 +322,7 @@ class McoreSource(ModelSource):
         try:
             return TransformerConfig(**kwargs)
         except Exception as e:  # noqa: BLE001 - whatever MCore's checks raise (a KeyError for an unknown scope): one line
-            what = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            what = one_line(f"{type(e).__name__}: {e}", 200)
             raise ValueError(f"{self.where}: Megatron-Core refuses these arguments: {what}") from None
 
     # ---- what a checkpoint records ---------------------------------------------------------

@@ -74,6 +74,21 @@ def raise_key_problems(
         raise error(f"{source}: " + "; ".join(parts))
 
 
+def one_line(text: object, limit: int | None = None, *, first_line: bool = False, mark: str = "") -> str:
+    """``str(text)`` (an exception, or a message) as one line of a refusal: every run of
+    whitespace, line breaks included, made one space; with ``first_line``, only its first
+    non-blank line (for messages whose later lines are a long account, as torch.load's are). Cut
+    to ``limit`` characters, ``mark`` (``"..."``) after a cut: another library's message is quoted,
+    not echoed whole. The one place this is done; each caller picks the length its message affords."""
+    out = str(text)
+    if first_line:
+        out = (out.strip().splitlines() or [""])[0]
+    out = " ".join(out.split())
+    if limit is not None and len(out) > limit:
+        out = out[:limit] + mark
+    return out
+
+
 def shown_list(items: Sequence[object], limit: int = 4) -> str:
     """``items`` joined for a one-line message, at most ``limit`` of them: ``a, b, c and 2 more``.
     A refusal that cuts a list says how much it left out, so the reader knows it is not whole."""

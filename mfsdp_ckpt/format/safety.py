@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import torch
 
-from mfsdp_ckpt.errors import UnsafeCheckpointError
+from mfsdp_ckpt.errors import UnsafeCheckpointError, one_line
 
 __all__ = ["safe_load_metadata"]
 
@@ -59,5 +59,4 @@ def safe_load_metadata(data: bytes, source: str) -> Any:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle raises anything
-        what = " ".join(str(e).split())[:200]  # one line, whatever the unpickler said
-        raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {what})") from None
+        raise UnsafeCheckpointError(f"{source}: unreadable metadata ({type(e).__name__}: {one_line(e, 200)})") from None

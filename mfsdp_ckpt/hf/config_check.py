@@ -25,7 +25,7 @@ import os
 import stat
 from typing import Any, Mapping
 
-from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.storage import fs
 
 __all__ = [
@@ -422,8 +422,7 @@ def read_config_json(path: str, what: str = "config.json") -> dict[str, Any]:
     try:
         value = json.loads(blob.decode("utf-8-sig"), parse_int=_bounded_int)
     except (ValueError, RecursionError) as e:
-        reason = " ".join(str(e).split())[:120]
-        raise ConversionError(f"{path}: not valid JSON ({reason})") from None
+        raise ConversionError(f"{path}: not valid JSON ({one_line(e, 120)})") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{path}: not a JSON object ({type(value).__name__} at the top level)")
     return value

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor
 from mfsdp_ckpt.storage.write_errors import reporting
 from mfsdp_ckpt.storage.writeback import SLICE_BYTES, start_writeback
@@ -255,12 +255,6 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _reason(e: BaseException) -> str:
-    """A parser's complaint, on one line and cut short."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= 120 else text[:120] + "..."
-
-
 def _open_regular(path: str, what: str) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading and return the descriptor and its ``fstat``; refuse anything
     but a regular file. ``O_NONBLOCK``: opening a FIFO for reading would otherwise wait for a
@@ -322,7 +316,7 @@ def read_json_file(path: str, what: str) -> Any:
     try:
         return json.loads(blob.decode("utf-8-sig"), parse_int=json_int)
     except (ValueError, RecursionError) as e:
-        raise ConversionError(f"{path}: not valid JSON ({_reason(e)})") from None
+        raise ConversionError(f"{path}: not valid JSON ({one_line(e, 120, mark='...')})") from None
 
 
 def read_regular_file(path: str, what: str, limit: int) -> bytes:
@@ -463,7 +457,7 @@ def _header_json(path: str, raw: bytearray) -> dict[str, Any]:
             parse_float=_header_float,
         )
     except (ValueError, RecursionError) as e:
-        raise ConversionError(f"{path}: header is not valid UTF-8 JSON ({_reason(e)})") from None
+        raise ConversionError(f"{path}: header is not valid UTF-8 JSON ({one_line(e, 120, mark='...')})") from None
     if not isinstance(header, dict):
         raise ConversionError(f"{path}: header is not a JSON object")
     if repeated:

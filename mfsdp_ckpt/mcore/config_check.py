@@ -28,7 +28,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.hf.config_check import machine_memory
 from mfsdp_ckpt.read.resolve import read_small_file
 
@@ -154,7 +154,7 @@ def read_mcore_args(path: str | os.PathLike, where: str | None = None) -> dict[s
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as e:
-        what = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+        what = "nested too deeply" if isinstance(e, RecursionError) else one_line(e, 120)
         raise ConversionError(f"{where}: not JSON ({what})") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{where}: expected a JSON object of MCore arguments, got {type(value).__name__}")

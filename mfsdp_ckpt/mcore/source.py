@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mfsdp_ckpt.errors import ConversionError, CorruptCheckpointError, NotACheckpointError
+from mfsdp_ckpt.errors import ConversionError, CorruptCheckpointError, NotACheckpointError, one_line
 from mfsdp_ckpt.format.names import MCORE_METADATA_NAME
 from mfsdp_ckpt.mcore.layout import COMMON_STATE
 from mfsdp_ckpt.read.locate import read_small_file, resolve_checkpoint
@@ -53,7 +53,7 @@ def read_backend(directory: str) -> dict[str, Any]:
     try:
         meta = json.loads(read_small_file(path, MCORE_METADATA_NAME))
     except (ValueError, RecursionError) as e:
-        what = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+        what = "nested too deeply" if isinstance(e, RecursionError) else one_line(e, 120)
         raise ConversionError(f"{path}: not JSON ({what})") from None
     if not isinstance(meta, dict):
         raise ConversionError(f"{path}: expected a JSON object")
@@ -135,8 +135,8 @@ class McoreSource:
                 with torch.serialization.safe_globals([argparse.Namespace]):
                     value = torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:  # noqa: BLE001 - never unpickled further; the weights do not depend on it
-                what = " ".join(str(e).split())[:160]
-                self.notices.append(f"{COMMON_PT} not carried: not loadable as plain data ({type(e).__name__}: {what})")
+                what = f"{type(e).__name__}: {one_line(e, 160)}"
+                self.notices.append(f"{COMMON_PT} not carried: not loadable as plain data ({what})")
                 value = {}
             if not isinstance(value, dict):
                 raise ConversionError(f"{path}: expected a dict, got {type(value).__name__}")

@@ -23,7 +23,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import ChunkFault, CorruptCheckpointError, OutsideCheckpointError, UnsafeCheckpointError
+from mfsdp_ckpt.errors import (
+    ChunkFault,
+    CorruptCheckpointError,
+    OutsideCheckpointError,
+    UnsafeCheckpointError,
+    one_line,
+)
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.read.records import locate_raw_tensor
 from mfsdp_ckpt.storage import fs
@@ -116,8 +122,7 @@ def _loaded_tensor(stream: IO[bytes], expect: tuple[torch.dtype, Sequence[int]] 
     try:
         payload = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load makes of hostile bytes
-        first_line = (str(e).splitlines() or [""])[0]
-        raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {first_line})") from None
+        raise ChunkFault(f"unreadable chunk ({type(e).__name__}: {one_line(e, first_line=True)})") from None
     if not isinstance(payload, torch.Tensor):
         raise ChunkFault("chunk does not hold a tensor")
     if expect is not None and (payload.dtype != expect[0] or tuple(payload.shape) != tuple(expect[1])):

@@ -19,6 +19,7 @@ import random
 import time
 from typing import Any, Callable
 
+from mfsdp_ckpt.errors import one_line
 from mfsdp_ckpt.format.names import shown
 
 __all__ = [
@@ -59,7 +60,7 @@ def client_options(protocol: str) -> dict[str, Any]:
 
 def reason(error: BaseException) -> str:
     """The store's reason for ``error``, one short line (no request details)."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    text = one_line(error) or type(error).__name__
     return shown(text, 160)
 
 
