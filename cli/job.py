@@ -69,7 +69,7 @@ def _process_group() -> Iterator[None]:
     """The job's gloo process group, from torchrun's environment, for the duration."""
     import torch.distributed as dist
 
-    from mfsdp_ckpt.write.job import JOB_TIMEOUT
+    from mfsdp_ckpt.write.agreement import JOB_TIMEOUT
 
     dist.init_process_group("gloo", timeout=JOB_TIMEOUT)
     try:
@@ -83,7 +83,7 @@ def one_process(command: str) -> None:
     """Refuse ``command`` (one line, inside :func:`run_offline`, so said once) when it runs as a
     job of several processes: ``upcycle`` and ``import-mcore`` are not collective."""
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.write.job import Job
+    from mfsdp_ckpt.write.agreement import Job
 
     if Job.current().world > 1:
         raise CheckpointError(f"{command} runs in one process: start it without torchrun")
@@ -115,7 +115,8 @@ def _agreed(call: Callable[[], T], rank: int) -> T:
     that one prints its error, and every process exits 1 once it has (a barrier: torchrun stops
     the job when the first process exits, and must not stop the reporter before it has said
     why). From the verdict on, SIGTERM is ignored: the job is already on its way out."""
-    from mfsdp_ckpt.write.job import Job, JobFailedElsewhere, JobLostError
+    from mfsdp_ckpt.errors import JobFailedElsewhere, JobLostError
+    from mfsdp_ckpt.write.agreement import Job
 
     job = Job.current()
     stopped = False

@@ -64,6 +64,20 @@ class ChunkFault(Exception):
     """What is wrong with one chunk (the caller adds the file and key)."""
 
 
+class JobFailedElsewhere(CheckpointError):
+    """Raised on the processes of a job that did not fail when another did (``rank``): that one
+    raises its own error, and the job reports the failure once, in its words."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class JobLostError(CheckpointError):
+    """A collective of the job failed: another process died (killed, out of memory) or the
+    connection to it broke. Nothing was committed."""
+
+
 def raise_key_problems(
     source: str, problems: Sequence[tuple[str, Sequence[str]]], error: type[CheckpointError] = CheckpointError
 ) -> None:

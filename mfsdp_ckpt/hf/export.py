@@ -9,7 +9,7 @@ Several worker threads (``workers=``) convert tensors at once, each into its pla
 the files are the same bytes for any number of workers; a file is fsynced by the worker that
 writes its last tensor while the others go on. Under ``torch.distributed`` (``torchrun -m
 mfsdp_cli.main export-hf ...``) the processes write disjoint shard files in parallel, each its
-share by bytes (:meth:`~mfsdp_ckpt.write.job.Job.owners`); the files are the same bytes as one
+share by bytes (:meth:`~mfsdp_ckpt.write.agreement.Job.owners`); the files are the same bytes as one
 process writes, since the shards are cut by ``max_shard_size`` alone. Process 0 writes the index
 and ``config.json`` once every process has finished, and renames the temporary directory into
 place (:func:`~mfsdp_ckpt.write.job.write_and_commit`).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import threading
 import time
 from collections import Counter
@@ -29,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt.errors import CheckpointError, ConversionError, raise_key_problems
+from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.format.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.config_check import (
@@ -60,10 +59,10 @@ from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.lock import run_lock
-from mfsdp_ckpt.storage.staging import check_destination, commit_directory, fsync_dir, make_partial_dir
-from mfsdp_ckpt.write.builder import remove_partials_of
-from mfsdp_ckpt.write.job import Job, write_and_commit
+from mfsdp_ckpt.storage.staging import fsync_dir
+from mfsdp_ckpt.write.agreement import Job
+from mfsdp_ckpt.write.destination import Destination, destination_for
+from mfsdp_ckpt.write.job import write_and_commit
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
@@ -374,21 +373,6 @@ def _into_shards(plan: _Plan, items: list[_Item], max_bytes: int, source: str, e
     return plan
 
 
-def _make_partial_dir(final: str, overwrite: bool, sources: tuple[str, ...], lock: contextlib.ExitStack) -> str:
-    """Rank 0: take the parent's writer lock (held in ``lock``), check again that ``final`` may be
-    replaced, and create the partial directory."""
-    try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        lock.enter_context(run_lock(os.path.dirname(final)))
-        check_destination(final, overwrite=overwrite, kind="hf", sources=sources)
-        remove_partials_of(final, keep=sources)  # what a killed export of ``final`` left; we hold the lock
-        return make_partial_dir(final)
-    except OSError as e:
-        raise CheckpointError(
-            f"{os.path.dirname(final)}: cannot create the export's directory there ({e.strerror})"
-        ) from None
-
-
 def _pieces(reader: CheckpointReader, item: _Item, cfg: ModelShape | None) -> list[torch.Tensor]:
     """The HF tensors of one item, in the order of its outputs (each read is crc32c-checked)."""
     if item.kind == PLAIN:
@@ -584,7 +568,7 @@ def export(
     rank); rank 0 writes the index and config after all are done. ``out`` appears only when
     complete (a temporary sibling is renamed); on any error, on any rank, nothing is left at
     ``out``: the rank that failed raises its error, the others
-    :class:`~mfsdp_ckpt.write.job.JobFailedElsewhere` naming it. ``progress(done, total)`` gets
+    :class:`~mfsdp_ckpt.write.agreement.JobFailedElsewhere` naming it. ``progress(done, total)`` gets
     this rank's bytes written so far.
 
     ``model_config``: the model shape (``model_config`` as a manifest records it) of a
@@ -601,9 +585,8 @@ def export(
         )
     start = time.perf_counter()
     source = fs.normalize(checkpoint)  # a local path or an fsspec URL
-    if not fs.is_local(out):
-        raise ConversionError(f"{os.fspath(out)}: the HF directory must be a local path (the checkpoint may be a URL)")
-    final = os.path.abspath(os.fspath(out))
+    destination = destination_for(out, kind="hf")  # a local directory only
+    final = destination.final
     job = Job.current()
     with contextlib.ExitStack() as stack:
         reader, plan, workers = job.run(
@@ -611,7 +594,7 @@ def export(
             _open_and_plan,
             stack,
             source,
-            final,
+            destination,
             dict(arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode),
             workers,
             model_config,
@@ -620,10 +603,9 @@ def export(
             job,
             reader,
             plan=plan,
-            final=final,
+            destination=destination,
             overwrite=overwrite,
             sources=(source,),
-            lock=stack,
             progress=progress,
             start=start,
             workers=workers,
@@ -633,12 +615,12 @@ def export(
 def _open_and_plan(
     stack: contextlib.ExitStack,
     source: str,
-    final: str,
+    destination: Destination,
     options: dict[str, Any],
     workers: int | None,
     model_config: dict[str, Any] | None,
 ) -> tuple[CheckpointReader, _Plan, int]:
-    """The arguments checked, ``final`` checked as a destination (refused early, on every
+    """The arguments checked, the ``destination`` checked (refused early, on every
     process), the source opened (closed with ``stack``) and the whole export planned from its
     metadata; and the worker threads."""
     dtype = options["dtype"]
@@ -646,7 +628,7 @@ def _open_and_plan(
         if dtype not in CAST_CHOICES:
             raise ConversionError(f"dtype {dtype!r}: expected one of {', '.join(CAST_CHOICES)}")
         dtype = dtype_by_name(dtype)
-    check_destination(final, overwrite=options["overwrite"], kind="hf", sources=(source,))
+    destination.check(overwrite=options["overwrite"], sources=(source,))
     max_bytes = parse_size(options["max_shard_size"])
     workers = check_workers(workers)
     reader = stack.enter_context(CheckpointReader(source))
@@ -659,40 +641,37 @@ def _export(
     reader: CheckpointReader,
     *,
     plan: _Plan,
-    final: str,
+    destination: Destination,
     overwrite: bool,
     sources: tuple[str, ...],
-    lock: contextlib.ExitStack,
     progress: Progress | None,
     start: float,
     workers: int,
 ) -> ExportResult:
     """Write the planned shard files over the processes of ``job`` (each its share, by bytes:
-    :meth:`~mfsdp_ckpt.write.job.Job.owners`) into a partial directory process 0 makes (holding
-    the parent's writer lock in ``lock`` until the export is committed); process 0 writes the
-    index and config once every process has finished, and renames the directory into place."""
+    :meth:`~mfsdp_ckpt.write.agreement.Job.owners`) into the staging directory process 0 opens at
+    ``destination`` (holding the parent's writer lock until the export is committed); process 0
+    writes the index and config once every process has finished, and commits."""
     mine = job.mine([sum(item.nbytes for item in shard) for shard in plan.shards])
-    holder: list[str] = []
-
-    def open_() -> str:
-        holder.append(_make_partial_dir(final, overwrite, sources, lock))
-        return holder[0]
 
     def write(tmp: str) -> None:
         _write_shards(reader, plan, tmp, mine, job.rank, progress, workers)
 
     def conclude(parts: list[None]) -> None:
-        _finish(plan, holder[0])
-        commit_directory(holder[0], final, overwrite=overwrite)
+        destination.commit(lambda: _finish(plan, destination.staging))
 
-    def abort() -> None:
-        if holder:
-            shutil.rmtree(holder[0], ignore_errors=True)
-
-    write_and_commit(job, f"{final}: export not written", open_, write, conclude, abort)
+    with destination:
+        write_and_commit(
+            job,
+            f"{destination.final}: export not written",
+            lambda: destination.open(overwrite=overwrite, sources=sources),
+            write,
+            conclude,
+            destination.abort,
+        )
     n = len(plan.shards)
     return ExportResult(
-        path=final,
+        path=destination.final,
         architecture=plan.name,
         files=[shard_name(s + 1, n) for s in range(n)],
         tensors=sum(len(item.outputs) for shard in plan.shards for item in shard),

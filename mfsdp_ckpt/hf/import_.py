@@ -32,6 +32,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.format.checksum import payload_crc32c
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.hf.config import model_type_of
 from mfsdp_ckpt.hf.files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
 from mfsdp_ckpt.hf.fp8 import QUANT_METHOD as FP8_METHOD
@@ -69,9 +70,9 @@ from mfsdp_ckpt.hf.registry import architecture_of_hf_config, architectures, get
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, Staging, Turns, check_workers, max_file_bytes, run_tasks
 from mfsdp_ckpt.model.shape import ModelShape, ShapeModel, default_plan, meta_model
 from mfsdp_ckpt.progress import progress_adder
-from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
-from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint
+from mfsdp_ckpt.write.job import split_by_size, write_checkpoint
 from mfsdp_core.dtypes import dtype_by_name, dtype_name
 from mfsdp_core.mx import (
     BLOCK,
@@ -302,7 +303,7 @@ def data_files(p: _ImportPlan, max_bytes: int) -> list[int]:
 
 def _my_tasks(job: Job, p: _ImportPlan, max_bytes: int) -> list[tuple[str, Conversion]]:
     """This process's conversions, each with its data file's name, in conversion order: whole
-    files, shared out by bytes (:meth:`~mfsdp_ckpt.write.job.Job.owners`)."""
+    files, shared out by bytes (:meth:`~mfsdp_ckpt.write.agreement.Job.owners`)."""
     files = data_files(p, max_bytes)
     sizes = [0] * (max(files, default=-1) + 1)
     for k, conv in zip(files, p.conversions):

@@ -37,16 +37,17 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
+from mfsdp_ckpt.format.manifest import versions
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import OPTIM_STATE, Naming, extra_state_keys_of, naming_of, target_of
 from mfsdp_ckpt.model.shape import ModelShape, recorded_shape
-from mfsdp_ckpt.read.manifest import versions
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkFileWriter, ChunkRecord
-from mfsdp_ckpt.write.job import Job, split_by_size, write_checkpoint
+from mfsdp_ckpt.write.job import split_by_size, write_checkpoint
 
 __all__ = ["export_mcore", "McoreExportResult", "BACKEND"]
 

@@ -32,6 +32,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.hf.mapping import canonical_shapes
 from mfsdp_ckpt.mcore.config import infer_config, read_config_file
 from mfsdp_ckpt.mcore.config_check import check_against_tensors, check_mcore_config
@@ -49,11 +50,11 @@ from mfsdp_ckpt.mcore.layout import (
 )
 from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model
-from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.staging import check_destination, new_token, partial_path
+from mfsdp_ckpt.storage.staging import new_token, partial_path
 from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.destination import destination_for
 
 __all__ = ["import_mcore", "McoreImportResult", "plan_import", "ARGS_FILE"]
 
@@ -445,7 +446,7 @@ def import_mcore(
         if world_size == 1:
             path, total = _write(source, plan, final, overwrite, progress)
         else:
-            check_destination(final, overwrite=overwrite, kind="checkpoint", sources=(source.directory,))
+            destination_for(final).check(overwrite=overwrite, sources=(source.directory,))
             tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed import: `ls --clean` removes it
             try:
                 _, total = _write(source, plan, tmp, False, progress)

@@ -7,7 +7,7 @@ optimizer's groups and scalars) and returns a :class:`AsyncSaveHandle`. A backgr
 copies the sharded state (weights, main params, optimizer state, planes, gradients) into a host
 staging buffer (:class:`HostStaging`; the only part that grows with the state), runs DCP's save
 on the staged copy with our writer, planner, manifest and commit
-(:func:`~mfsdp_ckpt.sharded.save.write_and_commit`), moves ``latest`` and prunes, exactly as
+(:func:`~mfsdp_ckpt.sharded.save.write_save`), moves ``latest`` and prunes, exactly as
 ``save`` does; the result is indistinguishable from a synchronous checkpoint of the state at the
 call.
 
@@ -60,12 +60,12 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_ckpt.sharded.agreement import agreed
 from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
-from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_and_commit
+from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_save
 from mfsdp_ckpt.sharded.state import FlatEntry
 from mfsdp_ckpt.storage.priority import deprioritise_this_thread
+from mfsdp_ckpt.write.agreement import agreed
 from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
 from mfsdp_core.fully_shard import buffers_of
@@ -547,7 +547,7 @@ def _write_in_background(
             handle._mark_staged()
         try:
             job.writer.bound_writes(WRITE_CHUNK_BYTES)
-            write_and_commit(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
+            write_save(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
         except BaseException as e:  # noqa: BLE001 - reported by the handle
             error = _one_line(e, job.final)
             with contextlib.suppress(Exception):  # the save's error is the one reported

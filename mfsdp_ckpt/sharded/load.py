@@ -41,10 +41,10 @@ from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.read.metadata_check import entry_faults
 from mfsdp_ckpt.read.staged_read import DEFAULT_READ_THREADS
 from mfsdp_ckpt.read.stock import KeyRule, missing_summary, parse_key_map, stock_param_groups
-from mfsdp_ckpt.sharded.agreement import agreed, dcp_failure, run_and_gather
 from mfsdp_ckpt.sharded.mx_load import MXTarget, check_planes, mx_targets, write_planes
 from mfsdp_ckpt.sharded.planner import MfsdpLoadPlanner
 from mfsdp_ckpt.sharded.state import FlatEntry, load_targets, param_group_updates
+from mfsdp_ckpt.write.agreement import agreed, dcp_failure, run_and_gather
 from mfsdp_core import describe_shards, plan_of, refresh_compute_params
 from mfsdp_core.collectives import gather_objects, rank0_decides, rank_and_world
 from mfsdp_core.optim import optimizer_buffers

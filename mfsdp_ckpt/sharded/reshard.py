@@ -35,19 +35,21 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from mfsdp_ckpt.errors import CheckpointError, OutsideCheckpointError, UncommittedCheckpointError, raise_key_problems
 from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.names import MANIFEST_NAME
 from mfsdp_ckpt.model.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.locate import is_mcore
-from mfsdp_ckpt.read.manifest import recorded_plan, versions, writer_layout
+from mfsdp_ckpt.read.manifest import recorded_plan
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, parse_key_map, uncommitted_reason
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.overlap import check_apart
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
-from mfsdp_ckpt.write.job import Job, write_checkpoint
+from mfsdp_ckpt.write.job import write_checkpoint
 from mfsdp_ckpt.write.threads import start_all
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name
 from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, local_experts
@@ -592,7 +594,7 @@ def reshard(
     ``dst`` appears only when complete (replacing one only with ``overwrite``).
 
     Collective when ``torch.distributed`` is initialised (``torchrun -m mfsdp_cli.main reshard``):
-    the processes share the target files out (by bytes, :meth:`~mfsdp_ckpt.write.job.Job.owners`),
+    the processes share the target files out (by bytes, :meth:`~mfsdp_ckpt.write.agreement.Job.owners`),
     each reading only the source ranges of its own, and process 0 commits once every one is
     written (:mod:`mfsdp_ckpt.write.job`); the files are the same bytes for any number of
     processes, ``workers`` threads on each.
@@ -643,7 +645,7 @@ def reshard(
 
 def _my_jobs(job: Job, jobs: list[_Job], files: int) -> tuple[list[_Job], int]:
     """This process's jobs (those of the target files it writes: whole files, shared out by
-    bytes, :meth:`~mfsdp_ckpt.write.job.Job.owners`) and how many files it writes."""
+    bytes, :meth:`~mfsdp_ckpt.write.agreement.Job.owners`) and how many files it writes."""
     sizes = [0] * files
     for j in jobs:
         sizes[j.file] += j.nbytes

@@ -17,38 +17,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_ckpt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-)
 from mfsdp_ckpt.format.catalog import Catalog
 from mfsdp_ckpt.format.keys import (
     PARAM_GROUPS,
     extra_key,
     rng_key,
 )
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.model_source import gpt_source, transformers_source
-from mfsdp_ckpt.format.names import MANIFEST_NAME
-from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save_layout import agree_on_layout, writes_of
 from mfsdp_ckpt.sharded.state import save_entries
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.lock import run_lock
-from mfsdp_ckpt.storage.staging import (
-    check_destination,
-    new_token,
-    partial_path,
-    remove_leftovers,
-)
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.dcp_writer import CommittingWriter
-from mfsdp_ckpt.write.run_dir import after_commit, discard, remove_checkpoint
+from mfsdp_ckpt.write.destination import Destination, destination_for
+from mfsdp_ckpt.write.job import write_and_commit
+from mfsdp_ckpt.write.run_dir import after_commit
 from mfsdp_ckpt.write.save_index import RankWrites, build_index, declared_keys
 from mfsdp_core import describe_shards
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 
-__all__ = ["save", "PreparedSave", "check_save_arguments", "prepare_save", "write_and_commit"]
+__all__ = ["save", "PreparedSave", "check_save_arguments", "prepare_save", "write_save"]
 
 T = TypeVar("T")
 
@@ -110,7 +101,7 @@ def save(
             run_config=run_config,
             model_source=model_source,
         )
-        write_and_commit(job, job.entries, MfsdpSavePlanner())
+        write_save(job, job.entries, MfsdpSavePlanner())
     return job.final
 
 
@@ -128,6 +119,7 @@ class PreparedSave:
     update_latest: bool
     keep: int | None
     catalog: Catalog
+    destination: Destination
 
 
 def check_save_arguments(path: str | os.PathLike, keep: int | None) -> None:
@@ -166,10 +158,9 @@ def prepare_save(
     layout = agree_on_layout(
         model, optimizer, shards, include_grads=include_grads
     )  # refused before anything is written
-    if not fs.is_local(final):
-        tmp = rank0_decides(_prepare_remote, final, overwrite)
-    else:
-        tmp = partial_path(final, rank0_decides(_prepare_destination, final, overwrite, lock))
+    destination = destination_for(final)
+    lock.callback(destination.close)  # rank 0 holds the parent's lock until the save is done
+    tmp = rank0_decides(lambda: destination.open(overwrite=overwrite, clean_parent=True))
     entries = save_entries(shards, optimizer, include_grads, writes_of(layout.catalog, rank))
     if rank == 0:
         if layout.param_groups is not None:
@@ -193,11 +184,11 @@ def prepare_save(
         "has_optimizer": optimizer is not None,
         "versions": versions(),
     }
-    writer = CommittingWriter(tmp, final, manifest, overwrite=overwrite, thread_count=thread_count)
-    return PreparedSave(final, tmp, entries, writer, update_latest, keep, layout.catalog)
+    writer = CommittingWriter(destination, tmp, manifest, thread_count=thread_count)
+    return PreparedSave(final, tmp, entries, writer, update_latest, keep, layout.catalog, destination)
 
 
-def write_and_commit(
+def write_save(
     job: PreparedSave,
     entries: dict[str, Any],
     planner: MfsdpSavePlanner,
@@ -205,26 +196,28 @@ def write_and_commit(
     process_group: dist.ProcessGroup | None = None,
     decide: Callable[..., Any] | None = None,
 ) -> None:
-    """Write ``entries`` (``job.entries`` or a copy of them): each rank plans and writes its own
-    chunks (what the catalog the ranks agreed on gives it), the coordinator gathers what was
-    written, checks it against the catalog and commits; then ``latest`` moves and old checkpoints
-    are pruned. Collective over ``process_group``. On a failure anywhere rank 0 removes the
-    temporary directory and every rank raises the same one-line error. ``decide`` runs a function
-    on rank 0 and gives every rank its outcome (default: ``rank0_decides`` over the default group)."""
-    rank, _ = rank_and_world()
-    failure: CheckpointError | None = None
-    mine = RankWrites()
-    try:
-        mine = _write_own_chunks(job, entries, planner, rank)
-    except CheckpointError as e:
-        failure = e
-    except Exception as e:  # noqa: BLE001 - every rank hears of it below
-        failure = CheckpointError(f"rank {rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-    error = _commit_on_rank0(job, mine, failure, process_group)
-    if error is not None:
-        if rank == 0:
-            discard(job.tmp)
-        raise error
+    """Write ``entries`` (``job.entries`` or a copy of them) on the offline tools' protocol
+    (:func:`mfsdp_ckpt.write.job.write_and_commit`): each rank plans and writes its own chunks
+    (what the catalog the ranks agreed on gives it), rank 0 gathers what was written, checks it
+    against the catalog and commits; then ``latest`` moves and old checkpoints are pruned.
+    Collective over ``process_group``. On a failure anywhere rank 0 removes the staging
+    directory and every rank raises the same one-line error (``same_error``). ``decide`` runs a
+    function on rank 0 and gives every rank its outcome (default: ``rank0_decides`` over the
+    default group)."""
+    ranks = Job.current(process_group, same_error=True)
+
+    def conclude(parts: list[RankWrites]) -> None:
+        metadata, results, index = build_index(job.catalog, parts)
+        job.writer.commit(metadata, results, index)
+
+    write_and_commit(
+        ranks,
+        f"{job.final}: not saved",
+        lambda: job.tmp,  # opened by prepare_save, before anything was staged
+        lambda _: _write_own_chunks(job, entries, planner, ranks.rank),
+        conclude,
+        job.destination.abort,
+    )
     # committed; every rank hears of a failure to move ``latest`` or to prune
     (decide or rank0_decides)(after_commit, job.final, job.update_latest, job.keep)
 
@@ -237,69 +230,3 @@ def _write_own_chunks(job: PreparedSave, entries: dict[str, Any], planner: Mfsdp
     plan = job.writer.prepare_local_plan(plan)
     results = job.writer.write_data(plan, planner).wait()
     return RankWrites(results, declared_keys(plan), list(job.writer.files))
-
-
-def _commit_on_rank0(
-    job: PreparedSave, mine: RankWrites, failure: CheckpointError | None, group: dist.ProcessGroup | None
-) -> CheckpointError | None:
-    """Gather every rank's writes (or failure) on rank 0, which commits when none failed; every
-    rank returns the same outcome (None: committed)."""
-    if not dist.is_initialized():
-        per_rank = [(mine, failure)]
-    else:
-        rank = dist.get_rank()
-        gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object((mine, failure), gathered, dst=0, group=group)
-        per_rank = gathered or []
-    outcome: list[Any] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        outcome[0] = next((f for _, f in per_rank if f is not None), None)
-        if outcome[0] is None:
-            try:
-                metadata, results, index = build_index(job.catalog, [w for w, _ in per_rank])
-                job.writer.commit(metadata, results, index)
-            except CheckpointError as e:
-                outcome[0] = e
-            except Exception as e:  # noqa: BLE001 - every rank raises it
-                outcome[0] = CheckpointError(f"rank 0: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-    if dist.is_initialized():
-        dist.broadcast_object_list(outcome, src=0, group=group)
-    return outcome[0]
-
-
-def _prepare_destination(final: str, overwrite: bool, lock: contextlib.ExitStack) -> str:
-    """Rank 0: create the parent, take its writer lock (held in ``lock``), check ``final`` may be
-    written, remove what killed saves left behind; a fresh token for the temporary directory."""
-    parent = os.path.dirname(final)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"{parent}: cannot create the checkpoint's parent directory ({e.strerror})") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{parent}: not writable, cannot save {os.path.basename(final)} there")
-    lock.enter_context(run_lock(parent))
-    check_destination(final, overwrite=overwrite, kind="checkpoint")
-    remove_leftovers(parent)  # we hold the lock: no live writer's partial is among them
-    return new_token()
-
-
-def _prepare_remote(final: str, overwrite: bool) -> str:
-    """Rank 0, for a save to an fsspec URL: the bucket exists; what killed saves left in the
-    parent (prefixes of checkpoint files without ``mfsdp.json``) is removed; an existing
-    checkpoint at ``final`` is refused, or with ``overwrite`` un-committed (its ``mfsdp.json``
-    deleted first, so that an interrupted overwrite leaves an uncommitted prefix, never a mix that
-    looks complete) and removed. Returns ``final``: the files go straight there."""
-    from mfsdp_ckpt.storage.objstore import check_bucket, remove_uncommitted
-    from mfsdp_ckpt.storage.remote import retrying
-
-    check_bucket(final)
-    parent = fs.dirname(final)
-    remove_uncommitted(parent)
-    if fs.exists(final):
-        manifest = fs.join(final, MANIFEST_NAME)
-        if not overwrite:
-            raise CheckpointExistsError(f"{final}: already exists (pass overwrite=True to replace it)")
-        if not fs.isfile(manifest):
-            raise CheckpointError(f"{final}: exists and is not a checkpoint; refusing to replace it")
-        retrying(final, "delete", lambda: remove_checkpoint(final))
-    return final

@@ -24,11 +24,11 @@ from safetensors.torch import save as safetensors_save
 
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckpointError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.manifest_schema import key_problem
 from mfsdp_ckpt.format.names import shown
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
-from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import (
@@ -39,9 +39,10 @@ from mfsdp_ckpt.read.stock import (
     to_fsdp2_key,
 )
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.staging import check_destination
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
-from mfsdp_ckpt.write.job import Job, split_by_size, write_and_commit, write_checkpoint
+from mfsdp_ckpt.write.destination import destination_for
+from mfsdp_ckpt.write.job import split_by_size, write_and_commit, write_checkpoint
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
 __all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]
@@ -321,7 +322,7 @@ def _check_convert(src: str, dst: str, to: str, key_map: Sequence[str | KeyRule]
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
     sources = tuple(checkpoint_inputs(src))  # a `latest` pointer or run directory: what it leads to too
-    check_destination(dst, overwrite=False, kind="checkpoint" if to.startswith("dcp") else "file", sources=sources)
+    destination_for(dst, kind="checkpoint" if to.startswith("dcp") else "file").check(sources=sources)
     if to == "dcp" and not fs.isfile(src):
         raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
     return rules
@@ -354,16 +355,16 @@ def _dcp_to_file(job: Job, src: str, dst: str, to: str, progress: Callable[[int,
     """``--to torch|safetensors``: process 0 reads the whole checkpoint into one file's bytes and,
     once every process has reported, writes them (all or nothing)."""
     data: list[bytes] = []
+    destination = destination_for(dst, kind="file")
 
     def write(_: str) -> None:
         if job.main:
             data.append(_single_file_bytes(src, to, progress))
 
     def conclude(_: list[None]) -> str:
-        fs.write_bytes(dst, data.pop())  # all or nothing
-        return dst
+        return destination.commit(lambda: fs.write_bytes(dst, data.pop()))  # all or nothing
 
-    return write_and_commit(job, f"{dst}: not written", lambda: dst, write, conclude, lambda: None)
+    return write_and_commit(job, f"{dst}: not written", destination.open, write, conclude, destination.abort)
 
 
 def _single_file_bytes(src: str, to: str, progress: Callable[[int, int], None] | None) -> bytes:

@@ -11,6 +11,7 @@ from mfsdp_ckpt.format.names import METADATA_NAME
 from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import is_partial_name
+from mfsdp_ckpt.write.destination import destination_for
 
 __all__ = ["CheckpointEntry", "list_checkpoints", "list_runs", "RUN_SEARCH_DEPTH"]
 
@@ -141,18 +142,4 @@ def clean_run_dir(root: str | os.PathLike) -> list[str]:
     (refused while another job writes there). Returns the paths removed. On an object store (no
     lock there: one writer per prefix is the user's responsibility), the prefixes that hold only
     files a save writes and no ``mfsdp.json`` (:func:`mfsdp_ckpt.storage.objstore.remove_uncommitted`)."""
-    from mfsdp_ckpt.storage.lock import run_lock
-    from mfsdp_ckpt.storage.staging import remove_leftovers
-
-    root = os.fspath(root)
-    if not fs.is_local(root):
-        from mfsdp_ckpt.storage.objstore import remove_uncommitted
-
-        root = fs.normalize(root)
-        if not fs.isdir(root):
-            raise NotACheckpointError(f"{root}: no such directory")
-        return remove_uncommitted(root)
-    if not os.path.isdir(root):
-        raise NotACheckpointError(f"{root}: no such directory")
-    with run_lock(root):
-        return remove_leftovers(os.path.abspath(root))
+    return destination_for(root, kind="run").clean()

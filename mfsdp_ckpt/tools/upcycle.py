@@ -30,7 +30,6 @@ import dataclasses
 import math
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -40,16 +39,17 @@ import torch
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.format.keys import MAIN_PARAM, group_of, model_key, optim_key
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.model_source import gpt_source
 from mfsdp_ckpt.hf.config import MAX_COUNT
 from mfsdp_ckpt.hf.registry import architectures
 from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model, recorded_shape
 from mfsdp_ckpt.progress import progress_adder
-from mfsdp_ckpt.read.manifest import versions, writer_layout
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.destination import destination_for
 
 __all__ = [
     "UpcycleSpec",
@@ -170,12 +170,7 @@ def _upcycled_bytes(reader: MappedReader, sources: dict[str, str], moe: ModelSha
 
 def _free_bytes(dst: str) -> tuple[str, int] | None:
     """(the nearest existing folder of a local ``dst``, its free bytes); None for a remote one."""
-    if not fs.is_local(dst):
-        return None
-    where = os.path.abspath(dst)
-    while not os.path.isdir(where) and os.path.dirname(where) != where:
-        where = os.path.dirname(where)
-    return where, shutil.disk_usage(where).free
+    return destination_for(dst).free_bytes()
 
 
 def _check_room(src: str, dst: str, nbytes: int, spec: UpcycleSpec) -> None:

@@ -30,31 +30,22 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
-from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
+from mfsdp_ckpt.format.manifest import completed
+from mfsdp_ckpt.format.names import METADATA_NAME
 from mfsdp_ckpt.read.chunks import (
     coverage_faults,
 )
-from mfsdp_ckpt.read.manifest import completed, write_manifest
 from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.lock import run_lock
-from mfsdp_ckpt.storage.overlap import INSIDE, check_apart
-from mfsdp_ckpt.storage.staging import (
-    check_destination,
-    commit_directory,
-    fsync_dir,
-    make_partial_dir,
-    refuse_replacing_a_source,
-    remove_leftovers,
-)
 from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting
-from mfsdp_ckpt.storage.writeback import WritebackStream, start_writeback
-from mfsdp_ckpt.write.run_dir import remove_checkpoint
+from mfsdp_ckpt.storage.writeback import WritebackStream
+from mfsdp_ckpt.write.destination import destination_for
+from mfsdp_ckpt.write.manifest import write_manifest
 
-__all__ = ["CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "data_file_name", "remove_partials_of"]
+__all__ = ["CheckpointBuilder", "ChunkFileWriter", "ChunkRecord", "data_file_name"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +86,7 @@ class ChunkFileWriter:
     def __init__(self, directory: str, *, sync: bool = True) -> None:
         self.directory = directory
         self.sync = sync
+        self._place = destination_for(directory)  # what makes a file durable there
         self._files: dict[int | str, RecordingStream] = {}
         self._index: dict[str, int | str] = {}  # file name -> the file as the caller names it
         self.bytes_written = 0
@@ -153,7 +145,7 @@ class ChunkFileWriter:
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
             return
         if fd >= 0:
-            start_writeback(fd, record.offset, record.length)
+            self._place.start_writeback(fd, record.offset, record.length)
 
     def write_object(self, key: str, value: Any, file: int | str) -> ChunkRecord:
         buf = io.BytesIO()
@@ -181,8 +173,8 @@ class ChunkFileWriter:
         with reporting(f.path, [f]):
             try:
                 f.flush()
-                if self.sync and fs.is_local(self.directory):
-                    os.fsync(f.fileno())
+                if self.sync:
+                    self._place.sync_file(f)
                 f.close()
             except BaseException:
                 self._files[file] = f  # for discard()
@@ -223,31 +215,12 @@ class CheckpointBuilder:
         sources: Sequence[str | os.PathLike] = (),
     ) -> None:
         self.final = fs.normalize(path)
-        self.remote = not fs.is_local(self.final)
         self.overwrite = overwrite
         self.sync = sync
         self.manifest = dict(manifest)
-        self._lock = contextlib.ExitStack()
+        self.destination = destination_for(self.final)
         sources = tuple(fs.normalize(src) for src in sources)
-        if self.remote:
-            _check_remote_destination(self.final, overwrite=overwrite, sources=sources)
-            if fs.exists(self.final):  # un-commit first, so a failure in between never leaves a complete-looking mix
-                remove_checkpoint(self.final)
-            self.tmp = self.final
-        else:  # one writer at a time in the parent; refuse what would lose data before writing
-            self._lock.enter_context(run_lock(os.path.dirname(self.final)))
-            try:
-                check_destination(
-                    self.final,
-                    overwrite=overwrite,
-                    kind="checkpoint",
-                    sources=sources,
-                )
-                remove_partials_of(self.final, keep=sources)  # a killed earlier write's; we hold the lock
-                self.tmp = make_partial_dir(self.final)
-            except BaseException:
-                self._lock.close()
-                raise
+        self.tmp = self.destination.open(overwrite=overwrite, sources=sources, sync=sync)
         self._writer = ChunkFileWriter(self.tmp, sync=sync)
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._objects: set[str] = set()
@@ -331,7 +304,7 @@ class CheckpointBuilder:
         """Start writing ``record``'s bytes to disk now (a local file written with ``sync``; see
         :mod:`mfsdp_ckpt.storage.writeback`), so the fsync at :meth:`commit` waits for less. May be called
         from another thread than the one appending, e.g. after handing the next append on."""
-        if self.sync and not self.remote:
+        if self.sync:
             self._writer.start_writeback(record)
 
     def add_object(self, key: str, value: Any, *, file: int | str = 0) -> None:
@@ -367,15 +340,10 @@ class CheckpointBuilder:
             version=CURRENT_DCP_VERSION,
         )
         fs.write_bytes(fs.join(self.tmp, METADATA_NAME), pickle.dumps(metadata), sync=self.sync)
-        write_manifest(
-            self.tmp, completed(self.manifest, save_id, self._chunks), sync=self.sync
-        )  # object store: the commit
-        if not self.remote:
-            if self.sync:
-                fsync_dir(self.tmp)
-            commit_directory(self.tmp, self.final, overwrite=self.overwrite)
+        manifest = completed(self.manifest, save_id, self._chunks)
+        self.destination.commit(lambda: write_manifest(self.tmp, manifest, sync=self.sync))
         self.committed = True
-        self._lock.close()
+        self.destination.close()
         return self.final
 
     def abort(self) -> None:
@@ -383,34 +351,5 @@ class CheckpointBuilder:
         ``overwrite``, the old checkpoint is already gone)."""
         self._writer.discard()
         if not self.committed:
-            fs.remove_tree(self.tmp)
-        self._lock.close()
-
-
-def remove_partials_of(final: str, keep: Sequence[str] = ()) -> list[str]:
-    """Remove what killed earlier writes of the local destination ``final`` left next to it
-    (``.<name>.partial-*``, ``.<name>.replaced-*``), except the paths in ``keep`` (a source may be
-    one: ``import-mcore`` reshards from its own partial). Only while holding the parent's writer
-    lock (:func:`~mfsdp_ckpt.storage.lock.run_lock`), so that no live writer's directory is taken.
-    A job's processes killed mid-write leave their staging directory; the next write of the same
-    destination removes it. Returns what was removed."""
-    parent, name = os.path.split(os.path.abspath(final))
-    return remove_leftovers(parent, keep=[k for k in keep if fs.is_local(k)], of=name)
-
-
-def _check_remote_destination(final: str, *, overwrite: bool, sources: tuple[str, ...]) -> None:
-    """An object-store destination: never inside or around a source; replaced only when it is a
-    committed checkpoint (the manifest is there) and ``overwrite`` asks for it."""
-
-    from mfsdp_ckpt.storage.objstore import check_bucket
-
-    check_bucket(final)  # else every upload fails, slowly, after retries
-    exists = fs.exists(final)
-    if exists and not overwrite:
-        raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
-    refuse_replacing_a_source(final, sources)
-    check_apart(final, {"the source": sources}, refuse=(INSIDE,))
-    if not exists:
-        return
-    if not fs.isfile(fs.join(final, MANIFEST_NAME)):
-        raise CheckpointError(f"{final}: is not a committed checkpoint; refusing to replace it")
+            self.destination.abort()
+        self.destination.close()

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
+    FileSystemBase,
     FileSystemWriter,
     _split_by_size_and_type,
     _StorageInfo,
@@ -37,14 +38,15 @@ from torch.futures import Future
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id
+from mfsdp_ckpt.format.manifest import indexed
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.format.record_table import DataFile, Record, encode_table, table_crc
-from mfsdp_ckpt.read.manifest import indexed, write_manifest
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.objstore import RemoteFileSystem
-from mfsdp_ckpt.storage.staging import commit_directory, fsync_dir
 from mfsdp_ckpt.storage.write_errors import RecordingStream, reporting, write_failed
+from mfsdp_ckpt.write.destination import Destination, LocalDestination, ObjectStoreDestination
+from mfsdp_ckpt.write.manifest import write_manifest
 
 __all__ = ["CommittingWriter"]
 
@@ -78,9 +80,17 @@ class _RecordingRemoteFileSystem(_RecordingStreams, RemoteFileSystem):
     """:class:`~mfsdp_ckpt.storage.objstore.RemoteFileSystem` (object stores), recording write errors."""
 
 
+#: the DCP file system that writes into each kind of destination
+_FILE_SYSTEMS: dict[type[Destination], type[FileSystemBase]] = {
+    LocalDestination: _RecordingFileSystem,
+    ObjectStoreDestination: _RecordingRemoteFileSystem,
+}
+
+
 class CommittingWriter(FileSystemWriter):
-    """Writes into ``tmp_dir`` and, on the coordinator, commits it as ``final_dir``. A write the
-    operating system refuses (a full disk) fails in one line naming the file.
+    """Writes into ``tmp_dir``, the staging place of ``destination``, and, on the coordinator
+    (which opened it), commits it. A write the operating system refuses (a full disk) fails in
+    one line naming the file.
 
     On an fsspec URL (``tmp_dir == final_dir``, an object store has no rename) each data file is
     uploaded straight to the final prefix (:mod:`mfsdp_ckpt.storage.objstore`: spooled, then one PUT or a
@@ -89,23 +99,21 @@ class CommittingWriter(FileSystemWriter):
 
     def __init__(
         self,
+        destination: Destination,
         tmp_dir: str,
-        final_dir: str,
         manifest: dict[str, Any],
         *,
-        overwrite: bool,
         thread_count: int = 1,
         sync_files: bool = True,
     ) -> None:
-        self.remote = not fs.is_local(final_dir)
-        super().__init__(tmp_dir, thread_count=thread_count, sync_files=sync_files and not self.remote, overwrite=False)
-        self.fs = _RecordingRemoteFileSystem() if self.remote else _RecordingFileSystem()
-        if self.remote:
-            self.path = self.fs.init_path(tmp_dir)
+        file_system = _FILE_SYSTEMS[type(destination)]()
+        durable = sync_files and isinstance(file_system, FileSystem)  # an upload has nothing to fsync
+        super().__init__(tmp_dir, thread_count=thread_count, sync_files=durable, overwrite=False)
+        self.fs = file_system
+        self.path = self.fs.init_path(tmp_dir)
+        self.destination = destination
         self.tmp_dir = tmp_dir
-        self.final_dir = final_dir
         self.manifest = manifest
-        self.allow_overwrite = overwrite
         self.files: list[DataFile] = []  # what write_data wrote, for the index
 
     def bound_writes(self, max_bytes: int) -> None:
@@ -187,15 +195,15 @@ class CommittingWriter(FileSystemWriter):
 
     def commit(self, metadata: Metadata, results: list[WriteResult], index: dict[str, Any]) -> None:
         """The coordinator's commit of a save: ``.metadata`` (stock DCP, from every rank's write
-        results), ``mfsdp.json`` with ``index`` (see :mod:`mfsdp_ckpt.format.catalog`), then one
-        rename (an object store: the manifest, written last, is the commit)."""
+        results), ``mfsdp.json`` with ``index`` (see :mod:`mfsdp_ckpt.format.catalog`), then the
+        destination's commit (one rename; on an object store the manifest, written last, is it)."""
         with reporting(fs.join(self.tmp_dir, METADATA_NAME), self.fs.streams):
             self.finish(metadata, [results])
         total = sum(wr.storage_data.length for wr in results)
-        with reporting(fs.join(self.tmp_dir, MANIFEST_NAME)) if self.remote else contextlib.nullcontext():
-            write_manifest(self.tmp_dir, indexed(self.manifest, self.save_id, index, total), sync=self.sync_files)
-        if self.remote:
-            return  # the manifest, written last, was the commit
-        if self.sync_files:
-            fsync_dir(self.tmp_dir)
-        commit_directory(self.tmp_dir, self.final_dir, overwrite=self.allow_overwrite)
+        manifest = indexed(self.manifest, self.save_id, index, total)
+
+        def write_last() -> None:
+            with reporting(fs.join(self.tmp_dir, MANIFEST_NAME)):
+                write_manifest(self.tmp_dir, manifest, sync=self.sync_files)
+
+        self.destination.commit(write_last)

@@ -18,7 +18,9 @@ collectives that no failure changes:
 
 A failure is raised on every process, but only the process that hit it raises its own error; the
 others raise :class:`JobFailedElsewhere`, so a job reports it once (the command line prints
-nothing for those). A process that dies (SIGKILL) never reaches the gather: nothing is committed,
+nothing for those). The live ``save`` runs the same protocol with the other rule
+(``same_error=True``): every rank raises the same :class:`~mfsdp_ckpt.errors.CheckpointError`,
+the first failing rank's, so that a trainer on any rank reports the same line. A process that dies (SIGKILL) never reaches the gather: nothing is committed,
 and the collective the others wait in fails (:class:`JobLostError`). A shared file system is
 assumed across machines: every process writes into the same staging directory.
 
@@ -28,22 +30,13 @@ they did before they were collective.
 
 from __future__ import annotations
 
-import datetime
-import heapq
 import re
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
-import torch.distributed as dist
-
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import CheckpointBuilder, ChunkRecord
 
 __all__ = [
-    "JOB_TIMEOUT",
-    "Job",
-    "JobFailedElsewhere",
-    "JobLostError",
     "split_by_size",
     "write_checkpoint",
     "write_and_commit",
@@ -52,149 +45,6 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-#: how long a collective of an offline job waits (the gather waits for the slowest process's
-#: share of a whole checkpoint, so far longer than the 30 minutes a training step may take)
-JOB_TIMEOUT = datetime.timedelta(hours=12)
-
-
-class JobFailedElsewhere(CheckpointError):
-    """Raised on the processes of a job that did not fail when another did (``rank``): that one
-    raises its own error, and the job reports the failure once, in its words."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-class JobLostError(CheckpointError):
-    """A collective of the job failed: another process died (killed, out of memory) or the
-    connection to it broke. Nothing was committed."""
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500]
-
-
-def _outcome(failure: BaseException | None) -> tuple[str, str] | None:
-    """What a process tells the others of its failure: plain strings (an exception object may
-    not pickle)."""
-    return None if failure is None else (type(failure).__name__, _one_line(failure))
-
-
-@dataclass(frozen=True)
-class Job:
-    """This process's place in the job: ``rank`` of ``world`` processes (``(0, 1)``: alone)."""
-
-    rank: int = 0
-    world: int = 1
-
-    @classmethod
-    def current(cls) -> "Job":
-        """The job of the default process group, or a job of one outside any."""
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
-
-    @property
-    def main(self) -> bool:
-        """Whether this is process 0: the one that commits and reports."""
-        return self.rank == 0
-
-    def owners(self, sizes: Sequence[int]) -> list[int]:
-        """The process that writes each output file, from the files' sizes alone (the same on
-        every process): largest first, each onto the least-loaded process (ties: the lower
-        file, the lower rank), so every process gets about the same bytes."""
-        loads = [(0, p) for p in range(self.world)]  # a heap of (bytes so far, rank)
-        owner = [0] * len(sizes)
-        for f in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            load, p = heapq.heappop(loads)
-            owner[f] = p
-            heapq.heappush(loads, (load + sizes[f], p))
-        return owner
-
-    def mine(self, sizes: Sequence[int]) -> list[int]:
-        """The output files (indices into ``sizes``) this process writes, in order."""
-        return [f for f, p in enumerate(self.owners(sizes)) if p == self.rank]
-
-    def _collective(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (a collective); a backend failure (a dead peer, a timeout) becomes
-        :class:`JobLostError`."""
-        try:
-            return fn()
-        except (RuntimeError, ConnectionError) as e:
-            raise JobLostError(
-                f"process {self.rank} of {self.world}: another process of the job stopped (it failed or was "
-                f"killed; torchrun's report names it): {_one_line(e)[:200]}"
-            ) from None
-
-    def gather_to_main(self, value: Any) -> list[Any] | None:
-        """``value`` of every process, in rank order, on process 0 (None elsewhere)."""
-        if self.world == 1:
-            return [value]
-        out: list[Any] | None = [None] * self.world if self.main else None
-        self._collective(lambda: dist.gather_object(value, out, dst=0))
-        return out
-
-    def broadcast(self, value: Any) -> Any:
-        """Process 0's ``value`` on every process."""
-        if self.world == 1:
-            return value
-        box = [value if self.main else None]
-        self._collective(lambda: dist.broadcast_object_list(box, src=0))
-        return box[0]
-
-    def raise_outcome(self, failure: BaseException | None, failed: tuple[int, str, str] | None, what: str) -> None:
-        """Raise the agreed failure ``failed`` (``(rank, kind, message)``; None: none): the
-        process that hit it raises ``failure``, its own; the others :class:`JobFailedElsewhere`."""
-        if failed is None:
-            return
-        rank, kind, message = failed
-        if rank == self.rank and failure is not None:
-            raise failure
-        raise JobFailedElsewhere(f"{what}: rank {rank} failed ({kind}: {message})", rank)
-
-    def agree(self, failure: BaseException | None, what: str) -> None:
-        """Collective: every process says whether it failed; if any did, every process raises
-        (:meth:`raise_outcome`, the lowest failing rank's error)."""
-        if self.world == 1:
-            if failure is not None:
-                raise failure
-            return
-        outcomes = self.gather_to_main(_outcome(failure))
-        first = None
-        if outcomes is not None:
-            first = next(((r, *o) for r, o in enumerate(outcomes) if o is not None), None)
-        self.raise_outcome(failure, self.broadcast(first), what)
-
-    def run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on every process, then :meth:`agree` on its failure (a refusal that every
-        process reaches is then reported once, by process 0)."""
-        failure: Exception | None = None
-        value: Any = None
-        try:
-            value = fn(*args)
-        except Exception as e:  # noqa: BLE001 - agreed on, then raised on every process
-            failure = e
-        self.agree(failure, what)
-        return value
-
-    def on_main(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on process 0; its result (which must pickle) on every process, or its
-        failure: process 0 raises its own, the others :class:`JobFailedElsewhere`."""
-        if self.world == 1:
-            return fn(*args)
-        failure: Exception | None = None
-        value: Any = None
-        if self.main:
-            try:
-                value = fn(*args)
-            except Exception as e:  # noqa: BLE001 - raised below, on every process
-                failure = e
-        ok, value = self.broadcast((failure is None, value if failure is None else (0, *_outcome(failure))))
-        if not ok:
-            self.raise_outcome(failure, value, what)
-        return value
 
 
 def split_by_size(sizes: Sequence[int], max_bytes: int) -> list[int]:
@@ -241,11 +91,11 @@ def write_and_commit(
             part = write(staging)
         except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every process
             failure = e
-        parts = job.gather_to_main((_outcome(failure), part))
+        parts = job.gather_to_main((job.outcome(failure), part))
         verdict: tuple[Any, ...] = ()
         commit_error: Exception | None = None
         if job.main:
-            verdict, commit_error = _conclude(parts, conclude)
+            verdict, commit_error = _conclude(job, parts, conclude)
             committed = verdict[0] == "ok"
         verdict = job.broadcast(verdict)
         if verdict[0] == "failed":
@@ -258,10 +108,13 @@ def write_and_commit(
             abort()
 
 
-def _conclude(parts: list[Any] | None, conclude: Callable[[list[Any]], T]) -> tuple[tuple[Any, ...], Exception | None]:
-    """Process 0's verdict over every process's ``(outcome, part)`` (plain data, for the others):
-    ``("failed", (rank, kind, message))`` for the lowest failing rank, ``("ok", result)`` once
-    committed, or ``("error", (kind, message))`` when committing failed, with that exception."""
+def _conclude(
+    job: Job, parts: list[Any] | None, conclude: Callable[[list[Any]], T]
+) -> tuple[tuple[Any, ...], Exception | None]:
+    """Process 0's verdict over every process's ``(outcome, part)`` (what pickles, for the
+    others): ``("failed", (rank, kind, message, error))`` for the lowest failing rank,
+    ``("ok", result)`` once committed, or ``("error", (kind, message, error))`` when committing
+    failed, with that exception (see :meth:`Job.outcome`)."""
     assert parts is not None
     first = next(((r, *o) for r, (o, _) in enumerate(parts) if o is not None), None)
     if first is not None:
@@ -269,7 +122,7 @@ def _conclude(parts: list[Any] | None, conclude: Callable[[list[Any]], T]) -> tu
     try:
         return ("ok", conclude([p for _, p in parts])), None
     except Exception as e:  # noqa: BLE001 - raised by process 0, named to the others
-        return ("error", _outcome(e)), e
+        return ("error", job.outcome(e)), e
 
 
 def write_checkpoint(

@@ -107,14 +107,14 @@ def _priorities_in_a_save(root: str) -> dict:
     async_writers: list = []
     sync_writers: list = []
     background: list = []
-    real_write = ASYNC.write_and_commit
+    real_write = ASYNC.write_save
 
-    def write_and_commit(*args, **kwargs):
+    def write_save(*args, **kwargs):
         background.append((threading.get_native_id(), _here()))
         return real_write(*args, **kwargs)
 
     real_resolve = _record_writers(async_writers)
-    ASYNC.write_and_commit = write_and_commit
+    ASYNC.write_save = write_save
     try:
         handle = mfsdp_ckpt.async_save(os.path.join(root, "async", "step_2"), model, optim, step=2, thread_count=2)
         during = _here()
@@ -124,7 +124,7 @@ def _priorities_in_a_save(root: str) -> dict:
         mfsdp_ckpt.save(os.path.join(root, "sync", "step_2"), model, optim, step=2, thread_count=2)
     finally:
         MfsdpSavePlanner.resolve_data = real_resolve
-        ASYNC.write_and_commit = real_write
+        ASYNC.write_save = real_write
     fresh, fresh_optim = build("optim_grads", "even", seed=7)
     mfsdp_ckpt.load(os.path.join(root, "async", "step_2"), fresh, fresh_optim)
     got = owned_pieces(fresh, fresh_optim)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError, JobFailedElsewhere
+from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import ChunkRecord
-from mfsdp_ckpt.write.job import Job, JobFailedElsewhere, record_order, split_by_size
+from mfsdp_ckpt.write.job import record_order, split_by_size
 
 
 def test_owners_are_the_same_on_every_process_and_balance_the_bytes():

@@ -269,7 +269,7 @@ def test_upcycle_refuses_a_result_larger_than_the_free_space(dense, tmp_path, mo
     """Within the cap, the bytes the upcycled checkpoint needs are compared with the free space
     where it goes, before anything is built or written."""
     free = shutil.disk_usage(str(tmp_path))._replace(free=100_000)
-    monkeypatch.setattr("mfsdp_ckpt.tools.upcycle.shutil.disk_usage", lambda _: free)
+    monkeypatch.setattr("mfsdp_ckpt.write.destination.shutil.disk_usage", lambda _: free)
     dst = str(tmp_path / "moe")
     result = CliRunner().invoke(main, ["upcycle", dense, dst, "--num-experts", "64", "--topk", "2"])
     _one_line_refusal(result, dense, "--num-experts 64", "GiB free")
