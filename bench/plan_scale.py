@@ -53,9 +53,9 @@ sys.path.insert(0, ROOT)
 
 from mfsdp_ckpt.format.catalog import Catalog, KeyInfo, Mesh, param_of_key, plan_of_placed, replace_keys  # noqa: E402
 from mfsdp_ckpt.format.checksum import chunk_id  # noqa: E402
+from mfsdp_ckpt.format.manifest import writer_layout  # noqa: E402
 from mfsdp_ckpt.format.record_table import DataFile, Record, encode_table, table_crc  # noqa: E402
 from mfsdp_ckpt.read.indexed import IndexedCheckpoint  # noqa: E402
-from mfsdp_ckpt.read.manifest import writer_layout  # noqa: E402
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner  # noqa: E402
 from mfsdp_ckpt.sharded.save_layout import derive, mesh_position, writes_of  # noqa: E402
 from mfsdp_ckpt.sharded.state import save_entries  # noqa: E402

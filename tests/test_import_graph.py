@@ -5,12 +5,17 @@ cycle; it does not remove it), except those under ``if TYPE_CHECKING:``, which n
 ``a.b.c`` also imports the packages ``a`` and ``a.b`` (their ``__init__``), so those are edges too,
 unless the importer is inside them (they are then already being imported). The directions:
 the runtime (``mfsdp_core``) imports neither the checkpoint layer nor the command line, and the
-checkpoint layer (``mfsdp_ckpt``) does not import the command line."""
+checkpoint layer (``mfsdp_ckpt``) does not import the command line; its ``format`` layer imports
+nothing that imports ``torch.distributed``."""
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("mfsdp_core", "mfsdp_ckpt", "cli")
@@ -197,3 +202,56 @@ def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"x": {"y"}, "y": set()}) == []
+
+
+#: the modules of the pure format layer (its package included)
+FORMAT_MODULES = sorted(m for m in _modules() if m == "mfsdp_ckpt.format" or m.startswith("mfsdp_ckpt.format."))
+
+
+def _imports_collectives(path: str) -> bool:
+    """Whether the file imports ``torch.distributed`` (or a submodule), outside ``TYPE_CHECKING``."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import) and any(a.name.split(".")[:2] == ["torch", "distributed"] for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[:2] == ["torch", "distributed"]:
+                return True
+            if node.module == "torch" and any(a.name == "distributed" for a in node.names):
+                return True
+    return False
+
+
+def test_the_format_reaches_no_collectives():
+    """``format`` is pure (docs/checkpoint.md): no module it imports, directly or through others,
+    at module level or in a function, imports ``torch.distributed``."""
+    graph, modules = import_graph(), _modules()
+    wrong = []
+    for start in FORMAT_MODULES:
+        chains, todo = {start: [start]}, [start]
+        while todo:
+            module = todo.pop()
+            if _imports_collectives(modules[module]):
+                wrong.append(" -> ".join(chains[module]) + " (imports torch.distributed)")
+                break
+            for target in sorted(graph[module] - chains.keys()):
+                chains[target] = chains[module] + [target]
+                todo.append(target)
+    assert not wrong, "; ".join(wrong)
+
+
+@pytest.mark.parametrize("module", FORMAT_MODULES)
+def test_importing_the_format_leaves_torch_distributed_out(module):
+    """Importing any module of ``format`` in a fresh interpreter leaves ``torch.distributed``
+    unimported. ``import torch`` itself imports it (torch 2.13), so these modules import torch,
+    and the runtime's modules that import it, only inside the functions that handle tensors."""
+    code = f"import sys, {module}; print('torch.distributed' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", f"importing {module} imports torch.distributed"

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:  # tensors are passed in: the boxes' arithmetic imports no torch
+    import torch
 
 __all__ = ["Box", "flat_range_to_boxes", "box_view"]
 

@@ -26,14 +26,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from mfsdp_ckpt.errors import CatalogError
 from mfsdp_ckpt.format.boxes import Box, flat_range_to_boxes
 from mfsdp_ckpt.format.keys import mx_plane_of
-from mfsdp_core.expert_parallel import EDP_GROUP, EP_GROUP, expert_index
-from mfsdp_core.layout import Layout
-from mfsdp_core.plan import BufferSpec, ModelPlan
+from mfsdp_core.expert_layout import EDP_GROUP, EP_GROUP, expert_index
+
+if TYPE_CHECKING:  # plans are passed in, built by their owners: the catalog imports no torch
+    from mfsdp_core.layout import Layout
+    from mfsdp_core.plan import BufferSpec, ModelPlan
 
 __all__ = [
     "Mesh",
@@ -401,6 +403,8 @@ def global_plan(plan: ModelPlan, ep_rank: int, ep_size: int) -> list[PlacedBuffe
 
 def plan_of_placed(placed: Sequence[PlacedBuffer], group_sizes: Mapping[str, int]) -> ModelPlan:
     """The :class:`ModelPlan` (what the manifest records) of the global plan."""
+    from mfsdp_core.plan import ModelPlan
+
     return ModelPlan(dict(group_sizes), tuple(pb.spec for pb in placed))
 
 

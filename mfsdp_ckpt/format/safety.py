@@ -9,8 +9,6 @@ import io
 import pickle
 from typing import IO, Any
 
-import torch
-
 from mfsdp_ckpt.errors import UnsafeCheckpointError, one_line
 
 __all__ = ["safe_load_metadata"]
@@ -43,6 +41,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch  # here, not at the top: importing the format imports no torch
+
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if name in _ALLOWED.get(module, ()):

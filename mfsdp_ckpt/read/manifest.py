@@ -1,10 +1,12 @@
-"""The sidecar manifest ``mfsdp.json``: human-readable, never pickled. Its presence marks a
+"""Reading the sidecar manifest ``mfsdp.json``: human-readable, never pickled. Its presence marks a
 committed checkpoint; it records the writer's layout (its placement plan), the model config, the
-step, versions, time, and a crc32c for every chunk's payload.
+step, versions, time, and a crc32c for every chunk's payload (its fields are built in
+:mod:`mfsdp_ckpt.format.manifest`, written by :mod:`mfsdp_ckpt.write.manifest`).
 
 The manifest protects itself and ``.metadata``: ``manifest_crc32c`` is the crc32c of the canonical
-JSON of every other field (:func:`manifest_checksum`), ``metadata_crc32c`` the crc32c of the bytes
-of ``.metadata``. Both are written by :func:`write_manifest`; :func:`read_manifest` refuses a
+JSON of every other field (:func:`~mfsdp_ckpt.format.manifest.manifest_checksum`),
+``metadata_crc32c`` the crc32c of the bytes of ``.metadata``. Both are written by
+:func:`~mfsdp_ckpt.write.manifest.write_manifest`; :func:`read_manifest` refuses a
 manifest whose checksum does not match, and the metadata readers refuse a ``.metadata`` whose
 bytes do not. Manifests of format version 1 were written before these fields existed: they still
 load, and :func:`is_protected` says they are unprotected (``verify`` and ``inspect`` report it).
@@ -13,13 +15,13 @@ load, and :func:`is_protected` says they are unprotected (``verify`` and ``inspe
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from mfsdp_ckpt.errors import CorruptCheckpointError, UncommittedCheckpointError
 from mfsdp_ckpt.format.checksum import crc32c
+from mfsdp_ckpt.format.manifest import FORMAT, FORMAT_VERSION, manifest_checksum
 from mfsdp_ckpt.format.manifest_schema import check_manifest
-from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, shown
+from mfsdp_ckpt.format.names import MANIFEST_NAME, shown
 from mfsdp_ckpt.storage import fs
 
 if TYPE_CHECKING:  # a manifest's readers (the launcher's pre-flight, `ls`) import no torch; its plan's do
@@ -28,45 +30,15 @@ if TYPE_CHECKING:  # a manifest's readers (the launcher's pre-flight, `ls`) impo
     from mfsdp_core.plan import ModelPlan
 
 __all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
-    "completed",
-    "indexed",
-    "versions",
-    "writer_layout",
     "recorded_plan",
     "read_manifest",
-    "write_manifest",
     "is_committed",
     "is_protected",
-    "manifest_checksum",
     "metadata_checksum_problem",
 ]
 
-FORMAT = "mfsdp-ckpt"
-# 3: a save's manifest holds an index of its layout instead of every chunk (``chunks`` remains
-# for the offline tools' checkpoints); 2: the manifest carries manifest_crc32c (and
-# metadata_crc32c); 1: it does not
-FORMAT_VERSION = 3
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest lists every chunk once (about 150 bytes each)
-
-
-def writer_layout(world_size: int, plan: ModelPlan, experts: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest's ``writer`` entry: the world size, the placement plan (every flat buffer's
-    parameters in buffer order with its shapes, strategy, policy, group and divisor: what
-    ``reshard`` computes another layout from; under expert parallelism the merged plan of every
-    rank), a one-line-per-kind summary (what ``inspect`` shows), and with expert parallelism
-    ``experts``: the EP size and the global expert indices each EP rank held."""
-    kinds = sorted({(b.strategy.value, str(b.policy), b.placement.group, b.shard_size_ranks) for b in plan.buffers})
-    out = {
-        "world_size": world_size,
-        "buffers": [{"strategy": s, "policy": p, "group": g, "group_size": n} for s, p, g, n in kinds],
-        "plan": plan.to_dict(),
-    }
-    if experts is not None:
-        out["experts"] = experts
-    return out
 
 
 def recorded_plan(
@@ -122,74 +94,6 @@ def _recorded_plan(
             }
         )
     return ModelPlan.from_dict({"group_sizes": {DEFAULT_GROUP: world}, "buffers": buffers})
-
-
-def versions() -> dict[str, str]:
-    """The software that wrote a checkpoint, for its manifest."""
-    import torch
-
-    try:
-        from importlib.metadata import version
-
-        ours = version("mfsdp-ckpt")
-    except Exception:  # noqa: BLE001 - running from a source tree without an install
-        ours = "unknown"
-    return {"torch": torch.__version__, "mfsdp_ckpt": ours}
-
-
-def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``manifest`` plus what every committed checkpoint's manifest holds: format and version, the
-    save id ``.metadata`` carries too, the time, every chunk's place and crc32c, total bytes."""
-    return {
-        **{k: v for k, v in manifest.items() if k != "index"},  # a source's index does not describe these chunks
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "save_id": save_id,
-        "created_unix": time.time(),
-        "chunks": chunks,
-        "total_bytes": sum(c["length"] for c in chunks.values()),
-    }
-
-
-def indexed(manifest: dict[str, Any], save_id: str, index: dict[str, Any], total_bytes: int) -> dict[str, Any]:
-    """``manifest`` plus what a committed save's manifest holds: format and version, the save id
-    ``.metadata`` carries too, the time, the index of its layout (:mod:`mfsdp_ckpt.format.catalog`:
-    its chunks are derived from it, their places and checksums are in the data files' record
-    tables) and the total bytes of its records."""
-    return {
-        **{k: v for k, v in manifest.items() if k != "chunks"},
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "save_id": save_id,
-        "created_unix": time.time(),
-        "index": index,
-        "total_bytes": total_bytes,
-    }
-
-
-def manifest_checksum(manifest: dict[str, Any]) -> int:
-    """crc32c of the canonical JSON (sorted keys, no spaces, ASCII) of every field of ``manifest``
-    except ``manifest_crc32c`` itself."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
-    return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
-
-
-def write_manifest(directory: str, manifest: dict[str, Any], sync: bool = True) -> None:
-    """Write ``mfsdp.json`` in ``directory`` (local: via a temporary file and a rename; object
-    store: one upload), with the checksum of ``.metadata`` (when it is already in ``directory``,
-    as every writer leaves it) and then of the manifest itself; :class:`CorruptCheckpointError`
-    naming the field, and nothing written, for a manifest its readers would refuse."""
-    out = json.loads(json.dumps(manifest))  # the values as a reader will see them (tuples: lists, keys: strings)
-    out.pop("metadata_crc32c", None)
-    metadata = fs.join(directory, METADATA_NAME)
-    if fs.isfile(metadata):
-        out["metadata_crc32c"] = crc32c(fs.read_bytes(metadata))
-    out["format_version"] = FORMAT_VERSION  # the version that carries the checksums
-    out["manifest_crc32c"] = manifest_checksum(out)
-    # a writer never commits what its readers refuse (they all check the schema first)
-    check_manifest(out, f"{fs.join(directory, MANIFEST_NAME)} (not committed)")
-    text = json.dumps(out, indent=1, sort_keys=True) + "\n"
-    fs.write_bytes(fs.join(directory, MANIFEST_NAME), text.encode(), sync=sync)
 
 
 def is_committed(directory: str) -> bool:

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from cli.main import main
 from mfsdp_ckpt.format.keys import MAIN_PARAM, model_key, optim_key
-from mfsdp_ckpt.read.manifest import versions, writer_layout
+from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_ckpt.tools.upcycle import upcycle

@@ -292,7 +292,7 @@ def test_refuses_arguments_our_model_computes_otherwise(args, words, tmp_path):
 
 
 def test_export_refuses_what_it_does_not_map(tmp_path):
-    from mfsdp_ckpt.read.manifest import versions
+    from mfsdp_ckpt.format.manifest import versions
     from mfsdp_ckpt.write.builder import CheckpointBuilder
 
     cfg = GPTConfig(

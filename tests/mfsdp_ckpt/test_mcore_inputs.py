@@ -426,8 +426,8 @@ def test_canonical_to_mcore_and_back_for_other_model_variants(tmp_path, variant)
     """What the genuine fixtures do not cover: a shared expert, q/k norms, a QKV bias, tied
     embeddings, sigmoid routing. Ours -> export-mcore -> import-mcore (config from the
     mcore_args.json the export writes) gives back every tensor bitwise and the same config."""
+    from mfsdp_ckpt.format.manifest import versions
     from mfsdp_ckpt.mcore import export_mcore
-    from mfsdp_ckpt.read.manifest import versions
     from mfsdp_ckpt.write.builder import CheckpointBuilder
 
     if variant == "shared-qknorm-bias-tied":

@@ -109,7 +109,7 @@ def as_listed(path: str) -> str:
     import os
 
     from mfsdp_ckpt.read.locate import chunk_table
-    from mfsdp_ckpt.read.manifest import write_manifest
+    from mfsdp_ckpt.write.manifest import write_manifest
 
     table = chunk_table(path)
     with open(os.path.join(path, "mfsdp.json")) as f:

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 import mfsdp_ckpt
 from mfsdp_ckpt import hf
 from mfsdp_ckpt.errors import CheckpointExistsError, ConversionError
-from mfsdp_ckpt.read.manifest import write_manifest
 from mfsdp_ckpt.write.builder import CheckpointBuilder
+from mfsdp_ckpt.write.manifest import write_manifest
 from mfsdp_core.models.gpt import PRESETS, GPTModel
 
 from .util import hf_config, random_hf_model, save_hf

@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from cli.main import main
 from mfsdp_ckpt import hf
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.format.manifest import writer_layout
 from mfsdp_ckpt.hf.files import INDEX_NAME
 from mfsdp_ckpt.hf.mapping import Conversion, Direct, Rule, canonical_shapes, expand
 from mfsdp_ckpt.hf.mx import check_rows_only, split_rows
-from mfsdp_ckpt.read.manifest import writer_layout
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_core.mixed_precision import MixedPrecision
