@@ -34,6 +34,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError, one_line
 from mfsdp_ckpt.hf.strided_io import pread_tensor, pwrite_tensor
+from mfsdp_ckpt.storage.positioned import pread_into
 from mfsdp_ckpt.storage.write_errors import reporting
 from mfsdp_ckpt.storage.writeback import SLICE_BYTES, start_writeback
 from mfsdp_core.dtypes import dtype_from_safetensors, safetensors_name
@@ -277,28 +278,15 @@ def _open_regular(path: str, what: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """``os.preadv`` into ``view`` (no copy), or ``os.pread`` and a copy where there is none."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], offset)
-    data = os.pread(fd, len(view), offset)
-    view[: len(data)] = data
-    return len(data)
-
-
 def _read_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytearray:
     """``n`` bytes at ``offset`` of ``fd``; a short read (the file shrank) is an error."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        try:
-            chunk = _pread_into(fd, view[got:], offset + got)
-        except OSError as e:
-            raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-        if chunk == 0:
-            raise ConversionError(f"{path}: {what} ends early (file truncated while reading?)")
-        got += chunk
+    try:
+        got = pread_into(fd, buf, offset)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    if got < n:
+        raise ConversionError(f"{path}: {what} ends early (file truncated while reading?)")
     return buf
 
 

@@ -13,15 +13,15 @@ so several threads transfer at once.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from mfsdp_ckpt.storage.positioned import pread_into, pwrite_from
 
 __all__ = ["MIN_RUN_BYTES", "pread_tensor", "pwrite_tensor", "runs"]
 
 #: views whose contiguous runs are shorter than this are copied into one contiguous block first
 MIN_RUN_BYTES = 4096
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
 def runs(view: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -58,28 +58,20 @@ def _buffers(view: torch.Tensor) -> list[memoryview]:
     return [whole[off : off + n] for off, n in spans]
 
 
-def _transfer(call, fd: int, buffers: list[memoryview], offset: int, what: str) -> None:
-    """Move every byte of ``buffers`` with ``call(fd, batch, offset)`` (``os.pwritev`` or
-    ``os.preadv``), resuming after partial transfers; a transfer of 0 bytes is end of file."""
-    i, skip = 0, 0  # next buffer, bytes of it already done
-    while i < len(buffers):
-        batch = [buffers[i][skip:], *buffers[i + 1 : i + _IOV_MAX]]
-        n = call(fd, batch, offset)
-        if n == 0:
-            raise EOFError(f"{what}: end of file at byte {offset}")
-        offset += n
-        n += skip
-        while i < len(buffers) and n >= len(buffers[i]):
-            n -= len(buffers[i])
-            i += 1
-        skip = n
+def _transfer(move, fd: int, buffers: list[memoryview], offset: int, what: str) -> None:
+    """Move every byte of ``buffers`` with ``move`` (:func:`~mfsdp_ckpt.storage.positioned.pwrite_from`
+    or :func:`~mfsdp_ckpt.storage.positioned.pread_into`); a transfer that stops short is end of
+    file."""
+    done = move(fd, buffers, offset)
+    if done < sum(len(b) for b in buffers):
+        raise EOFError(f"{what}: end of file at byte {offset + done}")
 
 
 def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> int:
     """Write the elements of ``tensor`` (any view, CPU) in row-major order at ``offset`` of the
     open file ``fd``; returns the bytes written."""
     buffers = _buffers(tensor)
-    _transfer(os.pwritev, fd, buffers, offset, "write")
+    _transfer(pwrite_from, fd, buffers, offset, "write")
     return sum(len(b) for b in buffers)
 
 
@@ -96,5 +88,5 @@ def pread_tensor(fd: int, tensor: torch.Tensor, offset: int) -> int:
         tensor.copy_(tmp)
         return n
     buffers = _buffers(tensor)
-    _transfer(os.preadv, fd, buffers, offset, "read")
+    _transfer(pread_into, fd, buffers, offset, "read")
     return sum(len(b) for b in buffers)

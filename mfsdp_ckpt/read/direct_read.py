@@ -21,7 +21,6 @@ staged reader.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,6 +34,7 @@ from mfsdp_ckpt.format.checksum import crc32c, crc32c_combine
 from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, expected_crc, missing_bytes
 from mfsdp_ckpt.read.records import locate_raw_tensor
 from mfsdp_ckpt.read.staged_read import ThreadRunner, file_descriptor
+from mfsdp_ckpt.storage.positioned import pread_into
 
 __all__ = ["BLOCK_BYTES", "DirectChunk", "direct_chunk", "direct_part", "read_into_place"]
 
@@ -215,16 +215,12 @@ def _read_fully(files: ChunkFiles, chunk: DirectChunk, offset: int, out: numpy.n
     """Read ``len(out)`` bytes at ``offset`` of the chunk's file into ``out``: their crc32c, or
     why they could not be read."""
     fd = files.handle(chunk.info.relative_path).fileno()
-    done = 0
-    with memoryview(out) as view:
-        while done < len(out):
-            try:
-                n = os.preadv(fd, [view[done:]], offset + done)
-            except OSError as e:
-                return f"cannot read ({e.strerror or e})"
-            if n == 0:
-                return "truncated tensor data"
-            done += n
+    try:
+        done = pread_into(fd, out, offset)
+    except OSError as e:
+        return f"cannot read ({e.strerror or e})"
+    if done < len(out):
+        return "truncated tensor data"
     return crc32c(out)
 
 

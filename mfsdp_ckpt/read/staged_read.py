@@ -52,6 +52,7 @@ from mfsdp_ckpt.read.chunks import (
     decode_record_at,
     tensor_view,
 )
+from mfsdp_ckpt.storage.positioned import pread_into
 
 __all__ = [
     "BLOCK_BYTES",
@@ -116,18 +117,7 @@ def _range_reader(f: Any) -> Callable[[int, numpy.ndarray], int]:
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
         fd = None
     if fd is not None:
-
-        def read_local(offset: int, out: numpy.ndarray) -> int:
-            done = 0
-            with memoryview(out) as view:
-                while done < len(out):
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                    if n == 0:
-                        break
-                    done += n
-            return done
-
-        return read_local
+        return lambda offset, out: pread_into(fd, out, offset)
 
     store, path = f.fs, f.path
 
@@ -293,22 +283,18 @@ def _is_whole(verified: VerifiedRange, offsets: Sequence[int], lengths: Sequence
 
 def _read_into(files: ChunkFiles, verified: VerifiedRange, out: numpy.ndarray) -> None:
     fd = file_descriptor(files.handle(verified.relative_path))
-    done = 0
-    with memoryview(out) as view:
-        while done < len(out):
-            try:
-                n = os.preadv(fd, [view[done:]], verified.offset + done)
-            except OSError as e:
-                raise CorruptCheckpointError(
-                    f"{files.path(verified.relative_path)}: cannot read bytes "
-                    f"{verified.offset}..{verified.offset + len(out)} again ({e.strerror or e})"
-                ) from None
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{files.path(verified.relative_path)}: bytes {verified.offset}.."
-                    f"{verified.offset + len(out)} are gone (the file shrank while it was being loaded)"
-                )
-            done += n
+    try:
+        done = pread_into(fd, out, verified.offset)
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"{files.path(verified.relative_path)}: cannot read bytes "
+            f"{verified.offset}..{verified.offset + len(out)} again ({e.strerror or e})"
+        ) from None
+    if done < len(out):
+        raise CorruptCheckpointError(
+            f"{files.path(verified.relative_path)}: bytes {verified.offset}.."
+            f"{verified.offset + len(out)} are gone (the file shrank while it was being loaded)"
+        )
 
 
 def file_descriptor(f: Any) -> int | None:
