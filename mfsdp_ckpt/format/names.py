@@ -1,7 +1,8 @@
 """The names of a checkpoint's files and markers, and what a name may be: one place for every
 layer (the storage below the format, the readers and writers above it).
 
-A committed checkpoint directory holds DCP's ``.metadata`` and data files and our manifest
+A committed checkpoint directory holds DCP's ``.metadata`` and data files (``__<rank>_<n>.distcp``:
+:func:`dcp_data_file`) and our manifest
 ``mfsdp.json`` (written last: its presence marks the commit). A run directory holds checkpoint
 directories, ``latest`` (the newest committed one's name), a ``latest-checkpoint`` link for
 people, the writer lock, and partial directories (``<name>.partial-<id>``) while saves run.
@@ -10,6 +11,7 @@ people, the writer lock, and partial directories (``<name>.partial-<id>``) while
 from __future__ import annotations
 
 import os
+import re
 
 __all__ = [
     "MANIFEST_NAME",
@@ -20,6 +22,9 @@ __all__ = [
     "PARTIAL_MARK",
     "REPLACED_MARK",
     "MCORE_METADATA_NAME",
+    "DATA_FILE_SUFFIX",
+    "dcp_data_file",
+    "dcp_data_file_rank",
     "shown",
     "member_name_problem",
 ]
@@ -32,6 +37,21 @@ LOCK_NAME = ".mfsdp.lock"
 PARTIAL_MARK = ".partial-"
 REPLACED_MARK = ".replaced-"
 MCORE_METADATA_NAME = "metadata.json"  # what marks a Megatron-Core dist_checkpointing directory
+DATA_FILE_SUFFIX = ".distcp"  # DCP's (torch.distributed.checkpoint.filesystem.DEFAULT_SUFFIX)
+_DATA_FILE_AT_END = re.compile(r"__(\d+)_\d+" + re.escape(DATA_FILE_SUFFIX) + "$")
+
+
+def dcp_data_file(rank: int, n: int = 0) -> str:
+    """The name DCP gives the ``n``-th data file of writer ``rank``: ``__{rank}_{n}.distcp``
+    (an offline tool writes as rank 0 and numbers its files; a save's ranks write one each)."""
+    return f"__{rank}_{n}{DATA_FILE_SUFFIX}"
+
+
+def dcp_data_file_rank(path: str) -> int | None:
+    """The writer rank in the name that ``path`` ends with, ``__<rank>_<n>.distcp``; None for a
+    name DCP does not give."""
+    found = _DATA_FILE_AT_END.search(path)
+    return int(found.group(1)) if found else None
 
 
 def shown(value: object, limit: int = 80) -> str:

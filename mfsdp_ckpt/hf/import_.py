@@ -33,6 +33,7 @@ import torch
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
 from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.format.manifest import versions, writer_layout
+from mfsdp_ckpt.format.names import dcp_data_file
 from mfsdp_ckpt.hf.config import model_type_of
 from mfsdp_ckpt.hf.files import HFDirectory, HFTensor, hf_safetensors_name, short_repr
 from mfsdp_ckpt.hf.fp8 import QUANT_METHOD as FP8_METHOD
@@ -309,7 +310,7 @@ def _my_tasks(job: Job, p: _ImportPlan, max_bytes: int) -> list[tuple[str, Conve
     for k, conv in zip(files, p.conversions):
         sizes[k] += _output_nbytes(p, conv)
     mine = set(job.mine(sizes))
-    return [(f"__0_{k}.distcp", c) for k, c in zip(files, p.conversions) if k in mine]
+    return [(dcp_data_file(0, k), c) for k, c in zip(files, p.conversions) if k in mine]
 
 
 _Counts = tuple[Counter, Counter, int]  # HF tensors consumed, canonical tensors written, bytes written

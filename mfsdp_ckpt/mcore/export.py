@@ -39,6 +39,7 @@ from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, extra_name, is_rng
 from mfsdp_ckpt.format.manifest import versions
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
+from mfsdp_ckpt.format.names import dcp_data_file
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.mcore.config import to_mcore_args
 from mfsdp_ckpt.mcore.layout import OPTIM_STATE, Naming, extra_state_keys_of, naming_of, target_of
@@ -406,13 +407,13 @@ def _write(
     """The planned export written by the processes of ``job``: each its share of the data files
     (whole files, by bytes), process 0 the manifest, ``common.pt``, ``metadata.json`` and
     ``mcore_args.json``, and the commit."""
-    names = [f"__0_{k}.distcp" for k in plan.files]
+    names = [dcp_data_file(0, k) for k in plan.files]
     sizes = [0] * (max(plan.files, default=0) + 1)
     for k, key in zip(plan.files, plan.targets):
         sizes[k] += _nbytes(reader, plan.reads, key)
     mine = set(job.mine(sizes))
     tasks = [(key, name) for k, name, key in zip(plan.files, names, plan.targets) if k in mine]
-    last = names[-1] if names else "__0_0.distcp"
+    last = names[-1] if names else dcp_data_file(0)
     objects = (last, plan.extra_states) if (max(plan.files, default=0) in mine) else None
     common = plan.common or {}
     manifest = {

@@ -11,7 +11,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from mfsdp_ckpt.errors import NotACheckpointError
-from mfsdp_ckpt.format.names import METADATA_NAME
+from mfsdp_ckpt.format.names import DATA_FILE_SUFFIX, METADATA_NAME
 from mfsdp_ckpt.read.dcp_reader import VerifyingReader
 from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.read.resolve import (
@@ -42,7 +42,7 @@ def open_checkpoint(path: str) -> tuple[str, dict[str, Any] | None, Metadata, Ve
     the manifest's checksum of it and :func:`~mfsdp_ckpt.read.metadata_check.checked_metadata`."""
     directory = resolve_checkpoint(path)
     if not fs.lexists(fs.join(directory, METADATA_NAME)):  # anything else there is refused when read
-        if fs.isdir(directory) and any(n.endswith(".distcp") for n in fs.listdir(directory)):
+        if fs.isdir(directory) and any(n.endswith(DATA_FILE_SUFFIX) for n in fs.listdir(directory)):
             raise NotACheckpointError(f"{directory}: no .metadata: the save did not finish")
         if _is_hf_model_dir(directory):
             raise NotACheckpointError(

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.catalog import Catalog, Mesh, PlacedBuffer
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
+from mfsdp_ckpt.format.names import dcp_data_file
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save_layout import derive, disagreement, mesh_position, writes_of
 from mfsdp_ckpt.sharded.state import save_entries
@@ -137,7 +138,7 @@ class Simulation:
         per_rank = []
         for r, plan in enumerate(plans):
             results = [
-                WriteResult(index=i.index, size_in_bytes=0, storage_data=_StorageInfo(f"__{r}_0.distcp", 0, 0))
+                WriteResult(index=i.index, size_in_bytes=0, storage_data=_StorageInfo(dcp_data_file(r), 0, 0))
                 for i in plan.items
             ]
             per_rank.append(RankWrites(results, declared_keys(plan), []))

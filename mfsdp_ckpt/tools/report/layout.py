@@ -10,26 +10,23 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mfsdp_ckpt.format.keys import group_of
+from mfsdp_ckpt.format.names import dcp_data_file_rank
 from mfsdp_ckpt.read.locate import open_checkpoint
 from mfsdp_ckpt.tools.inspect import CheckpointInfo, inspect_checkpoint
 from mfsdp_core.plan import ModelPlan
 
 __all__ = ["ChunkView", "BufferPadding", "CheckpointLayout", "checkpoint_layout", "writer_rank"]
 
-_RANK_IN_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-
 
 def writer_rank(file: str) -> int | None:
     """The rank that wrote a DCP data file, from its name; None for a name DCP does not give."""
-    found = _RANK_IN_FILE.search(file)
-    return int(found.group(1)) if found else None
+    return dcp_data_file_rank(file)
 
 
 @dataclass(frozen=True)
