@@ -25,7 +25,6 @@ from mfsdp_core.plan import DEFAULT_GROUP, BufferSpec, ModelPlan
 from mfsdp_core.strategy import Strategy
 
 __all__ = [
-    "merge_plans",
     "experts_entry",
     "merge_param_groups",
     "expert_counts",
@@ -37,35 +36,6 @@ __all__ = [
 
 
 # ---- save: the global plan -------------------------------------------------------------------
-
-
-def merge_plans(plans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One plan (``ModelPlan.to_dict()`` form) from every rank's, in rank order: each buffer
-    once (the same unit and parameters on several ranks are one buffer), grouped by unit in the
-    order units first appear, within a unit in order of first appearance over the ranks.
-
-    Refused (:class:`CheckpointError`, the same on every rank) when a parameter name is held by
-    more ranks than the group its buffer is sharded over: then several instances of the group hold
-    different values under one name, which a checkpoint keyed by name cannot keep."""
-    units: dict[str, dict[tuple[str, ...], dict[str, Any]]] = {}
-    holders: dict[str, int] = {}
-    for plan in plans:
-        for buf in plan["buffers"]:
-            units.setdefault(buf.get("unit") or "", {}).setdefault(tuple(buf["params"]), buf)
-            for name in buf["params"]:
-                holders[name] = holders.get(name, 0) + 1
-    sizes = dict(plans[0]["group_sizes"])
-    dp = sizes.get(DEFAULT_GROUP, 1)
-    buffers = [buf for unit in units.values() for buf in unit.values()]
-    for buf in buffers:
-        group = buf.get("group", DEFAULT_GROUP)
-        over = next((n for n in buf["params"] if holders[n] > sizes[group]), None)
-        if over is not None:
-            raise CheckpointError(
-                f"save: '{over}' is placed over group '{group}' ({sizes[group]} of {dp} ranks), whose instances are "
-                "different parameters under the same names; a canonical checkpoint cannot hold them (give them distinct names)"
-            )
-    return {"group_sizes": sizes, "buffers": buffers}
 
 
 def _expert_indices(names: Iterable[str]) -> set[int]:
