@@ -1,6 +1,5 @@
-"""Expert parallelism on the checkpoint side: one global plan from every rank's plan, the
-manifest's ``writer.experts`` entry, optimizer groups merged across ranks, expert counts per
-template, and the regrouping of expert buffers for another EP size (offline ``reshard``).
+"""Expert parallelism on the checkpoint side: the manifest's ``writer.experts`` entry,
+optimizer groups merged across ranks, expert counts per template, and the regrouping of expert buffers for another EP size (offline ``reshard``).
 
 Under expert parallelism each rank holds only its experts, named by their global index
 (``…experts.linear_fc1.weight5``), so a checkpoint keyed by name holds every expert once whatever
@@ -35,7 +34,7 @@ __all__ = [
 ]
 
 
-# ---- save: the global plan -------------------------------------------------------------------
+# ---- save: what the manifest records -------------------------------------------------------------------
 
 
 def _expert_indices(names: Iterable[str]) -> set[int]:
