@@ -1,5 +1,6 @@
 """Expert parallelism on the checkpoint side: the manifest's ``writer.experts`` entry,
-optimizer groups merged across ranks, expert counts per template, and the regrouping of expert buffers for another EP size (offline ``reshard``).
+optimizer groups merged across ranks, expert counts per template, and the regrouping of expert
+buffers for another EP size (offline ``reshard``).
 
 Under expert parallelism each rank holds only its experts, named by their global index
 (``…experts.linear_fc1.weight5``), so a checkpoint keyed by name holds every expert once whatever
