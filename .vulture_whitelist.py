@@ -53,7 +53,7 @@ _.register  # mfsdp_ckpt.hf: registers an architecture; tests/mfsdp_ckpt/hf/test
 _.shared_expert  # the architecture tables' predicates, for a registered architecture; test_mapping.py
 _.estimated_param_bytes  # docs/guarantees.md
 _.write_dcp  # the Python API of convert; tests/cli/test_roundtrip_convert.py and others
-_.simulate  # tools/plan_sim.py: tests/mfsdp_ckpt/test_plan_derivation.py, bench/plan_scale.py
+_.simulate  # tools/plan_sim.py: tests/mfsdp_ckpt/format/test_plan_derivation.py, bench/plan_scale.py
 _.same_plan_as_dcp
 _.prime_adamw_state
 _.planning_s
@@ -61,11 +61,11 @@ _.staging_bytes  # bench/ckpt_io.py, bench/async_train.py
 
 # read by tests and bench as probes of what the code did
 _.chunk_table  # the chunks of a checkpoint: tests that corrupt one
-_.stack_of  # tests/mfsdp_ckpt/test_mcore_inputs.py
-_.io_priority  # tests/mfsdp_ckpt/test_async_priority.py
-_.bytes_read  # tests/mfsdp_ckpt/test_mcore_inputs.py
-_.staged_s  # tests/mfsdp_ckpt/test_async_fence.py, bench/async_train.py
-_.wait_staged  # tests/mfsdp_ckpt/test_async_fence.py
+_.stack_of  # tests/mfsdp_ckpt/mcore/test_mcore_inputs.py
+_.io_priority  # tests/mfsdp_ckpt/sharded/test_async_priority.py
+_.bytes_read  # tests/mfsdp_ckpt/mcore/test_mcore_inputs.py
+_.staged_s  # tests/mfsdp_ckpt/sharded/test_async_fence.py, bench/async_train.py
+_.wait_staged  # tests/mfsdp_ckpt/sharded/test_async_fence.py
 _.issued_ns  # tests/mfsdp_core/test_overlap.py
 _.ops  # tests/mfsdp_core/test_fully_shard.py and others
 _.released  # tests/mfsdp_core/test_fully_shard.py

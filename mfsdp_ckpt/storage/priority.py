@@ -9,7 +9,7 @@ scheduler honours classes).
 On Linux both are attributes of a thread, not of the process: ``setpriority(PRIO_PROCESS, tid)``
 and ``ioprio_set(IOPRIO_WHO_PROCESS, tid)`` with a thread id change that thread only, and a
 thread created afterwards (DCP's writer threads, OpenMP's workers for an intra-op parallel op
-run from that thread) starts with its creator's values (tests/mfsdp_ckpt/test_async_priority.py
+run from that thread) starts with its creator's values (tests/mfsdp_ckpt/sharded/test_async_priority.py
 checks both). The training thread and every thread it creates keep theirs. Raising one's own
 nice value needs no privilege; lowering it again would, so the helpers are meant for a thread
 that is discarded when its work is done.

@@ -139,7 +139,7 @@ def _save_and_load_on_s3(url: str, endpoint: str) -> bool:
 
 def test_training_save_and_load_take_urls(local_run, s3_endpoint, s3_bucket):
     """Replaces the former refusal of URLs by ``save`` / ``load``: both now work on ``s3://``
-    (tests/mfsdp_ckpt/test_s3_checkpoint.py and tests/cli/test_train_s3.py cover them fully), and
+    (tests/mfsdp_ckpt/storage/test_s3_checkpoint.py and tests/cli/test_train_s3.py cover them fully), and
     an S3 save of the same state diffs equal to the local one."""
     from tests.harness import run_ranks
 

@@ -14,7 +14,7 @@ from mfsdp_ckpt.model.shape import meta_model
 from mfsdp_core.models.config import PRESETS
 from mfsdp_core.models.gpt import GPTModel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_meta_model_has_the_shapes_of_the_real_model():

@@ -23,7 +23,7 @@ from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DENSE = os.path.join(ROOT, "fixtures", "mcore", "dense")
 HEADS = {"num_attention_heads": 4}
 BACKEND = {

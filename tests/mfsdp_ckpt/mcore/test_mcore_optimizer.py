@@ -14,7 +14,7 @@ from cli.main import main
 from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.mcore import export as mcore_export
 from mfsdp_ckpt.read.mapped import MappedReader
-from tests.mfsdp_ckpt.test_mcore import stock_read
+from tests.mfsdp_ckpt.mcore.test_mcore import stock_read
 from tests.torchrun import failure, run_train
 
 

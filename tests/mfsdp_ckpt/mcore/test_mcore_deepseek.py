@@ -38,7 +38,7 @@ from tests.torchrun import failure, run_train
 from .test_mcore import stock_read
 from .test_mcore_inputs import write_mcore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FIXTURES = os.path.join(ROOT, "fixtures", "mcore")
 GENERATOR = os.path.join(FIXTURES, "generate_deepseek.py")
 CONFIG = os.path.join(FIXTURES, "deepseek.config.json")

@@ -48,7 +48,7 @@ def test_several_buffers_are_filled_in_order_across_iov_max(tmp_path, monkeypatc
 
 
 def test_no_reader_keeps_its_own_preadv_loop():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     found = []
     for top in ("mfsdp_ckpt", "cli"):
         for directory, _, files in os.walk(os.path.join(root, top)):

@@ -17,7 +17,7 @@ import pytest
 
 from mfsdp_ckpt.mcore import export_mcore, import_mcore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FIXTURES = os.path.join(ROOT, "fixtures", "mcore")
 PYTHON = os.environ.get("MFSDP_MCORE_PYTHON") or sys.executable
 

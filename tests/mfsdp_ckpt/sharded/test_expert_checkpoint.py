@@ -31,7 +31,7 @@ from mfsdp_core.expert_parallel import expert_placement, init_expert_mesh
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_experts, shard_units
 from tests.harness import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CFG = dataclasses.replace(
     get_preset("tiny-moe"), num_experts=12, moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=32, seq_length=16
 )

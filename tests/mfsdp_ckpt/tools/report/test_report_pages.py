@@ -22,7 +22,7 @@ from mfsdp_ckpt.tools.report.browser import browser_args
 from mfsdp_ckpt.tools.report.kinds import layer_of, param_kind
 from mfsdp_ckpt.tools.report.svg import short_count
 from tests.hf_models import make_hf_dir
-from tests.mfsdp_ckpt.report.test_report import _browser, cli
+from tests.mfsdp_ckpt.tools.report.test_report import _browser, cli
 from tests.torchrun import failure, run_train
 
 #: the parameters of each layer of the diff checkpoints, one per kind the page sorts them into

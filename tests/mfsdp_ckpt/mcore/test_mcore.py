@@ -24,7 +24,7 @@ from mfsdp_ckpt.read.locate import is_mcore
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_core.models.gpt import GPTConfig, GPTModel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FIXTURES = os.path.join(ROOT, "fixtures", "mcore")
 NAMES = ["dense", "moe_ep2", "tp2", "pp2", "v019/dense", "v019/moe_ep2"]  # v019/: megatron-core 0.19.2's layout
 LOGIT_ATOL = 1e-5
