@@ -100,8 +100,7 @@ def export_hf(
     Megatron-Core torch_dist checkpoint (with --mcore-config)."""
     from mfsdp_ckpt.hf import export
     from mfsdp_ckpt.mcore import export_hf_from_mcore
-    from mfsdp_ckpt.read.locate import is_mcore
-    from mfsdp_ckpt.storage.overlap import check_apart
+    from mfsdp_ckpt.tools import check_apart, is_mcore
 
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")

@@ -36,8 +36,7 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
         _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
         return
     from mfsdp_ckpt.errors import shown_list
-    from mfsdp_ckpt.format.model_source import describe_source
-    from mfsdp_ckpt.tools.inspect import GROUPS, compact_ranges, inspect_checkpoint
+    from mfsdp_ckpt.tools import GROUPS, compact_ranges, describe_source, inspect_checkpoint
 
     info = _run(lambda: inspect_checkpoint(path))
     if as_json:
@@ -90,13 +89,13 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
 
 
 def _inspect_html(path: str, out: str) -> str:
-    from mfsdp_ckpt.tools.report.inspect_page import inspect_html
+    from mfsdp_ckpt.tools import inspect_html
 
     return inspect_html(path, out)
 
 
 def _diff_html(a: str, b: str, result: object, out: str) -> str:
-    from mfsdp_ckpt.tools.report.diff_page import diff_html
+    from mfsdp_ckpt.tools import diff_html
 
     return diff_html(a, b, result, out)  # type: ignore[arg-type]
 
@@ -108,8 +107,7 @@ def _check_report_outputs(inputs: list[str], html_out: str | None, png_out: str 
     if not (html_out or png_out):
         return
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.storage.overlap import overlap
-    from mfsdp_ckpt.tools.report.output import check_report_out
+    from mfsdp_ckpt.tools import check_report_out, overlap
 
     def check() -> None:
         for flag, out in (("--html", html_out), ("--png", png_out)):
@@ -128,7 +126,7 @@ def _write_report(render: Callable[[str], str], html_out: str | None, png_out: s
     import tempfile
 
     def run() -> list[str]:
-        from mfsdp_ckpt.tools.report.browser import find_browser, screenshot
+        from mfsdp_ckpt.tools import find_browser, screenshot
 
         if png_out:
             find_browser()  # before any work: say what is missing first
@@ -143,9 +141,9 @@ def _write_report(render: Callable[[str], str], html_out: str | None, png_out: s
 def _resolved(path: str) -> str:
     """The checkpoint directory ``path`` names, as ``--json``'s ``path`` gives it: a ``latest``
     pointer (or a run directory holding one) resolved to the checkpoint it points at."""
+    from mfsdp_ckpt import resolve_checkpoint
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.read.locate import resolve_checkpoint
-    from mfsdp_ckpt.storage.fs import normalize
+    from mfsdp_ckpt.tools import normalize
 
     try:
         return resolve_checkpoint(path)
@@ -159,7 +157,7 @@ def _resolved(path: str) -> str:
 def verify(path: str, as_json: bool) -> None:
     """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
-    from mfsdp_ckpt.tools.inspect import verify_checkpoint
+    from mfsdp_ckpt.tools import verify_checkpoint
 
     start = time.perf_counter()
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
@@ -221,7 +219,7 @@ def diff(
     world size.)"""
     start = time.perf_counter()
     _check_report_outputs([a, b], html_out, png_out)  # before the comparison (and torch): at once
-    from mfsdp_ckpt.tools.diff import diff_checkpoints
+    from mfsdp_ckpt.tools import diff_checkpoints
 
     result = _run_with_progress(
         "diff",
@@ -280,8 +278,8 @@ def diff(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size: str, as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
-    from mfsdp_ckpt.storage.fs import normalize
-    from mfsdp_ckpt.tools.convert import convert as run_convert
+    from mfsdp_ckpt.tools import convert as run_convert
+    from mfsdp_ckpt.tools import normalize
 
     start = time.perf_counter()
     out = run_offline(
@@ -351,7 +349,7 @@ def reshard(
     exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
     a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
     committed canonical checkpoint."""
-    from mfsdp_ckpt.sharded.reshard import reshard as run_reshard
+    from mfsdp_ckpt.tools import reshard as run_reshard
 
     start = time.perf_counter()
     result = run_offline(
@@ -417,7 +415,7 @@ def upcycle(
     every expert a copy of the dense MLP (or one of G slices of it), softmax top-K routing
     renormalised, routers drawn at random (seeded). Weights only: the optimizer state is
     dropped; train from DST with mfsdp-train --init-from DST."""
-    from mfsdp_ckpt.tools.upcycle import upcycle as run_upcycle
+    from mfsdp_ckpt.tools import upcycle as run_upcycle
 
     result = run_offline(
         "upcycle",
@@ -453,8 +451,8 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
     """The checkpoints under ROOT: step, size, committed or not, latest. ROOT may be a run
     directory or a folder of runs (up to 3 levels down, ROOT's own checkpoints included): each
     run's checkpoints are then grouped under it, the run written last first."""
-    from mfsdp_ckpt.storage.fs import normalize as fs_normalize
-    from mfsdp_ckpt.tools.listing import clean_run_dir, list_runs
+    from mfsdp_ckpt.tools import clean_run_dir, list_runs
+    from mfsdp_ckpt.tools import normalize as fs_normalize
 
     if clean:
         for path in _run(lambda: clean_run_dir(root)):

@@ -38,7 +38,7 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     DST (model weights, fully_reshardable optimizer state, common state as extra.*), streaming
     one layer slice at a time."""
     from mfsdp_ckpt.mcore import import_mcore as run
-    from mfsdp_ckpt.storage.overlap import check_apart
+    from mfsdp_ckpt.tools import check_apart
 
     _run(lambda: check_apart(dst, {"the --config file": config}))  # read first: never replaced with DST
     result = run_offline(

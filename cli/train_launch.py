@@ -202,7 +202,7 @@ def resume_hint(args: argparse.Namespace) -> str:
     if not getattr(args, "ckpt_dir", None):
         return "no --ckpt-dir, so there is no checkpoint to resume from"
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.tools.listing import list_checkpoints
+    from mfsdp_ckpt.tools import list_checkpoints
 
     try:
         committed = [e for e in list_checkpoints(args.ckpt_dir) if e.committed]

@@ -45,7 +45,7 @@ from mfsdp_ckpt.errors import shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.objstore import check_writable_prefix
-from mfsdp_ckpt.tools.listing import list_checkpoints
+from mfsdp_ckpt.tools import list_checkpoints
 from mfsdp_core import (
     MixedPrecision,
     clip_grad_norm_,

@@ -133,3 +133,36 @@ def test_data_file_names_are_built_in_format_names():
         and any(".distcp" in s or s == "__" for s in _code_strings(ast.parse((ROOT / path).read_text())))
     )
     assert not builders, builders
+
+
+# ---- the offline commands import public faces ------------------------------------------------------
+
+#: what the command line may import of mfsdp_ckpt: its public faces
+PUBLIC_FACES = {"mfsdp_ckpt", "mfsdp_ckpt.errors", "mfsdp_ckpt.hf", "mfsdp_ckpt.mcore", "mfsdp_ckpt.tools"}
+
+
+def test_the_offline_commands_import_public_faces_only():
+    inner = set()
+    for name in ("main.py", "hf.py", "mcore.py"):
+        for node in ast.walk(ast.parse((ROOT / "cli" / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mfsdp_ckpt"):
+                inner |= {(name, node.module)} - {(name, face) for face in PUBLIC_FACES}
+    assert not inner, sorted(inner)
+
+
+def test_the_tools_face_is_lazy_and_gives_the_functions(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "import sys, mfsdp_ckpt.tools as t; assert 'torch' not in sys.modules, 'torch imported'; print(t.__all__)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+    import mfsdp_ckpt.tools as tools
+    import mfsdp_ckpt.tools.convert  # noqa: F401 - sets the package's attribute: still the function
+    import mfsdp_ckpt.tools.inspect as inspect_module
+
+    for name in ("convert", "upcycle"):  # the functions, not the submodules of their names
+        assert getattr(tools, name) is getattr(sys.modules[f"mfsdp_ckpt.tools.{name}"], name), name
+    for name in tools.__all__:
+        assert getattr(tools, name) is not None, name
+    monkeypatch.setattr(inspect_module, "inspect_checkpoint", len)
+    assert tools.inspect_checkpoint is len  # looked up anew: a replaced function is seen
