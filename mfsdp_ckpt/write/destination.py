@@ -33,7 +33,7 @@ from typing import IO, Any, Callable, Sequence
 from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, ConversionError
 from mfsdp_ckpt.format.names import LATEST_LINK_NAME, LATEST_NAME, MANIFEST_NAME, PARTIAL_MARK
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.lock import run_lock
+from mfsdp_ckpt.storage.lock import check_unlocked, run_lock
 from mfsdp_ckpt.storage.overlap import INSIDE, check_apart
 from mfsdp_ckpt.storage.staging import (
     check_destination,
@@ -154,6 +154,10 @@ class Destination:
     def probe(self) -> None:
         """Refuse now, not at the first save, a run directory that cannot be written."""
 
+    def check_unlocked(self) -> None:
+        """Refuse (RunLockedError) a run directory another live process holds the lock of;
+        creates nothing."""
+
 
 class LocalDestination(Destination):
     """A path on this machine: staged in a ``.partial-`` sibling, committed by one rename, the
@@ -225,6 +229,9 @@ class LocalDestination(Destination):
 
     def hold(self) -> contextlib.AbstractContextManager[None]:
         return run_lock(self.final)
+
+    def check_unlocked(self) -> None:
+        check_unlocked(self.final)
 
 
 class ObjectStoreDestination(Destination):
