@@ -326,16 +326,24 @@ def fully_shard(
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``module``'s parameters (those no inner ``fully_shard`` call took).
+    """Shard ``module``'s parameters (those no inner ``fully_shard`` call took). Every rank must
+    hold the same initial weights.
 
-    ``mesh``: the process groups (see :func:`resolve_groups`; default: the world as ``"dp"``).
-    ``strategy``: ``no_shard``, ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2),
-    ``optim_grads_params`` (ZeRO-3). ``placement``: a function ``fn(name, param) -> Placement``
-    (or one ``Placement`` for all) saying over which group, with which policy and gradient
-    divisor each parameter is sharded; without it, every parameter goes over ``"dp"`` with
-    ``policy`` (``even`` by default; ``row``, ``block(n)``, ``tensor``; see
-    :mod:`mfsdp_core.layout`), experts in buffers of their own. Every rank must hold the same
-    initial weights. Returns ``module`` (sharded in place).
+    Args:
+        module: the module whose parameters to shard, in place.
+        mesh: the process groups (see :func:`resolve_groups`; default: the world as ``"dp"``).
+        strategy: ``no_shard``, ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2) or
+            ``optim_grads_params`` (ZeRO-3).
+        policy: how ``"dp"`` cuts each parameter when ``placement`` is not given: ``even`` (the
+            default), ``row``, ``block(n)``, ``tensor`` (see :mod:`mfsdp_core.layout`); experts go
+            in buffers of their own.
+        placement: a function ``fn(name, param) -> Placement`` (or one ``Placement`` for all)
+            saying over which group, with which policy and gradient divisor each parameter is sharded.
+        mixed_precision: the compute and reduction dtypes (default: ``MixedPrecision()``).
+        reshard_after_forward: free the gathered parameters after forward (ZeRO-3 only).
+
+    Returns:
+        ``module``, sharded in place.
     """
     what = f"fully_shard({type(module).__name__})"
     if hasattr(module, _UNIT_ATTR):

@@ -46,12 +46,17 @@ class _Adapted:
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make ``optimizer`` (built over a ``fully_shard``-ed model's parameters) step on the local
-    fp32 shards. Call it once, before the first step. Returns the same optimizer object.
+    """Make ``optimizer`` step on the local fp32 shards. Call it once, before the first step.
 
     Frozen parameters (``requires_grad=False``, e.g. a router's expert bias) are left out of the
     groups: torch's optimizers skip them anyway, as they never get a gradient, so
-    ``AdamW(model.parameters())`` works as it does on an unsharded model."""
+    ``AdamW(model.parameters())`` works as it does on an unsharded model.
+
+    Args:
+        optimizer: built over a ``fully_shard``-ed model's parameters, without state yet.
+
+    Returns:
+        The same optimizer object, adapted."""
     if hasattr(optimizer, _ADAPTED_ATTR):
         raise ValueError("fully_shard_optimizer: this optimizer is already adapted")
     if optimizer.state:

@@ -166,3 +166,27 @@ def test_the_tools_face_is_lazy_and_gives_the_functions(monkeypatch):
         assert getattr(tools, name) is not None, name
     monkeypatch.setattr(inspect_module, "inspect_checkpoint", len)
     assert tools.inspect_checkpoint is len  # looked up anew: a replaced function is seen
+
+
+# ---- the public entry points say what each argument is ----------------------------------------------
+
+ENTRY_POINTS = [
+    ("mfsdp_ckpt/sharded/load.py", "load"),
+    ("mfsdp_core/fully_shard.py", "fully_shard"),
+    ("mfsdp_core/optim.py", "fully_shard_optimizer"),
+    ("mfsdp_ckpt/hf/import_.py", "import_"),
+    # the write path's save, async_save and hf export: added with the write-path rewrite of issue 53
+]
+
+
+def test_the_public_entry_points_have_an_args_section_naming_every_parameter():
+    missing = []
+    for path, name in ENTRY_POINTS:
+        tree = ast.parse((ROOT / path).read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        doc = ast.get_docstring(fn) or ""
+        args = doc.partition("\nArgs:\n")[2].partition("\nReturns:\n")[0]
+        params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+        missing += [f"{name}({p})" for p in params if not args or f"    {p}:" not in args and f" {p}," not in args]
+        missing += [f"{name}: no Returns" for _ in [0] if "\nReturns:\n" not in doc]
+    assert not missing, missing

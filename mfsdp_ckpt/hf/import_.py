@@ -740,24 +740,29 @@ def import_(
     weight + ``weight_scale_inv`` pair dequantized into an fp32 ``model.<fqn>``, its four
     ``mx.<fqn>.*`` planes derived again with the recorded format, and MX placements in the plan.
 
-    ``arch``: an architecture name; default: from ``config.json``'s ``model_type``. ``dtype``:
-    ``"bfloat16"`` or ``"float32"``, the dtype every tensor is stored in (default: each keeps its
-    HF dtype; FP8 weights as above). Every HF tensor must be consumed exactly once and every
-    parameter of the model written exactly once; otherwise a
-    :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and nothing is written.
-    ``progress(done, total)`` gets bytes converted so far.
-
-    ``workers``: threads reading and merging tensors at once (default ``min(4, CPUs)``); they
-    append to the checkpoint's data file in conversion order, so the checkpoint holds the same
-    bytes for any number. Each holds at most one canonical tensor (and, for MX, its planes; for
-    a cast or an FP8 weight, the piece being read and a 16 MiB float32 band).
-
-    ``max_file_size`` (``"5GB"``, ``"500MiB"`` or bytes): the data files' size, past which the
-    next tensor starts a new one (:func:`data_files`: ``__0_0.distcp``, ``__0_1.distcp``, ...).
-    Collective when ``torch.distributed`` is initialised (``torchrun -m mfsdp_cli.main
-    import-hf``): the processes share out the data files (whole files, by bytes), each reading
-    only the HF tensors of its own, and process 0 commits once all are written
+    Every HF tensor must be consumed exactly once and every parameter of the model written
+    exactly once; otherwise a :class:`~mfsdp_ckpt.errors.ConversionError` names the keys and
+    nothing is written. Collective when ``torch.distributed`` is initialised (``torchrun -m
+    mfsdp_cli.main import-hf``): the processes share out the data files (whole files, by bytes),
+    each reading only the HF tensors of its own, and process 0 commits once all are written
     (:mod:`mfsdp_ckpt.write.job`); the files are the same bytes for any number of processes.
+
+    Args:
+        hf_dir: the HF model directory.
+        checkpoint: where the checkpoint is written.
+        arch: an architecture name; default: from ``config.json``'s ``model_type``.
+        dtype: ``"bfloat16"`` or ``"float32"``, the dtype every tensor is stored in (default:
+            each keeps its HF dtype; FP8 weights as above).
+        overwrite: replace a checkpoint already at ``checkpoint`` (refused otherwise).
+        progress: ``progress(done, total)`` gets the bytes converted so far.
+        workers: threads reading and merging tensors (default ``min(4, CPUs)``), appending in
+            conversion order (the same bytes for any number); each holds at most one canonical tensor
+            (for MX, and its planes; for a cast or an FP8 weight, the piece read and a 16 MiB band).
+        max_file_size: ``"5GB"``, ``"500MiB"`` or bytes: the data files' size, past which the
+            next tensor starts a new one (:func:`data_files`: ``__0_0.distcp``, ``__0_1.distcp``, ...).
+
+    Returns:
+        An :class:`ImportResult` (path, architecture, tensors, bytes, model config, time, quantization).
     """
     start = time.perf_counter()
     job = Job.current()

@@ -66,35 +66,41 @@ def load(
     key_map: Sequence[str | KeyRule] = (),
     atomic: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it; return the
-    ``extra`` values. Collective.
+    """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it. Collective:
+    the ranks agree on every refusal, so all raise the same error. Checksums are verified for
+    every chunk read; shapes must always match.
 
-    ``strict``: every model (and optimizer) key must be in the checkpoint and vice versa; all
-    mismatches are named in one error. Shapes must always match. Checksums are verified for every
-    chunk read. By default (``atomic``) nothing in the model or optimizer changes unless the whole load succeeds: every
-    rank reads and verifies all its chunks before any is copied into place. (A fresh optimizer
-    first gets its state created by a learning-rate-0 step, which leaves the parameters as they
-    are.) ``require_manifest=False`` admits a stock DCP checkpoint (no ``mfsdp.json``, so no
-    checksums). ``restore_rng`` restores each rank's torch RNG state when the checkpoint was
-    written at the same world size. The ranks agree on every refusal (a key is unexpected only
-    when no rank wants it: under expert parallelism each wants its own experts), so all raise the
-    same error; a checkpoint with another number of experts than the model is refused first.
-    ``path`` may be an fsspec URL (``s3://…``): each rank reads the byte ranges of the chunks it
-    needs, with the client's retries. ``thread_count``: reader threads per rank (see
-    :mod:`mfsdp_ckpt.read.staged_read`).
+    Args:
+        path: a checkpoint, a run directory or its ``latest`` (resolved once, by rank 0), or an
+            fsspec URL (``s3://…``): each rank reads the byte ranges of the chunks it needs, with
+            the client's retries.
+        model: the ``fully_shard``-ed model; a checkpoint with another number of experts is
+            refused first.
+        optimizer: its ``fully_shard_optimizer``-adapted optimizer, or None. A fresh one first
+            gets its state created by a learning-rate-0 step, which leaves the parameters as they are.
+        strict: every model (and optimizer) key must be in the checkpoint and vice versa, all
+            mismatches named in one error (a key is unexpected only when no rank wants it: under
+            expert parallelism each wants its own experts). With ``False`` the keys not found are
+            reported, by group, in one ``UserWarning`` (the same on every rank), which says so
+            when no optimizer state was loaded.
+        require_manifest: ``False`` admits a stock DCP checkpoint (no ``mfsdp.json``, so no checksums).
+        restore_rng: restore each rank's torch RNG state when the checkpoint was written at the
+            same world size.
+        thread_count: reader threads per rank (see :mod:`mfsdp_ckpt.read.staged_read`).
+        key_map: ``OLD=NEW`` prefix renames of a stock checkpoint's keys, which are read in
+            canonical form (FSDP2's ``get_state_dict`` layout: ``optim.state.<fqn>.<state>``,
+            ``optim.param_groups.<…>.<hp>``): e.g. ``['=model.']`` for torchtitan's bare FQNs
+            (see :mod:`mfsdp_ckpt.read.stock`).
+        atomic: nothing in the model or optimizer changes unless the whole load succeeds (every
+            rank reads and verifies all its chunks before any is copied into place). ``False`` is
+            for a model with nothing to protect (freshly initialised, as when a trainer resumes):
+            the bytes are read straight into place and checked as they arrive, one pass instead of
+            two (:mod:`mfsdp_ckpt.read.direct_read`); every check before reading is the same, and a
+            bad chunk is still an error, the same on every rank, ending in ``load(atomic=False):
+            the model and optimizer are partly loaded``: that state must not be trained on.
 
-    A stock checkpoint's keys are read in canonical form (FSDP2's ``get_state_dict`` layout:
-    ``optim.state.<fqn>.<state>``, ``optim.param_groups.<…>.<hp>``), after ``key_map``'s
-    ``OLD=NEW`` prefix renames (e.g. ``['=model.']`` for torchtitan's bare FQNs; see
-    :mod:`mfsdp_ckpt.read.stock`). With ``strict=False`` the keys not found are reported, by group, in
-    one ``UserWarning`` (the same on every rank), which says so when no optimizer state was loaded.
-
-    ``atomic=False`` is for a model with nothing to protect (freshly initialised, as when a
-    trainer resumes): the bytes are read straight into place and checked as they arrive, one pass
-    over them instead of two (:mod:`mfsdp_ckpt.read.direct_read`). Every check before reading is
-    the same, and a bad chunk is still an error, the same on every rank, ending in
-    ``load(atomic=False): the model and optimizer are partly loaded``: the state is then a mix of
-    the checkpoint and what it held, and must not be trained on.
+    Returns:
+        The ``extra`` values saved with the checkpoint.
     """
     rules = parse_key_map(key_map)
     # one answer for all ranks, even if ``latest`` moves while they start
