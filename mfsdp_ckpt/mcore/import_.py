@@ -52,7 +52,6 @@ from mfsdp_ckpt.mcore.source import McoreSource
 from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model
 from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.staging import new_token, partial_path
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_ckpt.write.destination import destination_for
 
@@ -446,8 +445,9 @@ def import_mcore(
         if world_size == 1:
             path, total = _write(source, plan, final, overwrite, progress)
         else:
-            destination_for(final).check(overwrite=overwrite, sources=(source.directory,))
-            tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed import: `ls --clean` removes it
+            destination = destination_for(final)
+            destination.check(overwrite=overwrite, sources=(source.directory,))
+            tmp = destination.scratch_path("mcore")
             try:
                 _, total = _write(source, plan, tmp, False, progress)
                 path = reshard(tmp, final, world_size=world_size, overwrite=overwrite).path

@@ -13,7 +13,7 @@ from mfsdp_ckpt.errors import ConversionError
 from mfsdp_ckpt.hf.export import export
 from mfsdp_ckpt.mcore.import_ import import_mcore
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.storage.staging import new_token, partial_path
+from mfsdp_ckpt.write.destination import destination_for
 
 __all__ = ["export_hf_from_mcore"]
 
@@ -26,8 +26,7 @@ def export_hf_from_mcore(src: str | os.PathLike, out: str | os.PathLike, config:
             f"{os.fspath(src)}: exporting a Megatron-Core checkpoint runs in one process "
             "(import-mcore it first for a collective export)"
         )
-    final = os.path.abspath(os.fspath(out))
-    tmp = partial_path(final, "mcore" + new_token())  # a leftover of a killed export: `ls --clean` removes it
+    tmp = destination_for(os.path.abspath(os.fspath(out))).scratch_path("mcore")
     try:
         import_mcore(src, tmp, config=config)
         return export(tmp, out, **kwargs)

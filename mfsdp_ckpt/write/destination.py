@@ -40,6 +40,7 @@ from mfsdp_ckpt.storage.staging import (
     commit_directory,
     fsync_dir,
     make_partial_dir,
+    new_token,
     refuse_replacing_a_source,
     remove_leftovers,
 )
@@ -123,6 +124,12 @@ class Destination:
         """Remove the committed output at :attr:`final`, its manifest first: interrupted, it
         leaves an uncommitted directory, never a complete-looking mix."""
         _remove_checkpoint(self.final)
+
+    def scratch_path(self, tag: str) -> str:
+        """A hidden sibling of :attr:`final` for a writer's intermediate output (e.g. a checkpoint
+        resharded into the destination afterwards), named like a staging directory so that what a
+        killed writer leaves there is removed as one (``ls --clean``, the next write)."""
+        return fs.join(fs.dirname(self.final), f".{fs.basename(self.final)}{PARTIAL_MARK}{tag}{new_token()}")
 
     def point_latest(self) -> None:
         """``<parent>/latest`` names this output (an atomic replace; one PUT on an object store)."""
