@@ -14,11 +14,6 @@ PACKAGE = ROOT / "mfsdp_ckpt"
 ALLOWED_ELSEWHERE = {
     # a signal between the threads of one worker pool, caught there and never raised to a caller
     ("mfsdp_ckpt/hf/workers.py", "Cancelled"),
-    # the write path's own: moved by the write-path rewrite of issue 53 (remove these then)
-    ("mfsdp_ckpt/write/job.py", "JobFailedElsewhere"),
-    ("mfsdp_ckpt/write/job.py", "JobLostError"),
-    ("mfsdp_ckpt/write/agreement.py", "JobFailedElsewhere"),
-    ("mfsdp_ckpt/write/agreement.py", "JobLostError"),
 }
 
 
