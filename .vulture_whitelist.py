@@ -71,3 +71,12 @@ _.ops  # tests/mfsdp_core/test_fully_shard.py and others
 _.released  # tests/mfsdp_core/test_fully_shard.py
 _.project_qkv  # tests/mfsdp_core/test_gpt.py, tests/mfsdp_ckpt/hf/test_mapping.py
 _.tokens_received  # tests/mfsdp_core/test_expert_parallel.py
+
+# cli/settings.py's LaunchSettings: torchrun's flags, passed on by name (cli/train_launch.py's
+# _torchrun_argv reads each of _LAUNCH_FLAGS with getattr)
+_.node_rank
+_.rdzv_backend
+_.rdzv_id
+_.rdzv_conf
+_.master_port
+_.max_restarts

@@ -20,7 +20,6 @@ any parameter; ``--ep`` is refused (our expert parallelism places whole per-expe
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
@@ -283,8 +282,8 @@ class HFSource(ModelSource):
             raise ValueError(fused_experts_refusal(self.cls.__name__))
         check_expert_parallel(world, ep, self.num_experts)
 
-    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
-        torch.manual_seed(args.seed)
+    def build(self, seed: int, mesh: ExpertMesh | None, micro_batches: int = 1) -> nn.Module:
+        torch.manual_seed(seed)
         model = self._new_model()
         if any(p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()  # main weights are fp32; --dtype bf16 computes in bf16

@@ -22,7 +22,6 @@ is ``--ep`` (the file's ``expert_model_parallel_size`` is ignored). MoE layers u
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -357,7 +356,7 @@ class McoreSource(ModelSource):
         return out
 
     # ---- building and training -------------------------------------------------------------
-    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+    def build(self, seed: int, mesh: ExpertMesh | None, micro_batches: int = 1) -> nn.Module:
         model = mcore.build_gpt(
             self.transformer_config(),
             vocab_size=self.config.vocab_size,
@@ -366,7 +365,7 @@ class McoreSource(ModelSource):
             rotary_base=self.config.rotary_base,
             layer_spec=self.layer_spec,
             ep_size=mesh.ep_size if mesh is not None else 1,
-            seed=args.seed,
+            seed=seed,
         )
         lost = mcore.unsaved_state(model)
         if lost:
@@ -374,7 +373,7 @@ class McoreSource(ModelSource):
                 f"{self.where}: the model keeps state checkpoints do not carry: {', '.join(lost[:3])}"
                 + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else "")
             )
-        mcore.set_aux_loss_scale(1.0 / args.micro_batches)
+        mcore.set_aux_loss_scale(1.0 / micro_batches)
         return model
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:

@@ -9,7 +9,6 @@ Hugging Face ``transformers`` models (``cli.hf_source``) and Megatron-Core ``GPT
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING, Any
 
 from mfsdp_core.expert_layout import check_expert_parallel
@@ -72,9 +71,10 @@ class ModelSource:
         """ValueError naming the numbers unless ``ep`` ranks can share the experts over ``world``."""
         check_expert_parallel(world, ep, self.num_experts)
 
-    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
-        """The whole model on this rank, seeded by ``args.seed``, expert parallelism applied when
-        ``mesh`` is given, on the CPU, not yet sharded."""
+    def build(self, seed: int, mesh: ExpertMesh | None, micro_batches: int = 1) -> nn.Module:
+        """The whole model on this rank, seeded by ``seed`` (``--seed``), expert parallelism applied
+        when ``mesh`` is given, on the CPU, not yet sharded; ``micro_batches`` (``--micro-batches``)
+        for a family whose auxiliary losses are scaled inside the model (Megatron-Core)."""
         raise NotImplementedError
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:

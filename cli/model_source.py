@@ -9,7 +9,6 @@ checkpoint of any shape (an ``import-hf`` output, say) trains without naming its
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
 from .model_base import ModelSource
+from .settings import ModelSettings
 from .train_args import DEFAULT_PRESET, MODEL_FLAGS
 
 if TYPE_CHECKING:  # describing the run's model (the launcher's pre-flight) imports no torch; building it does
@@ -95,12 +95,12 @@ class GPTSource(ModelSource):
         check_fits_memory(config, f"{where}: model_source.config")
         return cls(config, preset_name(config) or "custom")
 
-    def build(self, args: argparse.Namespace, mesh: ExpertMesh | None) -> nn.Module:
+    def build(self, seed: int, mesh: ExpertMesh | None, micro_batches: int = 1) -> nn.Module:
         import torch
 
         from mfsdp_core.models import gpt
 
-        torch.manual_seed(args.seed)
+        torch.manual_seed(seed)
         model = gpt.GPTModel(self.config)  # whole on every rank, so that each expert starts as in one process
         return gpt.shard_experts(model, mesh) if mesh is not None else model
 
@@ -160,14 +160,12 @@ def family_of(kind: object) -> type[ModelSource] | None:
     return None
 
 
-def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) -> ModelSource:
-    """The model of the run: the flag of :data:`MODEL_FLAGS` given (``check_flags`` refused
-    several), else the model the start
+def source_of_run(model: ModelSettings, start_from: tuple[str, str] | None) -> ModelSource:
+    """The model of the run: the flag of :data:`MODEL_FLAGS` given in ``model`` (``check_flags``
+    refused several), else the model the start
     checkpoint records (``start_from``: ``(flag, checkpoint)``), else the ``tiny`` preset.
     ValueError: one line naming the flag (and file) at fault."""
-    given = [
-        (flag, getattr(args, attr, None)) for attr, flag in MODEL_FLAGS.items() if getattr(args, attr, None) is not None
-    ]
+    given = [(flag, getattr(model, attr)) for attr, flag in MODEL_FLAGS.items() if getattr(model, attr) is not None]
     if given:
         flag, value = given[0]
         if flag == "--mcore-config":
@@ -175,7 +173,7 @@ def source_of_run(args: argparse.Namespace, start_from: tuple[str, str] | None) 
         if flag == "--hf-model":
             return family_of(TRANSFORMERS).from_dir(value)
     if given or start_from is None:
-        config, name = model_of_run(args.model, args.model_config)
+        config, name = model_of_run(model.model, model.model_config)
         return GPTSource(config, name)
     flag, path = start_from
     try:

@@ -13,6 +13,7 @@ import argparse
 import os
 from typing import Any
 
+from .settings import Settings
 from .train_config import resolved_settings
 
 __all__ = [
@@ -59,23 +60,26 @@ _ONLY_WITH = {"muon-lr": ("optimizer", "muon"), "ns-dtype": ("optimizer", "muon"
 SETTINGS_KEY = "settings"  # every resolved setting, the defaults of a resumed run (not compared)
 
 
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
+def run_config(settings: Settings, model_name: str) -> dict[str, Any]:
     """The recorded settings of this run, by flag name (``data``: where the samples come from),
-    and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)."""
+    and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)
+    with ``model_name``, what a run started from this checkpoint calls the model (the source's name)."""
     from mfsdp_core.token_files import describe_token_file  # (numpy: this module is imported by the light parser)
 
-    # ``model_name``: what a run started from this checkpoint calls the model (not a flag: no default)
-    out: dict[str, Any] = {SETTINGS_KEY: {**resolved_settings(args), "model_name": args.model}}
+    values = settings.values()
+    # ``model_name``: not a flag (no default), so that no resumed run takes it as one
+    out: dict[str, Any] = {SETTINGS_KEY: {**resolved_settings(values), "model_name": model_name}}
     for flag, attr in RECORDED_FLAGS.items():
         if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
-            out[flag] = describe_token_file(args.data, args.data_dtype) if args.data else "synthetic"
+            data = settings.data
+            out[flag] = describe_token_file(data.data, data.data_dtype) if data.data else "synthetic"
             continue
         if flag in _ONLY_WITH:
             other, value = _ONLY_WITH[flag]
-            on = getattr(args, other.replace("-", "_"))
+            on = values[other.replace("-", "_")]
             if (value is None and on is None) or (value is not None and on != value):
                 continue
-        out[flag] = getattr(args, attr)
+        out[flag] = values[attr]
     return out
 
 
@@ -107,18 +111,19 @@ def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
-def start_checkpoint(args: argparse.Namespace) -> tuple[str, str] | None:
-    """``(flag, checkpoint)`` the run starts from, as far as flags tell before rank 0 picks it
-    (``--resume`` without a path: ``<ckpt-dir>/latest``, if it exists)."""
-    if args.init_from:
-        return "--init-from", args.init_from
-    if args.resume in (LATEST, AUTO):
+def start_checkpoint(resume: str | None, init_from: str | None, ckpt_dir: str | None) -> tuple[str, str] | None:
+    """``(flag, checkpoint)`` the run starts from, as far as the flags tell before rank 0 picks it:
+    ``--init-from``'s, or ``resume``'s (a path, or :data:`LATEST` / :data:`AUTO`:
+    ``<ckpt_dir>/latest``, if it exists)."""
+    if init_from:
+        return "--init-from", init_from
+    if resume in (LATEST, AUTO):
         import mfsdp_ckpt
         from mfsdp_ckpt.storage import fs as mfsdp_fs
 
-        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+        latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME)
         return ("--resume", latest) if mfsdp_fs.exists(latest) else None
-    return ("--resume", args.resume) if args.resume else None
+    return ("--resume", resume) if resume else None
 
 
 def is_local(path: str | None) -> bool:
@@ -145,7 +150,7 @@ def recorded_settings(args: argparse.Namespace) -> tuple[str | None, dict[str, A
     from mfsdp_ckpt.storage import fs as mfsdp_fs
 
     try:
-        start = start_checkpoint(args)
+        start = start_checkpoint(args.resume, args.init_from, args.ckpt_dir)
         if start is None:
             return None, {}
         path = mfsdp_ckpt.resolve_checkpoint(start[1])

@@ -46,14 +46,14 @@ def _main(argv: list[str]) -> int:
             print("error: --nproc-per-node: this process is already a rank of a torchrun job", file=sys.stderr)
             return 2
         try:  # what the flags decide alone is refused here, before any rank starts (and imports torch)
-            check_flags(args, world_size_of(args))
+            settings = check_flags(args, world_size_of(args))
             from .train_preflight import check_start  # the model, --data, a readable checkpoint
 
-            check_start(args, world_size_of(args))
+            check_start(settings, world_size_of(args))
         except UsageError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
-        return launch(args, __spec__.name if __spec__ else "mfsdp_cli.train", argv)
+        return launch(settings, __spec__.name if __spec__ else "mfsdp_cli.train", argv)
     from .quiet import quiet_third_party
 
     quiet_third_party(args.verbose)  # a rank prints our lines only (--verbose: the libraries' too)

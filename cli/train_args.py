@@ -18,6 +18,7 @@ import sys
 from typing import Any, NoReturn
 
 from .run_config import AUTO, LATEST, allowed_changes, local_missing, recorded_settings
+from .settings import CheckpointSettings, Settings, settings_of
 from .train_config import NOT_CARRIED, ConfigError, config_argv
 from .train_launch import add_launch_arguments
 from .train_outputs import refused_output
@@ -416,17 +417,6 @@ def given_flags(argv: list[str], words: list[str]) -> set[str]:
         return set()
 
 
-def shown(args: argparse.Namespace, dest: str, flag: str) -> str:
-    """``--flag VALUE`` as a refusal names it, with the file it came from when that is not the
-    command line: the resumed checkpoint's manifest or the ``--config`` file (see :func:`parse_args`)."""
-    text = f"{flag} {getattr(args, dest)}"
-    recorded_in, recorded = getattr(args, "_recorded_in", (None, set()))
-    set_in, in_file = getattr(args, "_set_in", (None, set()))
-    if dest in recorded:
-        return f"{text} (recorded in {recorded_in})"
-    return f"{text} (set in {set_in})" if dest in in_file else text
-
-
 def world_size_of(args: argparse.Namespace) -> int | None:
     """The world size the launcher will start: ``--nproc-per-node`` x ``--nnodes`` when both are
     plain numbers (an elastic ``MIN:MAX`` leaves it to the rendezvous: None)."""
@@ -436,45 +426,50 @@ def world_size_of(args: argparse.Namespace) -> int | None:
     return args.nproc_per_node * int(nnodes)
 
 
-def check_flags(args: argparse.Namespace, world: int | None) -> None:
-    """Refuse (:class:`UsageError`, one line) what the flags decide alone, with the local files they
-    name: the launcher calls it before any rank starts (``world`` None when it cannot know it), each
+def check_flags(args: argparse.Namespace, world: int | None) -> Settings:
+    """The run's settings (:class:`cli.settings.Settings`, frozen), after refusing
+    (:class:`UsageError`, one line) what the flags decide alone, with the local files they name:
+    the launcher calls it before any rank starts (``world`` None when it cannot know it), each
     rank again first thing (``cli.trainer.check_args``), so one rule decides both. The rules that
     need the model or the start checkpoint are ``cli.train_start``'s (the launcher applies them
     too, through ``cli.train_preflight``, where it can read what the run names)."""
-    _check_destination(args)
-    _check_start(args)
-    if (refused := refused_output(args)) is not None:  # an output over, into or around an input
+    settings = settings_of(args)
+    ckpt, logging = settings.checkpoint, settings.logging
+    _check_destination(settings)
+    _check_start(settings)
+    if (refused := refused_output(settings)) is not None:  # an output over, into or around an input
         raise UsageError(refused)
     if world is not None:
-        _check_layout(args, world)
-    if args.hfsdp and args.dp_replicate == 1:
+        _check_layout(settings, world)
+    if settings.parallelism.hfsdp and settings.parallelism.dp_replicate == 1:
         raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
     try:
-        allowed_changes(args.allow_change)
+        allowed_changes(list(ckpt.allow_change))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.allow_change and not args.resume:
+    if ckpt.allow_change and not ckpt.resume:
         raise UsageError("--allow-change is for --resume (a fresh run has nothing to compare with)")
-    if args.tensorboard:  # the package, and a directory the events can go to
-        check_local_writable(args.tensorboard, "--tensorboard")
+    if logging.tensorboard:  # the package, and a directory the events can go to
+        check_local_writable(logging.tensorboard, "--tensorboard")
         if (missing := tensorboard_missing()) is not None:
             raise UsageError(missing)
+    return settings
 
 
-def _check_destination(args: argparse.Namespace) -> None:
+def _check_destination(settings: Settings) -> None:
     """Where checkpoints go: what needs a ``--ckpt-dir``, and a local one that can be written."""
-    if not args.ckpt_dir:
-        if args.resume in (_LATEST, _AUTO):
-            what = "--resume auto" if args.resume == _AUTO else "--resume without a checkpoint path"
+    ckpt: CheckpointSettings = settings.checkpoint
+    if not ckpt.ckpt_dir:
+        if ckpt.resume in (_LATEST, _AUTO):
+            what = "--resume auto" if ckpt.resume == _AUTO else "--resume without a checkpoint path"
             raise UsageError(f"{what} needs --ckpt-dir (it resumes from <ckpt-dir>/latest), or name one: --resume CKPT")
         for dest, flag in (("save_every", "--save-every"), ("keep", "--keep"), ("async_save", "--async-save")):
-            if getattr(args, dest):
-                named = flag if dest == "async_save" else shown(args, dest, flag)
+            if getattr(ckpt, dest):
+                named = flag if dest == "async_save" else settings.shown(dest, flag)
                 raise UsageError(f"{named} needs --ckpt-dir (without one the run saves nothing)")
         return
-    if "://" not in args.ckpt_dir or args.ckpt_dir.startswith("file://"):
-        check_local_writable(args.ckpt_dir.removeprefix("file://"), "--ckpt-dir")
+    if "://" not in ckpt.ckpt_dir or ckpt.ckpt_dir.startswith("file://"):
+        check_local_writable(ckpt.ckpt_dir.removeprefix("file://"), "--ckpt-dir")
 
 
 def check_local_writable(path: str, flag: str) -> None:
@@ -489,19 +484,20 @@ def check_local_writable(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not writable")
 
 
-def _check_start(args: argparse.Namespace) -> None:
+def _check_start(settings: Settings) -> None:
     """What the run starts from: one way of naming the model, one of ``--resume`` and
     ``--init-from``, and a local checkpoint path that exists."""
-    given = [flag for dest, flag in MODEL_FLAGS.items() if getattr(args, dest, None) is not None]
+    model, ckpt = settings.model, settings.checkpoint
+    given = [flag for dest, flag in MODEL_FLAGS.items() if getattr(model, dest) is not None]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)} exclude each other (name the model one way)")
-    if args.model is not None and args.model not in PRESET_NAMES:  # as mfsdp_core's get_preset says it
-        raise UsageError(f"unknown model preset {args.model!r}; expected one of {', '.join(sorted(PRESET_NAMES))}")
-    if args.resume and args.init_from:
+    if model.model is not None and model.model not in PRESET_NAMES:  # as mfsdp_core's get_preset says it
+        raise UsageError(f"unknown model preset {model.model!r}; expected one of {', '.join(sorted(PRESET_NAMES))}")
+    if ckpt.resume and ckpt.init_from:
         raise UsageError(
             "--resume and --init-from exclude each other (--resume continues a run; --init-from starts one)"
         )
-    for flag, path in (("--resume", args.resume), ("--init-from", args.init_from)):
+    for flag, path in (("--resume", ckpt.resume), ("--init-from", ckpt.init_from)):
         if path and path not in (_LATEST, _AUTO) and local_missing(path):
             raise UsageError(f"{flag}: {os.path.abspath(path)}: no such checkpoint")
         if path and path not in (_LATEST, _AUTO) and _hf_model_dir(path):
@@ -509,25 +505,25 @@ def _check_start(args: argparse.Namespace) -> None:
                 f"{flag} {path}: a Hugging Face model directory (config.json, *.safetensors), not a checkpoint; "
                 f"train it with --hf-model {path}, or make a checkpoint of it with 'mfsdp-ckpt import-hf {path} OUT'"
             )
-    if args.resume == _LATEST and args.ckpt_dir and local_missing(args.ckpt_dir):
-        raise UsageError(f"--resume: no checkpoint to resume from (--ckpt-dir {args.ckpt_dir} does not exist)")
+    if ckpt.resume == _LATEST and ckpt.ckpt_dir and local_missing(ckpt.ckpt_dir):
+        raise UsageError(f"--resume: no checkpoint to resume from (--ckpt-dir {ckpt.ckpt_dir} does not exist)")
 
 
-def _check_layout(args: argparse.Namespace, world: int) -> None:
+def _check_layout(settings: Settings, world: int) -> None:
     """The numbers that must divide the world size: ``--ep``, ``--dp-replicate`` and the batch."""
-    if args.ep < 1 or world % args.ep:
-        what = f"must be >= 1, got {args.ep}" if args.ep < 1 else f"does not divide the world size {world}"
-        raise UsageError(f"--ep {args.ep}: EP size {args.ep} {what}")
-    if args.dp_replicate < 1:
-        raise UsageError(f"--dp-replicate {args.dp_replicate}: the replica count must be >= 1")
-    if world % args.dp_replicate:
+    ep, replicas = settings.parallelism.ep, settings.parallelism.dp_replicate
+    micro, batch = settings.training.micro_batches, settings.training.batch_size
+    if ep < 1 or world % ep:
+        what = f"must be >= 1, got {ep}" if ep < 1 else f"does not divide the world size {world}"
+        raise UsageError(f"--ep {ep}: EP size {ep} {what}")
+    if replicas < 1:
+        raise UsageError(f"--dp-replicate {replicas}: the replica count must be >= 1")
+    if world % replicas:
+        raise UsageError(f"--dp-replicate {replicas}: {replicas} replicas do not divide the world size {world}")
+    if micro < 1 or batch % (world * micro):
         raise UsageError(
-            f"--dp-replicate {args.dp_replicate}: {args.dp_replicate} replicas do not divide the world size {world}"
-        )
-    if args.micro_batches < 1 or args.batch_size % (world * args.micro_batches):
-        raise UsageError(
-            f"{shown(args, 'batch_size', '--batch-size')} must be a multiple of world size x --micro-batches "
-            f"({world} x {args.micro_batches})"
+            f"{settings.shown('batch_size', '--batch-size')} must be a multiple of world size x --micro-batches "
+            f"({world} x {micro})"
         )
 
 

@@ -160,12 +160,13 @@ def _suggest(name: str, known: Any) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def resolved_settings(args: argparse.Namespace) -> dict[str, Any]:
+def resolved_settings(values: dict[str, Any]) -> dict[str, Any]:
     """Every setting of this run that a resumed run takes as its default (``NOT_CARRIED`` apart),
-    by flag attribute: what the checkpoint records so that ``--resume`` needs no flags repeated."""
+    by flag attribute (``values``: ``Settings.values()``): what the checkpoint records so that
+    ``--resume`` needs no flags repeated."""
     return {
         dest: value
-        for dest, value in sorted(vars(args).items())
+        for dest, value in sorted(values.items())
         if dest not in NOT_CARRIED and not dest.startswith("_") and _jsonable(value)
     }
 

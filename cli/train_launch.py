@@ -16,9 +16,12 @@ import os
 import signal
 import sys
 import tempfile
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .train_signals import STOP_SAID_ENV, note_sigint, raise_if_sigint_noted, sigint_noted
+
+if TYPE_CHECKING:
+    from .settings import LaunchSettings, Settings
 
 __all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us", "unblock_sigint"]
 
@@ -66,13 +69,13 @@ def launched_by_us() -> bool:
     return os.environ.get(LAUNCHED_ENV) == "1"
 
 
-def _torchrun_argv(args: argparse.Namespace, module: str, argv: list[str]) -> list[str]:
-    words = [f"--nproc-per-node={args.nproc_per_node}", f"--shutdown-timeout={args.shutdown_timeout}"]
+def _torchrun_argv(launch: LaunchSettings, module: str, argv: list[str]) -> list[str]:
+    words = [f"--nproc-per-node={launch.nproc_per_node}", f"--shutdown-timeout={launch.shutdown_timeout}"]
     for dest, (flag, _) in _LAUNCH_FLAGS.items():
-        value = getattr(args, dest)
+        value = getattr(launch, dest)
         if value is not None:
             words.append(f"{flag}={value}")
-    if args.rdzv_endpoint is None and args.master_addr is None and args.nnodes in (None, "1"):
+    if launch.rdzv_endpoint is None and launch.master_addr is None and launch.nnodes in (None, "1"):
         words.append("--standalone")  # one machine: a free local port, a fresh rendezvous id
     return [*words, "-m", module, *argv]
 
@@ -86,8 +89,8 @@ def _quiet_launcher_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
-    """Run ``python -m module argv`` as ``args.nproc_per_node`` ranks; the run's exit code (a
+def launch(settings: Settings, module: str, argv: list[str]) -> int:
+    """Run ``python -m module argv`` as ``--nproc-per-node`` ranks; the run's exit code (a
     Ctrl-C ends the launcher here, see :func:`_exit_interrupted`)."""
     try:
         from torch.distributed import run as torchrun
@@ -104,10 +107,10 @@ def launch(args: argparse.Namespace, module: str, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mfsdp-train-") as tmp:
         said = os.environ[STOP_SAID_ENV] = os.path.join(tmp, "stop-said")
         try:
-            torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(args, module, argv)))
+            torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(settings.launch, module, argv)))
             return 0
         except ChildFailedError as e:
-            return _report_failure(args, e.failures)
+            return _report_failure(settings.checkpoint.ckpt_dir, e.failures)
         except SignalException as e:  # the ranks were sent the same signal
             if e.sigval != signal.SIGINT:
                 return 128 + int(e.sigval)
@@ -177,7 +180,7 @@ def unblock_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _report_failure(args: argparse.Namespace, failures: dict[int, Any]) -> int:
+def _report_failure(ckpt_dir: str | None, failures: dict[int, Any]) -> int:
     """The job's exit code, with one line naming the rank that failed first unless rank 0 stopped
     with a code of the trainer's own and nothing else went wrong (it has printed why, and the
     other ranks stopped with it). A rank killed by a signal other than SIGTERM, or exiting with a
@@ -192,24 +195,24 @@ def _report_failure(args: argparse.Namespace, failures: dict[int, Any]) -> int:
     rank = causes[0] if causes else min(failures)
     first = failures[rank]
     how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {codes[rank]}"
-    print(f"error: rank {rank} {how}; {resume_hint(args)}", file=sys.stderr, flush=True)
+    print(f"error: rank {rank} {how}; {resume_hint(ckpt_dir)}", file=sys.stderr, flush=True)
     return codes[rank]
 
 
-def resume_hint(args: argparse.Namespace) -> str:
-    """Where the run can go on from: its latest committed checkpoint in ``--ckpt-dir`` (read with
-    the checkpoint library, imported here: the launcher stays light until a run fails)."""
-    if not getattr(args, "ckpt_dir", None):
+def resume_hint(ckpt_dir: str | None) -> str:
+    """Where the run can go on from: its latest committed checkpoint in ``ckpt_dir`` (``--ckpt-dir``;
+    read with the checkpoint library, imported here: the launcher stays light until a run fails)."""
+    if not ckpt_dir:
         return "no --ckpt-dir, so there is no checkpoint to resume from"
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.tools import list_checkpoints
+    from mfsdp_ckpt.tools.listing import list_checkpoints
 
     try:
-        committed = [e for e in list_checkpoints(args.ckpt_dir) if e.committed]
+        committed = [e for e in list_checkpoints(ckpt_dir) if e.committed]
     except (CheckpointError, OSError):
         committed = []
     if not committed:
-        return f"no committed checkpoint in {args.ckpt_dir} yet"
+        return f"no committed checkpoint in {ckpt_dir} yet"
     latest = next((e for e in committed if e.latest), committed[-1])
-    path = os.path.join(args.ckpt_dir, latest.name)
+    path = os.path.join(ckpt_dir, latest.name)
     return f"resume from {path} (the same command with --resume)"

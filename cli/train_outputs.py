@@ -17,10 +17,10 @@ only adds entries beside it.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from .run_config import AUTO, LATEST, is_local
+from .settings import Settings
 
 __all__ = ["refused_output", "run_inputs"]
 
@@ -35,46 +35,46 @@ def _checkpoint(path: str) -> list[str]:
     return checkpoint_inputs(path.removeprefix("file://"))
 
 
-def run_inputs(args: argparse.Namespace) -> dict[str, list[str]]:
+def run_inputs(settings: Settings) -> dict[str, list[str]]:
     """Every input the flags name, by what it is (``"the --data file"``) -> its paths."""
-    resume = args.resume
+    ckpt, model = settings.checkpoint, settings.model
+    resume = ckpt.resume
     if resume in (LATEST, AUTO):  # <ckpt-dir>/latest
-        resume = os.path.join(args.ckpt_dir, "latest") if args.ckpt_dir and is_local(args.ckpt_dir) else None
+        resume = os.path.join(ckpt.ckpt_dir, "latest") if ckpt.ckpt_dir and is_local(ckpt.ckpt_dir) else None
     inputs = {
         "the --resume checkpoint": _checkpoint(resume) if resume else [],
-        "the --init-from checkpoint": _checkpoint(args.init_from) if args.init_from else [],
+        "the --init-from checkpoint": _checkpoint(ckpt.init_from) if ckpt.init_from else [],
     }
-    for dest, what in (
-        ("data", "the --data file"),
-        ("hf_model", "the --hf-model directory"),
-        ("model_config", "the --model-config file"),
-        ("mcore_config", "the --mcore-config file"),
-        ("config", "the --config file"),
+    for path, what in (
+        (settings.data.data, "the --data file"),
+        (model.hf_model, "the --hf-model directory"),
+        (model.model_config, "the --model-config file"),
+        (model.mcore_config, "the --mcore-config file"),
+        (settings.config, "the --config file"),
     ):
-        path = getattr(args, dest, None)
         inputs[what] = [path] if path else []
     return inputs
 
 
-def refused_output(args: argparse.Namespace) -> str | None:
+def refused_output(settings: Settings) -> str | None:
     """The one-line refusal of an output that is or lies inside an input, or of a ``--metrics``
     file that contains one (naming the flag and the input); None when every output is apart.
     Reads at most a ``latest`` pointer; creates and changes nothing."""
     outputs = [
         (flag, path, relations)
         for flag, path, relations in (
-            ("--ckpt-dir", args.ckpt_dir, ("is", "lies inside")),
-            ("--metrics", args.metrics, ("is", "lies inside", "contains")),
-            ("--tensorboard", args.tensorboard, ("is", "lies inside")),
+            ("--ckpt-dir", settings.checkpoint.ckpt_dir, ("is", "lies inside")),
+            ("--metrics", settings.logging.metrics, ("is", "lies inside", "contains")),
+            ("--tensorboard", settings.logging.tensorboard, ("is", "lies inside")),
         )
         if path
     ]
     if not outputs:
         return None
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.tools import check_apart
+    from mfsdp_ckpt.storage.overlap import check_apart
 
-    inputs = run_inputs(args)
+    inputs = run_inputs(settings)
     for flag, path, relations in outputs:
         try:
             check_apart(path, inputs, name=flag, refuse=relations)

@@ -10,48 +10,47 @@ built by transformers (seconds; the ranks would pay it too); a Megatron-Core con
 
 from __future__ import annotations
 
-import argparse
-
 from .run_config import is_local
+from .settings import CheckpointSettings, Settings
 from .train_args import _AUTO, _LATEST
 
 __all__ = ["check_start", "needs_start_check"]
 
 
-def _start_is_local(args: argparse.Namespace) -> bool | None:
+def _start_is_local(ckpt: CheckpointSettings) -> bool | None:
     """Whether the checkpoint the run starts from is one the launcher can read (None: it names none)."""
-    if args.init_from:
-        return is_local(args.init_from)
-    if args.resume in (_LATEST, _AUTO):
-        return is_local(args.ckpt_dir)
-    if args.resume:
-        return is_local(args.resume)
+    if ckpt.init_from:
+        return is_local(ckpt.init_from)
+    if ckpt.resume in (_LATEST, _AUTO):
+        return is_local(ckpt.ckpt_dir)
+    if ckpt.resume:
+        return is_local(ckpt.resume)
     return None
 
 
-def needs_start_check(args: argparse.Namespace) -> bool:
+def needs_start_check(settings: Settings) -> bool:
     """Whether the launcher checks the run's model and start beyond the flags: always, except for a
     Megatron-Core model (its library is the ranks' to import) that starts from no local checkpoint,
     and a model named by nothing but an object-store checkpoint."""
-    local = _start_is_local(args)
-    if args.hf_model is not None:
+    local, model = _start_is_local(settings.checkpoint), settings.model
+    if model.hf_model is not None:
         return True
-    if args.mcore_config is not None:
+    if model.mcore_config is not None:
         return local is True
-    named = args.model is not None or args.model_config is not None
+    named = model.model is not None or model.model_config is not None
     return local is not False or named
 
 
-def check_start(args: argparse.Namespace, world: int | None) -> None:
+def check_start(settings: Settings, world: int | None) -> None:
     """Refuse (``UsageError``, one line) a model, data file or start checkpoint the ranks would
     refuse, before they start: called by the launcher after ``check_flags``."""
     from .train_start import check_mcore_file, preflight
 
-    if args.mcore_config is not None:
-        check_mcore_file(args)
-    if not needs_start_check(args):
+    if settings.model.mcore_config is not None:
+        check_mcore_file(settings.model.mcore_config, settings.launch.nproc_per_node)
+    if not needs_start_check(settings):
         return
     from .quiet import quiet_third_party
 
-    quiet_third_party(args.verbose)  # building an --hf-model source imports transformers: our lines only
-    preflight(args, world)
+    quiet_third_party(settings.logging.verbose)  # building an --hf-model source imports transformers: our lines only
+    preflight(settings, world)

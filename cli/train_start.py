@@ -1,6 +1,7 @@
 """What a run starts from, checked: the model (:func:`check_model`) and the checkpoint it resumes or
-starts from (:func:`resume_point`, :func:`checked_checkpoint`: written for this model, and with this
-run's settings unless ``--allow-change`` says otherwise).
+starts from (:func:`decide_start`, a :class:`cli.settings.StartPoint`: :func:`resume_point`,
+:func:`checked_checkpoint`: written for this model, and with this run's settings unless
+``--allow-change`` says otherwise).
 
 One rule for both places that decide: each rank (``cli.trainer``: rank 0 picks the checkpoint for
 all, since ``latest`` may move meanwhile and a plain torchrun job has no launcher), and the launcher
@@ -14,8 +15,6 @@ they are checked.
 
 from __future__ import annotations
 
-import argparse
-import copy
 from typing import TYPE_CHECKING
 
 import mfsdp_ckpt
@@ -33,6 +32,7 @@ from mfsdp_core.token_files import token_windows
 from .model_base import ModelSource
 from .model_source import source_of_run
 from .run_config import allowed_changes, changed_settings, is_local, run_config, start_checkpoint
+from .settings import FRESH, Settings, StartPoint
 from .train_args import _AUTO, _LATEST, UsageError
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ __all__ = [
     "resume_point",
     "resolve_auto_resume",
     "checked_checkpoint",
+    "decide_start",
     "preflight",
     "check_seq_len",
     "check_hf_dir",
@@ -52,63 +53,66 @@ __all__ = [
 ]
 
 
-def check_model(args: argparse.Namespace, world: int | None) -> ModelSource:
+def check_model(settings: Settings, world: int | None, resume: str | None) -> ModelSource:
     """The run's model source, after what needs the model: its layout over ``world`` ranks
     (skipped when None: an elastic launch), its sequence length, the ``--data`` file of its
-    vocabulary (and CUDA for ``--comm-stream``). ``args.model`` becomes its name
-    (the preset's, the config file's, the model class's, or the one the start checkpoint records)."""
+    vocabulary (and CUDA for ``--comm-stream``). ``resume``: what ``--resume`` asks for (a path,
+    ``LATEST``, ``AUTO`` or None), whose checkpoint names the model when no flag does. The source's
+    ``name`` is the run's model name (the preset's, the config file's, the model class's, or the
+    one the start checkpoint records)."""
+    ckpt, parallel = settings.checkpoint, settings.parallelism
     try:
-        source = source_of_run(args, start_checkpoint(args))
-        args.model = source.name
-        parse_strategy(args.strategy)
-        parse_policy(args.policy)
+        source = source_of_run(settings.model, start_checkpoint(resume, ckpt.init_from, ckpt.ckpt_dir))
+        parse_strategy(parallel.strategy)
+        parse_policy(parallel.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if world is not None:
         try:
-            source.check_parallel(world, args.ep)
+            source.check_parallel(world, parallel.ep)
         except ValueError as e:
-            raise UsageError(f"--ep {args.ep}: {e}") from None
-    check_seq_len(args, source.seq_length)
-    if args.comm_stream and not _cuda_available():
+            raise UsageError(f"--ep {parallel.ep}: {e}") from None
+    check_seq_len(settings.training.seq_len, source.seq_length)
+    if parallel.comm_stream and not _cuda_available():
         raise UsageError("--comm-stream needs a GPU (CUDA is not available here); leave it out on CPU")
-    if args.data:  # a missing, misshapen or too short file fails now
+    if settings.data.data:  # a missing, misshapen or too short file fails now
         try:
-            token_windows(args.data, args.seq_len, args.data_dtype)
+            token_windows(settings.data.data, settings.training.seq_len, settings.data.data_dtype)
         except ValueError as e:
             raise UsageError(str(e)) from None
     return source
 
 
-def check_seq_len(args: argparse.Namespace, seq_length: int | None) -> None:
+def check_seq_len(seq_len: int, seq_length: int | None) -> None:
     """Refuse a ``--seq-len`` over the model's longest (``seq_length``; None: no limit)."""
-    if seq_length is not None and args.seq_len > seq_length:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_length {seq_length}")
+    if seq_length is not None and seq_len > seq_length:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's seq_length {seq_length}")
 
 
-def check_hf_dir(args: argparse.Namespace) -> None:
+def check_hf_dir(settings: Settings) -> None:
     """The torch-free first look at an ``--hf-model`` directory, before transformers builds its
     model (seconds): a ``config.json`` the bridge's check refuses, an ``--ep`` its family cannot
     take (fused experts, or none), a ``--seq-len`` over its ``max_position_embeddings``. What needs
     transformers is :func:`check_model`'s."""
+    ep = settings.parallelism.ep
     try:
-        config = check_hf_model_dir(args.hf_model)
+        config = check_hf_model_dir(settings.model.hf_model)
     except ConversionError as e:
         raise UsageError(str(e)) from None
-    refusal = launcher_ep_refusal(config, args.ep)
+    refusal = launcher_ep_refusal(config, ep)
     if refusal:
-        raise UsageError(f"--ep {args.ep}: {refusal}")
+        raise UsageError(f"--ep {ep}: {refusal}")
     seq_length = config.get("max_position_embeddings")
-    check_seq_len(args, seq_length if type(seq_length) is int else None)
+    check_seq_len(settings.training.seq_len, seq_length if type(seq_length) is int else None)
 
 
-def check_mcore_file(args: argparse.Namespace) -> None:
+def check_mcore_file(mcore_config: str, nproc_per_node: int | None) -> None:
     """The torch-free look at ``--mcore-config`` before any rank starts: a file the Megatron-Core
     bridge's check refuses (types, bounds, finite numbers, choices, divisibility), or a fresh model
     the memory of this node's ``--nproc-per-node`` ranks cannot hold. What needs Megatron-Core (its
     ``TransformerConfig``'s own field types) the ranks check."""
     try:
-        check_mcore_config_file(args.mcore_config, copies=max(1, args.nproc_per_node or 1))
+        check_mcore_config_file(mcore_config, copies=max(1, nproc_per_node or 1))
     except ConversionError as e:
         raise UsageError(f"--mcore-config {e}") from None
 
@@ -119,31 +123,35 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def open_data(args: argparse.Namespace, source: ModelSource) -> SyntheticText | TokenFile:
+def open_data(settings: Settings, source: ModelSource) -> SyntheticText | TokenFile:
     """The run's samples: ``--data``'s token file, or the synthetic stream."""
     from mfsdp_core.data import SyntheticText, TokenFile
 
-    if not args.data:
-        return SyntheticText(source.vocab_size, args.seq_len, seed=args.seed)
+    data, training = settings.data, settings.training
+    if not data.data:
+        return SyntheticText(source.vocab_size, training.seq_len, seed=training.seed)
     try:
-        return TokenFile(args.data, args.seq_len, source.vocab_size, dtype=args.data_dtype, seed=args.seed)
+        return TokenFile(data.data, training.seq_len, source.vocab_size, dtype=data.data_dtype, seed=training.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
-    """The checkpoint to resume from, after checking it was written for this model and with the
-    settings of this run (:mod:`cli.run_config`; ``--allow-change`` lifts the check per flag)."""
-    if args.resume != _LATEST:
-        path = checked_checkpoint(args.resume, source, "--resume")
+def resume_point(settings: Settings, resume: str, source: ModelSource) -> str:
+    """The checkpoint ``resume`` (a path, or ``LATEST``: ``<ckpt-dir>/latest``) names, after checking
+    it was written for this model and with the settings of this run (:mod:`cli.run_config`;
+    ``--allow-change`` lifts the check per flag)."""
+    ckpt = settings.checkpoint
+    if resume != _LATEST:
+        path = checked_checkpoint(resume, source, "--resume")
     else:
-        latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+        latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
         if not mfsdp_fs.exists(latest):
             raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
         path = checked_checkpoint(latest, source, "--resume")
     saved = read_manifest(path).get("run_config")
     if saved is not None:  # a checkpoint from before settings were recorded has nothing to compare
-        changed = changed_settings(saved, run_config(args), allowed_changes(args.allow_change))
+        ours = run_config(settings, source.name)
+        changed = changed_settings(saved, ours, allowed_changes(list(ckpt.allow_change)))
         if changed:
             flags = " ".join(f"--allow-change {c.split()[0].lstrip('-')}" for c in changed)
             raise UsageError(
@@ -153,10 +161,22 @@ def resume_point(args: argparse.Namespace, source: ModelSource) -> str:
     return path
 
 
-def resolve_auto_resume(args: argparse.Namespace) -> str | None:
-    """``--resume auto``: resume from ``<ckpt-dir>/latest`` when it exists, else start fresh."""
-    latest = mfsdp_fs.join(mfsdp_fs.normalize(args.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+def resolve_auto_resume(ckpt_dir: str) -> str | None:
+    """``--resume auto``: ``LATEST`` (resume from ``<ckpt-dir>/latest``) when it exists, else None
+    (start fresh)."""
+    latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME)
     return _LATEST if mfsdp_fs.exists(latest) else None
+
+
+def decide_start(settings: Settings, resume: str | None, source: ModelSource) -> StartPoint:
+    """What the run starts from, checked: the checkpoint ``resume`` names (``--resume`` with
+    ``AUTO`` already resolved: a path, ``LATEST`` or None), else ``--init-from``'s, else nothing.
+    Rank 0 decides it for every rank (``cli.trainer``)."""
+    if resume:
+        return StartPoint("--resume", resume_point(settings, resume, source))
+    if settings.checkpoint.init_from:
+        return StartPoint("--init-from", checked_checkpoint(settings.checkpoint.init_from, source, "--init-from"))
+    return FRESH
 
 
 def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
@@ -174,31 +194,32 @@ def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
     return path
 
 
-def refuse_locked(args: argparse.Namespace) -> None:
+def refuse_locked(ckpt_dir: str | None) -> None:
     """Refuse a local ``--ckpt-dir`` another job is writing into (its writer lock held) before the
     start checkpoint is even read: that is the reason the run cannot go on, whatever the checkpoint
     says. Creates nothing; the lock itself is taken once the run is accepted."""
-    if args.ckpt_dir and mfsdp_fs.is_local(args.ckpt_dir):
+    if ckpt_dir and mfsdp_fs.is_local(ckpt_dir):
         try:
-            check_unlocked(args.ckpt_dir)
+            check_unlocked(ckpt_dir)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--ckpt-dir: {e}") from None
 
 
-def preflight(args: argparse.Namespace, world: int | None) -> None:
+def preflight(settings: Settings, world: int | None) -> None:
     """The launcher's check, before any rank starts, of the model and the start checkpoint it can read
     (``cli.train_preflight`` decides that it can), with the ranks' own functions: :func:`check_model`,
-    then :func:`resume_point` / :func:`checked_checkpoint`. Works on a copy of ``args``; UsageError."""
-    args = copy.copy(args)
-    refuse_locked(args)
-    if args.resume and not is_local(args.ckpt_dir if args.resume in (_LATEST, _AUTO) else args.resume):
-        args.resume = None  # an object store's: read by the ranks (only the --hf-model is checked here)
-    if args.resume == _AUTO:
-        args.resume = resolve_auto_resume(args)
-    if args.hf_model is not None:
-        check_hf_dir(args)
-    source = check_model(args, world)
-    if args.resume:
-        resume_point(args, source)
-    if args.init_from and is_local(args.init_from):
-        checked_checkpoint(args.init_from, source, "--init-from")
+    then :func:`resume_point` / :func:`checked_checkpoint`. UsageError."""
+    ckpt = settings.checkpoint
+    refuse_locked(ckpt.ckpt_dir)
+    resume = ckpt.resume
+    if resume and not is_local(ckpt.ckpt_dir if resume in (_LATEST, _AUTO) else resume):
+        resume = None  # an object store's: read by the ranks (only the --hf-model is checked here)
+    if resume == _AUTO:
+        resume = resolve_auto_resume(ckpt.ckpt_dir)
+    if settings.model.hf_model is not None:
+        check_hf_dir(settings)
+    source = check_model(settings, world, resume)
+    if resume:
+        resume_point(settings, resume, source)
+    if ckpt.init_from and is_local(ckpt.init_from):
+        checked_checkpoint(ckpt.init_from, source, "--init-from")

@@ -18,9 +18,10 @@ check (:func:`tensorboard_missing`) runs before any rank starts.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
+
+from .settings import Settings
 
 __all__ = ["MISSING", "TensorBoard", "tensorboard_missing", "open_tensorboard"]
 
@@ -81,10 +82,11 @@ class TensorBoard:
         self.writer.close()
 
 
-def open_tensorboard(args: argparse.Namespace, rank: int, start_step: int) -> TensorBoard | None:
+def open_tensorboard(settings: Settings, rank: int, start_step: int) -> TensorBoard | None:
     """The writer of a run that trains from ``start_step + 1``: rank 0's under ``--tensorboard``,
     else None."""
-    if not args.tensorboard or rank != 0:
+    directory = settings.logging.tensorboard
+    if not directory or rank != 0:
         return None
-    os.makedirs(args.tensorboard, exist_ok=True)
-    return TensorBoard(args.tensorboard, start_step + 1, args.batch_size * args.seq_len)
+    os.makedirs(directory, exist_ok=True)
+    return TensorBoard(directory, start_step + 1, settings.training.batch_size * settings.training.seq_len)

@@ -45,7 +45,7 @@ from mfsdp_ckpt.errors import shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.storage.objstore import check_writable_prefix
-from mfsdp_ckpt.tools import list_checkpoints
+from mfsdp_ckpt.tools.listing import list_checkpoints
 from mfsdp_core import (
     MixedPrecision,
     clip_grad_norm_,
@@ -64,98 +64,115 @@ from mfsdp_core.plan import DEFAULT_GROUP, mx_marked
 from .common import _human
 from .model_base import ModelSource
 from .run_config import run_config
+from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
 from .train_args import _AUTO, UsageError, check_flags
 from .train_launch import launched_by_us
 from .train_signals import EXIT_CODES, StopRequests, stop_signal
 from .train_start import (
     check_model,
-    checked_checkpoint,
+    decide_start,
     open_data,
     refuse_locked,
     resolve_auto_resume,
-    resume_point,
 )
 from .train_tensorboard import TensorBoard, open_tensorboard
 
 
-def check_args(args: argparse.Namespace, world: int) -> ModelSource:
-    """Validate flags before anything is built: what the flags decide alone
-    (:func:`cli.train_args.check_flags`), then what needs the model
-    (:func:`cli.train_start.check_model`: the model, CUDA, the data file), both the launcher's
-    pre-flight too, then what only a rank checks (an object-store ``--ckpt-dir``); returns the model source (``args.model``
-    becomes its name)."""
-    check_flags(args, world)
-    source = check_model(args, world)
-    if args.ckpt_dir and not mfsdp_fs.is_local(args.ckpt_dir):  # fail now, not at the first save
+def check_args(args: argparse.Namespace, world: int) -> tuple[Settings, ModelSource]:
+    """Validate the flags into the run's settings before anything is built: what the flags decide
+    alone (:func:`cli.train_args.check_flags`, which makes the frozen settings), then what needs
+    the model (:func:`cli.train_start.check_model`: the model, CUDA, the data file), both the
+    launcher's pre-flight too, then what only a rank checks (an object-store ``--ckpt-dir``);
+    returns the settings and the model source (whose ``name`` is the run's model name)."""
+    settings = check_flags(args, world)
+    source = check_model(settings, world, settings.checkpoint.resume)
+    ckpt_dir = settings.checkpoint.ckpt_dir
+    if ckpt_dir and not mfsdp_fs.is_local(ckpt_dir):  # fail now, not at the first save
         try:
-            check_writable_prefix(args.ckpt_dir)
+            check_writable_prefix(ckpt_dir)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--ckpt-dir {e}") from None
-    return source
+    return settings, source
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+def lr_at(step: int, training: TrainingSettings) -> float:
     """Linear warm-up to ``--lr``, then cosine decay to ``--min-lr`` at ``--steps``: a pure
     function of the step, so nothing about the schedule needs checkpointing."""
-    if step <= args.warmup:
-        return args.lr * step / max(args.warmup, 1)
-    progress = min((step - args.warmup) / max(args.steps - args.warmup, 1), 1.0)
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+    t = training
+    if step <= t.warmup:
+        return t.lr * step / max(t.warmup, 1)
+    progress = min((step - t.warmup) / max(t.steps - t.warmup, 1), 1.0)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def build(source: ModelSource, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(source: ModelSource, settings: Settings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The source's model, every unit ``fully_shard``-ed, and its sharded optimizer."""
-    mesh = init_expert_mesh(args.ep, source.num_experts) if args.ep > 1 else None
+    parallel, precision = settings.parallelism, settings.precision
+    mesh = init_expert_mesh(parallel.ep, source.num_experts) if parallel.ep > 1 else None
     groups: dict[str, Any] | None = None if mesh is None else dict(mesh.groups)
-    if args.dp_replicate > 1:
-        groups = {**(groups or {DEFAULT_GROUP: dist.group.WORLD}), **hsdp_groups(args.dp_replicate)}
-    model = source.build(args, mesh)  # whole on every rank (same seed), so that each expert starts as in one process
+    if parallel.dp_replicate > 1:
+        groups = {**(groups or {DEFAULT_GROUP: dist.group.WORLD}), **hsdp_groups(parallel.dp_replicate)}
+    # whole on every rank (same seed), so that each expert starts as in one process
+    model = source.build(settings.training.seed, mesh, settings.training.micro_batches)
     if torch.cuda.is_available():
         model = model.cuda()
-    place = source.placement(args.policy, mesh)
-    if args.mxfp8:
+    place = source.placement(parallel.policy, mesh)
+    if precision.mxfp8:
         weights = source.linear_weights(model)
         if not weights:
             raise UsageError(f"--mxfp8: not supported for {source.kind} models (docs/models.md)")
-        place = mx_marked(place, dict.fromkeys(map(id, weights), MXFormat(args.mxfp8, args.mx_rule)))
-    if args.dp_replicate > 1:
-        place = hsdp_placement(place, shard_optim_across_replicas=args.hfsdp)
-    mp = MixedPrecision(param_dtype=torch.bfloat16 if args.param_dtype == "bfloat16" else None)
+        place = mx_marked(place, dict.fromkeys(map(id, weights), MXFormat(precision.mxfp8, precision.mx_rule)))
+    if parallel.dp_replicate > 1:
+        place = hsdp_placement(place, shard_optim_across_replicas=parallel.hfsdp)
+    mp = MixedPrecision(param_dtype=torch.bfloat16 if precision.param_dtype == "bfloat16" else None)
     for unit in source.shard_units(model):
         try:
             fully_shard(
                 unit,
                 mesh=groups,
-                strategy=args.strategy,
+                strategy=parallel.strategy,
                 placement=place,
                 mixed_precision=mp,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
     source.after_shard(model)
-    if args.moe_aux_loss == "global":
+    _runtime_options(source, model, settings)
+    return model, fully_shard_optimizer(new_optimizer(model, settings))
+
+
+def _runtime_options(source: ModelSource, model: torch.nn.Module, settings: Settings) -> None:
+    """``--moe-aux-loss global`` and ``--comm-stream`` on the sharded model."""
+    if settings.parallelism.moe_aux_loss == "global":
         try:
             source.use_global_aux_loss(model)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if args.comm_stream:
+    if settings.parallelism.comm_stream:
         try:
             set_comm_stream(model, True)
         except ValueError as e:
             raise UsageError(f"--comm-stream: {e}") from None
-    if args.optimizer == "muon":
-        return model, fully_shard_optimizer(build_muon(model, args))
+
+
+def new_optimizer(model: torch.nn.Module, settings: Settings) -> torch.optim.Optimizer:
+    """``--optimizer``'s optimizer of ``model`` (not yet sharded): Muon (:func:`build_muon`), or
+    AdamW / SGD with decay on the 2-D weights only."""
+    if settings.optimizer.optimizer == "muon":
+        return build_muon(model, settings)
+    training = settings.training
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kind = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW
-    return model, fully_shard_optimizer(kind(groups, lr=args.lr))
+    groups = [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kind = torch.optim.SGD if settings.optimizer.optimizer == "sgd" else torch.optim.AdamW
+    return kind(groups, lr=training.lr)
 
 
-def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
+def build_muon(model: torch.nn.Module, settings: Settings) -> Muon:
     """Muon for the hidden matrices (``uses_muon``: every 2-D weight but the embedding and the
     output layer) at ``--muon-lr``, AdamW at ``--lr`` for the rest (no decay on 1-D weights).
     Every group follows the same schedule: its ``lr_ratio`` scales ``--lr``'s."""
+    lr, decay_by, muon_lr = settings.training.lr, settings.training.weight_decay, settings.optimizer.muon_lr
     muon, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
         (muon if uses_muon(name, p) else decay if p.ndim >= 2 else no_decay).append(p)
@@ -164,14 +181,14 @@ def build_muon(model: torch.nn.Module, args: argparse.Namespace) -> Muon:
             {
                 "params": muon,
                 "use_muon": True,
-                "lr": args.muon_lr,
-                "lr_ratio": args.muon_lr / args.lr,
-                "weight_decay": args.weight_decay,
+                "lr": muon_lr,
+                "lr_ratio": muon_lr / lr,
+                "weight_decay": decay_by,
             },
-            {"params": decay, "use_muon": False, "lr": args.lr, "weight_decay": args.weight_decay},
-            {"params": no_decay, "use_muon": False, "lr": args.lr, "weight_decay": 0.0},
+            {"params": decay, "use_muon": False, "lr": lr, "weight_decay": decay_by},
+            {"params": no_decay, "use_muon": False, "lr": lr, "weight_decay": 0.0},
         ],
-        ns_dtype=args.ns_dtype,
+        ns_dtype=settings.optimizer.ns_dtype,
     )
 
 
@@ -180,103 +197,111 @@ def memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def refuse_held_dir(args: argparse.Namespace) -> None:
+def refuse_held_dir(ckpt_dir: str | None, resumes: bool) -> None:
     """Rank 0, before anything is built: refuse a ``--ckpt-dir`` that already holds a run unless it
-    is resumed (starting again at step 0 would move ``latest`` back and replace equal step
-    numbers), and one another job is writing into (its writer lock held). Creates nothing."""
-    refuse_locked(args)
-    if args.ckpt_dir and not args.resume and mfsdp_fs.isdir(mfsdp_fs.normalize(args.ckpt_dir)):
-        _refuse_held(args)
+    is resumed (``resumes``; starting again at step 0 would move ``latest`` back and replace equal
+    step numbers), and one another job is writing into (its writer lock held). Creates nothing."""
+    refuse_locked(ckpt_dir)
+    if ckpt_dir and not resumes and mfsdp_fs.isdir(mfsdp_fs.normalize(ckpt_dir)):
+        _refuse_held(ckpt_dir)
 
 
-def claim_run_dir(args: argparse.Namespace, run: contextlib.ExitStack) -> None:
+def claim_run_dir(ckpt_dir: str | None, resumes: bool, run: contextlib.ExitStack) -> None:
     """Rank 0, once the run is accepted (its start checkpoint checked, the model built and loaded)
     and for the rest of it: hold the writer lock of ``--ckpt-dir``, creating it (a second job
     writing there is refused), and check again under the lock that it holds no other run. A
     refusal before this point leaves no directory behind. An object store has no lock: one job per
     prefix is the user's responsibility."""
-    if not args.ckpt_dir or not mfsdp_fs.is_local(args.ckpt_dir):
+    if not ckpt_dir or not mfsdp_fs.is_local(ckpt_dir):
         return
     try:
-        run.enter_context(mfsdp_ckpt.run_lock(args.ckpt_dir))
+        run.enter_context(mfsdp_ckpt.run_lock(ckpt_dir))
     except mfsdp_ckpt.CheckpointError as e:
         raise UsageError(f"--ckpt-dir: {e}") from None
-    if not args.resume:
-        _refuse_held(args)
+    if not resumes:
+        _refuse_held(ckpt_dir)
 
 
-def _refuse_held(args: argparse.Namespace) -> None:
-    held = [e.name for e in list_checkpoints(args.ckpt_dir) if e.committed]
+def _refuse_held(ckpt_dir: str) -> None:
+    held = [e.name for e in list_checkpoints(ckpt_dir) if e.committed]
     if held:
         raise UsageError(
-            f"--ckpt-dir {args.ckpt_dir} already holds checkpoints ({shown_list(held[::-1], 3)}); "
+            f"--ckpt-dir {ckpt_dir} already holds checkpoints ({shown_list(held[::-1], 3)}); "
             "pass --resume to continue that run, or choose another directory"
         )
 
 
-def train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
+def train(settings: Settings, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
     """Run the training; the exit code (0, or the code of the signal it stopped for)."""
-    if args.resume == _AUTO:
-        args.resume = rank0_decides(resolve_auto_resume, args)
-        if rank == 0 and args.resume is None:
-            print(f"--resume auto: no checkpoint in {args.ckpt_dir}, starting fresh", flush=True)
-    rank0_decides(refuse_held_dir, args)
-    # rank 0 picks the checkpoint for all: ranks resolving ``latest`` each by itself could pick
-    # different ones if it moves meanwhile (another job still writing into --ckpt-dir)
-    if args.resume:
-        args.resume = rank0_decides(resume_point, args, source)
-    if args.init_from:
-        args.init_from = rank0_decides(checked_checkpoint, args.init_from, source, "--init-from")
-    return _train(args, source, rank, world, stops)
+    start = start_point(settings, source, rank)
+    return _train(settings, source, start, rank, world, stops)
+
+
+def start_point(settings: Settings, source: ModelSource, rank: int) -> StartPoint:
+    """What the run starts from, decided once, by rank 0 for all (ranks resolving ``latest`` each
+    by itself could pick different ones if it moves meanwhile: another job still writing into
+    ``--ckpt-dir``): ``--resume auto`` resolved, a ``--ckpt-dir`` holding another run refused,
+    then the checkpoint checked (:func:`cli.train_start.decide_start`)."""
+    ckpt = settings.checkpoint
+    resume = ckpt.resume
+    if resume == _AUTO:
+        resume = rank0_decides(resolve_auto_resume, ckpt.ckpt_dir)
+        if rank == 0 and resume is None:
+            print(f"--resume auto: no checkpoint in {ckpt.ckpt_dir}, starting fresh", flush=True)
+    rank0_decides(refuse_held_dir, ckpt.ckpt_dir, bool(resume))
+    return rank0_decides(decide_start, settings, resume, source)
 
 
 def _start(
-    args: argparse.Namespace, source: ModelSource, model: torch.nn.Module, optim: Any, rank: int, world: int
+    start: StartPoint, source: ModelSource, model: torch.nn.Module, optim: Any, rank: int, world: int
 ) -> tuple[int, int]:
-    """Load what ``--resume`` / ``--init-from`` name into the fresh model; ``(step, data position)``.
+    """Load what the run starts from (``--resume`` / ``--init-from``'s checked checkpoint) into the
+    fresh model; ``(step, data position)``.
 
     Both load with ``atomic=False`` (read straight into place, one pass over the bytes): the model
     is freshly initialised, so a failed load loses nothing, and the run stops with its error."""
     step, position = 0, 0
-    if args.resume:
+    if start.resumes:
         try:
-            extra = mfsdp_ckpt.load(args.resume, model, optim, atomic=False)
+            extra = mfsdp_ckpt.load(start.path, model, optim, atomic=False)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
             raise UsageError(
-                f"--resume: {args.resume} holds no trainer state (extra.step, extra.data_position); "
+                f"--resume: {start.path} holds no trainer state (extra.step, extra.data_position); "
                 "it was not written by this trainer: start from its weights with --init-from instead"
             )
         step, position = extra["step"], extra["data_position"]
         source.resumed(extra)
         if rank == 0:
-            print(f"resumed from {args.resume} at step {step} (world size {world})", flush=True)
-    if args.init_from:
+            print(f"resumed from {start.path} at step {step} (world size {world})", flush=True)
+    elif start.flag == "--init-from":
         try:  # model weights only; the optimizer, step and data position start fresh
-            mfsdp_ckpt.load(args.init_from, model, None, restore_rng=False, atomic=False)
+            mfsdp_ckpt.load(start.path, model, None, restore_rng=False, atomic=False)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--init-from: {e}") from None
         if rank == 0:
-            print(f"initialised from the weights of {args.init_from} (world size {world})", flush=True)
+            print(f"initialised from the weights of {start.path} (world size {world})", flush=True)
     return step, position
 
 
-def _train(args: argparse.Namespace, source: ModelSource, rank: int, world: int, stops: StopRequests) -> int:
+def _train(
+    settings: Settings, source: ModelSource, start: StartPoint, rank: int, world: int, stops: StopRequests
+) -> int:
     """Build, load and train (the start checkpoint already checked); the exit code."""
-    if args.mxfp8:
+    if settings.precision.mxfp8:
         prepare_native_kernel(rank)
-    model, optim = build(source, args)
+    model, optim = build(source, settings)
     device = next(model.parameters()).device
-    data = open_data(args, source)
-    step, position = _start(args, source, model, optim, rank, world)
+    data = open_data(settings, source)
+    step, position = _start(start, source, model, optim, rank, world)
     with contextlib.ExitStack() as run:
-        rank0_decides(claim_run_dir, args, run)
-        return _loop(args, source, rank, world, stops, (model, optim, data, device), step, position)
+        rank0_decides(claim_run_dir, settings.checkpoint.ckpt_dir, start.resumes, run)
+        return _loop(settings, source, rank, world, stops, (model, optim, data, device), step, position)
 
 
 def _loop(
-    args: argparse.Namespace,
+    settings: Settings,
     source: ModelSource,
     rank: int,
     world: int,
@@ -288,13 +313,14 @@ def _loop(
     """The accepted run, from ``step``: its header, the steps, the saves, its last line."""
     model, optim, data, device = built
     if rank == 0:
-        for line in run_header(args, source, world):
+        for line in run_header(settings, source, world):
             print(line, flush=True)
-    last = min(args.steps, args.stop_at or args.steps)
+    training = settings.training
+    last = min(training.steps, training.stop_at or training.steps)
     bar = _progress(rank, step, last)
-    saving = _AsyncSaves(rank, bar) if args.async_save else None
-    loop = _Loop(args, source, rank, world, model, optim, data, device, bar, saving, stops)
-    loop.tb = open_tensorboard(args, rank, step)  # --tensorboard: rank 0's curves (None elsewhere)
+    saving = _AsyncSaves(rank, bar) if settings.checkpoint.async_save else None
+    loop = _Loop(settings, source, rank, world, model, optim, data, device, bar, saving, stops)
+    loop.tb = open_tensorboard(settings, rank, step)  # --tensorboard: rank 0's curves (None elsewhere)
     if saving is not None:
         saving.tb = loop.tb
     try:
@@ -309,49 +335,51 @@ def _loop(
     if bar is not None:
         bar.close()
     if rank == 0:
-        print(stop_reason(args, step, done, stopped_by), flush=True)
+        print(stop_reason(settings, step, done, stopped_by), flush=True)
     return 0 if stopped_by is None else EXIT_CODES[stopped_by]
 
 
-def run_header(args: argparse.Namespace, source: ModelSource, world: int) -> list[str]:
+def run_header(settings: Settings, source: ModelSource, world: int) -> list[str]:
     """What the run trains and how: every setting that changes the maths or the layout."""
-    ep = f", EP {args.ep} x expert-data-parallel {world // args.ep}" if args.ep > 1 else ""
-    if args.dp_replicate > 1:
-        ep += f", {'HFSDP' if args.hfsdp else 'HSDP'} {args.dp_replicate} replicas x {world // args.dp_replicate}"
+    par, pre, t = settings.parallelism, settings.precision, settings.training
+    ep = f", EP {par.ep} x expert-data-parallel {world // par.ep}" if par.ep > 1 else ""
+    if par.dp_replicate > 1:
+        ep += f", {'HFSDP' if par.hfsdp else 'HSDP'} {par.dp_replicate} replicas x {world // par.dp_replicate}"
     kind = "" if source.kind == "mfsdp-gpt" else f" ({source.kind})"
-    policy = f"policy {args.policy}"
-    if args.mxfp8:
+    policy = f"policy {par.policy}"
+    if pre.mxfp8:
         policy += ", MXFP8 linear weights block(32)"
     dtype = {"float32": "fp32", "bfloat16": "bf16 (main params, optimizer state, reductions fp32)"}
-    mx = f", MXFP8 {args.mxfp8} weights (scale rule {args.mx_rule})" if args.mxfp8 else ""
-    if args.optimizer == "muon":
-        optimizer = (
-            f"muon (lr {args.muon_lr:g}, Newton-Schulz {args.ns_dtype}) for hidden matrices, adamw (lr {args.lr:g}) "
-            "for the rest"
-        )
-    else:
-        optimizer = f"{args.optimizer} (lr {args.lr:g})"
-    aux = ", MoE aux loss over all ranks' tokens" if args.moe_aux_loss == "global" else ""
+    mx = f", MXFP8 {pre.mxfp8} weights (scale rule {pre.mx_rule})" if pre.mxfp8 else ""
+    aux = ", MoE aux loss over all ranks' tokens" if par.moe_aux_loss == "global" else ""
     return [
-        f"model {args.model}{kind}, {source.n_params():,} parameters, "
-        f"world size {world}{ep}, strategy {args.strategy}, {policy}",
-        f"precision compute {dtype[args.param_dtype]}{mx}; optimizer {optimizer}, min lr {args.min_lr:g}, "
-        f"warm-up {args.warmup}, weight decay {args.weight_decay:g}, clip {args.clip:g}{aux}",
-        f"data {args.data or 'synthetic'}, batch {args.batch_size} x {args.seq_len} tokens"
-        f"{f' in {args.micro_batches} micro-batches' if args.micro_batches > 1 else ''}, {args.steps} steps, "
-        f"seed {args.seed}",
-        _checkpoint_line(args),
+        f"model {source.name}{kind}, {source.n_params():,} parameters, "
+        f"world size {world}{ep}, strategy {par.strategy}, {policy}",
+        f"precision compute {dtype[pre.param_dtype]}{mx}; optimizer {_optimizer_words(settings)}, "
+        f"min lr {t.min_lr:g}, warm-up {t.warmup}, weight decay {t.weight_decay:g}, clip {t.clip:g}{aux}",
+        f"data {settings.data.data or 'synthetic'}, batch {t.batch_size} x {t.seq_len} tokens"
+        f"{f' in {t.micro_batches} micro-batches' if t.micro_batches > 1 else ''}, {t.steps} steps, "
+        f"seed {t.seed}",
+        _checkpoint_line(settings.checkpoint),
     ]
 
 
-def _checkpoint_line(args: argparse.Namespace) -> str:
+def _optimizer_words(settings: Settings) -> str:
+    """The header's optimizer: its name and learning rate(s)."""
+    opt, lr = settings.optimizer, settings.training.lr
+    if opt.optimizer == "muon":
+        return f"muon (lr {opt.muon_lr:g}, Newton-Schulz {opt.ns_dtype}) for hidden matrices, adamw (lr {lr:g}) for the rest"
+    return f"{opt.optimizer} (lr {lr:g})"
+
+
+def _checkpoint_line(ckpt: CheckpointSettings) -> str:
     """Where the run saves: said once, so that a run without ``--ckpt-dir`` (a resume from a path,
     say) does not look as if it saved."""
-    if not args.ckpt_dir:
+    if not ckpt.ckpt_dir:
         return "checkpoints: none (no --ckpt-dir: this run saves nothing)"
-    every = f"every {args.save_every} steps and at the end" if args.save_every else "at the end"
-    keep = f", keeping the newest {args.keep}" if args.keep else ""
-    return f"checkpoints: {args.ckpt_dir}, {every}{keep}{' (async)' if args.async_save else ''}"
+    every = f"every {ckpt.save_every} steps and at the end" if ckpt.save_every else "at the end"
+    keep = f", keeping the newest {ckpt.keep}" if ckpt.keep else ""
+    return f"checkpoints: {ckpt.ckpt_dir}, {every}{keep}{' (async)' if ckpt.async_save else ''}"
 
 
 def prepare_native_kernel(rank: int) -> None:
@@ -365,37 +393,34 @@ def prepare_native_kernel(rank: int) -> None:
         print(f"native MXFP8 kernel unavailable: {mx_native.unavailable_reason(device)}", flush=True)
 
 
-def last_checkpoint(args: argparse.Namespace) -> str:
-    """Where an interrupted run can go on from: its last committed checkpoint."""
-    if not args.ckpt_dir:
+def last_checkpoint(ckpt_dir: str | None) -> str:
+    """Where an interrupted run can go on from: its last committed checkpoint in ``ckpt_dir``."""
+    if not ckpt_dir:
         return "no --ckpt-dir, so there is no checkpoint to continue from"
     try:
-        committed = [e for e in list_checkpoints(args.ckpt_dir) if e.committed]
+        committed = [e for e in list_checkpoints(ckpt_dir) if e.committed]
     except (mfsdp_ckpt.CheckpointError, OSError):
         committed = []
     if not committed:
-        return f"no committed checkpoint in {args.ckpt_dir} yet"
+        return f"no committed checkpoint in {ckpt_dir} yet"
     return f"last checkpoint {committed[-1].name} (committed); continue with --resume"
 
 
-def stop_reason(args: argparse.Namespace, first: int, done: int, stopped_by: signal.Signals | None = None) -> str:
+def stop_reason(settings: Settings, first: int, done: int, stopped_by: signal.Signals | None = None) -> str:
     """The run's last line: why it stopped, and how to go on when it can."""
+    ckpt_dir, steps, stop_at = settings.checkpoint.ckpt_dir, settings.training.steps, settings.training.stop_at
     if stopped_by == signal.SIGINT:
-        return f"interrupted at step {done}; {last_checkpoint(args)}"
+        return f"interrupted at step {done}; {last_checkpoint(ckpt_dir)}"
     if stopped_by == signal.SIGTERM:
-        saved = f"saved step_{done:06d}; continue with --resume" if args.ckpt_dir else last_checkpoint(args)
+        saved = f"saved step_{done:06d}; continue with --resume" if ckpt_dir else last_checkpoint(ckpt_dir)
         return f"stopped by SIGTERM after step {done}: {saved}"
     if done == first:
-        limit = (
-            f"--stop-at {args.stop_at}"
-            if args.stop_at is not None and args.stop_at < args.steps
-            else f"--steps {args.steps}"
-        )
+        limit = f"--stop-at {stop_at}" if stop_at is not None and stop_at < steps else f"--steps {steps}"
         return f"nothing to do: the run is already at step {first} ({limit})"
-    if done >= args.steps:
-        return f"finished: step {done} of {args.steps}"
-    how = "continue with --resume" if args.ckpt_dir else "no --ckpt-dir, so there is no checkpoint to continue from"
-    return f"stopped at step {done} of {args.steps}: reached --stop-at {args.stop_at}; {how}"
+    if done >= steps:
+        return f"finished: step {done} of {steps}"
+    how = "continue with --resume" if ckpt_dir else "no --ckpt-dir, so there is no checkpoint to continue from"
+    return f"stopped at step {done} of {steps}: reached --stop-at {stop_at}; {how}"
 
 
 class _Loop:
@@ -406,7 +431,7 @@ class _Loop:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        settings: Settings,
         source: ModelSource,
         rank: int,
         world: int,
@@ -418,30 +443,30 @@ class _Loop:
         saving: _AsyncSaves | None,
         stops: StopRequests,
     ) -> None:
-        self.args, self.source, self.rank, self.world = args, source, rank, world
+        self.settings, self.source, self.rank, self.world = settings, source, rank, world
         self.model, self.optim, self.data, self.device = model, optim, data, device
         self.bar, self.saving, self.stops = bar, saving, stops
         self.window = _StepTimes()
 
     def run(self, step: int, position: int, last: int) -> tuple[int, signal.Signals | None]:
         """Train to ``last``; the last step done, and the signal that stopped the run early if one did."""
-        args = self.args
+        settings, ckpt = self.settings, self.settings.checkpoint
         while step < last:
             step += 1
             self.stops.step = step
             start = time.perf_counter()
-            lr = lr_at(step, args)
+            lr = lr_at(step, settings.training)
             position, mean_loss, grad_norm, stop = self.step(step, position, lr)
             seconds = time.perf_counter() - start
             self.window.add(seconds)
             if self.rank == 0:
-                _report(args, self.bar, step, last, mean_loss, lr, grad_norm, self.window)
+                _report(settings, self.bar, step, last, mean_loss, lr, grad_norm, self.window)
             if self.tb is not None:
                 self.tb.step(step, mean_loss, lr, grad_norm, seconds)
             if self.saving is not None:
                 self.saving.poll()
-            due = args.ckpt_dir and ((args.save_every and step % args.save_every == 0) or step == last)
-            if due or (stop == signal.SIGTERM and args.ckpt_dir):
+            due = ckpt.ckpt_dir and ((ckpt.save_every and step % ckpt.save_every == 0) or step == last)
+            if due or (stop == signal.SIGTERM and ckpt.ckpt_dir):
                 self.save(step, position)
             if stop is not None:
                 return step, stop
@@ -449,7 +474,8 @@ class _Loop:
 
     def step(self, step: int, position: int, lr: float) -> tuple[int, float, float, signal.Signals | None]:
         """One optimizer step at ``lr``; ``(next data position, mean loss, grad norm, stop signal)``."""
-        args, per_rank = self.args, self.args.batch_size // self.world
+        training = self.settings.training
+        per_rank = training.batch_size // self.world
         for group in self.optim.param_groups:
             group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
         try:  # this rank's slice of the global batch (samples are a pure function of their index)
@@ -457,12 +483,12 @@ class _Loop:
         except ValueError as e:  # a token id outside the vocabulary
             raise UsageError(str(e)) from None
         loss_sum = torch.zeros((), device=self.device)
-        for micro in tokens.chunk(args.micro_batches):
+        for micro in tokens.chunk(training.micro_batches):
             logits, aux_loss = self.source.forward(self.model, micro[:, :-1], micro[:, 1:])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
-            ((loss + aux_loss) / args.micro_batches).backward()
-            loss_sum += loss.detach() / args.micro_batches
-        grad_norm = clip_grad_norm_(self.optim, args.clip)
+            ((loss + aux_loss) / training.micro_batches).backward()
+            loss_sum += loss.detach() / training.micro_batches
+        grad_norm = clip_grad_norm_(self.optim, training.clip)
         self.optim.step()
         self.source.after_step(self.model)
         self.optim.zero_grad()
@@ -471,24 +497,24 @@ class _Loop:
         if dist.is_initialized():
             dist.all_reduce(totals)
         summed = totals.tolist()
-        return position + args.batch_size, summed[0] / self.world, grad_norm.item(), stop_signal(summed[1:])
+        return position + training.batch_size, summed[0] / self.world, grad_norm.item(), stop_signal(summed[1:])
 
     def save(self, step: int, position: int) -> None:
         """Checkpoint ``step`` into ``--ckpt-dir`` (in the background under ``--async-save``)."""
-        args, source = self.args, self.source
+        ckpt, source = self.settings.checkpoint, self.source
         save = _timed_save if self.saving is None else self.saving.start
         started = time.perf_counter()
         try:
             line = save(
-                mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"),
+                mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}"),
                 self.model,
                 self.optim,
-                extra={"step": step, "data_position": position, "model": args.model, **source.extra()},
+                extra={"step": step, "data_position": position, "model": source.name, **source.extra()},
                 model_config=source.model_config(),
                 model_source=source.record(),
-                run_config=run_config(args),
+                run_config=run_config(self.settings, source.name),
                 step=step,
-                keep=args.keep,
+                keep=ckpt.keep,
                 overwrite=True,
             )
         except mfsdp_ckpt.CheckpointError as e:
@@ -496,7 +522,7 @@ class _Loop:
         if line is not None and self.rank == 0:
             _log(self.bar, line)
         if line is not None and self.tb is not None:
-            self.tb.save(mfsdp_fs.join(args.ckpt_dir, f"step_{step:06d}"), time.perf_counter() - started)
+            self.tb.save(mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}"), time.perf_counter() - started)
 
 
 def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
@@ -598,7 +624,7 @@ def _progress(rank: int, step: int, steps: int) -> Any:
 
 
 def _report(
-    args: argparse.Namespace,
+    settings: Settings,
     bar: Any,
     step: int,
     last: int,
@@ -607,15 +633,16 @@ def _report(
     grad_norm: float,
     window: _StepTimes,
 ) -> None:
-    if args.metrics:
-        with open(args.metrics, "a") as f:
+    logging, training = settings.logging, settings.training
+    if logging.metrics:
+        with open(logging.metrics, "a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}) + "\n")
-    if step % args.log_every == 0 or step == last:
+    if step % logging.log_every == 0 or step == last:
         mean = window.take()
         _log(
             bar,
             f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad-norm {grad_norm:.3f} | "
-            f"{mean * 1e3:,.1f} ms/step | {args.batch_size * args.seq_len / mean:,.0f} tok/s | "
+            f"{mean * 1e3:,.1f} ms/step | {training.batch_size * training.seq_len / mean:,.0f} tok/s | "
             f"peak-rss {memory_mib():,.0f} MiB",
         )
     if bar is not None:
@@ -638,19 +665,23 @@ def run(args: argparse.Namespace) -> int:
     stops = StopRequests()
     stops.install()
     try:
-        source = check_args(args, world)
+        settings, source = check_args(args, world)
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        return train(args, source, rank, world, stops)
+        return train(settings, source, rank, world, stops)
     except UsageError as e:
         stops.uninstall()  # torchrun's SIGTERM must end a waiting rank (see _report_refusal)
         _report_refusal(str(e), rank)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stopped where it was (our launcher says it for the job)
         if rank == 0 and not launched_by_us():
-            print(f"interrupted during step {stops.step + 1}; {last_checkpoint(args)}", file=sys.stderr, flush=True)
+            print(
+                f"interrupted during step {stops.step + 1}; {last_checkpoint(args.ckpt_dir)}",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_CODES[signal.SIGINT]
     finally:
         stops.uninstall()

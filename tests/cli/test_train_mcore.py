@@ -166,7 +166,6 @@ def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
     ``load_state_dict(strict=True)``; save to ``out`` the fp32 logits before and after the load,
     the keys asked for, the mismatches, the common state's keys, the loaded optimizer tensors by
     parameter name, and the optimizer's common state (sharding type, param groups)."""
-    import argparse
 
     import torch
     from megatron.core import dist_checkpointing
@@ -178,7 +177,7 @@ def _megatron_load_and_logits(jobs: list[tuple[str, str, str]]) -> None:
     from mfsdp_core.models import mcore
 
     for config, mcore_dir, out in jobs:
-        model = McoreSource.from_file(config).build(argparse.Namespace(seed=FRESH_SEED, micro_batches=1), None).eval()
+        model = McoreSource.from_file(config).build(FRESH_SEED, None, micro_batches=1).eval()
         tokens = _tokens()
         with torch.no_grad():
             before = mcore.forward(model, tokens)[0]

@@ -89,7 +89,7 @@ def _readers(ckpt: str, clean: str, tmp: str) -> dict[str, Callable[[], Any]]:
 
     def resume() -> None:
         from cli.model_source import GPTSource
-        from cli.trainer import UsageError, checked_checkpoint
+        from cli.train_start import UsageError, checked_checkpoint
 
         try:
             checked_checkpoint(ckpt, GPTSource(GPTConfig.from_dict(MODEL_CONFIG), "custom"), "--resume")
