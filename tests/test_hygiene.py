@@ -170,7 +170,9 @@ ENTRY_POINTS = [
     ("mfsdp_core/fully_shard.py", "fully_shard"),
     ("mfsdp_core/optim.py", "fully_shard_optimizer"),
     ("mfsdp_ckpt/hf/import_.py", "import_"),
-    # the write path's save, async_save and hf export: added with the write-path rewrite of issue 53
+    ("mfsdp_ckpt/sharded/save.py", "save"),
+    ("mfsdp_ckpt/sharded/async_save.py", "async_save"),
+    ("mfsdp_ckpt/hf/export.py", "export"),
 ]
 
 

@@ -551,32 +551,34 @@ def export(
     model (``model_source`` kind ``transformers``: the trainer's ``--hf-model``) is written as
     that model's ``save_pretrained`` writes it, under its own names (fused experts per expert),
     with its recorded ``config.json`` and the generation config and tokenizer files it carries.
-
-    ``arch``: an architecture name (``mfsdp_ckpt.hf.architectures()``); default: the one the
-    checkpoint was imported from, else the only one that can express the model config. ``dtype``:
-    ``bfloat16`` / ``float16`` / ``float32`` (default: the checkpoint's). Where the checkpoint
-    holds fp32 master weights (``optim.<fqn>.main_param``, bf16 training) they are the source.
-
-    ``mode`` (MXFP8 checkpoints, see docs/hf.md): ``"weights"`` (default) exports the weights as
-    above, MX ones included; ``"from-mx"`` exports each MX parameter's rowwise planes dequantized
-    (what the model computed with), cast to ``dtype``; ``"mx"`` exports them raw: ``…weight`` in
-    F8_E4M3 / F8_E5M2 and ``…weight_scale_inv`` in F8_E8M0, with a ``quantization_config``
-    (transformers' ``mxfp8``) in ``config.json``; every other tensor as in ``"weights"``.
-
+    Where the checkpoint holds fp32 master weights (``optim.<fqn>.main_param``) they are the source.
     Collective when ``torch.distributed`` is initialised: every rank calls it with the same
     arguments and writes its share of the shard files (by bytes, the same assignment on every
     rank); rank 0 writes the index and config after all are done. ``out`` appears only when
     complete (a temporary sibling is renamed); on any error, on any rank, nothing is left at
     ``out``: the rank that failed raises its error, the others
-    :class:`~mfsdp_ckpt.write.agreement.JobFailedElsewhere` naming it. ``progress(done, total)`` gets
-    this rank's bytes written so far.
+    :class:`~mfsdp_ckpt.errors.JobFailedElsewhere` naming it.
 
-    ``model_config``: the model shape (``model_config`` as a manifest records it) of a
-    checkpoint whose manifest records none, e.g. one made by ``convert --to dcp`` from a bare file.
+    Args:
+        checkpoint: the canonical checkpoint (a directory, its run directory, a URL).
+        out: the HF model directory to write (a local path).
+        arch: an architecture name (``mfsdp_ckpt.hf.architectures()``); default: the one the
+            checkpoint was imported from, else the only one that can express the model config.
+        dtype: ``bfloat16`` / ``float16`` / ``float32`` (default: the checkpoint's).
+        max_shard_size: the largest safetensors file (``"5GB"``, or bytes).
+        overwrite: replace an existing HF directory at ``out``.
+        progress: ``progress(done, total)`` gets this rank's bytes written so far.
+        mode: MXFP8 checkpoints (docs/hf.md): ``"weights"`` (default) as above, MX ones included;
+            ``"from-mx"`` each MX parameter's rowwise planes dequantized, cast to ``dtype``;
+            ``"mx"`` them raw (F8 weights, E8M0 ``weight_scale_inv``, transformers' ``mxfp8``
+            ``quantization_config``).
+        workers: threads converting and writing at once on each rank (default ``min(4, CPUs)``);
+            the files are the same bytes for any number; each holds at most its largest tensor.
+        model_config: the model shape (as a manifest records it) of a checkpoint whose manifest
+            records none (e.g. ``convert --to dcp`` of a bare file).
 
-    ``workers``: threads converting and writing at once on each rank (default ``min(4, CPUs)``);
-    each converts whole tensors into their planned places, so the files are the same bytes for
-    any number. Each holds at most its largest tensor (and, casting, its largest cast piece).
+    Returns:
+        What was written (path, architecture, files, tensors, bytes, seconds).
     """
     if is_mcore(checkpoint):
         raise ConversionError(

@@ -437,15 +437,19 @@ def async_save(
     Collective: every rank calls it at the same point. Arguments and the checkpoint written are
     those of :func:`mfsdp_ckpt.save`; it holds the state at the call.
 
-    Before returning, on every rank alike: the previous asynchronous save is waited for; if it
-    failed and its error was not yet raised by its handle's ``result()``, that error is raised
-    here (one line naming both saves) and this save is not started: nothing of it is checked,
-    copied or written, and calling ``async_save`` again starts it. Then ``save``'s refusals (a
-    URL, ``keep`` < 1, a destination that exists or would lose data, another job's lock, …) raise
-    as ``save`` raises them. Until the background copy is done, the runtime's writes of the
+    Before returning, on every rank alike: the previous asynchronous save is waited for (its
+    error, if no ``result()`` raised it yet, is raised here and this save is not started), then
+    ``save``'s refusals raise as ``save`` raises them. Until the background copy is done, the runtime's writes of the
     state (the optimizer step first) wait for it (:mod:`mfsdp_core.fence`); your own writes of
     the model's or optimizer's tensors must call ``handle.wait_staged()`` first. Call
     ``result()`` on the last handle before the process group goes.
+
+    Args:
+        path, model, optimizer, extra, include_grads, model_config, run_config, step, keep,
+        update_latest, overwrite, thread_count, model_source, each as for :func:`mfsdp_ckpt.save`.
+
+    Returns:
+        The save's handle (``result()`` waits for the commit and raises its one-line error).
     """
     started = time.perf_counter()
     check_save_arguments(path, keep)

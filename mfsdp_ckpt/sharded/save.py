@@ -60,28 +60,39 @@ def save(
     run_config: dict[str, Any] | None = None,
     model_source: dict[str, Any] | None = None,
 ) -> str:
-    """Save ``model`` (and ``optimizer``, adapted by ``fully_shard_optimizer``) to the directory
-    ``path``, atomically. Collective: every rank of the model's mesh calls it.
+    """Save ``model`` (and ``optimizer``) to the directory ``path``, atomically. Collective: every
+    rank of the model's mesh calls it. An asynchronous save of this process still in flight
+    (:func:`mfsdp_ckpt.async_save`) is waited for first (its handle reports its outcome). Each
+    rank's torch RNG state is saved too. Under expert parallelism each rank's experts are stored
+    under their global names, the manifest records the plan merged over all ranks and
+    ``writer.experts`` (which EP rank held which experts), and ``optim.param_groups`` names every
+    rank's parameters.
 
-    ``extra``: JSON-like values saved as ``extra.<name>`` (taken from rank 0; loaded with
-    ``weights_only=True``, so plain types and tensors only). Each rank's torch RNG state is saved
-    too. ``include_grads`` adds ``grad.<fqn>`` (e.g. mid gradient-accumulation). ``model_source``
-    (what the weights belong to and what rebuilds the model: :mod:`mfsdp_ckpt.format.model_source`;
-    without it, ``model_config`` is recorded as a reference ``GPTModel``'s, and a ``transformers``
-    model records its class and config), ``model_config``,
-    ``step`` and ``run_config`` (the settings a resumed run must keep: a trainer compares them) go
-    into the manifest. After the commit, ``<parent>/latest`` names this checkpoint
-    (``update_latest``) and, with ``keep=K``, only the newest K committed checkpoints in the parent
-    remain. Under expert parallelism each rank's experts are stored under their global names,
-    the manifest records the plan merged over all ranks and ``writer.experts`` (which EP rank held
-    which experts), and ``optim.param_groups`` names every rank's parameters. Returns the
-    checkpoint directory. An asynchronous save of this process still in flight
-    (:func:`mfsdp_ckpt.async_save`) is waited for first (its handle reports its outcome).
+    Args:
+        path: the checkpoint directory, or an fsspec URL (``s3://bucket/run/step_10``): each rank
+            uploads its data file straight to that prefix and rank 0 commits by writing
+            ``mfsdp.json`` last. No run-directory lock there: one writer per prefix is the
+            caller's responsibility (docs/checkpoint.md).
+        model: the ``fully_shard``-ed model.
+        optimizer: its optimizer, adapted by ``fully_shard_optimizer``, or None.
+        extra: JSON-like values saved as ``extra.<name>`` (taken from rank 0; loaded with
+            ``weights_only=True``, so plain types and tensors only).
+        include_grads: add ``grad.<fqn>`` (e.g. mid gradient-accumulation).
+        model_config: recorded in the manifest; without ``model_source`` it is recorded as a
+            reference ``GPTModel``'s (a ``transformers`` model records its class and config).
+        step: recorded in the manifest.
+        keep: after the commit only the newest ``keep`` committed checkpoints in the parent remain.
+        update_latest: after the commit ``<parent>/latest`` names this checkpoint.
+        overwrite: replace an existing checkpoint at ``path`` (on an object store the old one is
+            un-committed first: its ``mfsdp.json`` deleted before anything else).
+        thread_count: writer threads (data files) per rank.
+        run_config: the settings a resumed run must keep (a trainer compares them), recorded in
+            the manifest.
+        model_source: what the weights belong to and what rebuilds the model
+            (:mod:`mfsdp_ckpt.format.model_source`), recorded in the manifest.
 
-    ``path`` may be an fsspec URL (``s3://bucket/run/step_10``): each rank uploads its data file
-    straight to that prefix and rank 0 commits by writing ``mfsdp.json`` last; ``overwrite`` first
-    un-commits the old checkpoint (see :func:`_prepare_remote`). No run-directory lock there: one
-    writer per prefix is the caller's responsibility (docs/checkpoint.md).
+    Returns:
+        The checkpoint directory.
     """
     wait_for_async_save()
     with contextlib.ExitStack() as lock:
