@@ -89,15 +89,6 @@ def _sources() -> list[str]:
 
 # ---- data-file names in format/names.py -----------------------------------------------------------
 
-#: the write path's own name builders, left to the write-path rewrite of issue 53 (remove these then)
-DATA_FILE_PENDING = (
-    "mfsdp_ckpt/write/builder.py",
-    "mfsdp_ckpt/write/dcp_writer.py",
-    "mfsdp_ckpt/storage/objstore.py",
-    "mfsdp_ckpt/tools/convert.py",
-)
-
-
 def _code_strings(tree: ast.Module) -> list[str]:
     """The string constants of ``tree`` but its docstrings (f-strings' literal parts included)."""
     docs = {
@@ -124,7 +115,6 @@ def test_data_file_names_are_built_in_format_names():
         path
         for path in _sources()
         if path != "mfsdp_ckpt/format/names.py"
-        and not path.startswith(DATA_FILE_PENDING)
         and any(".distcp" in s or s == "__" for s in _code_strings(ast.parse((ROOT / path).read_text())))
     )
     assert not builders, builders

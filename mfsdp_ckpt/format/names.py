@@ -23,6 +23,7 @@ __all__ = [
     "REPLACED_MARK",
     "MCORE_METADATA_NAME",
     "DATA_FILE_SUFFIX",
+    "is_dcp_data_file",
     "dcp_data_file",
     "dcp_data_file_rank",
     "shown",
@@ -45,6 +46,12 @@ def dcp_data_file(rank: int, n: int = 0) -> str:
     """The name DCP gives the ``n``-th data file of writer ``rank``: ``__{rank}_{n}.distcp``
     (an offline tool writes as rank 0 and numbers its files; a save's ranks write one each)."""
     return f"__{rank}_{n}{DATA_FILE_SUFFIX}"
+
+
+def is_dcp_data_file(name: str) -> bool:
+    """Whether ``name`` is a data file name DCP gives, ``__<rank>_<n>.distcp``."""
+    found = _DATA_FILE_AT_END.search(name)
+    return found is not None and found.start() == 0
 
 
 def dcp_data_file_rank(path: str) -> int | None:

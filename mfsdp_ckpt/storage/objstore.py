@@ -25,7 +25,6 @@ import contextlib
 import io
 import os
 import posixpath
-import re
 import tempfile
 import uuid
 from typing import IO, Any, Iterator
@@ -33,14 +32,13 @@ from typing import IO, Any, Iterator
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_ckpt.format.names import MANIFEST_NAME
+from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, is_dcp_data_file
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.remote import SPOOL_BYTES, filesystem, reason, retrying, upload
 
 __all__ = ["RemoteFileSystem", "check_writable_prefix", "bucket_of", "remove_uncommitted", "is_checkpoint_file"]
 
 _BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")  # stores whose first path part is a bucket
-_DCP_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp)$")
 
 
 class _UploadStream:
@@ -218,7 +216,7 @@ def check_writable_prefix(url: str) -> None:
 
 def is_checkpoint_file(name: str) -> bool:
     """A file name a DCP save writes (``.metadata``, ``__<rank>_<n>.distcp``)."""
-    return bool(_DCP_FILE.match(name))
+    return name in (METADATA_NAME, METADATA_NAME + ".tmp") or is_dcp_data_file(name)
 
 
 def remove_uncommitted(parent: str, only: str | None = None) -> list[str]:

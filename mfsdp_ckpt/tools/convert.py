@@ -26,7 +26,7 @@ from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckp
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.manifest_schema import key_problem
-from mfsdp_ckpt.format.names import shown
+from mfsdp_ckpt.format.names import dcp_data_file, shown
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.mapped import MappedReader
@@ -205,7 +205,7 @@ def _plan_fsdp2(
     for k, n in zip(files, sizes):
         per_file[k] += n
     mine = set(job.mine(per_file))
-    return reader, [(key, f"__0_{k}.distcp") for key, k in zip(keys, files) if k in mine]
+    return reader, [(key, dcp_data_file(0, k)) for key, k in zip(keys, files) if k in mine]
 
 
 def _write_fsdp2_entries(

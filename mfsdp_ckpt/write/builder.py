@@ -12,7 +12,6 @@ import io
 import math
 import os
 import pickle
-import re
 import sys
 import uuid
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.format.manifest import completed
-from mfsdp_ckpt.format.names import METADATA_NAME
+from mfsdp_ckpt.format.names import METADATA_NAME, dcp_data_file, is_dcp_data_file
 from mfsdp_ckpt.read.chunks import (
     coverage_faults,
 )
@@ -64,17 +63,14 @@ class ChunkRecord:
     crc32c: int
 
 
-_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
-
-
 def data_file_name(file: int | str) -> str:
     """The name of data file ``file``: ``__{file}_0.distcp`` for an index (the file of writer
     rank ``file``, as DCP names it), or ``file`` itself, a name of DCP's form
     ``__<rank>_<n>.distcp`` (``__0_3.distcp``: the fourth file of a one-process writer)."""
     if isinstance(file, int):
-        return f"__{file}_0.distcp"
-    if not _DATA_FILE.fullmatch(file):
-        raise CheckpointError(f"data file name {file!r}: expected __<rank>_<n>.distcp")
+        return dcp_data_file(file)
+    if not is_dcp_data_file(file):
+        raise CheckpointError(f"data file name {file!r}: expected {dcp_data_file('<rank>', '<n>')}")
     return file
 
 

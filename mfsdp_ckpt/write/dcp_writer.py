@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
     FileSystem,
     FileSystemBase,
     FileSystemWriter,
@@ -39,7 +38,7 @@ from torch.futures import Future
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.manifest import indexed
-from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
+from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, dcp_data_file
 from mfsdp_ckpt.format.record_table import DataFile, Record, encode_table, table_crc
 from mfsdp_ckpt.read.records import without_zip_crc
 from mfsdp_ckpt.storage import fs
@@ -133,7 +132,7 @@ class CommittingWriter(FileSystemWriter):
             raise CheckpointError("CommittingWriter needs a planner that records checksums (MfsdpSavePlanner)")
         rank = self.rank or 0
         buckets = [b for b in _split_by_size_and_type(max(self.thread_count, 1), plan.items) if b] or [[]]
-        jobs = [(f"__{rank}_{k}{DEFAULT_SUFFIX}", bucket) for k, bucket in enumerate(buckets)]
+        jobs = [(dcp_data_file(rank, k), bucket) for k, bucket in enumerate(buckets)]
         with reporting(self.tmp_dir, self.fs.streams), without_zip_crc():
             try:
                 if len(jobs) == 1:
