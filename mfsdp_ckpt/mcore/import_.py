@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from mfsdp_ckpt.errors import ConversionError, raise_key_problems, shown_list
+from mfsdp_ckpt.errors import ConversionError, one_line, raise_key_problems, shown_list
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.hf.mapping import canonical_shapes
@@ -125,7 +125,7 @@ def _check_extra_state(source: McoreSource, key: str) -> None:
     except Exception as e:  # noqa: BLE001 - one line naming the key
         raise ConversionError(
             f"{source.directory}: key '{key}': extra state that is not plain data (Transformer Engine "
-            f"FP8 metadata?), not carried: {' '.join(str(e).split())[:160]}"
+            f"FP8 metadata?), not carried: {one_line(e, 160)}"
         ) from None
     if not _empty_extra_state(value):
         what = f"a {value.numel()}-byte tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"

@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan
 
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError, one_line
 from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_save
@@ -404,12 +404,12 @@ def _decide_on(group: dist.ProcessGroup | None) -> Callable[..., Any]:
     return functools.partial(rank0_decides, group=group)
 
 
-def _one_line(error: BaseException, path: str) -> CheckpointError:
+def _as_checkpoint_error(error: BaseException, path: str) -> CheckpointError:
     """``error`` as a one-line :class:`CheckpointError` (ours are kept as they are)."""
     error.__traceback__, error.__context__, error.__cause__ = None, None, None  # no frames of the write kept alive
     if isinstance(error, CheckpointError) and "\n" not in str(error):
         return error
-    text = (str(error).strip().splitlines() or [""])[0]
+    text = one_line(error, first_line=True)
     if isinstance(error, CheckpointError):
         with contextlib.suppress(Exception):
             return type(error)(text)
@@ -553,7 +553,7 @@ def _write_in_background(
             job.writer.bound_writes(WRITE_CHUNK_BYTES)
             write_save(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
         except BaseException as e:  # noqa: BLE001 - reported by the handle
-            error = _one_line(e, job.final)
+            error = _as_checkpoint_error(e, job.final)
             with contextlib.suppress(Exception):  # the save's error is the one reported
                 lock.close()  # rank 0: the run directory is unlocked before any rank reports
             if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
@@ -562,7 +562,7 @@ def _write_in_background(
         finally:
             lock.close()
     except BaseException as e:  # noqa: BLE001 - releasing the lock failed
-        error = error or _one_line(e, job.final)
+        error = error or _as_checkpoint_error(e, job.final)
     finally:
         handle._finish(error)  # whatever happened: result() never waits forever
 
@@ -575,7 +575,7 @@ def _fill(staged: _Staged, planner: _StagedSavePlanner, final: str) -> None:
         _state.staging.fill(staged)
     except BaseException as e:  # noqa: BLE001 - reported through the save
         _state.staging = HostStaging()  # not reused after a failed copy
-        text = (str(e).strip().splitlines() or [""])[0]
+        text = one_line(e, first_line=True)
         planner.failure = CheckpointError(f"{final}: cannot copy the state to host memory ({type(e).__name__}: {text})")
 
 
@@ -589,7 +589,7 @@ def _stage(job: Any) -> _Staged:
         raise
     except (RuntimeError, MemoryError) as e:
         _state.staging = HostStaging()  # a half-built buffer is not reused
-        text = (str(e).strip().splitlines() or [""])[0]
+        text = one_line(e, first_line=True)
         raise CheckpointError(
             f"{job.final}: cannot copy the state to host memory ({type(e).__name__}: {text})"
         ) from None

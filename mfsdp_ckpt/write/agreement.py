@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mfsdp_ckpt.errors import CheckpointError, JobFailedElsewhere, JobLostError
+from mfsdp_ckpt.errors import CheckpointError, JobFailedElsewhere, JobLostError, one_line
 from mfsdp_core.collectives import gather_objects
 
 __all__ = [
@@ -48,14 +48,10 @@ T = TypeVar("T")
 JOB_TIMEOUT = datetime.timedelta(hours=12)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500]
-
-
 def _outcome(failure: BaseException | None) -> tuple[str, str] | None:
     """What a process tells the others of its failure: plain strings (an exception object may
     not pickle)."""
-    return None if failure is None else (type(failure).__name__, _one_line(failure))
+    return None if failure is None else (type(failure).__name__, one_line(failure, 500))
 
 
 def shared_error(failure: BaseException, rank: int) -> CheckpointError:
@@ -63,7 +59,7 @@ def shared_error(failure: BaseException, rank: int) -> CheckpointError:
     in one line naming the rank (a CheckpointError pickles; another exception may not)."""
     if isinstance(failure, CheckpointError):
         return failure
-    return CheckpointError(f"rank {rank}: {type(failure).__name__}: {(str(failure).splitlines() or [''])[0]}")
+    return CheckpointError(f"rank {rank}: {type(failure).__name__}: {one_line(failure, first_line=True)}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,7 @@ class Job:
         except (RuntimeError, ConnectionError) as e:
             raise JobLostError(
                 f"process {self.rank} of {self.world}: another process of the job stopped (it failed or was "
-                f"killed; torchrun's report names it): {_one_line(e)[:200]}"
+                f"killed; torchrun's report names it): {one_line(e, 200)}"
             ) from None
 
     def gather_to_main(self, value: Any) -> list[Any] | None:
