@@ -398,9 +398,10 @@ def test_a_refused_hf_model_is_one_line_before_any_rank(monkeypatch, capsys, tmp
     mixtral = make_hf_dir(tmp_path / "mixtral", "mixtral", weights=False)
     code, err, launches = _launched(monkeypatch, capsys, "--hf-model", mixtral, "--ep", "2")
     assert (code, launches, len(err)) == (1, [], 1), err
-    assert err[0].startswith(
+    assert err[0] == (  # the ranks' text too (mfsdp_ckpt.hf.expert_families.fused_experts_refusal)
         "error: --ep 2: MixtralForCausalLM keeps each MoE layer's experts fused in 3-D parameters "
-        "(model.layers.0.mlp.experts.gate_up_proj)"
+        "(mlp.experts.gate_up_proj, mlp.experts.down_proj); expert parallelism places whole per-expert "
+        "parameters, so train it with --ep 1 (the experts are then sharded over all ranks)"
     ), err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-model"}')
