@@ -205,7 +205,7 @@ def resume_hint(ckpt_dir: str | None) -> str:
     if not ckpt_dir:
         return "no --ckpt-dir, so there is no checkpoint to resume from"
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.tools.listing import list_checkpoints
+    from mfsdp_ckpt.tools import list_checkpoints
 
     try:
         committed = [e for e in list_checkpoints(ckpt_dir) if e.committed]

@@ -72,7 +72,7 @@ def refused_output(settings: Settings) -> str | None:
     if not outputs:
         return None
     from mfsdp_ckpt.errors import CheckpointError
-    from mfsdp_ckpt.storage.overlap import check_apart
+    from mfsdp_ckpt.tools import check_apart
 
     inputs = run_inputs(settings)
     for flag, path, relations in outputs:

@@ -24,7 +24,7 @@ from mfsdp_ckpt.hf.expert_families import launcher_ep_refusal
 from mfsdp_ckpt.mcore.config_check import check_mcore_config_file
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
-from mfsdp_ckpt.storage.lock import check_unlocked
+from mfsdp_ckpt.write.destination import destination_for
 from mfsdp_core.policy import parse_policy
 from mfsdp_core.strategy import parse_strategy
 from mfsdp_core.token_files import token_windows
@@ -198,9 +198,9 @@ def refuse_locked(ckpt_dir: str | None) -> None:
     """Refuse a local ``--ckpt-dir`` another job is writing into (its writer lock held) before the
     start checkpoint is even read: that is the reason the run cannot go on, whatever the checkpoint
     says. Creates nothing; the lock itself is taken once the run is accepted."""
-    if ckpt_dir and mfsdp_fs.is_local(ckpt_dir):
+    if ckpt_dir:
         try:
-            check_unlocked(ckpt_dir)
+            destination_for(ckpt_dir, kind="run").check_unlocked()  # an object store has no lock
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--ckpt-dir: {e}") from None
 

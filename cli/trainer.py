@@ -44,8 +44,8 @@ import mfsdp_ckpt
 from mfsdp_ckpt.errors import shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
-from mfsdp_ckpt.storage.objstore import check_writable_prefix
-from mfsdp_ckpt.tools.listing import list_checkpoints
+from mfsdp_ckpt.tools import list_checkpoints
+from mfsdp_ckpt.write.destination import destination_for
 from mfsdp_core import (
     MixedPrecision,
     clip_grad_norm_,
@@ -87,9 +87,9 @@ def check_args(args: argparse.Namespace, world: int) -> tuple[Settings, ModelSou
     settings = check_flags(args, world)
     source = check_model(settings, world, settings.checkpoint.resume)
     ckpt_dir = settings.checkpoint.ckpt_dir
-    if ckpt_dir and not mfsdp_fs.is_local(ckpt_dir):  # fail now, not at the first save
+    if ckpt_dir:  # an object store's is probed now, not at the first save
         try:
-            check_writable_prefix(ckpt_dir)
+            destination_for(ckpt_dir, kind="run").probe()
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--ckpt-dir {e}") from None
     return settings, source
@@ -212,13 +212,13 @@ def claim_run_dir(ckpt_dir: str | None, resumes: bool, run: contextlib.ExitStack
     writing there is refused), and check again under the lock that it holds no other run. A
     refusal before this point leaves no directory behind. An object store has no lock: one job per
     prefix is the user's responsibility."""
-    if not ckpt_dir or not mfsdp_fs.is_local(ckpt_dir):
+    if not ckpt_dir:
         return
     try:
-        run.enter_context(mfsdp_ckpt.run_lock(ckpt_dir))
+        run.enter_context(destination_for(ckpt_dir, kind="run").hold())  # an object store: no lock
     except mfsdp_ckpt.CheckpointError as e:
         raise UsageError(f"--ckpt-dir: {e}") from None
-    if not resumes:
+    if not resumes and mfsdp_fs.isdir(mfsdp_fs.normalize(ckpt_dir)):  # an object store's prefix may not exist yet
         _refuse_held(ckpt_dir)
 
 
