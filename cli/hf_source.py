@@ -36,7 +36,7 @@ from mfsdp_ckpt.hf.config_check import (
     safetensors_bytes,
     without_remote_code,
 )
-from mfsdp_ckpt.hf.expert_families import fused_experts_refusal
+from mfsdp_ckpt.hf.expert_families import EXPERT_FIELDS, fused_experts_refusal
 from mfsdp_ckpt.hf.files import HFDirectory
 from mfsdp_ckpt.hf.transformers_layout import (
     DiskTensor,
@@ -176,9 +176,7 @@ class HFSource(ModelSource):
             raise ValueError(str(e)) from None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_length = getattr(self.hf_config, "max_position_embeddings", None)
-        self.num_experts = int(
-            getattr(self.hf_config, "num_local_experts", None) or getattr(self.hf_config, "num_experts", None) or 0
-        )
+        self.num_experts = int(next((n for k in EXPERT_FIELDS if (n := getattr(self.hf_config, k, None))), 0))
         if weights is not None:
             self._check_weights()
 

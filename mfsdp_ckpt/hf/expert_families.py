@@ -20,6 +20,7 @@ __all__ = [
     "FUSED_LAYOUTS",
     "FUSED_CLASSES",
     "DENSE_FAMILIES",
+    "EXPERT_FIELDS",
     "fused_experts_refusal",
     "launcher_ep_refusal",
 ]
@@ -62,8 +63,8 @@ DENSE_FAMILIES = {
     "granite": "GraniteForCausalLM",
 }
 
-#: the expert counts the trainer reads from a transformers config, in its order
-_EXPERT_FIELDS = ("num_local_experts", "num_experts")
+#: the expert counts the trainer reads from a transformers config, first set one first
+EXPERT_FIELDS = ("num_local_experts", "num_experts")
 
 
 def fused_experts_refusal(class_name: str) -> str:
@@ -99,6 +100,6 @@ def launcher_ep_refusal(config: Mapping[str, Any], ep: int) -> str | None:
         name = _class_named(config, FUSED_CLASSES[model_type])
         return fused_experts_refusal(name) if name else None
     if model_type in DENSE_FAMILIES and _class_named(config, DENSE_FAMILIES[model_type]):
-        if not any(config.get(k) for k in _EXPERT_FIELDS):
+        if not any(config.get(k) for k in EXPERT_FIELDS):
             return f"EP size {ep} needs a model with experts; this one has none"
     return None

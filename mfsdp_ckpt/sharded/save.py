@@ -224,7 +224,7 @@ def write_save(
     write_and_commit(
         ranks,
         f"{job.final}: not saved",
-        lambda: job.tmp,  # opened by prepare_save, before anything was staged
+        job.tmp,  # opened by prepare_save (rank 0 told every rank), before anything was staged
         lambda _: _write_own_chunks(job, entries, planner, ranks.rank),
         conclude,
         job.destination.abort,

@@ -48,12 +48,6 @@ T = TypeVar("T")
 JOB_TIMEOUT = datetime.timedelta(hours=12)
 
 
-def _outcome(failure: BaseException | None) -> tuple[str, str] | None:
-    """What a process tells the others of its failure: plain strings (an exception object may
-    not pickle)."""
-    return None if failure is None else (type(failure).__name__, one_line(failure, 500))
-
-
 def shared_error(failure: BaseException, rank: int) -> CheckpointError:
     """``failure`` as the error every rank raises under ``same_error``: ours as it is, any other
     in one line naming the rank (a CheckpointError pickles; another exception may not)."""
@@ -83,12 +77,13 @@ class Job:
         return cls(same_error=same_error)
 
     def outcome(self, failure: BaseException | None) -> tuple[Any, ...] | None:
-        """What this process tells the others of its failure: ``(kind, message, error)``, where
-        ``error`` is the exception every process raises under ``same_error`` (else None)."""
+        """What this process tells the others of its failure: ``(kind, message, error)``, plain
+        strings (an exception object may not pickle) and ``error``, the exception every process
+        raises under ``same_error`` (else None)."""
         if failure is None:
             return None
-        kind, message = _outcome(failure)  # type: ignore[misc]
-        return kind, message, shared_error(failure, self.rank) if self.same_error else None
+        error = shared_error(failure, self.rank) if self.same_error else None
+        return type(failure).__name__, one_line(failure, 500), error
 
     @property
     def main(self) -> bool:
@@ -231,4 +226,4 @@ def dcp_failure(e: CheckpointException, rank: int | None = None) -> BaseExceptio
         if isinstance(exc, CheckpointError):
             return exc
     failed, (exc, _tb) = failures[0]
-    return CheckpointError(f"rank {failed if rank is None else rank}: {type(exc).__name__}: {exc}")
+    return shared_error(exc, failed if rank is None else rank)

@@ -52,12 +52,10 @@ __all__ = ["Destination", "LocalDestination", "ObjectStoreDestination", "FileDes
 #: (``convert --to torch``), or a run directory (only locked, cleaned and pointed at)
 KINDS = ("checkpoint", "hf", "file", "run")
 
-#: the words for what cannot be made in a parent, per kind
+#: the words for what cannot be made in a parent, per kind a local destination stages
 _PARENT_WORDS = {
     "checkpoint": "cannot create the checkpoint's parent directory",
     "hf": "cannot create the export's directory there",
-    "file": "cannot create the file's directory",
-    "run": "cannot create the run directory",
 }
 
 
@@ -85,6 +83,8 @@ class Destination:
         self.kind = kind
         self.staging: str | None = None
         self.committed = False
+        self.overwrite = False  # what open() was told
+        self.sync = True
         self._lock = contextlib.ExitStack()
 
     def __enter__(self) -> "Destination":
@@ -204,7 +204,7 @@ class LocalDestination(Destination):
         assert self.staging is not None, "commit before open"
         if write_last is not None:
             write_last()
-        if getattr(self, "sync", True):
+        if self.sync:
             fsync_dir(self.staging)
         commit_directory(self.staging, self.final, overwrite=self.overwrite)
         self.committed = True

@@ -73,17 +73,18 @@ def record_order(record: ChunkRecord) -> tuple[Any, ...]:
 def write_and_commit(
     job: Job,
     what: str,
-    open_: Callable[[], str],
+    open_: Callable[[], str] | str,
     write: Callable[[str], R],
     conclude: Callable[[list[R]], T],
     abort: Callable[[], None],
 ) -> T:
     """The job's write and its one commit (the steps of the module docstring). ``open_()``
-    (process 0) makes the staging place and returns it; ``write(staging)`` (every process)
+    (process 0) makes the staging place and returns it (a path: a place every process already
+    knows, with no collective to tell them); ``write(staging)`` (every process)
     writes this process's files and returns what process 0 needs of them (it must pickle);
     ``conclude(parts)`` (process 0, every part in rank order) commits and returns the result
     for every process; ``abort()`` (process 0) removes what was written, on any failure."""
-    staging = job.on_main(what, open_)
+    staging = open_ if isinstance(open_, str) else job.on_main(what, open_)
     committed = False
     try:
         part, failure = None, None
