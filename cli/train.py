@@ -19,24 +19,36 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
-from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of
-from .train_launch import launch, launched_by_us, unblock_sigint
+from .train_signals import (
+    exit_interrupted,
+    exit_on_escaped_interrupt,
+    launched_by_us,
+    says_for_the_job,
+    with_sigint_held,
+)
 
-__all__ = ["main", "parse_args", "build_parser", "EXIT_INTERRUPTED"]
+exit_on_escaped_interrupt()  # before the imports below: a Ctrl-C during them is one line, 130
 
-EXIT_INTERRUPTED = 130  # as a shell reports a process killed by SIGINT
+from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of  # noqa: E402
+from .train_launch import launch, unblock_sigint  # noqa: E402
+
+__all__ = ["main", "parse_args", "build_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """The trainer: launches its ranks (``--nproc-per-node``) or is one of them; the exit code
-    (1 a refused run, 2 a usage error, 130 interrupted, 143 stopped by SIGTERM after saving)."""
+    (1 a refused run, 2 a usage error, 130 interrupted, 143 stopped by SIGTERM after saving).
+    A Ctrl-C that the training loop's handler did not take ends the process here: one line from
+    a lone process or rank 0 of a plain torchrun job, none from a rank of ``--nproc-per-node``
+    (the launcher says ``error: interrupted`` for the job)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         unblock_sigint()  # a rank of our launcher starts with SIGINT blocked (see train_launch)
         return _main(argv)
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt:  # one the training loop's handler did not take (torch's import, say)
+        exit_interrupted(say=says_for_the_job())
 
 
 def _main(argv: list[str]) -> int:
@@ -57,18 +69,15 @@ def _main(argv: list[str]) -> int:
     from .quiet import quiet_third_party
 
     quiet_third_party(args.verbose)  # a rank prints our lines only (--verbose: the libraries' too)
-    from .trainer import run  # torch, the runtime and the checkpoint layer: only a rank needs them
-
+    run = with_sigint_held(_load_trainer)  # torch, the runtime and the checkpoint layer
     return run(args)
 
 
-def _interrupted() -> int:
-    """A Ctrl-C the training loop's handler did not take (before it was installed: while torch is
-    imported, say): one line from a lone process or rank 0 of a plain torchrun job, none from a
-    rank of ``--nproc-per-node`` (the launcher prints ``error: interrupted`` for the job)."""
-    if not launched_by_us() and int(os.environ.get("RANK", "0")) == 0:
-        print("error: interrupted", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+def _load_trainer() -> Callable[..., int]:
+    """The trainer proper (torch and all of the runtime): only a rank needs it."""
+    from .trainer import run
+
+    return run
 
 
 if __name__ == "__main__":

@@ -16,16 +16,24 @@ import os
 import signal
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from .train_signals import STOP_SAID_ENV, note_sigint, raise_if_sigint_noted, sigint_noted
+from .train_signals import (
+    LAUNCHED_ENV,
+    STOP_SAID_ENV,
+    exit_interrupted,
+    note_sigint,
+    raise_if_sigint_noted,
+    says_for_the_job,
+    sigint_noted,
+    with_sigint_held,
+)
 
 if TYPE_CHECKING:
     from .settings import LaunchSettings, Settings
 
-__all__ = ["LAUNCH_DESTS", "LAUNCHED_ENV", "add_launch_arguments", "launch", "launched_by_us", "unblock_sigint"]
+__all__ = ["LAUNCH_DESTS", "add_launch_arguments", "launch", "unblock_sigint"]
 
-LAUNCHED_ENV = "MFSDP_TRAIN_LAUNCHED"  # set for the ranks this launcher starts
 # the trainer's own exit codes, which rank 0 explains itself
 _EXPLAINED = {1, 2, 130, 143}
 _LAUNCH_FLAGS = {  # dest -> (torchrun's flag, help)
@@ -64,11 +72,6 @@ def add_launch_arguments(p: argparse._ActionsContainer) -> None:
     )
 
 
-def launched_by_us() -> bool:
-    """Whether this process is a rank that ``mfsdp-train --nproc-per-node`` started."""
-    return os.environ.get(LAUNCHED_ENV) == "1"
-
-
 def _torchrun_argv(launch: LaunchSettings, module: str, argv: list[str]) -> list[str]:
     words = [f"--nproc-per-node={launch.nproc_per_node}", f"--shutdown-timeout={launch.shutdown_timeout}"]
     for dest, (flag, _) in _LAUNCH_FLAGS.items():
@@ -91,15 +94,12 @@ def _quiet_launcher_logs() -> None:
 
 def launch(settings: Settings, module: str, argv: list[str]) -> int:
     """Run ``python -m module argv`` as ``--nproc-per-node`` ranks; the run's exit code (a
-    Ctrl-C ends the launcher here, see :func:`_exit_interrupted`)."""
+    Ctrl-C ends the launcher here, through :func:`cli.train_signals.exit_interrupted`)."""
     try:
-        from torch.distributed import run as torchrun
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
+        torchrun, SignalException, ChildFailedError = with_sigint_held(_load_elastic_launcher)
         raise_if_sigint_noted()  # a Ctrl-C that torch's import swallowed
     except KeyboardInterrupt:
-        _exit_interrupted(say=True)
+        exit_interrupted(say=True)
     _quiet_launcher_logs()
     _ranks_start_with_sigint_blocked()
     os.environ[LAUNCHED_ENV] = "1"
@@ -117,21 +117,16 @@ def launch(settings: Settings, module: str, argv: list[str]) -> int:
             say = not os.path.exists(said)  # no rank stopped in the loop to say where
         except KeyboardInterrupt:  # before the ranks started
             say = True
-    _exit_interrupted(say)
+    exit_interrupted(say)
 
 
-def _exit_interrupted(say: bool) -> NoReturn:
-    """End the launcher after a Ctrl-C: ``error: interrupted`` (when no rank says where the run
-    stopped), exit code 130. Through ``os._exit``: after a Ctrl-C during torch's import, the
-    launcher that had printed its line and returned 130 was then killed by SIGINT at exit (exit
-    status -2 to a parent, in 4 of 20 runs interrupted about 1 s in; CPython re-raises SIGINT at
-    exit when it takes a ``KeyboardInterrupt`` to have gone unhandled); the output is flushed
-    first and nothing else is left to clean up."""
-    if say:
-        print("error: interrupted", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + signal.SIGINT)
+def _load_elastic_launcher() -> tuple[Any, type[BaseException], type[BaseException]]:
+    """torchrun's entry module and the two errors a run of it ends with (imports torch)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return torchrun, SignalException, ChildFailedError
 
 
 def _ranks_start_with_sigint_blocked() -> None:
@@ -174,7 +169,7 @@ def unblock_sigint() -> None:
         if not sigint_noted():
             previous(kind, value, tb)
             return
-        _exit_interrupted(say=not launched_by_us() and os.environ.get("RANK", "0") == "0")
+        exit_interrupted(say=says_for_the_job())
 
     sys.excepthook = excepthook
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

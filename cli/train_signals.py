@@ -21,12 +21,26 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
-from types import FrameType
+
+TYPE_CHECKING = False  # typing's own import is too slow for the first module a Ctrl-C may meet
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType, TracebackType
+    from typing import NoReturn, TypeVar
+
+    T = TypeVar("T")
 
 __all__ = [
     "StopRequests",
     "EXIT_CODES",
+    "LAUNCHED_ENV",
+    "exit_interrupted",
+    "exit_on_escaped_interrupt",
+    "with_sigint_held",
+    "launched_by_us",
+    "says_for_the_job",
     "STOP_SAID_ENV",
     "stop_signal",
     "note_sigint",
@@ -39,6 +53,61 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 _SECOND_SIGNAL_AFTER_S = 1.0
 #: the file rank 0 creates when it notes a Ctrl-C in the training loop (set by the launcher)
 STOP_SAID_ENV = "MFSDP_TRAIN_STOP_SAID"
+LAUNCHED_ENV = "MFSDP_TRAIN_LAUNCHED"  # set for the ranks ``mfsdp-train --nproc-per-node`` starts
+
+
+def launched_by_us() -> bool:
+    """Whether this process is a rank that ``mfsdp-train --nproc-per-node`` started."""
+    return os.environ.get(LAUNCHED_ENV) == "1"
+
+
+def says_for_the_job() -> bool:
+    """Whether this process reports an interrupt itself: a lone process, the launcher, or rank 0
+    of a plain torchrun job (a rank of our own launcher leaves it to the launcher)."""
+    return not launched_by_us() and os.environ.get("RANK", "0") == "0"
+
+
+def exit_interrupted(say: bool) -> NoReturn:
+    """End the process after a Ctrl-C: ``error: interrupted`` (when ``say``), exit code 130.
+
+    Through ``os._exit``, output flushed first: CPython ends a process whose
+    ``KeyboardInterrupt`` went unhandled by killing itself with SIGINT at exit, and a launcher
+    that had printed its line and returned 130 after a Ctrl-C during an import was seen to end
+    that way (exit status -2 to its parent, in 4 of 20 runs interrupted about 1 s in)."""
+    if say:
+        print("error: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
+def exit_on_escaped_interrupt() -> None:
+    """From now on a ``KeyboardInterrupt`` that escapes every handler (one raised while the
+    trainer's own modules are still being imported, before ``main`` runs) ends the process as
+    :func:`exit_interrupted` does, not with a traceback of the import machinery. Installed
+    first thing in the trainer's entry module: what remains before it is the interpreter's own
+    start-up."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            exit_interrupted(say=says_for_the_job())
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+def with_sigint_held(load: Callable[[], T]) -> T:
+    """``load()`` (an import of torch) with SIGINT held back, then delivered as usual.
+
+    A ``KeyboardInterrupt`` raised inside torch's import can meet a C++ callback that cannot
+    pass it on: the process aborts (``terminate called after throwing ... KeyboardInterrupt``,
+    SIGABRT). Held back, a Ctrl-C waits until the import is done and is raised right after it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return load()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 _sigint_noted = False  # set by _noting_handler: a Ctrl-C came before StopRequests took over

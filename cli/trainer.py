@@ -66,8 +66,7 @@ from .model_base import ModelSource
 from .run_config import run_config
 from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
 from .train_args import _AUTO, UsageError, check_flags
-from .train_launch import launched_by_us
-from .train_signals import EXIT_CODES, StopRequests, stop_signal
+from .train_signals import EXIT_CODES, StopRequests, launched_by_us, stop_signal
 from .train_start import (
     check_model,
     decide_start,
