@@ -266,9 +266,8 @@ class Catalog:
         """The rank that writes a parameter's objects (its optimizer scalars): the writer of its
         first non-empty piece (piece 0 for an empty parameter)."""
         b, i = self._param[fqn]
-        layout = self.placed[b].spec.optim_layout
-        owners = layout.owners(i)
-        return self.writer(b, i, owners[0].rank if owners else 0)
+        first = self.placed[b].spec.optim_layout.first_owner(i)
+        return self.writer(b, i, first.rank if first is not None else 0)
 
     # ---- what a rank writes --------------------------------------------------------------
     def locate(self, key: str) -> tuple[int, int, Layout, str | None]:

@@ -201,6 +201,8 @@ def check_structural(shapes, n, policy, lay: Layout) -> None:
         assert [(p.start, p.end) for p in own] == nonempty
         assert [p.rank for p in own] == sorted(p.rank for p in own)
         assert all(p.numel for p in own)
+        # first_owner() == the first of them, None for an empty parameter
+        assert lay.first_owner(i) == (own[0] if own else None)
 
     for r in range(n):
         # pieces within a shard don't overlap, and they fill [0, rank_length) with no gap
