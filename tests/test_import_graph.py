@@ -24,7 +24,20 @@ FORBIDDEN = {"mfsdp_core": ("mfsdp_ckpt", "cli"), "mfsdp_ckpt": ("cli",)}
 #: the layers of ``mfsdp_ckpt``, bottom first (docs/checkpoint.md): each imports only those before
 #: it (and itself); ``errors`` and ``progress`` are under all of them, the package's ``__init__``
 #: (the public API) above all
-CKPT_LAYERS = ("errors", "progress", "format", "model", "storage", "read", "write", "sharded", "hf", "mcore", "tools")
+CKPT_LAYERS = (
+    "errors",
+    "progress",
+    "format",
+    "model",
+    "storage",
+    "read",
+    "write",
+    "sharded",
+    "tier",
+    "hf",
+    "mcore",
+    "tools",
+)
 
 
 def _modules() -> dict[str, str]:

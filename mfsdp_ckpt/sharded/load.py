@@ -65,6 +65,7 @@ def load(
     thread_count: int = DEFAULT_READ_THREADS,
     key_map: Sequence[str | KeyRule] = (),
     atomic: bool = True,
+    same_path: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it. Collective:
     the ranks agree on every refusal, so all raise the same error. Checksums are verified for
@@ -98,13 +99,16 @@ def load(
             two (:mod:`mfsdp_ckpt.read.direct_read`); every check before reading is the same, and a
             bad chunk is still an error, the same on every rank, ending in ``load(atomic=False):
             the model and optimizer are partly loaded``: that state must not be trained on.
+        same_path: ``path`` names one checkpoint for every rank (rank 0 resolves it for all).
+            ``False``: each rank names its own copy of the same checkpoint (a node's memory
+            tier, :mod:`mfsdp_ckpt.tier`) and resolves it itself.
 
     Returns:
         The ``extra`` values saved with the checkpoint.
     """
     rules = parse_key_map(key_map)
     # one answer for all ranks, even if ``latest`` moves while they start
-    directory = rank0_decides(resolve_checkpoint, path)
+    directory = rank0_decides(resolve_checkpoint, path) if same_path else agreed(lambda: resolve_checkpoint(path))
     manifest = read_manifest(directory) if require_manifest or is_committed(directory) else None
     reader = VerifyingReader(
         directory, manifest, thread_count=thread_count, canonical=True, key_map=rules, direct=not atomic

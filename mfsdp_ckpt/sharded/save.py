@@ -39,7 +39,16 @@ from mfsdp_ckpt.write.save_index import RankWrites, build_index, declared_keys
 from mfsdp_core import describe_shards
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 
-__all__ = ["save", "PreparedSave", "check_save_arguments", "prepare_save", "write_save"]
+__all__ = [
+    "save",
+    "PreparedSave",
+    "SaveContents",
+    "check_save_arguments",
+    "prepare_save",
+    "save_contents",
+    "write_own_chunks",
+    "write_save",
+]
 
 T = TypeVar("T")
 
@@ -160,18 +169,56 @@ def prepare_save(
     destination's checks, the run directory's lock (entered into ``lock`` on rank 0; the caller
     closes it once the save is done), the entries and the manifest. Collective (default group)."""
     check_save_arguments(path, keep)
-    rank, world = rank_and_world()
     final = fs.normalize(path)
+    contents = save_contents(
+        model,
+        optimizer,
+        extra=extra,
+        include_grads=include_grads,
+        model_config=model_config,
+        step=step,
+        run_config=run_config,
+        model_source=model_source,
+    )
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
     # is done): a failure on rank 0 alone would leave the others waiting in the first
     # collective of the write
-    shards = describe_shards(model, optimizer)
-    layout = agree_on_layout(
-        model, optimizer, shards, include_grads=include_grads
-    )  # refused before anything is written
     destination = destination_for(final)
     lock.callback(destination.close)  # rank 0 holds the parent's lock until the save is done
     tmp = rank0_decides(lambda: destination.open(overwrite=overwrite, clean_parent=True))
+    entries, manifest = contents.entries, contents.manifest
+    writer = CommittingWriter(destination, tmp, manifest, thread_count=thread_count)
+    return PreparedSave(final, tmp, entries, writer, update_latest, keep, contents.catalog, destination)
+
+
+@dataclass
+class SaveContents:
+    """What a save writes, whatever its destination: the entries (views of the live state; this
+    rank's pieces it is the writer of, rank 0's extras), the manifest, and the catalog the ranks
+    agreed on (what the index is checked against)."""
+
+    entries: dict[str, Any]
+    manifest: dict[str, Any]
+    catalog: Catalog
+
+
+def save_contents(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra: dict[str, Any] | None,
+    include_grads: bool,
+    model_config: dict[str, Any] | None,
+    step: int | None,
+    run_config: dict[str, Any] | None = None,
+    model_source: dict[str, Any] | None = None,
+) -> SaveContents:
+    """The entries and manifest of a save (shared by ``save``, ``async_save`` and the memory
+    tier's snapshots, so that all write the same keys and manifest). Collective: the ranks agree
+    on the layout first (a refusal before anything is written)."""
+    rank, world = rank_and_world()
+    shards = describe_shards(model, optimizer)
+    layout = agree_on_layout(model, optimizer, shards, include_grads=include_grads)
     entries = save_entries(shards, optimizer, include_grads, writes_of(layout.catalog, rank))
     if rank == 0:
         if layout.param_groups is not None:
@@ -195,8 +242,7 @@ def prepare_save(
         "has_optimizer": optimizer is not None,
         "versions": versions(),
     }
-    writer = CommittingWriter(destination, tmp, manifest, thread_count=thread_count)
-    return PreparedSave(final, tmp, entries, writer, update_latest, keep, layout.catalog, destination)
+    return SaveContents(entries, manifest, layout.catalog)
 
 
 def write_save(
@@ -225,7 +271,7 @@ def write_save(
         ranks,
         f"{job.final}: not saved",
         job.tmp,  # opened by prepare_save (rank 0 told every rank), before anything was staged
-        lambda _: _write_own_chunks(job, entries, planner, ranks.rank),
+        lambda _: write_own_chunks(job.writer, entries, planner, ranks.rank),
         conclude,
         job.destination.abort,
     )
@@ -233,11 +279,13 @@ def write_save(
     (decide or rank0_decides)(after_commit, job.final, job.update_latest, job.keep)
 
 
-def _write_own_chunks(job: PreparedSave, entries: dict[str, Any], planner: MfsdpSavePlanner, rank: int) -> RankWrites:
-    """This rank's part of the save: its plan and its data files."""
+def write_own_chunks(
+    writer: CommittingWriter, entries: dict[str, Any], planner: MfsdpSavePlanner, rank: int
+) -> RankWrites:
+    """This rank's part of a save: its plan and its data files, written by ``writer``."""
     planner.set_up_planner(entries, storage_meta=None, is_coordinator=rank == 0)
     plan = planner.create_local_plan()
-    job.writer.set_rank(rank)
-    plan = job.writer.prepare_local_plan(plan)
-    results = job.writer.write_data(plan, planner).wait()
-    return RankWrites(results, declared_keys(plan), list(job.writer.files))
+    writer.set_rank(rank)
+    plan = writer.prepare_local_plan(plan)
+    results = writer.write_data(plan, planner).wait()
+    return RankWrites(results, declared_keys(plan), list(writer.files))

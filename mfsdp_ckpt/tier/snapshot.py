@@ -1,0 +1,174 @@
+"""``snapshot``: a checkpoint of the training state in every node's memory tier, with peer replicas.
+
+Collective over the default group. The same entries and manifest as ``save``
+(:func:`~mfsdp_ckpt.sharded.save.save_contents`) and the same writer (records, crc32c per chunk),
+so a node's step directory is a regular checkpoint once it holds every data file. In order, each
+phase agreed on by every rank before the next (a failure anywhere: every rank raises the same
+one-line error and each node's staging directory is removed; what was committed stays):
+
+1. each node's leader opens ``step_<n>.partial`` in its node's directory (a leftover of the same
+   step removed);
+2. every rank writes its data files into its node's staging directory and computes their crc32c;
+3. rank 0 gathers what every rank wrote, builds ``.metadata`` and ``mfsdp.json`` (the index
+   checked against the plan, as a save's commit does) and sends their bytes, with the list of
+   every file's size and crc32c, to every node's leader;
+4. each node's files are sent to the leaders of its ``replicas`` peer nodes, checked on arrival;
+5. each leader writes the shared files and ``tier.json``, renames the staging directory to
+   ``step_<n>`` and removes all but the newest ``keep`` snapshots of its node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfsdp_ckpt.format.checksum import crc32c
+from mfsdp_ckpt.format.manifest import indexed
+from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
+from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
+from mfsdp_ckpt.sharded.save import SaveContents, save_contents, write_own_chunks
+from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files
+from mfsdp_ckpt.tier.layout import SHARED_FILES, TIER_INDEX_NAME, MemoryTier, TierFile, tier_index, tier_steps
+from mfsdp_ckpt.write.agreement import Job
+from mfsdp_ckpt.write.dcp_writer import CommittingWriter
+from mfsdp_ckpt.write.destination import destination_for
+from mfsdp_ckpt.write.manifest import write_manifest
+from mfsdp_ckpt.write.save_index import build_index
+from mfsdp_core.collectives import rank_and_world
+
+__all__ = ["snapshot"]
+
+
+def snapshot(
+    tier: MemoryTier,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    model_source: dict[str, Any] | None = None,
+    run_config: dict[str, Any] | None = None,
+) -> str:
+    """Snapshot ``model`` (and ``optimizer``) at ``step`` into ``tier`` (see the module docstring);
+    returns this node's step directory. Arguments as :func:`mfsdp_ckpt.save`'s."""
+    wait_for_async_save()
+    rank, world = rank_and_world()
+    job = Job.current(same_error=True)
+    node, nodes = tier.node_of(rank), tier.nodes(world)
+    leader = rank == tier.leader(node)
+    final = tier.step_dir(node, step)
+    staging = final + ".partial"
+    what = f"memory tier step {step}: not snapshotted"
+    contents = save_contents(
+        model,
+        optimizer,
+        extra=extra,
+        include_grads=False,
+        model_config=model_config,
+        step=step,
+        run_config=run_config,
+        model_source=model_source,
+    )
+    committed = False
+    try:
+        job.run(what, _open_staging if leader else _nothing, staging)
+        writer = CommittingWriter(destination_for(final), staging, contents.manifest, sync_files=False)
+        part = job.run(what, _write_part, writer, contents.entries, rank)
+        gathered = job.gather_to_main(part)
+        shared, per_rank = job.on_main(what, _shared_files, writer, contents, gathered)
+        files: dict[str, TierFile] = {
+            name: TierFile(size, crc, tier.node_of(r)) for r, own in enumerate(per_rank) for name, size, crc in own
+        }
+        files.update({name: TierFile(len(data), crc32c(data)) for name, data in shared})
+        job.run(what, move_files, _replication(tier, files, step, nodes), files, rank)
+        job.run(what, _commit if leader else _nothing, tier, node, step, staging, shared, files, nodes)
+        committed = True
+        return final
+    finally:
+        if not committed and leader:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _nothing(*_: Any) -> None:
+    """A rank's share of a phase that only the node leaders act in (it still agrees on the outcome)."""
+
+
+def _open_staging(staging: str) -> None:
+    shutil.rmtree(staging, ignore_errors=True)  # a leftover of an earlier try at this step
+    os.makedirs(staging)
+
+
+def _write_part(writer: CommittingWriter, entries: dict[str, Any], rank: int) -> tuple[Any, list[tuple[str, int, int]]]:
+    """This rank's data files, and ``(name, size, crc32c)`` of each as it lies in the tier."""
+    written = write_own_chunks(writer, entries, MfsdpSavePlanner(), rank)
+    return written, [(f.name, *file_crc32c(os.path.join(writer.tmp_dir, f.name))) for f in written.files]
+
+
+def _shared_files(
+    writer: CommittingWriter, contents: SaveContents, gathered: list[Any]
+) -> tuple[list[tuple[str, bytes]], list[list[tuple[str, int, int]]]]:
+    """Rank 0: ``.metadata`` and ``mfsdp.json`` (written into its staging directory, as a save's
+    commit writes them, and read back), and every rank's ``(name, size, crc32c)`` files."""
+    metadata, results, index = build_index(contents.catalog, [written for written, _ in gathered])
+    writer.finish(metadata, [results])
+    total = sum(wr.storage_data.length for wr in results)
+    write_manifest(writer.tmp_dir, indexed(contents.manifest, writer.save_id, index, total), sync=False)
+    shared = [(name, _read(os.path.join(writer.tmp_dir, name))) for name in SHARED_FILES]
+    return shared, [own for _, own in gathered]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _replication(tier: MemoryTier, files: dict[str, TierFile], step: int, nodes: int) -> list[Transfer]:
+    """Every node's data files to the leaders of the peers that keep its replica (staging to staging)."""
+    out = []
+    for name, f in sorted(files.items()):
+        if f.node is None:
+            continue
+        for peer in tier.replica_holders(f.node, nodes):
+            out.append(
+                Transfer(
+                    name,
+                    tier.leader(f.node),
+                    tier.leader(peer),
+                    tier.step_dir(f.node, step) + ".partial",
+                    tier.step_dir(peer, step) + ".partial",
+                )
+            )
+    return out
+
+
+def _commit(
+    tier: MemoryTier,
+    node: int,
+    step: int,
+    staging: str,
+    shared: list[tuple[str, bytes]],
+    files: dict[str, TierFile],
+    nodes: int,
+) -> None:
+    """A node leader: the shared files and ``tier.json`` into the staging directory, the rename
+    (replacing a snapshot of the same step: a step redone after a restart), then the oldest
+    snapshots beyond ``keep`` removed."""
+    for name, data in shared:
+        path = os.path.join(staging, name)
+        if not os.path.exists(path):  # rank 0 wrote its own already
+            with open(path, "wb") as f:
+                f.write(data)
+    with open(os.path.join(staging, TIER_INDEX_NAME), "w") as f:
+        json.dump(tier_index(step, nodes, files), f)
+    final = tier.step_dir(node, step)
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    for old in tier_steps(tier.node_dir(node))[: -tier.keep]:
+        shutil.rmtree(tier.step_dir(node, old), ignore_errors=True)
