@@ -447,10 +447,18 @@ def upcycle(
 @click.argument("root")
 @click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def ls(root: str, clean: bool, as_json: bool) -> None:
+@click.option(
+    "--mem-tier",
+    default=None,
+    metavar="DIR",
+    help="also list the memory-tier snapshots of the run ROOT (its --ckpt-dir) that this machine holds in DIR",
+)
+def ls(root: str, clean: bool, as_json: bool, mem_tier: str | None) -> None:
     """The checkpoints under ROOT: step, size, committed or not, latest. ROOT may be a run
     directory or a folder of runs (up to 3 levels down, ROOT's own checkpoints included): each
-    run's checkpoints are then grouped under it, the run written last first."""
+    run's checkpoints are then grouped under it, the run written last first. With ``--mem-tier``,
+    the run's snapshots in node memory follow, by node."""
+    from mfsdp_ckpt.tier.layout import list_snapshots
     from mfsdp_ckpt.tools import clean_run_dir, list_runs
     from mfsdp_ckpt.tools import normalize as fs_normalize
 
@@ -458,9 +466,11 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
         for path in _run(lambda: clean_run_dir(root)):
             click.echo(f"removed {path}", err=True)
     runs = _run(lambda: list_runs(root))
+    snapshots = _run(lambda: list_snapshots(mem_tier, root)) if mem_tier else []
     below = not (len(runs) == 1 and runs[0][0] == fs_normalize(root))  # run dirs found under ROOT
     if as_json:  # entries gain "run" (the run directory) only when ROOT holds runs, not checkpoints
         rows = [{**e.to_json(), **({"run": run} if below else {})} for run, entries in runs for e in entries]
+        rows += [{**s.to_json(), "tier": mem_tier} for s in snapshots]
         click.echo(json.dumps(rows, indent=1))
         return
     if not runs:
@@ -474,6 +484,11 @@ def ls(root: str, clean: bool, as_json: bool) -> None:
             step = e.step if e.step is not None else "-"
             line = f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}"
             click.echo(("  " if below else "") + line)
+    if mem_tier:
+        click.echo(f"memory tier {mem_tier}: {len(snapshots)} snapshot(s) of this run on this machine")
+    for s in snapshots:
+        state = s.problem or f"{s.held} of {s.files} data files"
+        click.echo(f"  node{s.node} {s.path.rsplit('/', 1)[-1]:<26} step {s.step:>8} {_human(s.bytes):>10}  {state}")
 
 
 from .hf import export_hf, import_hf  # noqa: E402

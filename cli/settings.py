@@ -118,6 +118,12 @@ class CheckpointSettings:
     resume: str | None = None
     allow_change: tuple[str, ...] = ()
     init_from: str | None = None
+    mem_tier: str | None = None  # the node-memory tier's directory (a tmpfs), None: off
+    mem_every: int = 1
+    mem_keep: int = 2
+    mem_replicas: int = 1
+    node_size: int | None = None  # ranks per node of the memory tier (None: the launcher's local world size)
+    mem_keep_on_exit: bool = False
 
 
 @dataclass(frozen=True)

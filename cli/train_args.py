@@ -340,6 +340,36 @@ def _add_checkpoint_arguments(p: argparse._ActionsContainer) -> None:
         help="start from the model weights of this checkpoint (e.g. from mfsdp-ckpt import-hf): "
         "fresh optimizer, step 0, any world size",
     )
+    p.add_argument(
+        "--mem-tier",
+        default=None,
+        metavar="DIR",
+        help="with --ckpt-dir: also snapshot the run into each node's memory (DIR on a tmpfs, e.g. "
+        "/dev/shm/mfsdp), replicated to peer nodes; a restart (--max-restarts, --resume auto) "
+        "recovers from the newest whole snapshot, falling back to --ckpt-dir",
+    )
+    p.add_argument("--mem-every", type=int, default=1, metavar="N", help="with --mem-tier: snapshot every N steps")
+    p.add_argument("--mem-keep", type=int, default=2, metavar="K", help="with --mem-tier: snapshots kept per node")
+    p.add_argument(
+        "--mem-replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --mem-tier: peer nodes that keep a copy of each node's snapshot files",
+    )
+    p.add_argument(
+        "--node-size",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --mem-tier: ranks per node (default: the ranks per machine); a smaller M lets one "
+        "machine play several nodes, each with its own tier directory under DIR",
+    )
+    p.add_argument(
+        "--mem-keep-on-exit",
+        action="store_true",
+        help="with --mem-tier: keep the snapshots when the run ends (default: removed at a normal end)",
+    )
 
 
 def _add_logging_arguments(p: argparse._ActionsContainer) -> None:
@@ -358,7 +388,9 @@ def _add_logging_arguments(p: argparse._ActionsContainer) -> None:
 
 
 #: settings of where checkpoints go: a resumed run takes the recorded ones only with a --ckpt-dir
-DESTINATION = frozenset({"save_every", "keep", "async_save"})
+DESTINATION = frozenset(
+    {"save_every", "keep", "async_save", "mem_tier", "mem_every", "mem_keep", "mem_replicas", "mem_keep_on_exit"}
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -463,13 +495,37 @@ def _check_destination(settings: Settings) -> None:
         if ckpt.resume in (_LATEST, _AUTO):
             what = "--resume auto" if ckpt.resume == _AUTO else "--resume without a checkpoint path"
             raise UsageError(f"{what} needs --ckpt-dir (it resumes from <ckpt-dir>/latest), or name one: --resume CKPT")
-        for dest, flag in (("save_every", "--save-every"), ("keep", "--keep"), ("async_save", "--async-save")):
+        for dest, flag in (
+            ("save_every", "--save-every"),
+            ("keep", "--keep"),
+            ("async_save", "--async-save"),
+            ("mem_tier", "--mem-tier"),
+        ):
             if getattr(ckpt, dest):
                 named = flag if dest == "async_save" else settings.shown(dest, flag)
                 raise UsageError(f"{named} needs --ckpt-dir (without one the run saves nothing)")
         return
+    if ckpt.mem_tier is not None:
+        _check_mem_tier(settings)
     if "://" not in ckpt.ckpt_dir or ckpt.ckpt_dir.startswith("file://"):
         check_local_writable(ckpt.ckpt_dir.removeprefix("file://"), "--ckpt-dir")
+
+
+def _check_mem_tier(settings: Settings) -> None:
+    """The memory tier's flags: counts that make sense, and a local directory that can be written."""
+    ckpt = settings.checkpoint
+    for dest, flag, least in (
+        ("mem_every", "--mem-every", 1),
+        ("mem_keep", "--mem-keep", 1),
+        ("mem_replicas", "--mem-replicas", 0),
+        ("node_size", "--node-size", 1),
+    ):
+        value = getattr(ckpt, dest)
+        if value is not None and value < least:
+            raise UsageError(f"{settings.shown(dest, flag)}: must be at least {least}")
+    if "://" in ckpt.mem_tier:
+        raise UsageError(f"--mem-tier {ckpt.mem_tier}: must be a local directory (a tmpfs such as /dev/shm/...)")
+    check_local_writable(ckpt.mem_tier, "--mem-tier")
 
 
 def check_local_writable(path: str, flag: str) -> None:

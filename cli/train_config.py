@@ -53,6 +53,7 @@ NOT_CARRIED = frozenset(
         "ep",
         "dp_replicate",
         "hfsdp",
+        "node_size",
         *LAUNCH_DESTS,  # how this job was started
     }
 )

@@ -44,6 +44,7 @@ import mfsdp_ckpt
 from mfsdp_ckpt.errors import shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs as mfsdp_fs
+from mfsdp_ckpt.tier import MemoryTier, recover
 from mfsdp_ckpt.tools import list_checkpoints
 from mfsdp_ckpt.write.destination import destination_for
 from mfsdp_core import (
@@ -65,7 +66,7 @@ from .common import _human
 from .model_base import ModelSource
 from .run_config import run_config
 from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
-from .train_args import _AUTO, UsageError, check_flags
+from .train_args import _AUTO, _LATEST, UsageError, check_flags
 from .train_signals import EXIT_CODES, StopRequests, launched_by_us, stop_signal
 from .train_start import (
     check_model,
@@ -75,6 +76,7 @@ from .train_start import (
     resolve_auto_resume,
 )
 from .train_tensorboard import TensorBoard, open_tensorboard
+from .train_tier import TierSnapshots, memory_tier, restarted
 
 
 def check_args(args: argparse.Namespace, world: int) -> tuple[Settings, ModelSource]:
@@ -243,6 +245,8 @@ def start_point(settings: Settings, source: ModelSource, rank: int) -> StartPoin
     then the checkpoint checked (:func:`cli.train_start.decide_start`)."""
     ckpt = settings.checkpoint
     resume = ckpt.resume
+    if resume is None and ckpt.mem_tier and restarted():
+        resume = _AUTO  # restarted after a failure: continue the run (from memory, or --ckpt-dir)
     if resume == _AUTO:
         resume = rank0_decides(resolve_auto_resume, ckpt.ckpt_dir)
         if rank == 0 and resume is None:
@@ -252,14 +256,39 @@ def start_point(settings: Settings, source: ModelSource, rank: int) -> StartPoin
 
 
 def _start(
-    start: StartPoint, source: ModelSource, model: torch.nn.Module, optim: Any, rank: int, world: int
-) -> tuple[int, int]:
-    """Load what the run starts from (``--resume`` / ``--init-from``'s checked checkpoint) into the
-    fresh model; ``(step, data position)``.
+    start: StartPoint,
+    source: ModelSource,
+    model: torch.nn.Module,
+    optim: Any,
+    rank: int,
+    world: int,
+    tier: MemoryTier | None = None,
+) -> tuple[int, int, bool]:
+    """Load what the run starts from into the fresh model: the memory tier's newest whole
+    snapshot when ``tier`` is given and it is at least as new as the durable checkpoint, else
+    ``--resume`` / ``--init-from``'s checked checkpoint; ``(step, data position, resumed)``.
 
-    Both load with ``atomic=False`` (read straight into place, one pass over the bytes): the model
+    Every load is ``atomic=False`` (read straight into place, one pass over the bytes): the model
     is freshly initialised, so a failed load loses nothing, and the run stops with its error."""
     step, position = 0, 0
+    if tier is not None:
+        try:
+            recovery = recover(tier, model, optim, not_before=_durable_step(start))
+        except mfsdp_ckpt.CheckpointError as e:
+            raise UsageError(f"--mem-tier: {e}") from None
+        if recovery.step is not None:
+            source.resumed(recovery.extra)
+            if rank == 0:
+                passed = f"; passed over {recovery.why}" if recovery.why else ""
+                print(
+                    f"recovered from the memory tier at step {recovery.step} in {recovery.seconds:.2f} s "
+                    f"(world size {world}){passed}",
+                    flush=True,
+                )
+            return recovery.extra["step"], recovery.extra["data_position"], True
+        if rank == 0:
+            then = f"resuming from {start.path}" if start.resumes else "starting fresh"
+            print(f"memory tier: nothing recovered ({recovery.why}); {then}", flush=True)
     if start.resumes:
         try:
             extra = mfsdp_ckpt.load(start.path, model, optim, atomic=False)
@@ -281,7 +310,13 @@ def _start(
             raise UsageError(f"--init-from: {e}") from None
         if rank == 0:
             print(f"initialised from the weights of {start.path} (world size {world})", flush=True)
-    return step, position
+    return step, position, start.resumes
+
+
+def _durable_step(start: StartPoint) -> int | None:
+    """The step of the durable checkpoint a resume would load (None: none)."""
+    step = read_manifest(start.path).get("step") if start.resumes and start.path else None
+    return step if isinstance(step, int) else None
 
 
 def _train(
@@ -293,9 +328,13 @@ def _train(
     model, optim = build(source, settings)
     device = next(model.parameters()).device
     data = open_data(settings, source)
-    step, position = _start(start, source, model, optim, rank, world)
+    tier = memory_tier(settings.checkpoint, world)
+    recovering = tier is not None and (settings.checkpoint.resume in (_AUTO, _LATEST) or restarted())
+    if tier is not None and not recovering:
+        TierSnapshots(tier, settings.checkpoint.mem_every, rank).remove()  # a fresh run: nothing of an earlier one
+    step, position, resumed = _start(start, source, model, optim, rank, world, tier if recovering else None)
     with contextlib.ExitStack() as run:
-        rank0_decides(claim_run_dir, settings.checkpoint.ckpt_dir, start.resumes, run)
+        rank0_decides(claim_run_dir, settings.checkpoint.ckpt_dir, resumed, run)
         return _loop(settings, source, rank, world, stops, (model, optim, data, device), step, position)
 
 
@@ -319,6 +358,8 @@ def _loop(
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if settings.checkpoint.async_save else None
     loop = _Loop(settings, source, rank, world, model, optim, data, device, bar, saving, stops)
+    tier = memory_tier(settings.checkpoint, world)
+    loop.snapshots = None if tier is None else TierSnapshots(tier, settings.checkpoint.mem_every, rank)
     loop.tb = open_tensorboard(settings, rank, step)  # --tensorboard: rank 0's curves (None elsewhere)
     if saving is not None:
         saving.tb = loop.tb
@@ -333,6 +374,8 @@ def _loop(
             loop.tb.close()
     if bar is not None:
         bar.close()
+    if loop.snapshots is not None and stopped_by is None and not settings.checkpoint.mem_keep_on_exit:
+        loop.snapshots.remove()  # the run ended normally: its durable checkpoints are what it leaves
     if rank == 0:
         print(stop_reason(settings, step, done, stopped_by), flush=True)
     return 0 if stopped_by is None else EXIT_CODES[stopped_by]
@@ -378,7 +421,14 @@ def _checkpoint_line(ckpt: CheckpointSettings) -> str:
         return "checkpoints: none (no --ckpt-dir: this run saves nothing)"
     every = f"every {ckpt.save_every} steps and at the end" if ckpt.save_every else "at the end"
     keep = f", keeping the newest {ckpt.keep}" if ckpt.keep else ""
-    return f"checkpoints: {ckpt.ckpt_dir}, {every}{keep}{' (async)' if ckpt.async_save else ''}"
+    line = f"checkpoints: {ckpt.ckpt_dir}, {every}{keep}{' (async)' if ckpt.async_save else ''}"
+    if ckpt.mem_tier:
+        nodes = f"nodes of {ckpt.node_size} ranks" if ckpt.node_size else "a node per machine"
+        line += (
+            f"; memory tier {ckpt.mem_tier}, every {ckpt.mem_every} steps, keeping {ckpt.mem_keep}, "
+            f"{ckpt.mem_replicas} replica(s), {nodes}"
+        )
+    return line
 
 
 def prepare_native_kernel(rank: int) -> None:
@@ -427,6 +477,7 @@ class _Loop:
     the ranks agree on after a step when one of them was signalled."""
 
     tb: TensorBoard | None = None  # --tensorboard's writer (rank 0)
+    snapshots: TierSnapshots | None = None  # --mem-tier's
 
     def __init__(
         self,
@@ -467,6 +518,8 @@ class _Loop:
             due = ckpt.ckpt_dir and ((ckpt.save_every and step % ckpt.save_every == 0) or step == last)
             if due or (stop == signal.SIGTERM and ckpt.ckpt_dir):
                 self.save(step, position)
+            if self.snapshots is not None and self.snapshots.due(step):
+                self.snapshots.take(step, self.model, self.optim, **self._contents(step, position))
             if stop is not None:
                 return step, stop
         return step, None
@@ -498,9 +551,19 @@ class _Loop:
         summed = totals.tolist()
         return position + training.batch_size, summed[0] / self.world, grad_norm.item(), stop_signal(summed[1:])
 
+    def _contents(self, step: int, position: int) -> dict[str, Any]:
+        """What every checkpoint of ``step`` records besides the state (a save's and a snapshot's)."""
+        source = self.source
+        return {
+            "extra": {"step": step, "data_position": position, "model": source.name, **source.extra()},
+            "model_config": source.model_config(),
+            "model_source": source.record(),
+            "run_config": run_config(self.settings, source.name),
+        }
+
     def save(self, step: int, position: int) -> None:
         """Checkpoint ``step`` into ``--ckpt-dir`` (in the background under ``--async-save``)."""
-        ckpt, source = self.settings.checkpoint, self.source
+        ckpt = self.settings.checkpoint
         save = _timed_save if self.saving is None else self.saving.start
         started = time.perf_counter()
         try:
@@ -508,10 +571,7 @@ class _Loop:
                 mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}"),
                 self.model,
                 self.optim,
-                extra={"step": step, "data_position": position, "model": source.name, **source.extra()},
-                model_config=source.model_config(),
-                model_source=source.record(),
-                run_config=run_config(self.settings, source.name),
+                **self._contents(step, position),
                 step=step,
                 keep=ckpt.keep,
                 overwrite=True,
@@ -666,7 +726,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings, source = check_args(args, world)
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return train(settings, source, rank, world, stops)
@@ -690,6 +750,22 @@ def run(args: argparse.Namespace) -> int:
 
 #: how long a rank other than 0 waits before reporting a refusal itself (see _report_refusal)
 REFUSAL_GRACE_S = 10.0
+
+
+def init_process_group(backend: str) -> None:
+    """The job's process group. Under torchrun's agent store, through a prefix of this attempt
+    (``TORCHELASTIC_RESTART_COUNT``): with torch 2.13 the ranks restarted after a failure
+    (``--max-restarts``) otherwise meet the failed attempt's gloo addresses in the store and
+    never connect (checked with a bare two-rank script under torchrun as well)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"mfsdp/attempt_{attempt}", agent), rank=rank, world_size=world
+    )
 
 
 def _report_refusal(message: str, rank: int) -> None:
