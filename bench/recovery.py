@@ -76,12 +76,17 @@ def train_step(model, optim, config, batch: int, step: int) -> None:
     optim.zero_grad()
 
 
-def timed(fn) -> float:
+def timed(fn, *args, **kwargs) -> float:
+    """Seconds of ``fn(*args, **kwargs)`` on the slowest rank (a barrier each side)."""
     dist.barrier()
     start = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _recover_into(out: list, tier: MemoryTier, model, optim) -> None:
+    out.append(recover(tier, model, optim))
 
 
 def main() -> None:
@@ -117,22 +122,24 @@ def main() -> None:
 
         return timed(run) / args.steps
 
-    results: dict[str, list[float]] = {k: [] for k in ("step", "step_mem10", "step_mem1", "snap", "save", "cold", "tier")}
+    results: dict[str, list[float]] = {
+        k: [] for k in ("step", "step_mem10", "step_mem1", "snap", "save", "cold", "tier")
+    }
     for r in range(args.rounds):
         results["step"].append(loop(None))
         results["step_mem10"].append(loop(10))
         results["step_mem1"].append(loop(1))
         step = 10_000 + r
-        results["snap"].append(timed(lambda: snapshot(tier, step, model, optim, extra={"step": step})))
+        results["snap"].append(timed(snapshot, tier, step, model, optim, extra={"step": step}))
         durable = os.path.join(args.dir, f"step_{step:06d}")
-        results["save"].append(timed(lambda: mfsdp_ckpt.save(durable, model, optim, extra={"step": step})))
+        results["save"].append(timed(mfsdp_ckpt.save, durable, model, optim, extra={"step": step}))
         fresh, fresh_optim = build(config, 1)
         if rank == 0:
             drop_cache(durable)
-        results["cold"].append(timed(lambda: mfsdp_ckpt.load(durable, fresh, fresh_optim)))
+        results["cold"].append(timed(mfsdp_ckpt.load, durable, fresh, fresh_optim))
         fresh, fresh_optim = build(config, 2)
-        got = []
-        results["tier"].append(timed(lambda: got.append(recover(tier, fresh, fresh_optim))))
+        got: list = []
+        results["tier"].append(timed(_recover_into, got, tier, fresh, fresh_optim))
         assert got[0].step == step, got[0]
     med = {k: statistics.median(v) for k, v in results.items()}
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
@@ -142,8 +149,12 @@ def main() -> None:
         mtbf = args.mtbf_steps
         lost_mem = 0.5 * 1 * med["step_mem1"] + med["tier"]
         lost_durable = 0.5 * 50 * med["step"] + med["cold"]
-        print(f"model {args.model} ({params / 1e6:.1f}M parameters), {world} ranks, nodes of {node_size}, {args.rounds} rounds")
-        print(f"snapshot (blocking) {med['snap']:.3f} s = {med['snap'] / med['step']:.1%} of a step; durable save {med['save']:.3f} s")
+        print(
+            f"model {args.model} ({params / 1e6:.1f}M parameters), {world} ranks, nodes of {node_size}, {args.rounds} rounds"
+        )
+        print(
+            f"snapshot (blocking) {med['snap']:.3f} s = {med['snap'] / med['step']:.1%} of a step; durable save {med['save']:.3f} s"
+        )
         print(
             f"restore: memory tier {med['tier']:.3f} s, cold durable load {med['cold']:.3f} s: "
             f"{med['cold'] / med['tier']:.2f}x"
