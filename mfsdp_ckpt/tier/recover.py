@@ -4,11 +4,12 @@ files survive.
 Collective over the default group, at any world size. In order:
 
 1. each node's leader surveys its node's snapshots: ``tier.json`` read and checked, and every
-   file it lists checked against its size and crc32c (a flipped byte, a truncated or missing
-   file is noted with why);
+   file it lists found with its recorded size (a truncated or missing file is noted with why);
 2. every rank sees every survey (one all-gather) and takes the same decision: the newest step
-   whose every file has a whole copy on some node (its own or a peer's replica), the
-   ``tier.json`` of its copies agreeing; for each newer step, why not;
+   whose every file has a copy on some node (its own or a peer's replica), the ``tier.json`` of
+   its copies agreeing; then each leader checks its copies of that step's files against their
+   crc32c (a flipped byte), every rank sees the results, and the decision is taken again with
+   them, until a step is whole where it is checked or none is left; for each newer step, why not;
 3. each node gets the files it lacks from a node that has them whole (checked on arrival), so
    that its step directory is a complete checkpoint;
 4. every rank loads its node's copy (``load(..., same_path=False)``: the checksums of every
@@ -56,11 +57,14 @@ class Recovery:
 Survey = dict[int, tuple[tuple[int, dict[str, TierFile]] | None, dict[str, str | None], str | None]]
 
 
-def survey_node(tier: MemoryTier, node: int) -> Survey:
-    """Every committed snapshot in ``node``'s directory: its ``tier.json`` and, for each file it
-    lists, why this node's copy cannot be used (None: whole)."""
+def survey_node(tier: MemoryTier, node: int, steps: list[int] | None = None, checksum: bool = False) -> Survey:
+    """The committed snapshots in ``node``'s directory (``steps``: those only): its ``tier.json``
+    and, for each file it lists, why this node's copy cannot be used (None: it has the recorded
+    size, and with ``checksum`` the recorded crc32c)."""
     out: Survey = {}
     for step in tier_steps(tier.node_dir(node)):
+        if steps is not None and step not in steps:
+            continue
         directory = tier.step_dir(node, step)
         try:
             recorded_step, nodes, files = read_tier_index(directory)
@@ -70,7 +74,8 @@ def survey_node(tier: MemoryTier, node: int) -> Survey:
         if recorded_step != step:
             out[step] = (None, {}, f"{directory}: {TIER_INDEX_NAME} names step {recorded_step}")
             continue
-        out[step] = ((nodes, files), {name: check_file(directory, name, f) for name, f in files.items()}, None)
+        problems = {name: check_file(directory, name, f, checksum) for name, f in files.items()}
+        out[step] = ((nodes, files), problems, None)
     return out
 
 
@@ -127,7 +132,13 @@ def recover(
     leader = rank == tier.leader(node)
     mine = survey_node(tier, node) if leader else None
     surveys = {tier.node_of(r): s for r, s in enumerate(gather_objects(mine)) if s is not None}
-    decision = _decide(surveys)
+    checked: set[int] = set()
+    while (decision := _decide(surveys)).step is not None and decision.step not in checked:
+        checked.add(decision.step)  # its copies' crc32c, then the decision again
+        mine = survey_node(tier, node, [decision.step], checksum=True) if leader else None
+        for r, s in enumerate(gather_objects(mine)):
+            if s is not None and decision.step in s:
+                surveys[tier.node_of(r)][decision.step] = s[decision.step]
     why = "; ".join(decision.why)
     if decision.step is None:
         reason = why or f"no snapshot in {tier.run_dir}"

@@ -145,3 +145,24 @@ def test_memory_tier_flags_are_refused_in_one_line_before_any_rank_starts(tmp_pa
     )
     assert (done.returncode, done.stderr.splitlines()) == (1, [said])
     assert os.listdir(tmp_path) == []  # a refusal creates nothing
+
+
+def test_a_snapshot_that_would_fill_the_tier_is_skipped_with_one_warning(tmp_path, capsys):
+    """``TierSnapshots``: when a snapshot would take more than half of the tier's free space,
+    it is skipped (nothing written) with one warning line, however many steps come; a smaller
+    one is then taken."""
+    from cli.train_tier import TierSnapshots
+    from mfsdp_ckpt.tier import MemoryTier
+    from tests.mfsdp_ckpt.util import build
+
+    model, optim = build("no_shard", "even")
+    snaps = TierSnapshots(MemoryTier(str(tmp_path / "T"), "run", node_size=1), every=1, rank=0)
+    snaps.last_bytes = shutil.disk_usage(tmp_path).free  # the last one was as large as all the free space
+    for step in (1, 2, 3):
+        snaps.take(step, model, optim, extra={"step": step})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"warning: memory tier {tmp_path / 'T'}: a snapshot ("), out
+    assert not (tmp_path / "T").exists()
+    snaps.last_bytes = 0
+    snaps.take(4, model, optim, extra={"step": 4})
+    assert os.listdir(tmp_path / "T" / "run" / "node0") == ["step_000004"]

@@ -44,7 +44,7 @@ def snapshots(tmp_path_factory):
     """A 4-rank job (2 nodes of 2 ranks) that took snapshots of steps 1-3; the logical state at
     steps 2 and 3, and a pristine copy of the tier to damage in each test."""
     root = str(tmp_path_factory.mktemp("tier") / "pristine")
-    per_rank = run_ranks(_train_and_snapshot, 4, root, 3, timeout=60)
+    per_rank = run_ranks(_train_and_snapshot, 4, root, 3, timeout=300)
     shapes = shapes_of()
     return root, {
         3: assemble([r["last"] for r in per_rank], shapes),
@@ -92,7 +92,7 @@ def test_each_node_keeps_its_files_and_a_peers_replica_committed_whole(snapshots
 @pytest.mark.parametrize("world", [4, 3, 5])
 def test_recovers_the_newest_step_bitwise_at_any_world_size(tier_copy, world):
     root, truth = tier_copy
-    _assert_recovered(run_ranks(_recover, world, root, timeout=60), truth, 3)
+    _assert_recovered(run_ranks(_recover, world, root, timeout=300), truth, 3)
 
 
 def test_a_flipped_byte_is_caught_and_the_peer_replica_used(tier_copy):
@@ -100,7 +100,7 @@ def test_a_flipped_byte_is_caught_and_the_peer_replica_used(tier_copy):
     tier = _tier(root)
     damaged = os.path.join(tier.step_dir(0, 3), "__0_0.distcp")
     _flip_byte(damaged)
-    per_rank = run_ranks(_recover, 4, root, timeout=60)
+    per_rank = run_ranks(_recover, 4, root, timeout=300)
     _assert_recovered(per_rank, truth, 3)
     assert per_rank[0][2] == ""  # step 3 itself was whole (on node 1)
     with open(damaged, "rb") as a, open(os.path.join(tier.step_dir(1, 3), "__0_0.distcp"), "rb") as b:
@@ -110,7 +110,7 @@ def test_a_flipped_byte_is_caught_and_the_peer_replica_used(tier_copy):
 def test_a_lost_node_is_recovered_from_its_peers_replica(tier_copy):
     root, truth = tier_copy
     shutil.rmtree(_tier(root).node_dir(1))
-    _assert_recovered(run_ranks(_recover, 4, root, timeout=60), truth, 3)
+    _assert_recovered(run_ranks(_recover, 4, root, timeout=300), truth, 3)
 
 
 def test_both_copies_damaged_falls_back_to_the_older_step_saying_why(tier_copy):
@@ -118,7 +118,7 @@ def test_both_copies_damaged_falls_back_to_the_older_step_saying_why(tier_copy):
     tier = _tier(root)
     for node in (0, 1):
         _flip_byte(os.path.join(tier.step_dir(node, 3), "__2_0.distcp"))
-    per_rank = run_ranks(_recover, 4, root, timeout=60)
+    per_rank = run_ranks(_recover, 4, root, timeout=300)
     _assert_recovered(per_rank, truth, 2)
     why = per_rank[0][2]
     assert why == "step 3: no whole copy of __2_0.distcp (node0 crc32c mismatch, node1 crc32c mismatch)", why
@@ -131,12 +131,12 @@ def test_nothing_whole_recovers_nothing_and_a_partial_snapshot_is_never_taken(ti
     for node in (0, 1):
         for step in (2, 3):
             os.remove(os.path.join(tier.step_dir(node, step), TIER_INDEX_NAME))
-    per_rank = run_ranks(_recover, 4, root, timeout=60)
+    per_rank = run_ranks(_recover, 4, root, timeout=300)
     assert {r[0] for r in per_rank} == {None}
     assert per_rank[0][2].startswith("step 3: ") and "; step 2: " in per_rank[0][2], per_rank[0][2]
     assert "cannot read" in per_rank[0][2]
 
 
 def test_an_empty_tier_recovers_nothing(tmp_path):
-    per_rank = run_ranks(_recover, 2, str(tmp_path), timeout=60)
+    per_rank = run_ranks(_recover, 2, str(tmp_path), timeout=300)
     assert per_rank[0][0] is None and per_rank[0][2] == f"no snapshot in {tmp_path}/{RUN}"
