@@ -1,7 +1,8 @@
 """``--mem-tier``: the trainer's snapshots in node memory, and its recovery from them.
 
 A run with ``--mem-tier DIR`` snapshots its state every ``--mem-every`` steps into each node's
-tier directory (:func:`mfsdp_ckpt.tier.snapshot`), besides its durable ``--ckpt-dir`` saves. A
+tier directory, in the background (:func:`mfsdp_ckpt.tier.async_snapshot`: the next optimizer
+step waits only for the copy to host memory), besides its durable ``--ckpt-dir`` saves. A
 restart of the ranks (torchrun's ``--max-restarts``, which the trainer knows from
 ``TORCHELASTIC_RESTART_COUNT``) or ``--resume auto`` first recovers the newest whole snapshot
 (:func:`mfsdp_ckpt.tier.recover`) and uses it when it is at least as new as the durable
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from mfsdp_ckpt.tier import MemoryTier, run_id_of, snapshot
+from mfsdp_ckpt import AsyncSaveHandle
+from mfsdp_ckpt.tier import MemoryTier, async_snapshot, run_id_of
 from mfsdp_core.collectives import rank_and_world
 
 from .settings import CheckpointSettings
@@ -58,16 +60,26 @@ class TierSnapshots:
         self.tier, self.every, self.rank = tier, every, rank
         self.last_bytes = 0
         self.warned = False
+        self.handle: AsyncSaveHandle | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     def take(self, step: int, model: torch.nn.Module, optim: Any, **save_kwargs: Any) -> None:
-        """Snapshot ``step`` (collective), unless the tier lacks the room (every rank decides alike)."""
+        """Start snapshotting ``step`` in the background (collective), unless the tier lacks the
+        room (every rank decides alike); the previous snapshot is finished first (its error
+        raised here, on every rank alike)."""
+        self.finish()
         if not self._room():
             return
-        path = snapshot(self.tier, step, model, optim, **save_kwargs)
-        self.last_bytes = _tree_bytes(path)
+        self.handle = async_snapshot(self.tier, step, model, optim, **save_kwargs)
+
+    def finish(self) -> None:
+        """Wait for the snapshot in flight (raising its one-line error) and note its size."""
+        if self.handle is None:
+            return
+        handle, self.handle = self.handle, None
+        self.last_bytes = _tree_bytes(handle.result())
 
     def _room(self) -> bool:
         node = self.tier.node_of(rank_and_world()[0])
@@ -92,6 +104,7 @@ class TierSnapshots:
     def remove(self) -> None:
         """The run's normal end: this node's leader removes the node's snapshots (and the run's
         directory in the tier once no node of it is left)."""
+        self.finish()
         rank, _ = rank_and_world()
         node = self.tier.node_of(rank)
         if rank == self.tier.leader(node):

@@ -367,9 +367,13 @@ def _loop(
         done, stopped_by = loop.run(step, position, last)
         if saving is not None:
             saving.finish()  # the last save is committed before the run ends (--stop-at included)
+        if loop.snapshots is not None:
+            loop.snapshots.finish()  # and the last snapshot
     finally:
         if saving is not None:
             saving.wait()  # on an error: let the save in flight end before the process group goes
+        if loop.snapshots is not None and loop.snapshots.handle is not None:
+            loop.snapshots.handle.wait()
         if loop.tb is not None:
             loop.tb.close()
     if bar is not None:

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from mfsdp_ckpt.errors import CheckpointError, one_line
 from mfsdp_ckpt.sharded.in_flight import in_flight, set_in_flight
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
-from mfsdp_ckpt.sharded.save import PreparedSave, check_save_arguments, prepare_save, write_save
+from mfsdp_ckpt.sharded.save import check_save_arguments, prepare_save, write_save
 from mfsdp_ckpt.sharded.state import FlatEntry
 from mfsdp_ckpt.storage.priority import deprioritise_this_thread
 from mfsdp_ckpt.write.agreement import agreed
@@ -70,7 +70,7 @@ from mfsdp_core.collectives import rank0_decides
 from mfsdp_core.fence import Fence
 from mfsdp_core.fully_shard import buffers_of
 
-__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "staging_bytes"]
+__all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "async_write", "staging_bytes"]
 
 GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
 _ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
@@ -474,15 +474,52 @@ def async_save(
             run_config=run_config,
             model_source=model_source,
         )
-        staged = agreed(lambda: _stage(job))
+        staged = agreed(lambda: _stage(job.entries, job.final))
         fence = Fence(buffers_of(model), grads=include_grads)  # from here the runtime's writes wait for the copy
     except BaseException:
         lock.close()
         raise
-    handle = AsyncSaveHandle(job.final, started)
+
+    def write(entries: dict[str, Any], planner: MfsdpSavePlanner, on: dist.ProcessGroup | None) -> None:
+        job.writer.bound_writes(WRITE_CHUNK_BYTES)
+        write_save(job, entries, planner, process_group=on, decide=_decide_on(on))
+
+    return _start(job.final, staged, fence, lock, group, write, started, waited)
+
+
+def async_write(
+    final: str,
+    entries: dict[str, Any],
+    model: nn.Module,
+    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
+) -> AsyncSaveHandle:
+    """The engine of :func:`async_save` for another kind of checkpoint (the memory tier's
+    snapshots): the previous asynchronous save waited for, ``entries`` (``save_contents``')
+    staged, the fence set, and ``write(staged entries, planner, group)`` run in the background
+    thread on the dedicated process group, as ``async_save`` runs its write. Collective."""
+    started = time.perf_counter()
+    group = _checkpoint_group()
+    _wait_for_previous(final)
+    waited = time.perf_counter() - started
+    staged = agreed(lambda: _stage(entries, final))
+    fence = Fence(buffers_of(model), grads=False)
+    return _start(final, staged, fence, contextlib.ExitStack(), group, write, started, waited)
+
+
+def _start(
+    final: str,
+    staged: _Staged,
+    fence: Fence,
+    lock: contextlib.ExitStack,
+    group: dist.ProcessGroup | None,
+    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
+    started: float,
+    waited: float,
+) -> AsyncSaveHandle:
+    handle = AsyncSaveHandle(final, started)
     handle._fence = fence
     handle.waited_s = waited
-    _start_background_write(job, staged, fence, handle, lock, group)
+    _start_background_write(final, staged, fence, handle, lock, group, write)
     handle.call_s = time.perf_counter() - started
     set_in_flight(handle)
     return handle
@@ -506,20 +543,21 @@ def _wait_for_previous(path: str | os.PathLike) -> None:
 
 
 def _start_background_write(
-    job: PreparedSave,
+    final: str,
     staged: _Staged,
     fence: Fence,
     handle: AsyncSaveHandle,
     lock: contextlib.ExitStack,
     group: dist.ProcessGroup | None,
+    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
 ) -> None:
-    """Start the thread that copies, writes and commits ``job``; if it cannot start, release the
+    """Start the thread that copies, writes and commits ``final``; if it cannot start, release the
     fence and the lock (training and the run directory must not stay held by a save that never runs)."""
     planner = _StagedSavePlanner(staged.properties)
     thread = threading.Thread(
         target=_write_in_background,
-        args=(job, staged, planner, fence, handle, lock, group),
-        name=f"mfsdp-ckpt async save {job.final}",
+        args=(final, staged, planner, fence, handle, lock, group, write),
+        name=f"mfsdp-ckpt async save {final}",
     )
     try:
         thread.start()
@@ -530,13 +568,14 @@ def _start_background_write(
 
 
 def _write_in_background(
-    job: PreparedSave,
+    final: str,
     staged: _Staged,
     planner: _StagedSavePlanner,
     fence: Fence,
     handle: AsyncSaveHandle,
     lock: contextlib.ExitStack,
     group: dist.ProcessGroup | None,
+    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
 ) -> None:
     """The background thread's work: fill the staging buffer (then release the fence), write and
     commit, unlock the run directory, and finish ``handle`` with the save's one-line error (or
@@ -545,15 +584,14 @@ def _write_in_background(
     error = None
     try:
         try:
-            _fill(staged, planner, job.final)
+            _fill(staged, planner, final)
         finally:
             fence.release()
             handle._mark_staged()
         try:
-            job.writer.bound_writes(WRITE_CHUNK_BYTES)
-            write_save(job, staged.entries, planner, process_group=group, decide=_decide_on(group))
+            write(staged.entries, planner, group)
         except BaseException as e:  # noqa: BLE001 - reported by the handle
-            error = _as_checkpoint_error(e, job.final)
+            error = _as_checkpoint_error(e, final)
             with contextlib.suppress(Exception):  # the save's error is the one reported
                 lock.close()  # rank 0: the run directory is unlocked before any rank reports
             if group is not None:  # every rank failed alike; none reports before rank 0 removed the partial
@@ -562,7 +600,7 @@ def _write_in_background(
         finally:
             lock.close()
     except BaseException as e:  # noqa: BLE001 - releasing the lock failed
-        error = error or _as_checkpoint_error(e, job.final)
+        error = error or _as_checkpoint_error(e, final)
     finally:
         handle._finish(error)  # whatever happened: result() never waits forever
 
@@ -579,17 +617,15 @@ def _fill(staged: _Staged, planner: _StagedSavePlanner, final: str) -> None:
         planner.failure = CheckpointError(f"{final}: cannot copy the state to host memory ({type(e).__name__}: {text})")
 
 
-def _stage(job: Any) -> _Staged:
-    """Stage ``job``'s entries (the buffer allocated, the small values copied; the flat ranges
+def _stage(entries: dict[str, Any], final: str) -> _Staged:
+    """Stage ``entries`` (the buffer allocated, the small values copied; the flat ranges
     are left to the background); a failure (no memory for the buffer) as a :class:`CheckpointError`,
     which ``agreed`` raises on every rank (none goes on into the background collectives alone)."""
     try:
-        return _state.staging.stage(job.entries)
+        return _state.staging.stage(entries)
     except CheckpointError:
         raise
     except (RuntimeError, MemoryError) as e:
         _state.staging = HostStaging()  # a half-built buffer is not reused
         text = one_line(e, first_line=True)
-        raise CheckpointError(
-            f"{job.final}: cannot copy the state to host memory ({type(e).__name__}: {text})"
-        ) from None
+        raise CheckpointError(f"{final}: cannot copy the state to host memory ({type(e).__name__}: {text})") from None

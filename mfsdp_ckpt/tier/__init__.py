@@ -4,6 +4,6 @@ replicated to peer nodes, and recovered from whichever copies survive a failure
 
 from mfsdp_ckpt.tier.layout import MemoryTier, run_id_of
 from mfsdp_ckpt.tier.recover import Recovery, recover
-from mfsdp_ckpt.tier.snapshot import snapshot
+from mfsdp_ckpt.tier.snapshot import async_snapshot, snapshot
 
-__all__ = ["MemoryTier", "Recovery", "recover", "run_id_of", "snapshot"]
+__all__ = ["MemoryTier", "Recovery", "async_snapshot", "recover", "run_id_of", "snapshot"]

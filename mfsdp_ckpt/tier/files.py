@@ -69,9 +69,11 @@ class Transfer:
     target_dir: str
 
 
-def move_files(transfers: list[Transfer], expected: dict[str, TierFile], rank: int) -> None:
-    """Carry out ``transfers`` (the same list on every rank, in the same order); this rank sends
-    and receives its own. A file that arrives damaged (another size or crc32c than ``expected``)
+def move_files(
+    transfers: list[Transfer], expected: dict[str, TierFile], rank: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Carry out ``transfers`` (the same list on every rank, in the same order) over ``group`` (a
+    group of every rank; None: the default one); this rank sends and receives its own. A file that arrives damaged (another size or crc32c than ``expected``)
     is not written, and once every transfer is done the receiver raises :class:`CheckpointError`
     naming the first (going on to the end keeps every later send paired with its receive)."""
     damaged: list[str] = []
@@ -81,15 +83,15 @@ def move_files(transfers: list[Transfer], expected: dict[str, TierFile], rank: i
         if rank == t.sender:
             with open(os.path.join(t.source_dir, t.name), "rb") as f:
                 data = bytearray(f.read())
-            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=t.receiver)
+            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=t.receiver, group=group)
             if data:
-                dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=t.receiver)
+                dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=t.receiver, group=group)
         elif rank == t.receiver:
             size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=t.sender)
+            dist.recv(size, src=t.sender, group=group)
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
             if buf.numel():
-                dist.recv(buf, src=t.sender)
+                dist.recv(buf, src=t.sender, group=group)
             problem = _write_checked(t, buf.numpy().tobytes(), expected[t.name])
             if problem is not None:
                 damaged.append(problem)

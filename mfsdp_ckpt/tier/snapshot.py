@@ -25,10 +25,12 @@ import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.format.manifest import indexed
+from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_write
 from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import SaveContents, save_contents, write_own_chunks
@@ -41,7 +43,7 @@ from mfsdp_ckpt.write.manifest import write_manifest
 from mfsdp_ckpt.write.save_index import build_index
 from mfsdp_core.collectives import rank_and_world
 
-__all__ = ["snapshot"]
+__all__ = ["async_snapshot", "snapshot", "write_snapshot"]
 
 
 def snapshot(
@@ -58,13 +60,6 @@ def snapshot(
     """Snapshot ``model`` (and ``optimizer``) at ``step`` into ``tier`` (see the module docstring);
     returns this node's step directory. Arguments as :func:`mfsdp_ckpt.save`'s."""
     wait_for_async_save()
-    rank, world = rank_and_world()
-    job = Job.current(same_error=True)
-    node, nodes = tier.node_of(rank), tier.nodes(world)
-    leader = rank == tier.leader(node)
-    final = tier.step_dir(node, step)
-    staging = final + ".partial"
-    what = f"memory tier step {step}: not snapshotted"
     contents = save_contents(
         model,
         optimizer,
@@ -75,18 +70,66 @@ def snapshot(
         run_config=run_config,
         model_source=model_source,
     )
+    return write_snapshot(tier, step, contents, contents.entries, MfsdpSavePlanner(), Job.current(same_error=True))
+
+
+def async_snapshot(
+    tier: MemoryTier,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    model_source: dict[str, Any] | None = None,
+    run_config: dict[str, Any] | None = None,
+) -> AsyncSaveHandle:
+    """:func:`snapshot`, in the background as :func:`mfsdp_ckpt.async_save` saves: the state
+    copied to host memory while training goes on (the optimizer step waits for the copy), then
+    written, replicated and committed on the checkpoint traffic's own process group. Returns
+    its handle (``result()``: this node's step directory, or the one-line error of every rank).
+    At most one asynchronous save or snapshot is in flight: this one first waits for the last."""
+    contents = save_contents(
+        model,
+        optimizer,
+        extra=extra,
+        include_grads=False,
+        model_config=model_config,
+        step=step,
+        run_config=run_config,
+        model_source=model_source,
+    )
+
+    def write(entries: dict[str, Any], planner: MfsdpSavePlanner, group: dist.ProcessGroup | None) -> None:
+        write_snapshot(tier, step, contents, entries, planner, Job.current(group, same_error=True))
+
+    rank = rank_and_world()[0]
+    return async_write(tier.step_dir(tier.node_of(rank), step), contents.entries, model, write)
+
+
+def write_snapshot(
+    tier: MemoryTier, step: int, contents: SaveContents, entries: dict[str, Any], planner: MfsdpSavePlanner, job: Job
+) -> str:
+    """The phases of the module docstring over ``job``'s ranks: ``entries`` (``contents``' own,
+    or a staged copy of them) written with ``planner``; this node's step directory."""
+    rank, world = job.rank, job.world
+    node, nodes = tier.node_of(rank), tier.nodes(world)
+    leader = rank == tier.leader(node)
+    final = tier.step_dir(node, step)
+    staging = final + ".partial"
+    what = f"memory tier step {step}: not snapshotted"
     committed = False
     try:
         job.run(what, _open_staging if leader else _nothing, staging)
         writer = CommittingWriter(destination_for(final), staging, contents.manifest, sync_files=False)
-        part = job.run(what, _write_part, writer, contents.entries, rank)
+        part = job.run(what, _write_part, writer, entries, planner, rank)
         gathered = job.gather_to_main(part)
         shared, per_rank = job.on_main(what, _shared_files, writer, contents, gathered)
         files: dict[str, TierFile] = {
             name: TierFile(size, crc, tier.node_of(r)) for r, own in enumerate(per_rank) for name, size, crc in own
         }
         files.update({name: TierFile(len(data), crc32c(data)) for name, data in shared})
-        job.run(what, move_files, _replication(tier, files, step, nodes), files, rank)
+        job.run(what, move_files, _replication(tier, files, step, nodes), files, rank, job.group)
         job.run(what, _commit if leader else _nothing, tier, node, step, staging, shared, files, nodes)
         committed = True
         return final
@@ -104,9 +147,11 @@ def _open_staging(staging: str) -> None:
     os.makedirs(staging)
 
 
-def _write_part(writer: CommittingWriter, entries: dict[str, Any], rank: int) -> tuple[Any, list[tuple[str, int, int]]]:
+def _write_part(
+    writer: CommittingWriter, entries: dict[str, Any], planner: MfsdpSavePlanner, rank: int
+) -> tuple[Any, list[tuple[str, int, int]]]:
     """This rank's data files, and ``(name, size, crc32c)`` of each as it lies in the tier."""
-    written = write_own_chunks(writer, entries, MfsdpSavePlanner(), rank)
+    written = write_own_chunks(writer, entries, planner, rank)
     return written, [(f.name, *file_crc32c(os.path.join(writer.tmp_dir, f.name))) for f in written.files]
 
 

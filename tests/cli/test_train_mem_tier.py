@@ -81,7 +81,9 @@ def test_a_killed_rank_or_node_recovers_from_memory_bitwise(tmp_path, uninterrup
     recovered = [line for line in out.splitlines() if line.startswith("recovered from the memory tier at step ")]
     assert len(recovered) == 1, out
     step = int(recovered[0].split()[7])
-    assert at - 1 <= step < STEPS, (at, recovered)  # at most the steps since the newest whole snapshot are redone
+    # the snapshot of a step commits in the background during the next: when the kill comes
+    # right after step `at` was logged, the one of `at - 1` may still be in flight
+    assert at - 2 <= step < STEPS, (at, recovered)
     assert glob.glob(str(tmp_path / "tier" / "*")) == []  # removed at the normal end
 
 
@@ -165,4 +167,6 @@ def test_a_snapshot_that_would_fill_the_tier_is_skipped_with_one_warning(tmp_pat
     assert not (tmp_path / "T").exists()
     snaps.last_bytes = 0
     snaps.take(4, model, optim, extra={"step": 4})
+    snaps.finish()  # taken in the background
+    assert snaps.last_bytes > 0
     assert os.listdir(tmp_path / "T" / "run" / "node0") == ["step_000004"]

@@ -8,8 +8,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
-from mfsdp_ckpt.tier import MemoryTier, recover, snapshot
+from mfsdp_ckpt.tier import MemoryTier, async_snapshot, recover, snapshot
 from mfsdp_ckpt.tier.layout import TIER_INDEX_NAME, read_tier_index, tier_steps
 from tests.harness import run_ranks
 from tests.mfsdp_ckpt.util import assemble, build, owned_pieces, shapes_of, train_steps
@@ -140,3 +141,26 @@ def test_nothing_whole_recovers_nothing_and_a_partial_snapshot_is_never_taken(ti
 def test_an_empty_tier_recovers_nothing(tmp_path):
     per_rank = run_ranks(_recover, 2, str(tmp_path), timeout=300)
     assert per_rank[0][0] is None and per_rank[0][2] == f"no snapshot in {tmp_path}/{RUN}"
+
+
+def _train_and_snapshot_async(root: str, steps: int) -> dict:
+    """As :func:`_train_and_snapshot`, the snapshots taken in the background (the next step's
+    optimizer update waits for each copy); every handle's result checked."""
+    model, optim = build("optim_grads_params", "even")
+    tier = _tier(root)
+    handles = []
+    for step in range(1, steps + 1):
+        train_steps(model, optim, step - 1, step)
+        handles.append(async_snapshot(tier, step, model, optim, extra={"step": step}))
+    paths = [h.result() for h in handles]
+    assert paths[-1] == tier.step_dir(tier.node_of(torch.distributed.get_rank()), steps)
+    return owned_pieces(model, optim)
+
+
+def test_background_snapshots_recover_the_same_state(tmp_path, snapshots):
+    root = str(tmp_path / "tier")
+    per_rank = run_ranks(_train_and_snapshot_async, 4, root, 3, timeout=300)
+    assert assemble(per_rank, shapes_of()).keys() == snapshots[1][3].keys()
+    for key, want in assemble(per_rank, shapes_of()).items():
+        assert want.equal(snapshots[1][3][key]), key  # the same training, snapshots or not
+    _assert_recovered(run_ranks(_recover, 3, root, timeout=300), snapshots[1], 3)
