@@ -80,3 +80,7 @@ _.rdzv_id
 _.rdzv_conf
 _.master_port
 _.max_restarts
+
+# the memory tier's synchronous snapshot: public API (docs/memory_tier.md), called by tests/ and
+# bench/ (the trainer takes async_snapshot)
+_.snapshot
