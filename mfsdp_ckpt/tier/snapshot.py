@@ -203,7 +203,8 @@ def _commit(
 ) -> None:
     """A node leader: the shared files and ``tier.json`` into the staging directory, the rename
     (replacing a snapshot of the same step: a step redone after a restart), then the oldest
-    snapshots beyond ``keep`` removed."""
+    snapshots beyond ``keep`` removed, and what killed snapshots left (``step_<n>.partial``: one
+    snapshot is in flight at a time, so any other is a leftover)."""
     for name, data in shared:
         path = os.path.join(staging, name)
         if not os.path.exists(path):  # rank 0 wrote its own already
@@ -217,3 +218,6 @@ def _commit(
     os.rename(staging, final)
     for old in tier_steps(tier.node_dir(node))[: -tier.keep]:
         shutil.rmtree(tier.step_dir(node, old), ignore_errors=True)
+    for name in os.listdir(tier.node_dir(node)):
+        if name.startswith("step_") and name.endswith(".partial"):
+            shutil.rmtree(os.path.join(tier.node_dir(node), name), ignore_errors=True)

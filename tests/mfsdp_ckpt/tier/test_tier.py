@@ -125,6 +125,20 @@ def test_both_copies_damaged_falls_back_to_the_older_step_saying_why(tier_copy):
     assert why == "step 3: no whole copy of __2_0.distcp (node0 crc32c mismatch, node1 crc32c mismatch)", why
 
 
+def _snapshot_once(root: str, step: int) -> None:
+    model, optim = build("optim_grads_params", "even")
+    snapshot(_tier(root), step, model, optim, extra={"step": step})
+
+
+def test_a_killed_snapshots_leftover_is_removed_by_the_next_commit(tier_copy):
+    root, _ = tier_copy
+    tier = _tier(root)
+    os.makedirs(tier.step_dir(1, 4) + ".partial")  # a snapshot of step 4 killed midway
+    run_ranks(_snapshot_once, 4, root, 5, timeout=300)
+    for node in (0, 1):
+        assert sorted(os.listdir(tier.node_dir(node))) == ["step_000003", "step_000005"]
+
+
 def test_nothing_whole_recovers_nothing_and_a_partial_snapshot_is_never_taken(tier_copy):
     root, _ = tier_copy
     tier = _tier(root)
