@@ -124,8 +124,10 @@ def recover(
     """Load the newest whole snapshot of ``tier`` into ``model`` (and ``optimizer``); see the
     module docstring. ``not_before``: a step the caller can load from elsewhere (its durable
     checkpoint's): a whole snapshot older than it is not loaded (nothing is, and ``why`` says
-    so). Loads with ``atomic=False`` (a fresh model: a load that fails on a chunk's
-    checksum leaves it partly loaded; the caller then loads its durable checkpoint over it)."""
+    so). Loads with ``atomic=False`` (into a fresh model: one pass over the bytes). Every file was
+    checked against its crc32c first, so a chunk failing its own check in the load means the
+    tier changed meanwhile: the load's error is raised, and the model, partly loaded, must not
+    be trained on."""
     started = time.perf_counter()
     rank, world = rank_and_world()
     node, nodes = tier.node_of(rank), tier.nodes(world)
@@ -134,6 +136,8 @@ def recover(
     surveys = {tier.node_of(r): s for r, s in enumerate(gather_objects(mine)) if s is not None}
     checked: set[int] = set()
     while (decision := _decide(surveys)).step is not None and decision.step not in checked:
+        if not_before is not None and decision.step < not_before:
+            break  # older than what the caller has: not worth checking
         checked.add(decision.step)  # its copies' crc32c, then the decision again
         mine = survey_node(tier, node, [decision.step], checksum=True) if leader else None
         for r, s in enumerate(gather_objects(mine)):
