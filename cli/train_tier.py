@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,30 +57,50 @@ class TierSnapshots:
     """The loop's snapshots: every ``--mem-every`` steps, skipped (one warning) when the tier's
     file system is short of space."""
 
-    def __init__(self, tier: MemoryTier, every: int, rank: int) -> None:
-        self.tier, self.every, self.rank = tier, every, rank
+    def __init__(self, tier: MemoryTier, every: int, rank: int, log: Callable[[str], None] = print) -> None:
+        self.tier, self.every, self.rank, self.log = tier, every, rank, log
         self.last_bytes = 0
         self.warned = False
         self.handle: AsyncSaveHandle | None = None
+        self.promoting: str | None = None  # the durable checkpoint the snapshot in flight becomes too
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def take(self, step: int, model: torch.nn.Module, optim: Any, **save_kwargs: Any) -> None:
-        """Start snapshotting ``step`` in the background (collective), unless the tier lacks the
-        room (every rank decides alike); the previous snapshot is finished first (its error
-        raised here, on every rank alike)."""
+    def take(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optim: Any,
+        promote_to: str | None = None,
+        keep: int | None = None,
+        **save_kwargs: Any,
+    ) -> bool:
+        """Start snapshotting ``step`` in the background (collective), and with ``promote_to``
+        copying it to that durable checkpoint once committed (the run's ``--save-every`` save of
+        the step); False when the tier lacks the room (every rank decides alike: nothing is
+        started, and the caller saves the step itself). The previous snapshot is finished
+        first (its error raised here, on every rank alike)."""
         self.finish()
         if not self._room():
-            return
-        self.handle = async_snapshot(self.tier, step, model, optim, **save_kwargs)
+            return False
+        self.handle = async_snapshot(self.tier, step, model, optim, promote_to=promote_to, keep=keep, **save_kwargs)
+        self.promoting = promote_to
+        return True
 
     def finish(self) -> None:
-        """Wait for the snapshot in flight (raising its one-line error) and note its size."""
+        """Wait for the snapshot in flight (raising its one-line error) and note its size; rank 0
+        logs the durable checkpoint it was promoted to."""
         if self.handle is None:
             return
         handle, self.handle = self.handle, None
         self.last_bytes = _tree_bytes(handle.result())
+        if self.promoting is not None and self.rank == 0:
+            self.log(
+                f"saved {os.path.basename(self.promoting)} (promoted from the memory tier): total "
+                f"{handle.total_s:.2f} s, blocked {handle.blocked_s:.3f} s; to {self.promoting}"
+            )
+        self.promoting = None
 
     def _room(self) -> bool:
         node = self.tier.node_of(rank_and_world()[0])

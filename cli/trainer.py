@@ -359,7 +359,8 @@ def _loop(
     saving = _AsyncSaves(rank, bar) if settings.checkpoint.async_save else None
     loop = _Loop(settings, source, rank, world, model, optim, data, device, bar, saving, stops)
     tier = memory_tier(settings.checkpoint, world)
-    loop.snapshots = None if tier is None else TierSnapshots(tier, settings.checkpoint.mem_every, rank)
+    if tier is not None:
+        loop.snapshots = TierSnapshots(tier, settings.checkpoint.mem_every, rank, log=lambda line: _log(bar, line))
     loop.tb = open_tensorboard(settings, rank, step)  # --tensorboard: rank 0's curves (None elsewhere)
     if saving is not None:
         saving.tb = loop.tb
@@ -520,10 +521,18 @@ class _Loop:
             if self.saving is not None:
                 self.saving.poll()
             due = ckpt.ckpt_dir and ((ckpt.save_every and step % ckpt.save_every == 0) or step == last)
-            if due or (stop == signal.SIGTERM and ckpt.ckpt_dir):
-                self.save(step, position)
+            saved = False
             if self.snapshots is not None and self.snapshots.due(step):
-                self.snapshots.take(step, self.model, self.optim, **self._contents(step, position))
+                # a durable save due now is the snapshot promoted, in the background (a SIGTERM
+                # stop saves before it exits, in the foreground)
+                promote = due and stop != signal.SIGTERM
+                path = mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}") if promote else None
+                taken = self.snapshots.take(
+                    step, self.model, self.optim, promote_to=path, keep=ckpt.keep, **self._contents(step, position)
+                )
+                saved = taken and promote
+            if (due and not saved) or (stop == signal.SIGTERM and ckpt.ckpt_dir):
+                self.save(step, position)
             if stop is not None:
                 return step, stop
         return step, None

@@ -36,6 +36,7 @@ from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import SaveContents, save_contents, write_own_chunks
 from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files
 from mfsdp_ckpt.tier.layout import SHARED_FILES, TIER_INDEX_NAME, MemoryTier, TierFile, tier_index, tier_steps
+from mfsdp_ckpt.tier.promote import promote
 from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.dcp_writer import CommittingWriter
 from mfsdp_ckpt.write.destination import destination_for
@@ -83,12 +84,18 @@ def async_snapshot(
     model_config: dict[str, Any] | None = None,
     model_source: dict[str, Any] | None = None,
     run_config: dict[str, Any] | None = None,
+    promote_to: str | None = None,
+    keep: int | None = None,
 ) -> AsyncSaveHandle:
     """:func:`snapshot`, in the background as :func:`mfsdp_ckpt.async_save` saves: the state
     copied to host memory while training goes on (the optimizer step waits for the copy), then
     written, replicated and committed on the checkpoint traffic's own process group. Returns
     its handle (``result()``: this node's step directory, or the one-line error of every rank).
-    At most one asynchronous save or snapshot is in flight: this one first waits for the last."""
+    At most one asynchronous save or snapshot is in flight: this one first waits for the last.
+
+    ``promote_to``: once committed, the snapshot is also copied to this durable checkpoint
+    (:func:`mfsdp_ckpt.tier.promote.promote`, with ``keep``), in the same background work: a
+    durable save of the step without writing the state a second time."""
     contents = save_contents(
         model,
         optimizer,
@@ -101,7 +108,10 @@ def async_snapshot(
     )
 
     def write(entries: dict[str, Any], planner: MfsdpSavePlanner, group: dist.ProcessGroup | None) -> None:
-        write_snapshot(tier, step, contents, entries, planner, Job.current(group, same_error=True))
+        job = Job.current(group, same_error=True)
+        write_snapshot(tier, step, contents, entries, planner, job)
+        if promote_to is not None:
+            promote(tier, step, promote_to, keep=keep, job=job)
 
     rank = rank_and_world()[0]
     return async_write(tier.step_dir(tier.node_of(rank), step), contents.entries, model, write)

@@ -170,3 +170,25 @@ def test_a_snapshot_that_would_fill_the_tier_is_skipped_with_one_warning(tmp_pat
     snaps.finish()  # taken in the background
     assert snaps.last_bytes > 0
     assert os.listdir(tmp_path / "T" / "run" / "node0") == ["step_000004"]
+
+
+@pytest.mark.heavy
+def test_durable_saves_are_promoted_snapshots_that_verify_and_resume_bitwise(tmp_path, uninterrupted):
+    """With ``--mem-tier``, a ``--save-every`` save of a step that is snapshotted is that
+    snapshot copied to ``--ckpt-dir`` in the background: it verifies, ``latest`` and ``--keep``
+    follow it, and a resume from it continues the uninterrupted run bitwise."""
+    D, tier = tmp_path / "D", tmp_path / "tier"
+    base = [*TIER, "--ckpt-dir", str(D), "--mem-tier", str(tier), "--save-every", "4", "--keep", "2"]
+    run = _train(tmp_path, 4, *base, "--stop-at", "12", "--metrics", str(tmp_path / "first.jsonl"))
+    promoted = [line.split()[1] for line in run.stdout.splitlines() if "(promoted from the memory tier)" in line]
+    assert promoted == ["step_000004", "step_000008", "step_000012"], run.stdout
+    assert not [line for line in run.stdout.splitlines() if line.startswith("saved ") and "promoted" not in line]
+    assert sorted(p.name for p in D.iterdir() if p.name.startswith("step_")) == ["step_000008", "step_000012"]
+    assert (D / "latest").read_text().strip() == "step_000012"
+    for step in ("step_000008", "step_000012"):
+        verified = subprocess.run([*CKPT, "verify", str(D / step)], env=ENV, capture_output=True, text=True)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    _train(tmp_path, 4, "--resume", str(D / "step_000008"), "--metrics", str(tmp_path / "resumed.jsonl"))
+    resumed = _losses(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == list(range(9, STEPS + 1))
+    assert resumed == {s: loss for s, loss in uninterrupted.items() if s > 8}
