@@ -458,8 +458,7 @@ def ls(root: str, clean: bool, as_json: bool, mem_tier: str | None) -> None:
     directory or a folder of runs (up to 3 levels down, ROOT's own checkpoints included): each
     run's checkpoints are then grouped under it, the run written last first. With ``--mem-tier``,
     the run's snapshots in node memory follow, by node."""
-    from mfsdp_ckpt.tier.layout import list_snapshots
-    from mfsdp_ckpt.tools import clean_run_dir, list_runs
+    from mfsdp_ckpt.tools import clean_run_dir, list_runs, list_snapshots
     from mfsdp_ckpt.tools import normalize as fs_normalize
 
     if clean:

@@ -526,7 +526,7 @@ class _Loop:
                 # a durable save due now is the snapshot promoted, in the background (a SIGTERM
                 # stop saves before it exits, in the foreground)
                 promote = due and stop != signal.SIGTERM
-                path = mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}") if promote else None
+                path = mfsdp_fs.normalize(mfsdp_fs.join(ckpt.ckpt_dir, f"step_{step:06d}")) if promote else None
                 taken = self.snapshots.take(
                     step, self.model, self.optim, promote_to=path, keep=ckpt.keep, **self._contents(step, position)
                 )

@@ -26,6 +26,7 @@ __all__ = [
     "list_runs",
     "list_checkpoints",
     "clean_run_dir",
+    "list_snapshots",
     "inspect_html",
     "diff_html",
     "check_report_out",
@@ -50,6 +51,8 @@ def _module_of(name: str) -> types.ModuleType:
         from mfsdp_ckpt.tools import diff as module
     elif name in ("list_runs", "list_checkpoints", "clean_run_dir"):
         from mfsdp_ckpt.tools import listing as module
+    elif name == "list_snapshots":  # a run's memory-tier snapshots
+        from mfsdp_ckpt.tier import layout as module
     elif name == "reshard":
         from mfsdp_ckpt.sharded import reshard as module
     elif name in ("inspect_html", "diff_html", "check_report_out", "find_browser", "screenshot"):
