@@ -1,6 +1,9 @@
-"""``snapshot``: a checkpoint of the training state in every node's memory tier, with peer replicas.
+"""``snapshot`` / ``async_snapshot``: a checkpoint of the training state in every node's memory
+tier, with peer replicas.
 
-Collective over the default group. The same entries and manifest as ``save``
+Collective. The state is staged and written as :func:`mfsdp_ckpt.async_save` does (host copy,
+then a background thread on the checkpoint traffic's own process group); ``snapshot`` waits for
+the result. The same entries and manifest as ``save``
 (:func:`~mfsdp_ckpt.sharded.save.save_contents`) and the same writer (records, crc32c per chunk),
 so a node's step directory is a regular checkpoint once it holds every data file. In order, each
 phase agreed on by every rank before the next (a failure anywhere: every rank raises the same
@@ -31,7 +34,6 @@ from torch import nn
 from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.format.manifest import indexed
 from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_write
-from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import SaveContents, save_contents, write_own_chunks
 from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files
@@ -58,20 +60,11 @@ def snapshot(
     model_source: dict[str, Any] | None = None,
     run_config: dict[str, Any] | None = None,
 ) -> str:
-    """Snapshot ``model`` (and ``optimizer``) at ``step`` into ``tier`` (see the module docstring);
-    returns this node's step directory. Arguments as :func:`mfsdp_ckpt.save`'s."""
-    wait_for_async_save()
-    contents = save_contents(
-        model,
-        optimizer,
-        extra=extra,
-        include_grads=False,
-        model_config=model_config,
-        step=step,
-        run_config=run_config,
-        model_source=model_source,
-    )
-    return write_snapshot(tier, step, contents, contents.entries, MfsdpSavePlanner(), Job.current(same_error=True))
+    """Snapshot ``model`` (and ``optimizer``) at ``step`` into ``tier`` (see the module docstring)
+    and wait for it: :func:`async_snapshot`'s result. Returns this node's step directory.
+    Arguments as :func:`mfsdp_ckpt.save`'s."""
+    recorded = {"extra": extra, "model_config": model_config, "model_source": model_source, "run_config": run_config}
+    return async_snapshot(tier, step, model, optimizer, **recorded).result()
 
 
 def async_snapshot(
