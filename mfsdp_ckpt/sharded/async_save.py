@@ -72,6 +72,9 @@ from mfsdp_core.fully_shard import buffers_of
 
 __all__ = ["AsyncSaveHandle", "HostStaging", "async_save", "async_write", "staging_bytes"]
 
+#: what the background thread runs once the state is staged: write ``entries`` (the staged copy)
+#: with ``planner`` over the checkpoint traffic's ``group``, and commit
+BackgroundWrite = Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None]
 GROUP_DESC = "mfsdp_ckpt_async_save"  # the description of the dedicated process group
 _ALIGN = 64  # bytes: every staged tensor starts on a 64-byte boundary of the buffer
 #: the background copy's piece: small enough that training's own memory traffic is never held
@@ -491,7 +494,7 @@ def async_write(
     final: str,
     entries: dict[str, Any],
     model: nn.Module,
-    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
+    write: BackgroundWrite,
 ) -> AsyncSaveHandle:
     """The engine of :func:`async_save` for another kind of checkpoint (the memory tier's
     snapshots): the previous asynchronous save waited for, ``entries`` (``save_contents``')
@@ -512,14 +515,27 @@ def _start(
     fence: Fence,
     lock: contextlib.ExitStack,
     group: dist.ProcessGroup | None,
-    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
+    write: BackgroundWrite,
     started: float,
     waited: float,
 ) -> AsyncSaveHandle:
+    """Start the thread that copies, writes and commits ``final`` and return its handle, now in
+    flight; if the thread cannot start, release the fence and the lock (training and the run
+    directory must not stay held by a save that never runs)."""
     handle = AsyncSaveHandle(final, started)
     handle._fence = fence
     handle.waited_s = waited
-    _start_background_write(final, staged, fence, handle, lock, group, write)
+    thread = threading.Thread(
+        target=_write_in_background,
+        args=(final, staged, _StagedSavePlanner(staged.properties), fence, handle, lock, group, write),
+        name=f"mfsdp-ckpt async save {final}",
+    )
+    try:
+        thread.start()
+    except BaseException:
+        fence.release()
+        lock.close()
+        raise
     handle.call_s = time.perf_counter() - started
     set_in_flight(handle)
     return handle
@@ -542,31 +558,6 @@ def _wait_for_previous(path: str | os.PathLike) -> None:
         )
 
 
-def _start_background_write(
-    final: str,
-    staged: _Staged,
-    fence: Fence,
-    handle: AsyncSaveHandle,
-    lock: contextlib.ExitStack,
-    group: dist.ProcessGroup | None,
-    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
-) -> None:
-    """Start the thread that copies, writes and commits ``final``; if it cannot start, release the
-    fence and the lock (training and the run directory must not stay held by a save that never runs)."""
-    planner = _StagedSavePlanner(staged.properties)
-    thread = threading.Thread(
-        target=_write_in_background,
-        args=(final, staged, planner, fence, handle, lock, group, write),
-        name=f"mfsdp-ckpt async save {final}",
-    )
-    try:
-        thread.start()
-    except BaseException:
-        fence.release()
-        lock.close()
-        raise
-
-
 def _write_in_background(
     final: str,
     staged: _Staged,
@@ -575,7 +566,7 @@ def _write_in_background(
     handle: AsyncSaveHandle,
     lock: contextlib.ExitStack,
     group: dist.ProcessGroup | None,
-    write: Callable[[dict[str, Any], MfsdpSavePlanner, dist.ProcessGroup | None], None],
+    write: BackgroundWrite,
 ) -> None:
     """The background thread's work: fill the staging buffer (then release the fence), write and
     commit, unlock the run directory, and finish ``handle`` with the save's one-line error (or

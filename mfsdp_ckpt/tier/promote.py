@@ -57,8 +57,7 @@ def promote(
         )
     finally:
         destination.close()
-    decide = job.on_main
-    decide(what, after_commit, final, update_latest, keep)
+    job.on_main(what, after_commit, final, update_latest, keep)  # latest and keep, as after a save
     return final
 
 

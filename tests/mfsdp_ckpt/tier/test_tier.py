@@ -174,7 +174,8 @@ def _train_and_snapshot_async(root: str, steps: int) -> dict:
 def test_background_snapshots_recover_the_same_state(tmp_path, snapshots):
     root = str(tmp_path / "tier")
     per_rank = run_ranks(_train_and_snapshot_async, 4, root, 3, timeout=300)
-    assert assemble(per_rank, shapes_of()).keys() == snapshots[1][3].keys()
-    for key, want in assemble(per_rank, shapes_of()).items():
+    trained = assemble(per_rank, shapes_of())
+    assert trained.keys() == snapshots[1][3].keys()
+    for key, want in trained.items():
         assert want.equal(snapshots[1][3][key]), key  # the same training, snapshots or not
     _assert_recovered(run_ranks(_recover, 3, root, timeout=300), snapshots[1], 3)
