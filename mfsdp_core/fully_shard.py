@@ -64,6 +64,7 @@ from mfsdp_core.plan import (
 )
 from mfsdp_core.pool import ScratchPool
 from mfsdp_core.strategy import Strategy, parse_strategy
+from mfsdp_core.torch_imports import import_dynamo_off_the_stack
 
 __all__ = [
     "fully_shard",
@@ -348,6 +349,7 @@ def fully_shard(
     what = f"fully_shard({type(module).__name__})"
     if hasattr(module, _UNIT_ATTR):
         raise ValueError(f"{what}: fully_shard was already applied to this module")
+    import_dynamo_off_the_stack()  # before the caller builds its optimizer (see mfsdp_core.torch_imports)
     try:
         strat = parse_strategy(strategy)
         fn = placement_fn(placement, policy)

@@ -9,9 +9,15 @@ after the job's work was done. The models used to be kept alive for good: ``full
 gradient hooks, which torch keeps in C++ where the garbage collector cannot see them, referred
 back to the model.
 
-The first two tests check the cause deterministically (a dropped model is freed at once, and a
-destroyed group's threads are gone); the third runs the 2-rank reproduction script and requires
-every rank to exit 0 (the race it exposes needs many runs, see its docstring).
+Two imports inside torch also held a group when they came after ``init_process_group``, as in a
+plain script (``mfsdp_core.torch_imports``): ``torch.distributed.nn.functional``'s default
+arguments captured the live default group for good, and ``torch._dynamo``'s first import (by the
+first optimizer) kept the caller's frames, with the first model, in a reference cycle.
+
+The first three tests check the causes deterministically (a dropped model is freed at once, a
+destroyed group's threads are gone, and in a fresh process whose group exists before torch's lazy
+imports the group is freed by ``destroy_process_group()``); the last runs the 2-rank reproduction
+script and requires every rank to exit 0 (the race it exposes needs many runs, see its docstring).
 """
 
 from __future__ import annotations
@@ -125,6 +131,53 @@ def test_destroying_the_group_stops_its_threads(ranks, tmp_path) -> None:
     for rank, (started, left) in enumerate(ranks(_threads_after_destroy, 2, str(tmp_path), timeout=120)):
         assert started > 0, f"rank {rank}: the group started no threads named {GLOO_THREADS} (renamed in torch?)"
         assert left == 0, f"rank {rank}: {left} of the {started} gloo threads of a destroyed group are still running"
+
+
+#: a script's order of events: our packages imported, then the group, then the model and optimizer
+#: built in a function (its frames are what torch._dynamo's first import held), a save and a load
+#: (DCP's lazy imports); with the collector off, the default group must be gone once destroyed
+_FRESH_PROCESS = """
+import gc, os, sys, weakref
+import torch, torch.distributed as dist
+import mfsdp_ckpt
+from mfsdp_core import fully_shard, fully_shard_optimizer
+gc.disable()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+group = weakref.ref(dist.distributed_c10d._get_default_group())
+
+def build():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fully_shard(model, strategy="optim_grads_params")
+    return model, fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+def work():
+    model, optim = build()
+    model(torch.randn(4, 8)).square().mean().backward()
+    optim.step()
+    path = mfsdp_ckpt.save(os.path.join(sys.argv[1], "step_1"), model, optim)
+    mfsdp_ckpt.load(path, *build())
+
+work()
+loaded = sorted(m for m in ("torch._dynamo", "torch.distributed.nn.functional") if m in sys.modules)
+dist.destroy_process_group()
+print("loaded", *loaded, "alive" if group() is not None else "freed")
+"""
+
+
+def test_a_fresh_process_frees_its_destroyed_group_without_the_collector(tmp_path) -> None:
+    """In a fresh process (no forkserver pre-imports) whose group exists before torch's lazy
+    imports, the default group is freed by ``destroy_process_group()`` itself."""
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, str(tmp_path), str(_free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    # both lazy imports did happen in this process, after the group existed, and the group went
+    assert run.stdout.split() == ["loaded", "torch._dynamo", "torch.distributed.nn.functional", "freed"], run.stdout
 
 
 def _free_port() -> int:
