@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .train_signals import (
     LAUNCHED_ENV,
+    PEER_LOST_EXIT,
     STOP_SAID_ENV,
     exit_interrupted,
     note_sigint,
@@ -180,16 +181,25 @@ def _report_failure(ckpt_dir: str | None, failures: dict[int, Any]) -> int:
     with a code of the trainer's own and nothing else went wrong (it has printed why, and the
     other ranks stopped with it). A rank killed by a signal other than SIGTERM, or exiting with a
     code of no meaning to the trainer, is a cause; one killed by SIGTERM is one the launcher
-    stopped once another had failed (so a dying rank 1 is not masked by the 143 of rank 0)."""
+    stopped once another had failed (so a dying rank 1 is not masked by the 143 of rank 0), and one
+    that exited with ``PEER_LOST_EXIT`` stopped because another rank died under a collective: a
+    cause only when no rank of this machine is one (the one that died was elsewhere)."""
     codes = {rank: f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for rank, f in failures.items()}
     causes = [r for r, f in sorted(failures.items()) if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
-    causes += [r for r, f in sorted(failures.items()) if f.exitcode > 0 and f.exitcode not in _EXPLAINED]
+    causes += [
+        r for r, f in sorted(failures.items()) if f.exitcode > 0 and f.exitcode not in (*_EXPLAINED, PEER_LOST_EXIT)
+    ]
     if not causes and codes.get(0) in _EXPLAINED:
         refused = sorted(c for c in codes.values() if c in (1, 2))  # ranks refusing alike; rank 0 said why
         return refused[0] if refused else codes[0]
     rank = causes[0] if causes else min(failures)
     first = failures[rank]
-    how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {codes[rank]}"
+    if first.exitcode < 0:
+        how = f"was killed by {first.signal_name()}"
+    elif first.exitcode == PEER_LOST_EXIT:  # its peer was on another machine: that launcher names it
+        how = "stopped: a rank on another machine failed under a collective"
+    else:
+        how = f"exited with code {codes[rank]}"
     print(f"error: rank {rank} {how}; {resume_hint(ckpt_dir)}", file=sys.stderr, flush=True)
     return codes[rank]
 

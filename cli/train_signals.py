@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = [
     "StopRequests",
     "EXIT_CODES",
+    "PEER_LOST_EXIT",
+    "peer_lost",
     "LAUNCHED_ENV",
     "exit_interrupted",
     "exit_on_escaped_interrupt",
@@ -54,11 +56,22 @@ _SECOND_SIGNAL_AFTER_S = 1.0
 #: the file rank 0 creates when it notes a Ctrl-C in the training loop (set by the launcher)
 STOP_SAID_ENV = "MFSDP_TRAIN_STOP_SAID"
 LAUNCHED_ENV = "MFSDP_TRAIN_LAUNCHED"  # set for the ranks ``mfsdp-train --nproc-per-node`` starts
+#: the exit status of a rank of our launcher that stopped because another rank's connection
+#: closed under it (that rank died): it prints nothing, the launcher names the rank that failed
+PEER_LOST_EXIT = 3
+#: what gloo's transport says when the process at the other end of a connection is gone
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def launched_by_us() -> bool:
     """Whether this process is a rank that ``mfsdp-train --nproc-per-node`` started."""
     return os.environ.get(LAUNCHED_ENV) == "1"
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because a peer process is gone (its connection
+    closed or reset), rather than a fault of this rank."""
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _PEER_GONE)
 
 
 def says_for_the_job() -> bool:

@@ -67,7 +67,7 @@ from .model_base import ModelSource
 from .run_config import run_config
 from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
 from .train_args import _AUTO, _LATEST, UsageError, check_flags
-from .train_signals import EXIT_CODES, StopRequests, launched_by_us, stop_signal
+from .train_signals import EXIT_CODES, PEER_LOST_EXIT, StopRequests, launched_by_us, peer_lost, stop_signal
 from .train_start import (
     check_model,
     decide_start,
@@ -731,7 +731,8 @@ def _log(bar: Any, line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """One rank of the trainer (or the whole of a one-process run), on parsed flags; the exit code
-    (1 a refused run, 130 interrupted, 143 stopped by SIGTERM after saving)."""
+    (1 a refused run, 130 interrupted, 143 stopped by SIGTERM after saving; under our launcher,
+    3 and no traceback when a collective failed because another rank died)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     stops = StopRequests()
@@ -747,6 +748,10 @@ def run(args: argparse.Namespace) -> int:
         stops.uninstall()  # torchrun's SIGTERM must end a waiting rank (see _report_refusal)
         _report_refusal(str(e), rank)
         return 1
+    except RuntimeError as e:  # a peer died under a collective: our launcher names it, in one line
+        if not (launched_by_us() and peer_lost(e)):
+            raise
+        return PEER_LOST_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C: stopped where it was (our launcher says it for the job)
         if rank == 0 and not launched_by_us():
             print(
