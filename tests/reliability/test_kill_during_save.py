@@ -1,25 +1,29 @@
 """SIGKILL at every phase of a 2-rank save (planning, data, metadata, manifest, commit, ``latest``,
 pruning), on either rank: afterwards ``latest`` names a committed checkpoint that verifies and
 loads, every committed checkpoint verifies, nothing half-written looks committed, and the next
-save succeeds and removes what the killed one left."""
+save succeeds and removes what the killed one left.
+
+The ranks are real processes in a gloo group (``tests.harness``): the armed rank wraps a function
+(a dotted path) so that its NTH call kills the process with SIGKILL before or after the call, as a
+node dying there would. The other rank meets the dead peer at its next collective (a connection
+error, its own error path) or is killed by the harness, as a launcher kills a job's other ranks."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
-import subprocess
-import sys
+import signal
 
 import pytest
+import torch.distributed as dist
 
 import mfsdp_ckpt
 from mfsdp_ckpt.tools.inspect import verify_checkpoint
 from mfsdp_ckpt.tools.listing import list_checkpoints
 from mfsdp_core import fully_shard_optimizer
+from tests.harness import RankFailure, run_ranks
 from tests.mfsdp_core.models import make_adamw, make_model, shard_model, train_steps
-from tests.torchrun import ENV, ROOT
-
-SCRIPT = os.path.join(ROOT, "tests", "reliability", "kill_during_save.py")
 
 # (function, before/after its call, which call, which rank dies)
 POINTS = [
@@ -52,17 +56,54 @@ POINTS = [
 ]
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def _resolve(dotted: str):
+    """(owner, attribute) for ``package.module.Class.attr`` or ``package.module.attr``."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:-1]:
+            owner = getattr(owner, name)
+        return owner, parts[-1]
+    raise ImportError(dotted)
+
+
+def _arm(target: str, when: str, nth: int) -> None:
+    """Make the ``nth`` call of ``target`` kill this process with SIGKILL ``when`` (before/after) it runs."""
+    owner, attr = _resolve(target)
+    original = getattr(owner, attr)
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = original(*args, **kwargs)
+        if calls[0] == nth and when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    setattr(owner, attr, wrapper)
+
+
+def _train_and_save(run: str, step: int, kill: tuple[str, str, int, int] | None = None) -> None:
+    """One rank: train the test transformer ``step`` steps and save ``run/step_<step>`` with
+    ``keep=1``; with ``kill = (target, when, nth, rank)``, rank ``rank`` dies there."""
+    if kill is not None and dist.get_rank() == kill[3]:
+        _arm(*kill[:3])
+    model = shard_model(make_model("transformer"), strategy="optim_grads_params", policy="row")
+    optim = fully_shard_optimizer(make_adamw(model.parameters()))
+    train_steps(model, optim, 0, step)
+    mfsdp_ckpt.save(os.path.join(run, f"step_{step}"), model, optim, extra={"step": step}, step=step, keep=1)
 
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> str:
     """A run directory holding one committed checkpoint, step 1, named by ``latest``."""
     run = str(tmp_path_factory.mktemp("kill") / "base")
-    out = _torchrun(run, "1")
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_ranks(_train_and_save, 2, run, 1)
     return run
 
 
@@ -81,9 +122,10 @@ def _load_step(path: str) -> int:
 def test_a_kill_at_any_point_leaves_a_loadable_latest(base_run, tmp_path, target, when, nth, rank):
     run = str(tmp_path / "run")
     shutil.copytree(base_run, run, symlinks=True)  # latest-checkpoint stays a link
-    out = _torchrun(run, "2", target, when, str(nth), str(rank))
-    assert out.returncode != 0, "the kill point was never reached:\n" + out.stderr[-2000:]
-    assert f"failed (exitcode: -9) local_rank: {rank}" in out.stderr, out.stderr[-2000:]  # killed where asked
+    with pytest.raises(RankFailure) as failed:  # no failure: the kill point was never reached
+        run_ranks(_train_and_save, 2, run, 2, (target, when, nth, rank), timeout=120)
+    # killed where asked: the armed rank died of SIGKILL (its peer failed after it, or was stopped)
+    assert f"rank {rank} of 2 exited with code -9 (SIGKILL) without reporting" in str(failed.value), failed.value
 
     latest = open(os.path.join(run, "latest")).read().strip()
     assert latest in ("step_1", "step_2")
