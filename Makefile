@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,mcore]'  # mcore: the Megatron-Core tests run in CI, not skip
-	$(PY) -m pip install --quiet --no-deps 'torchao==0.18.0'
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/torchao-ref 'torchao==0.18.0'  # off the path: tests/torchao_ref.py
 	touch $@
 
 # the main job: tiny-moe trains on 2 ranks and checkpoints, then resumes on 3 ranks with the

@@ -38,8 +38,18 @@ def train_cmd(nproc: int | None, *args: str) -> list[str]:
     ]
 
 
-def run_train(nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(nproc, *args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run_train(
+    nproc: int | None, *args: str, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the trainer (see :func:`train_cmd`) to its end; ``env`` replaces :data:`ENV`."""
+    return subprocess.run(
+        train_cmd(nproc, *args),
+        cwd=ROOT,
+        env=ENV if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 _TORCHRUN_NOISE = ("torch/distributed/elastic/", "torch/distributed/run.py", "torch/distributed/launcher/")

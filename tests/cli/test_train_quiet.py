@@ -7,13 +7,15 @@ warnings (``cli.quiet``). With ``--verbose`` the libraries' lines are back (one 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
 
 from tests.cli.test_train_mcore import ARGS as MCORE_ARGS  # the small MoE GPTModel those tests train
 from tests.hf_models import make_hf_dir
-from tests.torchrun import failure, run_train
+from tests.torchao_ref import TORCHAO_DIR, with_torchao
+from tests.torchrun import ENV, failure, run_train
 
 #: every line a run of COMMON may print, in order (4 header lines, 2 steps, the save, the stop)
 OURS = [
@@ -49,13 +51,16 @@ def _source(kind: str, tmp_path) -> list[str]:
 @pytest.mark.parametrize("kind", ["tiny", "hf", "mcore"])
 def test_a_two_rank_run_prints_our_lines_only(kind, tmp_path):
     model = _source(kind, tmp_path)
-    run = run_train(None, "--nproc-per-node", "2", *model, *COMMON, "--ckpt-dir", str(tmp_path / "quiet"))
+    # torchao on the path (transformers then imports it, as in an environment that has it)
+    assert os.path.isdir(TORCHAO_DIR), f"{TORCHAO_DIR}: missing (the Makefile installs torchao there)"
+    env = with_torchao(ENV)
+    run = run_train(None, "--nproc-per-node", "2", *model, *COMMON, "--ckpt-dir", str(tmp_path / "quiet"), env=env)
     assert run.returncode == 0, failure(run)
     assert run.stderr == "", run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == len(OURS) and all(re.match(p, line) for p, line in zip(OURS, lines)), run.stdout
     if kind in THEIRS:
-        loud = run_train(None, *model, *COMMON, "--ckpt-dir", str(tmp_path / "loud"), "--verbose")
+        loud = run_train(None, *model, *COMMON, "--ckpt-dir", str(tmp_path / "loud"), "--verbose", env=env)
         assert loud.returncode == 0, failure(loud)
         assert THEIRS[kind] in loud.stderr, loud.stderr
         theirs = [line for line in (loud.stdout + loud.stderr).splitlines() if not any(re.match(p, line) for p in OURS)]

@@ -2,13 +2,17 @@
 every edge family, round trips through ``dequantize``, and the API's refusals.
 
 torchao is a test dependency installed with ``--no-deps`` (the Makefile does it) so that it never
-pulls another torch; its compiled extensions do not load on this torch, but the pure-Python MX
-reference (``torchao.prototype.mx_formats.mx_tensor.to_mx``) imports and is what we compare with.
-The parity tests skip, saying so, only when torchao cannot be imported at all."""
+pulls another torch, into a directory of its own (:mod:`tests.torchao_ref`, put on the path here);
+its compiled extensions do not load on this torch, but the pure-Python MX reference
+(``torchao.prototype.mx_formats.mx_tensor.to_mx``) imports and is what we compare with. The
+parity tests skip, saying so, only when that directory is absent (torchao not installed); when it
+is there, an import that fails is a failure."""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from hypothesis import strategies as st
 
 from mfsdp_core import mx
 from mfsdp_core.mx import BLOCK, MXFormat
+from tests.torchao_ref import TORCHAO_DIR
 
 FORMATS = [MXFormat(e, r) for e in ("e4m3", "e5m2") for r in ("floor", "rceil")]
 FMT_IDS = [str(f).replace(" ", "-") for f in FORMATS]
@@ -98,13 +103,14 @@ FAMILIES = input_families()
 @pytest.fixture(scope="module")
 def torchao_to_mx():
     """torchao's reference cast, or a skip that says torchao is not installed."""
-    try:
-        from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
-    except Exception as e:  # noqa: BLE001 - ImportError, or anything its import raises on this torch
+    if not os.path.isdir(TORCHAO_DIR):
         pytest.skip(
-            f"torchao MX reference cannot be imported ({type(e).__name__}: {e}); "
-            f"install it with: pip install --no-deps 'torchao==0.18.0'"
+            f"torchao MX reference not installed in {TORCHAO_DIR}; "
+            f"install it with: pip install --no-deps --target {TORCHAO_DIR} 'torchao==0.18.0'"
         )
+    if TORCHAO_DIR not in sys.path:
+        sys.path.append(TORCHAO_DIR)  # last: the wheel also has a top-level "test" package
+    from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 
     def cast(x: torch.Tensor, fmt: MXFormat, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
         mode = ScaleCalculationMode.FLOOR if fmt.rule == "floor" else ScaleCalculationMode.RCEIL
