@@ -40,6 +40,7 @@ __all__ = [
     "LAUNCHED_ENV",
     "exit_interrupted",
     "exit_on_escaped_interrupt",
+    "interruptible",
     "with_sigint_held",
     "launched_by_us",
     "says_for_the_job",
@@ -72,6 +73,36 @@ def peer_lost(error: BaseException) -> bool:
     """Whether ``error`` is a collective failing because a peer process is gone (its connection
     closed or reset), rather than a fault of this rank."""
     return isinstance(error, RuntimeError) and any(words in str(error) for words in _PEER_GONE)
+
+
+def interruptible(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a thread of its own while this (main) thread waits in short slices, so that
+    a Ctrl-C ends the process even while ``fn`` waits inside a C++ call, where Python cannot run
+    a signal handler: joining the process group waits there for every peer, and one that a
+    Ctrl-C has already stopped never comes (the rank then waited for the launcher's
+    ``--shutdown-timeout``, two minutes, before it was killed). The Ctrl-C ends the process at
+    once (:func:`exit_interrupted`); an error of ``fn`` is raised here."""
+    import threading  # only a rank needs it
+
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            outcome.append((False, e))
+
+    worker = threading.Thread(target=target, name="mfsdp-interruptible", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        exit_interrupted(say=says_for_the_job())  # os._exit: the thread may still be inside C++
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def says_for_the_job() -> bool:

@@ -67,7 +67,15 @@ from .model_base import ModelSource
 from .run_config import run_config
 from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
 from .train_args import _AUTO, _LATEST, UsageError, check_flags
-from .train_signals import EXIT_CODES, PEER_LOST_EXIT, StopRequests, launched_by_us, peer_lost, stop_signal
+from .train_signals import (
+    EXIT_CODES,
+    PEER_LOST_EXIT,
+    StopRequests,
+    interruptible,
+    launched_by_us,
+    peer_lost,
+    stop_signal,
+)
 from .train_start import (
     check_model,
     decide_start,
@@ -774,16 +782,21 @@ def init_process_group(backend: str) -> None:
     """The job's process group. Under torchrun's agent store, through a prefix of this attempt
     (``TORCHELASTIC_RESTART_COUNT``): with torch 2.13 the ranks restarted after a failure
     (``--max-restarts``) otherwise meet the failed attempt's gloo addresses in the store and
-    never connect (checked with a bare two-rank script under torchrun as well)."""
+    never connect (checked with a bare two-rank script under torchrun as well). Joined
+    :func:`~cli.train_signals.interruptible`: a Ctrl-C stops a rank waiting there for a peer
+    that the same Ctrl-C stopped earlier."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend)
+        interruptible(lambda: dist.init_process_group(backend))
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(f"mfsdp/attempt_{attempt}", agent), rank=rank, world_size=world
-    )
+
+    def join() -> None:
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False)
+        store = dist.PrefixStore(f"mfsdp/attempt_{attempt}", agent)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+    interruptible(join)
 
 
 def _report_refusal(message: str, rank: int) -> None:

@@ -5,12 +5,15 @@ printed 17-120 lines of tracebacks of the ranks' interpreter start-up, or nothin
 Real processes; the moments are times after the trainer's first module is imported (the
 interpreter's own start-up, before any code of ours runs, is the one moment no Python program
 owns: ``-X importtime`` tells the test when it is over), so each lands where it lands on this
-machine: what is asserted holds at every moment."""
+machine: what is asserted holds at every moment. A rank waiting to join the process group for a
+peer that will never come (the same Ctrl-C stopped it first) stops at once too: it used to wait
+there, in C++, for the launcher's two-minute shutdown timeout."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +53,32 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(tmp_path, moment):
     assert proc.returncode == 130, (moment, out, err)
     if moment == "step":
         assert said[0].startswith("interrupted at step "), said
+
+
+def test_ctrl_c_while_joining_the_group_for_a_peer_that_never_comes(tmp_path):
+    """Rank 0 of a 2-rank job started alone: it hosts the rendezvous store and waits in
+    ``init_process_group`` for rank 1; a Ctrl-C there is one line and 130 within seconds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = start_in_own_session([sys.executable, "-m", "mfsdp_cli.train", *RUN], tmp_path, env)
+    deadline = time.time() + 240
+    while True:  # the store listens once the rank is inside init_process_group
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "rank 0 never started its store"
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    interrupted = time.time()
+    out, err = proc.communicate(timeout=240)
+    waited = time.time() - interrupted
+    assert proc.returncode == 130, (out, err)
+    assert err.splitlines() == ["error: interrupted"], err
+    assert waited < 30, f"stopped {waited:.0f} s after the Ctrl-C"
 
 
 class _StderrReader:
