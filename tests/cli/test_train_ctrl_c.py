@@ -29,6 +29,7 @@ RUN = ("--model", "tiny", "--batch-size", "6", "--seq-len", "32", "--steps", "40
 HEADER = ("model ", "precision ", "data ", "checkpoints", "tensorboard")  # what a run prints before its steps
 
 
+@pytest.mark.heavy  # 7 real 2-rank runs (about 40 s); the joining case below stays in the inner loop
 @pytest.mark.parametrize("moment", ["0", "0.3", "1", "2", "3", "5", "step"])
 def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(tmp_path, moment):
     metrics = tmp_path / "m.jsonl"
