@@ -10,8 +10,10 @@ has done its work. Two imports inside torch keep a group referenced when they ha
   ``group=group.WORLD``, evaluated when the module is imported: imported once a default group
   exists, those defaults hold it for the rest of the process. DCP and ``torch._dynamo`` import
   it lazily (the first save or load, the first optimizer), usually after
-  ``init_process_group``. It is imported here, with this module: before any group exists when
-  ``mfsdp_core`` is imported first, as in a script's imports (2 ms).
+  ``init_process_group``. It is imported here, with this module, which ``fully_shard``'s module
+  imports: before any group exists when a script takes the runtime's names first
+  (``from mfsdp_core import fully_shard``; the packages themselves load their names on first
+  use), 2 ms.
 - ``torch._dynamo`` is imported the first time a process calls an optimizer method that torch
   wraps (``Optimizer.__init__`` → ``add_param_group``). During that import ``torch.fx.wrap``
   keeps its own frame in a local variable: a reference cycle that holds every frame up the stack

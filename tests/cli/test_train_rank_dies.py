@@ -76,8 +76,12 @@ def test_peer_lost_is_a_collective_whose_peer_process_is_gone():
 
 def _rank_meeting(error: Exception, monkeypatch, launched: bool) -> int:
     """``trainer.run`` of a rank whose training raises ``error``; its exit code."""
+
+    def train(*_: object) -> int:
+        raise error
+
     monkeypatch.setattr(trainer, "check_args", lambda args, world: (None, None))
-    monkeypatch.setattr(trainer, "train", lambda *a: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(trainer, "train", train)
     monkeypatch.delenv("RANK", raising=False)
     if launched:
         monkeypatch.setenv(LAUNCHED_ENV, "1")

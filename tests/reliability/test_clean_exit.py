@@ -176,7 +176,7 @@ def test_a_fresh_process_frees_its_destroyed_group_without_the_collector(tmp_pat
         env=dict(os.environ, PYTHONPATH=ROOT),
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    # both lazy imports did happen in this process, after the group existed, and the group went
+    # both modules were imported in this process (torch._dynamo once the group existed), and the group went
     assert run.stdout.split() == ["loaded", "torch._dynamo", "torch.distributed.nn.functional", "freed"], run.stdout
 
 
