@@ -11,7 +11,9 @@ One run prints, medians over ``--rounds``:
   a share of a step, and its total time (copy, write, replication to the peer node, commit);
 - ``restore``: a fresh model restored from the memory tier (``recover``: survey with crc32c of
   every file, load) against the same step loaded from a durable checkpoint on disk
-  (``mfsdp_ckpt.load`` after evicting its files from the page cache), and the ratio;
+  (``mfsdp_ckpt.load`` after evicting its files from the page cache), and the ratio; with
+  ``--s3 s3://BUCKET``, also against the same step loaded from an object store (saved there
+  outside the timing);
 - the loop's step time without snapshots, with one every 10 steps and with one every step;
 - peak RSS;
 - time lost per failure at a failure rate of one per ``--mtbf-steps`` steps: the mean redone
@@ -20,6 +22,14 @@ One run prints, medians over ``--rounds``:
   counted).
 
 Nodes: ``--node-size`` ranks each (default half the ranks: two nodes, one replica each).
+
+A durable copy on a local disk reads back here at close to memory speed even with its pages
+evicted, and a restore from the tier is a load of the same format from a tmpfs, so that ratio
+stays near 1; what the tier saves is the distance to the durable store. ``--s3`` measures one
+such distance. Against a local S3 server (moto on loopback, started as in ``ckpt_io.py``'s
+docstring) it is the client path and moto's own speed, not a real object store's::
+
+    .venv/bin/torchrun --standalone --nproc-per-node 2 bench/recovery.py --model gpt50m --s3 s3://bench
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import torch.nn.functional as F
 from pagecache import drop_cache  # bench/ (the script's directory)
 
 import mfsdp_ckpt
+from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.tier import MemoryTier, async_snapshot, recover
 from mfsdp_core import fully_shard, fully_shard_optimizer
 from mfsdp_core.models.gpt import GPTModel, get_preset, shard_units
@@ -100,6 +111,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per loop measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mtbf-steps", type=int, default=1000)
+    p.add_argument("--s3", default=None, help="also restore cold from a durable copy under this s3:// prefix")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +142,7 @@ def main() -> None:
         return timed(run) / args.steps
 
     results: dict[str, list[float]] = {
-        k: [] for k in ("step", "step_mem10", "step_mem1", "blocked", "snap", "save", "cold", "tier")
+        k: [] for k in ("step", "step_mem10", "step_mem1", "blocked", "snap", "save", "cold", "cold_s3", "tier")
     }
     for r in range(args.rounds):
         base = 1000 * (r + 1)
@@ -147,11 +159,18 @@ def main() -> None:
         if rank == 0:
             drop_cache(durable)
         results["cold"].append(timed(mfsdp_ckpt.load, durable, fresh, fresh_optim))
+        if args.s3:
+            remote = f"{args.s3.rstrip('/')}/mfsdp_bench_recovery/step_{step:06d}"
+            mfsdp_ckpt.save(remote, model, optim, extra={"step": step})
+            fresh, fresh_optim = build(config, 3)
+            results["cold_s3"].append(timed(mfsdp_ckpt.load, remote, fresh, fresh_optim))
+            if rank == 0:
+                fs.remove_tree(remote)
         fresh, fresh_optim = build(config, 2)
         got: list = []
         results["tier"].append(timed(_recover_into, got, tier, fresh, fresh_optim))
         assert got[0].step == step, got[0]
-    med = {k: statistics.median(v) for k, v in results.items()}
+    med = {k: statistics.median(v) for k, v in results.items() if v}
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -169,6 +188,11 @@ def main() -> None:
         print(
             f"restore: memory tier {med['tier']:.3f} s, cold durable load {med['cold']:.3f} s: "
             f"{med['cold'] / med['tier']:.2f}x"
+            + (
+                f"; cold load from {args.s3} {med['cold_s3']:.3f} s: {med['cold_s3'] / med['tier']:.2f}x"
+                if args.s3
+                else ""
+            )
         )
         print(
             f"step {med['step'] * 1e3:.1f} ms; --mem-every 10: {med['step_mem10'] * 1e3:.1f} ms "

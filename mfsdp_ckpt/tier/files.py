@@ -4,37 +4,41 @@ nodes over the process group.
 Nodes share no file system, so a node's files reach its peers as bytes sent by one rank (the
 sending node's leader) and received by another (the receiving node's). Every rank walks the same
 list of transfers in the same order and takes part only in its own, so the sends and receives
-pair up without a deadlock whatever the list. A received file is checked against the crc32c the
-sender computed before it is written, and written as ``<name>.partial`` then renamed: a file under
-its own name is always whole.
+pair up without a deadlock whatever the list. A received file lands in ``<name>.partial``, is
+checked against the crc32c the sender computed, and only then renamed: a file under its own name
+is always whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 import crc32c as _crc32c
 import torch
 import torch.distributed as dist
 
 from mfsdp_ckpt.errors import CheckpointError
-from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.tier.layout import TierFile
 
 __all__ = ["Transfer", "file_crc32c", "check_file", "move_files"]
 
-_PIECE = 8 << 20  # bytes read at a time to checksum a file
-
 
 def file_crc32c(path: str) -> tuple[int, int]:
-    """``(size, crc32c)`` of the file at ``path``."""
-    crc, size = 0, 0
+    """``(size, crc32c)`` of the file at ``path`` (read through a mapping: no copy of its bytes)."""
     with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            crc = _crc32c.crc32c(piece, crc)
-            size += len(piece)
-    return size, crc
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0, _crc32c.crc32c(b"")
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return size, _crc32c.crc32c(view)
+            finally:
+                view.release()
 
 
 def check_file(directory: str, name: str, expected: TierFile, checksum: bool = True) -> str | None:
@@ -73,42 +77,117 @@ def move_files(
     transfers: list[Transfer], expected: dict[str, TierFile], rank: int, group: dist.ProcessGroup | None = None
 ) -> None:
     """Carry out ``transfers`` (the same list on every rank, in the same order) over ``group`` (a
-    group of every rank; None: the default one); this rank sends and receives its own. A file that arrives damaged (another size or crc32c than ``expected``)
-    is not written, and once every transfer is done the receiver raises :class:`CheckpointError`
-    naming the first (going on to the end keeps every later send paired with its receive)."""
-    damaged: list[str] = []
-    for t in transfers:
-        if t.sender == t.receiver:
-            continue
-        if rank == t.sender:
-            with open(os.path.join(t.source_dir, t.name), "rb") as f:
-                data = bytearray(f.read())
-            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=t.receiver, group=group)
-            if data:
-                dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=t.receiver, group=group)
-        elif rank == t.receiver:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=t.sender, group=group)
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            if buf.numel():
-                dist.recv(buf, src=t.sender, group=group)
-            problem = _write_checked(t, buf.numpy().tobytes(), expected[t.name])
-            if problem is not None:
-                damaged.append(problem)
+    group of every rank; None: the default one); this rank sends and receives its own, all at
+    once (a node sends to its peers while it receives from them). The bytes go from the sender's
+    file, mapped, into the receiver's ``<name>.partial``, mapped: no copy of them in memory on
+    either side. A file that arrives damaged (another size or crc32c than ``expected``) is
+    removed, and once every transfer is done the receiver raises :class:`CheckpointError` naming
+    the first (going on to the end keeps every send paired with its receive); a whole one is
+    renamed to its own name."""
+    mine = [(tag, t) for tag, t in enumerate(transfers) if t.sender != t.receiver and rank in (t.sender, t.receiver)]
+    sizes = _exchange_sizes(mine, rank, group)
+    arrived: list[tuple[Transfer, str | None]] = []
+    with contextlib.ExitStack() as mappings:
+        sends: list[dist.Work] = []
+        receives: list[tuple[Transfer, int, dist.Work | None, mmap.mmap | None]] = []
+        for tag, t in mine:
+            size = sizes[tag]
+            travels = size == expected[t.name].size and size > 0  # else the receiver refuses it, or it is empty
+            if rank == t.sender:
+                if travels:
+                    mapped = mappings.enter_context(_mapping(os.path.join(t.source_dir, t.name), size))
+                    sends.append(_isend(mapped, t.receiver, group, tag))
+                continue
+            os.makedirs(t.target_dir, exist_ok=True)
+            partial = os.path.join(t.target_dir, t.name) + ".partial"
+            if travels:
+                mapped = mappings.enter_context(_mapping(partial, size, create=True))
+                receives.append((t, size, _irecv(mapped, t.sender, group, tag), mapped))
+            else:
+                receives.append((t, size, None, None))
+        for work in sends:
+            work.wait()
+        for t, size, work, mapped in receives:
+            if work is not None:
+                work.wait()
+            arrived.append((t, _arrival_problem(t, size, mapped, expected[t.name])))
+        sends.clear()  # the works hold the tensors over the mappings, which cannot close while they live
+        receives.clear()
+    damaged = []
+    for t, problem in arrived:
+        path = os.path.join(t.target_dir, t.name)
+        if problem is None:
+            if not os.path.exists(path + ".partial"):  # empty: nothing was mapped
+                open(path + ".partial", "wb").close()
+            os.replace(path + ".partial", path)
+        else:
+            damaged.append(problem)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path + ".partial")
     if damaged:
         raise CheckpointError(damaged[0] + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""))
 
 
-def _write_checked(t: Transfer, data: bytes, expected: TierFile) -> str | None:
-    """Write a received file if it is whole; else why not."""
-    if len(data) != expected.size or crc32c(data) != expected.crc32c:
+def _exchange_sizes(mine: list[tuple[int, Transfer]], rank: int, group: dist.ProcessGroup | None) -> dict[int, int]:
+    """Each transfer's size as its sender finds its file (-1: missing or unreadable), known to both ends."""
+    sizes: dict[int, torch.Tensor] = {}
+    works = []
+    for tag, t in mine:
+        if rank == t.sender:
+            try:
+                size = os.path.getsize(os.path.join(t.source_dir, t.name))
+            except OSError:
+                size = -1
+            sizes[tag] = torch.tensor([size], dtype=torch.int64)
+            works.append(dist.isend(sizes[tag], dst=t.receiver, group=group, tag=tag))
+        else:
+            sizes[tag] = torch.zeros(1, dtype=torch.int64)
+            works.append(dist.irecv(sizes[tag], src=t.sender, group=group, tag=tag))
+    for work in works:
+        work.wait()
+    return {tag: int(size.item()) for tag, size in sizes.items()}
+
+
+@contextlib.contextmanager
+def _mapping(path: str, size: int, create: bool = False) -> Iterator[mmap.mmap]:
+    """``size`` bytes of the file at ``path`` mapped: to send (a private mapping: nothing written
+    back), or, with ``create``, a new file of that size to receive into."""
+    with open(path, "w+b" if create else "rb") as f:
+        if create:
+            f.truncate(size)
+        access = mmap.ACCESS_WRITE if create else mmap.ACCESS_COPY
+        with mmap.mmap(f.fileno(), size, access=access) as mapped:
+            yield mapped
+
+
+def _isend(mapped: mmap.mmap, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    work = dist.isend(torch.frombuffer(mapped, dtype=torch.uint8), dst=dst, group=group, tag=tag)
+    assert work is not None
+    return work
+
+
+def _irecv(mapped: mmap.mmap, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    work = dist.irecv(torch.frombuffer(mapped, dtype=torch.uint8), src=src, group=group, tag=tag)
+    assert work is not None
+    return work
+
+
+def _arrival_problem(t: Transfer, size: int, mapped: mmap.mmap | None, expected: TierFile) -> str | None:
+    """Why a received file cannot be kept (None: it is whole)."""
+    if size != expected.size:
+        got = "missing at the sender" if size < 0 else f"{size} bytes"
+        return f"{t.name} from rank {t.sender}: arrived damaged ({got}; recorded {expected.size} bytes)"
+    if mapped is None:
+        crc = _crc32c.crc32c(b"")
+    else:
+        view = memoryview(mapped)
+        try:
+            crc = _crc32c.crc32c(view)
+        finally:
+            view.release()
+    if crc != expected.crc32c:
         return (
-            f"{t.name} from rank {t.sender}: arrived damaged ({len(data)} bytes, crc32c {crc32c(data):08x}; "
+            f"{t.name} from rank {t.sender}: arrived damaged (crc32c {crc:08x}; "
             f"recorded {expected.size} bytes, {expected.crc32c:08x})"
         )
-    os.makedirs(t.target_dir, exist_ok=True)
-    path = os.path.join(t.target_dir, t.name)
-    with open(path + ".partial", "wb") as f:
-        f.write(data)
-    os.replace(path + ".partial", path)
     return None
