@@ -381,13 +381,32 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
     the first call after each ``init_process_group``; None outside a process group.
 
     It is looked up among the live groups rather than kept here: a reference held by this module
-    would keep gloo's threads alive past ``destroy_process_group`` (see docs/runtime.md)."""
+    would keep gloo's threads alive past ``destroy_process_group`` (see docs/runtime.md).
+
+    It is created from a short-lived thread of background priority, so that gloo's own threads,
+    which carry its bytes (a memory tier's replicas) and start with their creator's priority, yield
+    to training as the background thread does."""
     if not dist.is_initialized():
         return None
     for group in list(dist.distributed_c10d._world.pg_names):
         if getattr(group, "group_desc", None) == GROUP_DESC:
             return group
-    return dist.new_group(backend="gloo", timeout=_default_timeout(), group_desc=GROUP_DESC)
+    made: list[dist.ProcessGroup] = []
+    failed: list[BaseException] = []
+
+    def create() -> None:
+        deprioritise_this_thread()
+        try:
+            made.append(dist.new_group(backend="gloo", timeout=_default_timeout(), group_desc=GROUP_DESC))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread below
+            failed.append(e)
+
+    creator = threading.Thread(target=create, name="mfsdp-ckpt checkpoint group")
+    creator.start()
+    creator.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def _default_timeout() -> timedelta | None:

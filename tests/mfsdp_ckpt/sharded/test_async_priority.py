@@ -1,5 +1,6 @@
-"""The background work of an asynchronous save yields to training: its thread, and the threads
-it starts (DCP's writer threads), run at nice >= 10 in the idle I/O class, while the caller's
+"""The background work of an asynchronous save yields to training: its thread, the threads it
+starts (DCP's writer threads) and the gloo threads of the checkpoint traffic's own group run at
+nice >= 10 in the idle I/O class, while the caller's
 thread, the process's torch thread count and a synchronous ``save`` keep their priority; the
 checkpoints still round-trip bitwise. Read from the kernel (``/proc/self/task/<tid>/stat`` and
 ``ioprio_get``), not from what the helpers say they did."""
@@ -99,10 +100,27 @@ def _record_writers(seen: list) -> object:
     return real
 
 
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # ProcessGroupGloo's threads (they carry its bytes)
+
+
+def _gloo_threads() -> dict[int, tuple[int, tuple[int, int] | None]]:
+    """This process's gloo threads now: thread id -> priority."""
+    out = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() in GLOO_THREADS:
+                    out[tid] = _priority(tid)
+        except FileNotFoundError:  # ended meanwhile
+            pass
+    return out
+
+
 def _priorities_in_a_save(root: str) -> dict:
     model, optim = build("optim_grads", "even")
     train_steps(model, optim, 0, 2)
     caller, threads = _here(), torch.get_num_threads()
+    training_gloo = _gloo_threads()
     state = owned_pieces(model, optim)
     async_writers: list = []
     sync_writers: list = []
@@ -119,6 +137,7 @@ def _priorities_in_a_save(root: str) -> dict:
         handle = mfsdp_ckpt.async_save(os.path.join(root, "async", "step_2"), model, optim, step=2, thread_count=2)
         during = _here()
         handle.result()
+        all_gloo = _gloo_threads()
         MfsdpSavePlanner.resolve_data = real_resolve
         _record_writers(sync_writers)
         mfsdp_ckpt.save(os.path.join(root, "sync", "step_2"), model, optim, step=2, thread_count=2)
@@ -138,6 +157,8 @@ def _priorities_in_a_save(root: str) -> dict:
         "async_writers": async_writers,
         "sync_writers": sync_writers,
         "mismatches": [k for k, (_, _, v) in state.items() if not torch.equal(got[k][2], v)],
+        "training_gloo": [all_gloo[t] for t in training_gloo],
+        "checkpoint_gloo": [p for t, p in all_gloo.items() if t not in training_gloo],
     }
 
 
@@ -155,6 +176,11 @@ def test_the_background_write_yields_and_the_caller_and_a_sync_save_do_not(ranks
             assert nice >= priority.BACKGROUND_NICE and io[0] == priority.IOPRIO_CLASS_IDLE, (rank, t, nice, io)
         assert r["sync_writers"] and all(p == r["caller"] for _, p in r["sync_writers"]), (rank, r["sync_writers"])
         assert not r["mismatches"], (rank, r["mismatches"][:5])
+        # the checkpoint traffic's own group: its gloo threads yield too, the training group's do not
+        assert r["training_gloo"] and all(p == r["caller"] for p in r["training_gloo"]), (rank, r["training_gloo"])
+        assert r["checkpoint_gloo"], rank
+        for nice, io in r["checkpoint_gloo"]:
+            assert nice >= priority.BACKGROUND_NICE and io[0] == priority.IOPRIO_CLASS_IDLE, (rank, nice, io)
     a, s = str(tmp_path / "async" / "step_2"), str(tmp_path / "sync" / "step_2")
     assert verify_checkpoint(a) == [] and verify_checkpoint(s) == []
     assert diff_checkpoints(a, s).equal
