@@ -183,6 +183,11 @@ class HFSource(ModelSource):
     def _new_model(self) -> nn.Module:
         return self.cls(self.hf_config)
 
+    def meta_model(self) -> nn.Module:
+        """The model on the ``meta`` device: its structure, no storage."""
+        with torch.device("meta"):
+            return self._new_model()
+
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str) -> "HFSource":

@@ -114,3 +114,8 @@ class ModelSource:
     def n_params(self) -> int:
         """The whole model's parameter count (whichever experts this rank holds)."""
         raise NotImplementedError
+
+    def trainable_note(self) -> str:
+        """What of the model trains, for the run header, when not all of it does (e.g. LoRA
+        adapters); empty when every parameter trains."""
+        return ""

@@ -27,6 +27,7 @@ from mfsdp_ckpt.mcore.config_check import estimate_parameters
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
+from .lora import lora_of_record, parse_lora
 from .model_base import ModelSource
 from .settings import ModelSettings
 from .train_args import DEFAULT_PRESET, MODEL_FLAGS
@@ -165,16 +166,62 @@ def source_of_run(model: ModelSettings, start_from: tuple[str, str] | None) -> M
     refused several), else the model the start
     checkpoint records (``start_from``: ``(flag, checkpoint)``), else the ``tiny`` preset.
     ValueError: one line naming the flag (and file) at fault."""
+    source, record = _base_source_of_run(model, start_from)
+    return with_lora(source, model.lora, record)
+
+
+def with_lora(source: ModelSource, flag: str | None, record: tuple[dict[str, Any], str] | None) -> ModelSource:
+    """``source`` with the LoRA adapters of ``--lora`` (``flag``) or of the start checkpoint's
+    model record (``(model_source, where)``); ValueError when both name adapters and they differ
+    (a checkpoint's adapters are its parameters), or for a family PEFT cannot adapt."""
+    wanted = parse_lora(flag) if flag else None
+    recorded = lora_of_record(*record) if record is not None else None
+    if wanted and recorded and wanted != recorded:
+        raise ValueError(
+            f"--lora {wanted}: {record[1]} was trained with LoRA {recorded} (the adapters of a checkpoint "
+            "cannot change when resuming or starting from it)"
+        )
+    spec = wanted or recorded
+    if spec is None:
+        return source
+    if source.kind != TRANSFORMERS:
+        raise ValueError(
+            f"--lora: only for transformers models (--hf-model), not {source.kind} models: PEFT adapts "
+            "nn.Linear modules, which the reference GPT's and Megatron-Core's layers are not"
+        )
+    from .lora_source import LoraSource
+
+    return LoraSource(source, spec)
+
+
+def _start_record(start_from: tuple[str, str] | None) -> tuple[dict[str, Any], str] | None:
+    """The start checkpoint's model record and how to name it, or None (none, or unreadable: the
+    checks of the start checkpoint say why later)."""
+    if start_from is None:
+        return None
+    flag, path = start_from
+    try:
+        resolved = mfsdp_ckpt.resolve_checkpoint(path)
+        record = model_source_of(read_manifest(resolved))
+    except (mfsdp_ckpt.CheckpointError, OSError):
+        return None
+    return (record, f"{flag}: {resolved}") if record is not None else None
+
+
+def _base_source_of_run(
+    model: ModelSettings, start_from: tuple[str, str] | None
+) -> tuple[ModelSource, tuple[dict[str, Any], str] | None]:
+    """:func:`source_of_run` before the adapters, and the start checkpoint's model record."""
     given = [(flag, getattr(model, attr)) for attr, flag in MODEL_FLAGS.items() if getattr(model, attr) is not None]
     if given:
         flag, value = given[0]
         if flag == "--mcore-config":
-            return family_of(MEGATRON_CORE).from_file(value)
+            return family_of(MEGATRON_CORE).from_file(value), _start_record(start_from)
         if flag == "--hf-model":
-            return family_of(TRANSFORMERS).from_dir(value)
+            return family_of(TRANSFORMERS).from_dir(value), _start_record(start_from)
     if given or start_from is None:
         config, name = model_of_run(model.model, model.model_config)
-        return GPTSource(config, name)
+        return GPTSource(config, name), _start_record(start_from)
     flag, path = start_from
     try:
         resolved = mfsdp_ckpt.resolve_checkpoint(path)
@@ -193,7 +240,7 @@ def source_of_run(model: ModelSettings, start_from: tuple[str, str] | None) -> M
     check_fits_checkpoint(source, manifest, f"{flag}: {resolved}")
     if source.name == "custom":
         source.name = recorded_name(manifest, resolved)
-    return source
+    return source, (record, f"{flag}: {resolved}")
 
 
 def recorded_name(manifest: dict[str, Any], path: str) -> str:

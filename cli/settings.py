@@ -41,12 +41,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """``[model]``: which model to train (at most one of them is set: ``check_flags`` refuses more)."""
+    """``[model]``: which model to train (at most one of the first four is set: ``check_flags``
+    refuses more), and the LoRA adapters to fine-tune it with."""
 
     model: str | None = None  # a preset's name
     model_config: str | None = None  # a GPTConfig / manifest / config.json file
     hf_model: str | None = None  # a Hugging Face model directory
     mcore_config: str | None = None  # a Megatron-Core arguments file
+    lora: str | None = None  # r=8,alpha=16,targets=q_proj,v_proj (cli.lora)
 
 
 @dataclass(frozen=True)

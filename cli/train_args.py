@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from .lora import parse_lora, peft_missing
 from .run_config import AUTO, LATEST, allowed_changes, local_missing, recorded_settings
 from .settings import CheckpointSettings, Settings, settings_of
 from .train_config import NOT_CARRIED, ConfigError, config_argv
@@ -173,6 +174,14 @@ def _add_model_arguments(p: argparse._ActionsContainer) -> None:
         metavar="FILE.json",
         help="train a Megatron-Core GPTModel built from this JSON (Megatron-LM argument names and/or "
         "TransformerConfig fields, as import-mcore --config reads); needs pip install 'mfsdp-ckpt[mcore]'",
+    )
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="r=R,alpha=A,targets=M1,M2[,dropout=P]",
+        help="fine-tune LoRA adapters of rank R (scale A/R) on the linear modules named M1, M2, ... (PEFT's "
+        "target_modules), every other weight frozen; transformers models only; needs pip install "
+        "'mfsdp-ckpt[lora]'. Recorded in the checkpoints: --resume needs it not again",
     )
 
 
@@ -473,6 +482,7 @@ def check_flags(args: argparse.Namespace, world: int | None) -> Settings:
         raise UsageError(refused)
     if world is not None:
         _check_layout(settings, world)
+    _check_lora(settings)
     if settings.parallelism.hfsdp and settings.parallelism.dp_replicate == 1:
         raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
     try:
@@ -486,6 +496,20 @@ def check_flags(args: argparse.Namespace, world: int | None) -> Settings:
         if (missing := tensorboard_missing()) is not None:
             raise UsageError(missing)
     return settings
+
+
+def _check_lora(settings: Settings) -> None:
+    """``--lora``: a spec that parses, PEFT installed, and nothing it cannot go with yet."""
+    if settings.model.lora is None:
+        return
+    try:
+        parse_lora(settings.model.lora)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if (missing := peft_missing()) is not None:
+        raise UsageError(missing)
+    if settings.precision.mxfp8:
+        raise UsageError("--lora with --mxfp8: not supported (the frozen weights would be MXFP8 planes)")
 
 
 def _check_destination(settings: Settings) -> None:

@@ -49,6 +49,7 @@ NOT_CARRIED = frozenset(
         "model_config",
         "hf_model",
         "mcore_config",
+        "lora",  # the checkpoint's model_source records it, with the model
         # the layout is the job's: it follows the world size, and a checkpoint loads into any
         "ep",
         "dp_replicate",

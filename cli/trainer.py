@@ -408,7 +408,7 @@ def run_header(settings: Settings, source: ModelSource, world: int) -> list[str]
     mx = f", MXFP8 {pre.mxfp8} weights (scale rule {pre.mx_rule})" if pre.mxfp8 else ""
     aux = ", MoE aux loss over all ranks' tokens" if par.moe_aux_loss == "global" else ""
     return [
-        f"model {source.name}{kind}, {source.n_params():,} parameters, "
+        f"model {source.name}{kind}, {source.n_params():,} parameters{source.trainable_note()}, "
         f"world size {world}{ep}, strategy {par.strategy}, {policy}",
         f"precision compute {dtype[pre.param_dtype]}{mx}; optimizer {_optimizer_words(settings)}, "
         f"min lr {t.min_lr:g}, warm-up {t.warmup}, weight decay {t.weight_decay:g}, clip {t.clip:g}{aux}",

@@ -161,7 +161,8 @@ def param_group_updates(
 ) -> list[dict[str, Any]]:
     """For each of the optimizer's groups, the hyper-parameters of the saved group holding its
     parameters (by name); :class:`StateMismatchError` when a group's parameters are in no saved
-    group or in several. Changes nothing."""
+    group or in several. A group without parameters (all of them frozen, say) takes the saved
+    group at its own index when that one is empty too, else keeps its own. Changes nothing."""
     from mfsdp_ckpt.errors import StateMismatchError
 
     names = _fqn_by_optim_param(shards)
@@ -169,6 +170,10 @@ def param_group_updates(
     updates = []
     for g, group in enumerate(optimizer.param_groups):
         fqns = [names[id(p)] for p in group["params"]]
+        if not fqns:
+            same = saved[g] if g < len(saved) and not saved[g]["params"] else group
+            updates.append({k: v for k, v in same.items() if k != "params"})
+            continue
         found = {group_of.get(f) for f in fqns}
         if None in found or len(found) != 1:
             missing = [f for f in fqns if f not in group_of]
