@@ -79,6 +79,13 @@ MAX_FILE_SIZE = click.option(
     help="the model's config, for a CKPT that records none: our model_config fields, a manifest, or an HF "
     "config.json (use with --arch)",
 )
+@click.option(
+    "--adapter",
+    is_flag=True,
+    help="a LoRA run's checkpoint (--lora): write only its adapters, in PEFT's format (adapter_config.json, "
+    "adapter_model.safetensors), for PeftModel.from_pretrained on the base model; without it such a "
+    "checkpoint exports merged",
+)
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def export_hf(
@@ -92,16 +99,39 @@ def export_hf(
     workers: int | None,
     mcore_config: str | None,
     model_config: str | None,
+    adapter: bool,
     overwrite: bool,
     as_json: bool,
 ) -> None:
     """Export the model weights of checkpoint CKPT as a Hugging Face model directory OUT
-    (safetensors shards, index, config.json), loadable by transformers. CKPT may be a
-    Megatron-Core torch_dist checkpoint (with --mcore-config)."""
-    from mfsdp_ckpt.hf import export
+    (safetensors shards, index, config.json), loadable by transformers; a LoRA run's with its
+    adapters merged, or (--adapter) the adapters alone for PEFT. CKPT may be a Megatron-Core
+    torch_dist checkpoint (with --mcore-config)."""
+    from mfsdp_ckpt.hf import export, export_adapter
     from mfsdp_ckpt.mcore import export_hf_from_mcore
     from mfsdp_ckpt.tools import check_apart, is_mcore
 
+    if adapter:
+        given = {
+            "--arch": arch is not None,
+            "--from-mx": from_mx,
+            "--mx": mx,
+            "--workers": workers is not None,
+            "--mcore-config": mcore_config is not None,
+            "--model-config": model_config is not None,
+            "--max-shard-size": max_shard_size != "5GB",
+        }
+        if clash := [flag for flag, on in given.items() if on]:
+            raise click.UsageError(f"--adapter writes the adapters alone; {', '.join(clash)} is for a model export")
+        result = run_offline("export-hf", lambda bar: export_adapter(ckpt, out, dtype=dtype, overwrite=overwrite))
+        if as_json:
+            click.echo(json.dumps(result.to_json(), indent=1))
+        else:
+            click.echo(
+                f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
+                f"{result.seconds:.1f} s"
+            )
+        return
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
     _run(lambda: check_apart(out, {"the --model-config file": model_config, "the --mcore-config file": mcore_config}))

@@ -20,10 +20,11 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from mfsdp_ckpt.errors import one_line
+from mfsdp_ckpt.format.lora import LoraSpec, lora_of_record
 from mfsdp_ckpt.format.model_source import model_source_of
 from mfsdp_core import rename_params
 
-from .lora import PEFT_HINT, LoraSpec, lora_of_record
+from .lora import PEFT_HINT
 from .model_base import ModelSource
 
 if TYPE_CHECKING:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import ConversionError
+from mfsdp_ckpt.format.lora import lora_of_record
 from mfsdp_ckpt.format.model_source import (
     MEGATRON_CORE,
     MFSDP_GPT,
@@ -27,7 +28,7 @@ from mfsdp_ckpt.mcore.config_check import estimate_parameters
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
-from .lora import lora_of_record, parse_lora
+from .lora import parse_lora
 from .model_base import ModelSource
 from .settings import ModelSettings
 from .train_args import DEFAULT_PRESET, MODEL_FLAGS

@@ -4,7 +4,8 @@ index, ``config.json``), streaming one tensor at a time, for the architectures i
 ``qwen3_moe``). See docs/hf.md.
 
 ``export`` reads any canonical checkpoint (and may run on all ranks of a training job, each
-writing its own shard files); ``import_`` writes a committed checkpoint that ``mfsdp_ckpt.load``
+writing its own shard files; a LoRA run's exports merged), ``export_adapter`` a LoRA run's
+adapters in PEFT's format; ``import_`` writes a committed checkpoint that ``mfsdp_ckpt.load``
 and ``python -m cli.train --init-from`` read at any world size. ``transformers`` is not
 needed for either. Those two are imported on first use (PEP 562): they import
 ``torch.distributed.checkpoint`` (~0.5 s), which what only maps names or reads a ``config.json`` (the
@@ -18,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "export",
+    "export_adapter",
     "import_",
     "ExportResult",
     "ImportResult",
@@ -31,7 +33,7 @@ __all__ = [
     "GatedMLP",
 ]
 
-_LAZY = ("export", "import_", "ExportResult", "ImportResult")
+_LAZY = ("export", "export_adapter", "import_", "ExportResult", "ImportResult")
 #: the mapping's names, imported on first use too: they import torch, which checking a
 #: ``config.json`` (:mod:`mfsdp_ckpt.hf.config_check`, the launcher's pre-flight) does not need
 _MAPPING = {"Architecture", "Direct", "FusedQKV", "GatedMLP", "Rule"}
@@ -48,6 +50,10 @@ def _load(name: str) -> Any:
         from mfsdp_ckpt.hf import registry
 
         return getattr(registry, name)
+    if name == "export_adapter":
+        from mfsdp_ckpt.hf.adapter import export_adapter
+
+        return export_adapter
     if name in ("export", "ExportResult"):
         from mfsdp_ckpt.hf.export import ExportResult, export
 

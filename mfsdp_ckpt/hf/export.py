@@ -30,6 +30,7 @@ import torch
 
 from mfsdp_ckpt.errors import ConversionError, raise_key_problems
 from mfsdp_ckpt.format.keys import MAIN_PARAM, extra_key, fqn_of_model_key, group_of, optim_key
+from mfsdp_ckpt.format.lora import adapter_pairs, lora_of_record
 from mfsdp_ckpt.format.model_source import TRANSFORMERS, model_source_of
 from mfsdp_ckpt.hf.config_check import (
     REMOTE_CODE_KEYS,
@@ -66,7 +67,7 @@ from mfsdp_ckpt.write.job import write_and_commit
 from mfsdp_core.dtypes import CAST_CHOICES, dtype_by_name, dtype_name
 from mfsdp_core.mx import BLOCK, MXFormat, dequantize
 
-__all__ = ["export", "ExportResult", "MODES"]
+__all__ = ["export", "ExportResult", "MODES", "weight_source"]
 
 Progress = Callable[[int, int], None]
 
@@ -91,7 +92,7 @@ class ExportResult:
 
 
 #: what an item reads and how it makes its HF tensors
-PLAIN, DEQUANT, RAW = "plain", "dequant", "raw"
+PLAIN, DEQUANT, RAW, MERGED = "plain", "dequant", "raw", "merged"
 #: export modes: the weights (fp32 main params when present), the dequantized rowwise MX planes,
 #: or the MX planes themselves
 MODES = ("weights", "from-mx", "mx")
@@ -100,15 +101,17 @@ MODES = ("weights", "from-mx", "mx")
 @dataclass
 class _Item:
     """One conversion in the plan: the checkpoint keys it reads (one weight, or an MX parameter's
-    rowwise data and scale), how (``PLAIN``: split and cast; ``DEQUANT``: dequantize the rowwise
-    planes, split and cast; ``RAW``: split data and scale alike, write them as they are) and the
-    HF tensors it writes, in file order."""
+    rowwise data and scale, or a weight and its LoRA factors), how (``PLAIN``: split and cast;
+    ``DEQUANT``: dequantize the rowwise planes, split and cast; ``RAW``: split data and scale
+    alike, write them as they are; ``MERGED``: ``W + scale * B A`` in fp32, split and cast) and
+    the HF tensors it writes, in file order."""
 
     conv: Conversion
     sources: tuple[str, ...]
     outputs: list[tuple[str, torch.dtype, tuple[int, ...]]]
     nbytes: int
     kind: str = PLAIN
+    scale: float = 0.0  # MERGED: the adapter's alpha / r
 
 
 @dataclass
@@ -200,11 +203,20 @@ def _item(
     outs = [(name, out_dtype, s) for name, s in zip(conv.theirs, their_shapes)]
     if mx is not None and mode == "from-mx":
         return _Item(conv, (mx.key("rowwise_data"), mx.key("rowwise_scale")), outs, _nbytes(outs), DEQUANT)
-    main = optim_key(
-        fqn_of_model_key(conv.ours), MAIN_PARAM
-    )  # bf16 training keeps the fp32 master weights here: read those
-    src = main if main in keys and reader.is_tensor(main) and reader.shape(main) == shape else conv.ours
-    return _Item(conv, (src,), outs, _nbytes(outs))
+    return _Item(conv, (weight_source(reader, keys, conv.ours, shape),), outs, _nbytes(outs))
+
+
+def weight_source(reader: CheckpointReader, keys: set[str], key: str, shape: torch.Size) -> str:
+    """Where to read the model weight ``key``: its fp32 master copy when the checkpoint holds one
+    (bf16 training keeps it as ``optim.<fqn>.main_param``), else the weight itself."""
+    main = optim_key(fqn_of_model_key(key), MAIN_PARAM)
+    return main if main in keys and reader.is_tensor(main) and reader.shape(main) == shape else key
+
+
+def _merged(reader: CheckpointReader, keys: set[str], item: _Item, factors: tuple[str, str], scale: float) -> _Item:
+    """``item`` (a base weight) with its LoRA factors ``(A, B)`` merged in as it is written."""
+    a, b = (weight_source(reader, keys, k, reader.shape(k)) for k in factors)
+    return _Item(item.conv, (*item.sources, a, b), item.outputs, item.nbytes, MERGED, scale)
 
 
 def _quantization(items: list[_Item], fmt: MXFormat) -> dict[str, Any]:
@@ -306,6 +318,13 @@ def _transformers_plan(
             "checkpoint exports its weights (the fp32 main params where it holds them)"
         )
     shapes = {k: reader.shape(k) for k in reader.keys() if group_of(k) == "model" and reader.is_tensor(k)}
+    try:
+        spec = lora_of_record(record, source)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    adapters = adapter_pairs({k: tuple(v) for k, v in shapes.items()}, spec, source)
+    factors = {k for pair in adapters.values() for k in pair}
+    shapes = {k: v for k, v in shapes.items() if k not in factors}  # the base model's tensors
     if not shapes:
         raise ConversionError(f"{source}: no model tensors to export")
     named = {k[len("model.") :]: tuple(v) for k, v in shapes.items()}
@@ -313,6 +332,12 @@ def _transformers_plan(
     conversions = export_conversions(model_type, shapes, source)
     keys = set(reader.keys())
     items = [_item(reader, keys, conv, shapes[conv.ours], None, dtype, None, mode, set()) for conv in conversions]
+    if adapters:  # LoRA: each adapted weight exported merged, W + (alpha / r) B A
+        assert spec is not None
+        items = [
+            _merged(reader, keys, item, adapters[item.conv.ours], spec.scale) if item.conv.ours in adapters else item
+            for item in items
+        ]
     carried: dict[str, bytes] = {}
     files_key = extra_key("hf_files")
     if files_key in keys:
@@ -377,6 +402,9 @@ def _pieces(reader: CheckpointReader, item: _Item, cfg: ModelShape | None) -> li
     """The HF tensors of one item, in the order of its outputs (each read is crc32c-checked)."""
     if item.kind == PLAIN:
         return item.conv.rule.split(reader.read(item.sources[0]), cfg)
+    if item.kind == MERGED:
+        weight, a, b = (reader.read(k).float() for k in item.sources)
+        return item.conv.rule.split(weight + (b @ a) * item.scale, cfg)
     data, scale = (reader.read(k) for k in item.sources)
     if item.kind == DEQUANT:
         return item.conv.rule.split(dequantize(data, scale, "row"), cfg)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from cli.lora import LoraSpec, lora_of_record, parse_lora
+from cli.lora import parse_lora
 from cli.train import main
+from mfsdp_ckpt.format.lora import LoraSpec, lora_of_record
 from tests.hf_models import make_hf_dir
 
 

@@ -7,11 +7,15 @@ size, same math), steps 4-6 within 1e-6 relative (3 ranks sum the gradients in a
 the float sums differ in the last bits). The checkpoints hold the frozen weights bitwise as the
 model directory has them, under the names the model without adapters uses, the adapters as
 ``…q_proj.lora_A.weight``, optimizer state for the adapters alone, and the adapters in the model
-record. Other adapters on resume are refused in one line."""
+record. Exports: merged (transformers loads it; each weight bitwise PEFT's own merge, logits within
+1e-5) and the adapters alone (PEFT loads them on the base model; logits bitwise the trained
+model's). Other adapters on resume are refused in one line, as is an adapter export of a
+checkpoint without adapters."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ import transformers
 from cli.train import main
 from mfsdp_ckpt.read.manifest import read_manifest
 from tests.hf_models import make_hf_dir
-from tests.torchrun import failure, read_metrics, run_train
+from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
 
 COMMON = ("--steps", "6", "--batch-size", "6", "--seq-len", "16", "--warmup", "2", "--log-every", "10")
 LORA = ("--lora", "r=4,alpha=8,targets=q_proj,v_proj")
@@ -114,3 +118,77 @@ def test_other_adapters_on_resume_are_refused_in_one_line(trained, capsys):
         "r=4,alpha=8,targets=q_proj,v_proj (the adapters of a checkpoint cannot change when resuming or starting "
         "from it)"
     ), err
+
+
+def _trained_model(source: str, state: dict) -> torch.nn.Module:
+    """The run's model as the checkpoint holds it: the base class with PEFT's adapters, every
+    tensor taken from the checkpoint (as stock DCP reads it) under its canonical name."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
+    canonical = {
+        n: n.replace(".base_layer", "").replace(".lora_A.default", ".lora_A").replace(".lora_B.default", ".lora_B")
+        for n, _ in model.named_parameters()
+    }
+    result = model.load_state_dict({n: state[f"model.{c}"] for n, c in canonical.items()}, strict=False)
+    assert not result.unexpected_keys and all("rotary" in k for k in result.missing_keys), result
+    return model.eval()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    return run
+
+
+def test_exports_merged_for_transformers_and_adapters_for_peft(trained):
+    """The merged export loads in transformers with the trained model's logits (within 1e-5
+    relative: ``W + s B A`` rounds once where the adapted layer adds two products), each merged
+    weight bitwise as PEFT's own ``merge()`` makes it; the adapter export loads in PEFT on the base
+    model with the trained model's logits bitwise."""
+    import peft
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    family, tmp, source, ckpt, _, _ = trained
+    flat = tmp / "flat-export.pt"
+    dcp_to_torch_save(str(ckpt / "step_000006"), str(flat))
+    trained_model = _trained_model(source, torch.load(flat, weights_only=True))
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained_model(tokens).logits
+
+    merged_dir, adapter_dir = tmp / "merged", tmp / "adapter"
+    assert (run := _cli("export-hf", str(ckpt / "latest"), str(merged_dir))).returncode == 0, run.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = merged(tokens).logits
+    worst = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"{family}: merged export vs the trained model: {worst:.2e} of the largest logit")
+    assert worst <= 1e-5
+    for module in trained_model.modules():  # PEFT's own merge of the same tensors
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            module.merge()
+    peft_merged = {n.replace(".base_layer", ""): p for n, p in trained_model.named_parameters() if ".lora_" not in n}
+    exported = dict(merged.named_parameters())
+    assert sorted(exported) == sorted(peft_merged)
+    assert all(torch.equal(exported[n], peft_merged[n]) for n in exported), family
+
+    assert (run := _cli("export-hf", str(ckpt / "latest"), str(adapter_dir), "--adapter")).returncode == 0, run.stderr
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        assert torch.equal(adapted(tokens).logits, want)
+
+
+def test_adapter_export_of_a_checkpoint_without_adapters_is_refused(tmp_path):
+    source = make_hf_dir(tmp_path / "src", "llama")
+    ckpt = tmp_path / "ckpt"
+    _train(1, "--hf-model", source, "--ckpt-dir", str(ckpt), "--steps", "1")
+    run = _cli("export-hf", str(ckpt / "latest"), str(tmp_path / "adapter"), "--adapter")
+    assert run.returncode == 1
+    assert run.stderr.strip() == (
+        f"error: {ckpt}/latest: no LoRA adapters to export (its model_source records none; export-hf without "
+        "--adapter writes the model)"
+    ), run.stderr
+    assert not (tmp_path / "adapter").exists()
