@@ -505,7 +505,8 @@ def _check_lora(settings: Settings) -> None:
     try:
         parse_lora(settings.model.lora)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        where = settings.shown("lora", "--lora").removeprefix(f"--lora {settings.model.lora}")  # " (set in FILE)"
+        raise UsageError(f"{e}{where}") from None
     if (missing := peft_missing()) is not None:
         raise UsageError(missing)
     if settings.precision.mxfp8:

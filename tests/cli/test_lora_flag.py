@@ -88,3 +88,11 @@ def test_targets_must_be_linear_modules_of_the_model(capsys, tmp_path):
     assert _refused(capsys, tmp_path, "--hf-model", llama, "--lora", "r=4,alpha=8,targets=mlp") == (
         "--lora targets: model.layers.0.mlp (LlamaMLP) is not an nn.Linear (LoRA adapts linear layers)"
     )
+
+
+def test_a_bad_spec_in_a_config_file_names_the_file(capsys, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nmodel = "tiny"\nlora = "r=4,alpha=8"\n')
+    assert _refused(capsys, tmp_path, "--config", str(config)) == (
+        f"--lora 'r=4,alpha=8': targets missing (e.g. r=8,alpha=16,targets=q_proj,v_proj) (set in {config})"
+    )
