@@ -26,11 +26,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import mfsdp_ckpt
 from mfsdp_cli.hf_source import HFSource
 from mfsdp_cli.lora import parse_lora
 from mfsdp_cli.lora_source import LoraSource
+
+import mfsdp_ckpt
 from mfsdp_ckpt.tools.inspect import inspect_checkpoint
 from mfsdp_core import fully_shard, fully_shard_optimizer
 
