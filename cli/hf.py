@@ -12,7 +12,7 @@ from .common import LazyChoice, _human, _run, cast_choices
 from .job import run_offline
 
 if TYPE_CHECKING:
-    from mfsdp_ckpt.hf import ImportResult
+    from mfsdp_ckpt.hf import ExportResult, ImportResult
 
 #: ``--workers``: threads converting at once (the bridge's default when not given: min(4, CPUs))
 _WORKERS = click.option(
@@ -124,14 +124,7 @@ def export_hf(
         if clash := [flag for flag, on in given.items() if on]:
             raise click.UsageError(f"--adapter writes the adapters alone; {', '.join(clash)} is for a model export")
         result = run_offline("export-hf", lambda bar: export_adapter(ckpt, out, dtype=dtype, overwrite=overwrite))
-        if as_json:
-            click.echo(json.dumps(result.to_json(), indent=1))
-        else:
-            click.echo(
-                f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)}, "
-                f"{result.seconds:.1f} s"
-            )
-        return
+        return _report_export(result, as_json)
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
     _run(lambda: check_apart(out, {"the --model-config file": model_config, "the --mcore-config file": mcore_config}))
@@ -149,13 +142,18 @@ def export_hf(
         )
     else:
         result = run_offline("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
+    _report_export(result, as_json)
+
+
+def _report_export(result: ExportResult, as_json: bool) -> None:
+    """What an export wrote: one line, or the JSON vocabulary's object."""
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
-    else:
-        click.echo(
-            f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
-            f"of data files in {len(result.files)} file(s), {result.seconds:.1f} s"
-        )
+        return
+    click.echo(
+        f"wrote {result.path}: {result.architecture}, {result.tensors} tensors, {_human(result.bytes)} "
+        f"of data files in {len(result.files)} file(s), {result.seconds:.1f} s"
+    )
 
 
 @click.command(name="import-hf", short_help="Make a checkpoint of a Hugging Face model directory.")
