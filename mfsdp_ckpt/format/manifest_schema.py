@@ -220,9 +220,16 @@ def _choice(*allowed: str) -> Check:
     return check
 
 
+_LORA = record(required={"r": _COUNT, "alpha": number, "targets": list_of(line)}, optional={"dropout": number})
 _MODEL_SOURCE = record(
     required={"kind": _choice(*KINDS)},
-    optional={"class": line, "config": dict_of(anything), "args": dict_of(anything), "layer_spec": line},
+    optional={
+        "class": line,
+        "config": dict_of(anything),
+        "args": dict_of(anything),
+        "layer_spec": line,
+        "lora": _LORA,
+    },
 )
 _MX = record(required={"element": _choice(*MX_ELEMENTS), "rule": _choice(*MX_RULES)})
 _BUFFER = record(

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mfsdp_ckpt.format.lora import lora_of_record
+
 __all__ = [
     "MFSDP_GPT",
     "MEGATRON_CORE",
@@ -82,7 +84,7 @@ def describe_source(record: dict[str, Any] | None) -> str:
             config.get("hidden_size"),
             config.get("num_local_experts") or config.get("num_experts"),
         )
-        return f"transformers {record.get('class')} ({config.get('model_type')}{shape})"
+        return f"transformers {record.get('class')} ({config.get('model_type')}{shape}){_adapters(record)}"
     if kind == MEGATRON_CORE:
         args = record.get("args") or {}
         shape = _shape(
@@ -92,6 +94,16 @@ def describe_source(record: dict[str, Any] | None) -> str:
     config = record.get("config") or {}
     shape = _shape(config.get("num_layers"), config.get("hidden_size"), config.get("num_experts"))
     return f"{kind} GPTModel ({shape.lstrip(', ')})" if shape else str(kind)
+
+
+def _adapters(record: dict[str, Any]) -> str:
+    """``, LoRA r=...`` when the record names LoRA adapters (``--lora``), else nothing."""
+    if record.get("lora") is None:
+        return ""
+    try:
+        return f", LoRA {lora_of_record(record, 'model_source')}"
+    except ValueError:
+        return ", LoRA (model_source.lora does not parse)"
 
 
 def _shape(layers: Any, hidden: Any, experts: Any) -> str:

@@ -69,6 +69,18 @@ def test_older_manifests_and_unknown_kinds():
         check_manifest({**base, "model_source": {"class": "X"}}, "m")
 
 
+def test_lora_adapters_in_the_record():
+    lora = {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
+    base = {"format": "mfsdp-ckpt", "chunks": {}}
+    check_manifest({**base, "model_source": {**HF_RECORD, "lora": lora}}, "m")
+    assert describe_source({**HF_RECORD, "lora": lora}).endswith(", LoRA r=4,alpha=8,targets=q_proj,v_proj")
+    assert describe_source({**HF_RECORD, "lora": {"r": 0}}).endswith(", LoRA (model_source.lora does not parse)")
+    with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.lora.r'"):
+        check_manifest({**base, "model_source": {**HF_RECORD, "lora": {**lora, "r": 0}}}, "m")
+    with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.lora.targets'"):
+        check_manifest({**base, "model_source": {**HF_RECORD, "lora": {**lora, "targets": "q_proj"}}}, "m")
+
+
 def test_transformers_models_are_recognised_without_importing_transformers():
     import torch
     import transformers
