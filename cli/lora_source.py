@@ -50,7 +50,7 @@ def checkpoint_name(fqn: str) -> str:
 
 class LoraSource(ModelSource):
     """``inner`` (a transformers model's source) with the LoRA adapters of ``spec``;
-    ``adapter_params``: their parameter count."""
+    ``adapter_params``: their parameter count, ``adapter_keys``: their checkpoint keys."""
 
     def __init__(self, inner: HFSource, spec: LoraSpec) -> None:
         """ValueError naming ``--lora`` when PEFT cannot adapt the model so (no module matches the
@@ -60,7 +60,9 @@ class LoraSource(ModelSource):
         self.kind, self.name = inner.kind, inner.name
         self.vocab_size, self.seq_length, self.num_experts = inner.vocab_size, inner.seq_length, inner.num_experts
         meta = self._adapted(inner.meta_model())
-        self.adapter_params = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+        adapters = [(name, p) for name, p in meta.named_parameters() if p.requires_grad]
+        self.adapter_params = sum(p.numel() for _, p in adapters)
+        self.adapter_keys = frozenset(f"model.{checkpoint_name(name)}" for name, _ in adapters)
 
     # ---- what a checkpoint records ---------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -82,6 +84,15 @@ class LoraSource(ModelSource):
         if saved != self.spec:
             out.append(f"lora={str(saved) if saved else None!r} (this run: {str(self.spec)!r})")
         return out
+
+    def describe_init_differences(self, manifest: dict[str, Any]) -> list[str]:
+        if self.starts_fresh(manifest):  # the base model's checkpoint: its adapters start fresh
+            return self.inner.describe_differences(manifest)
+        return self.describe_differences(manifest)
+
+    def starts_fresh(self, manifest: dict[str, Any]) -> frozenset[str]:
+        record = model_source_of(manifest) or {}
+        return self.adapter_keys if record.get("lora") is None else frozenset()
 
     def min_params(self) -> int | None:
         return self.inner.min_params()

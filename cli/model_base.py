@@ -56,6 +56,17 @@ class ModelSource:
         ours)`` each); empty when it is the same model."""
         raise NotImplementedError
 
+    def describe_init_differences(self, manifest: dict[str, Any]) -> list[str]:
+        """:meth:`describe_differences` for a run that takes only the weights of the checkpoint
+        (``--init-from``), where :meth:`starts_fresh`'s keys may be absent from it."""
+        return self.describe_differences(manifest)
+
+    def starts_fresh(self, manifest: dict[str, Any]) -> frozenset[str]:
+        """The model keys (``model.<name>``) a run started from the weights of the checkpoint of
+        ``manifest`` does not find there and keeps as initialised: none, but a LoRA run's
+        adapters started from a checkpoint without them."""
+        return frozenset()
+
     def min_params(self) -> int | None:
         """A lower bound of the model's parameter count from its config alone (None: the family
         has none), compared with the tensors a checkpoint holds before the model is built."""

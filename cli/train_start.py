@@ -188,7 +188,9 @@ def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
         manifest = read_manifest(path)
     except mfsdp_ckpt.CheckpointError as e:
         raise UsageError(f"{flag}: {e}") from None
-    diffs = source.describe_differences(manifest)
+    diffs = (
+        source.describe_init_differences(manifest) if flag == "--init-from" else source.describe_differences(manifest)
+    )
     if diffs:
         raise UsageError(f"{flag}: {path} was written for another model config: {', '.join(diffs)}")
     return path

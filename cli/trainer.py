@@ -312,12 +312,14 @@ def _start(
         if rank == 0:
             print(f"resumed from {start.path} at step {step} (world size {world})", flush=True)
     elif start.flag == "--init-from":
+        fresh = source.starts_fresh(read_manifest(start.path))
         try:  # model weights only; the optimizer, step and data position start fresh
-            mfsdp_ckpt.load(start.path, model, None, restore_rng=False, atomic=False)
+            mfsdp_ckpt.load(start.path, model, None, restore_rng=False, atomic=False, fresh=fresh)
         except mfsdp_ckpt.CheckpointError as e:
             raise UsageError(f"--init-from: {e}") from None
         if rank == 0:
-            print(f"initialised from the weights of {start.path} (world size {world})", flush=True)
+            also = f"; {len(fresh)} adapter tensors it does not hold start fresh" if fresh else ""
+            print(f"initialised from the weights of {start.path} (world size {world}){also}", flush=True)
     return step, position, start.resumes
 
 

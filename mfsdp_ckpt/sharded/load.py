@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -66,6 +66,7 @@ def load(
     key_map: Sequence[str | KeyRule] = (),
     atomic: bool = True,
     same_path: bool = True,
+    fresh: Collection[str] = (),
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it. Collective:
     the ranks agree on every refusal, so all raise the same error. Checksums are verified for
@@ -102,6 +103,9 @@ def load(
         same_path: ``path`` names one checkpoint for every rank (rank 0 resolves it for all).
             ``False``: each rank names its own copy of the same checkpoint (a node's memory
             tier, :mod:`mfsdp_ckpt.tier`) and resolves it itself.
+        fresh: keys of the model the checkpoint need not hold: they keep their values, and no
+            warning names them (a LoRA run's adapters, started from its base model's checkpoint);
+            under ``strict`` any other missing key is still an error.
 
     Returns:
         The ``extra`` values saved with the checkpoint.
@@ -120,7 +124,7 @@ def load(
             optimizer_buffers(optimizer)  # raises if it was not adapted by fully_shard_optimizer
             _ensure_optimizer_state(optimizer)
         plan = _plan_load(model, optimizer, saved, reader.group_parts, manifest, restore_rng)
-        _agree_before_reading(plan, reader, saved, directory, strict, optimizer is not None)
+        _agree_before_reading(plan, reader, saved, directory, strict, optimizer is not None, frozenset(fresh))
         _add_whole_entries(plan, saved)
         planner = MfsdpLoadPlanner()
         try:
@@ -188,7 +192,13 @@ def _plan_load(
 
 
 def _agree_before_reading(
-    plan: _LoadPlan, reader: VerifyingReader, saved: dict[str, Any], directory: str, strict: bool, with_optimizer: bool
+    plan: _LoadPlan,
+    reader: VerifyingReader,
+    saved: dict[str, Any],
+    directory: str,
+    strict: bool,
+    with_optimizer: bool,
+    fresh: frozenset[str] = frozenset(),
 ) -> None:
     """One gather for both: the key problems of every rank (raised first, the same on all), then
     the first failure of the entry checks; with ``strict=False``, the warning of what was not
@@ -196,7 +206,7 @@ def _agree_before_reading(
     _, failure, views = run_and_gather(
         lambda: _check_before_reading(plan, reader, saved, directory), _key_view(plan.found, saved)
     )
-    not_found = _agree_on_keys(views, saved, with_optimizer, strict, directory)
+    not_found = _agree_on_keys(views, saved, with_optimizer, strict, directory, fresh)
     if failure is not None:
         raise failure
     if not strict:
@@ -475,14 +485,15 @@ def _agree_on_keys(
     with_optimizer: bool,
     strict: bool,
     source: str,
+    fresh: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Raise the same :class:`StateMismatchError` on every rank, or none, from every rank's
     :func:`_key_view`. A checkpoint key is unexpected only when no rank claims it: under expert
     parallelism each rank wants only its own experts. Returns the keys some rank wants that the
-    checkpoint lacks (an error when ``strict``)."""
+    checkpoint lacks (an error when ``strict``), but those ``fresh`` allows."""
     keys = sorted(saved)
     anyone = [any(v[3][i] for v in views) for i in range(len(keys))]
-    missing, unexpected = {k for v in views for k in v[0]}, []
+    missing, unexpected = {k for v in views for k in v[0]} - fresh, []
     if strict:
         prefixes = ("model.", "optim.") if with_optimizer else ("model.",)
         unexpected = [k for k, c in zip(keys, anyone) if k.startswith(prefixes) and not c and k != PARAM_GROUPS]

@@ -9,8 +9,9 @@ model directory has them, under the names the model without adapters uses, the a
 ``…q_proj.lora_A.weight``, optimizer state for the adapters alone, and the adapters in the model
 record. Exports: merged (transformers loads it; each weight bitwise PEFT's own merge, logits within
 1e-5) and the adapters alone (PEFT loads them on the base model; logits bitwise the trained
-model's). Other adapters on resume are refused in one line, as is an adapter export of a
-checkpoint without adapters."""
+model's). ``--init-from`` a checkpoint without adapters loads every weight it holds and starts
+the adapters fresh. Other adapters on resume are refused in one line, as is an adapter export of
+a checkpoint without adapters."""
 
 from __future__ import annotations
 
@@ -192,3 +193,26 @@ def test_adapter_export_of_a_checkpoint_without_adapters_is_refused(tmp_path):
         "--adapter writes the model)"
     ), run.stderr
     assert not (tmp_path / "adapter").exists()
+
+
+def test_init_from_a_checkpoint_without_adapters_starts_them_fresh(tmp_path):
+    """``--init-from`` a full fine-tuning run's checkpoint: every weight it holds is loaded (the
+    frozen ones stay as it has them), the adapters it lacks start as PEFT initialises them; the
+    same checkpoint is refused for ``--resume`` (its optimizer state would not match)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source = make_hf_dir(tmp_path / "src", "llama")
+    full, tuned = tmp_path / "full", tmp_path / "tuned"
+    _train(1, "--hf-model", source, "--ckpt-dir", str(full), "--steps", "2")
+    run = _train(2, "--init-from", str(full / "latest"), *LORA, "--ckpt-dir", str(tuned), "--steps", "2")
+    assert "8 adapter tensors it does not hold start fresh" in run.stdout, run.stdout
+    states = {}
+    for name, ckpt in (("full", full / "step_000002"), ("tuned", tuned / "step_000002")):
+        dcp_to_torch_save(str(ckpt), str(tmp_path / f"{name}.pt"))
+        states[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    base = {k: v for k, v in states["full"].items() if k.startswith("model.")}
+    tuned_model = {k: v for k, v in states["tuned"].items() if k.startswith("model.")}
+    assert sorted(set(tuned_model) - set(base)) == sorted(k for k in tuned_model if ".lora_" in k) and len(base) > 0
+    assert all(torch.equal(tuned_model[k], v) for k, v in base.items())  # frozen since the init: bitwise
+    refused = run_train(2, *COMMON, "--resume", str(full / "latest"), *LORA, "--ckpt-dir", str(tmp_path / "r"))
+    assert refused.returncode != 0 and "was written for another model config: lora=None" in refused.stderr
