@@ -9,8 +9,10 @@ rebuilds the same adapters without the flag.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-from mfsdp_ckpt.format.lora import LoraSpec, checked_spec
+if TYPE_CHECKING:  # the light parser (``--help``, the launcher's refusals) imports no mfsdp_ckpt
+    from mfsdp_ckpt.format.lora import LoraSpec
 
 __all__ = ["parse_lora", "PEFT_HINT", "peft_missing"]
 
@@ -21,6 +23,8 @@ _KEYS = ("r", "alpha", "targets", "dropout")
 def parse_lora(spec: str, where: str = "--lora") -> LoraSpec:
     """``r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.05]`` (the names after ``targets=`` run to
     the next ``key=``); ValueError, one line naming ``where`` and the part at fault."""
+    from mfsdp_ckpt.format.lora import checked_spec  # only a run that names --lora pays for it
+
     values: dict[str, list[str]] = {}
     key = None
     for part in (p.strip() for p in spec.split(",")):
