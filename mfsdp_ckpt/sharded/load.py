@@ -103,9 +103,8 @@ def load(
         same_path: ``path`` names one checkpoint for every rank (rank 0 resolves it for all).
             ``False``: each rank names its own copy of the same checkpoint (a node's memory
             tier, :mod:`mfsdp_ckpt.tier`) and resolves it itself.
-        fresh: keys of the model the checkpoint need not hold: they keep their values, and no
-            warning names them (a LoRA run's adapters, started from its base model's checkpoint);
-            under ``strict`` any other missing key is still an error.
+        fresh: model keys the checkpoint need not hold (they keep their values, unnamed by any
+            warning): a LoRA run's adapters started from its base's checkpoint.
 
     Returns:
         The ``extra`` values saved with the checkpoint.
