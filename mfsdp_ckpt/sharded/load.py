@@ -103,8 +103,7 @@ def load(
         same_path: ``path`` names one checkpoint for every rank (rank 0 resolves it for all).
             ``False``: each rank names its own copy of the same checkpoint (a node's memory
             tier, :mod:`mfsdp_ckpt.tier`) and resolves it itself.
-        fresh: model keys the checkpoint need not hold (they keep their values, unnamed by any
-            warning): a LoRA run's adapters started from its base's checkpoint.
+        fresh: model keys it need not hold (kept as they are; a LoRA run's fresh adapters).
 
     Returns:
         The ``extra`` values saved with the checkpoint.
