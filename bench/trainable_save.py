@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from mfsdp_cli.hf_source import HFSource
 from mfsdp_cli.lora import parse_lora
-from mfsdp_cli.lora_source import LoraSource
+from mfsdp_cli.lora_source import LoraSource, checkpoint_name
 
 import mfsdp_ckpt
 from mfsdp_ckpt.tools.inspect import inspect_checkpoint
@@ -98,7 +98,7 @@ def _saves(source, root: str, saves: int) -> tuple[list[int], list[float], dict[
     groups: dict[str, int] = {}
     for t in info.tensors:
         groups[t.group] = groups.get(t.group, 0) + t.bytes
-    names = {n.replace(".base_layer", "").replace(".default", "") for n in trainable}
+    names = {checkpoint_name(n) for n in trainable}
     groups["trainable model"] = sum(t.bytes for t in info.tensors if t.group == "model" and t.key[6:] in names)
     return sizes, seconds, groups
 

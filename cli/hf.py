@@ -119,7 +119,8 @@ def export_hf(
             "--workers": workers is not None,
             "--mcore-config": mcore_config is not None,
             "--model-config": model_config is not None,
-            "--max-shard-size": max_shard_size != "5GB",
+            "--max-shard-size": click.get_current_context().get_parameter_source("max_shard_size")
+            != click.core.ParameterSource.DEFAULT,
         }
         if clash := [flag for flag, on in given.items() if on]:
             raise click.UsageError(f"--adapter writes the adapters alone; {', '.join(clash)} is for a model export")

@@ -26,6 +26,8 @@ from mfsdp_ckpt.tier.layout import TierFile
 
 __all__ = ["Transfer", "file_crc32c", "check_file", "move_files"]
 
+_KEPT_MAPPED: list[contextlib.ExitStack] = []  # the mappings of failed calls (see move_files)
+
 
 def file_crc32c(path: str) -> tuple[int, int]:
     """``(size, crc32c)`` of the file at ``path`` (read through a mapping: no copy of its bytes)."""
@@ -88,31 +90,13 @@ def move_files(
     sizes = _exchange_sizes(mine, rank, group)
     arrived: list[tuple[Transfer, str | None]] = []
     with contextlib.ExitStack() as mappings:
-        sends: list[dist.Work] = []
-        receives: list[tuple[Transfer, int, dist.Work | None, mmap.mmap | None]] = []
-        for tag, t in mine:
-            size = sizes[tag]
-            travels = size == expected[t.name].size and size > 0  # else the receiver refuses it, or it is empty
-            if rank == t.sender:
-                if travels:
-                    mapped = mappings.enter_context(_mapping(os.path.join(t.source_dir, t.name), size))
-                    sends.append(_isend(mapped, t.receiver, group, tag))
-                continue
-            os.makedirs(t.target_dir, exist_ok=True)
-            partial = os.path.join(t.target_dir, t.name) + ".partial"
-            if travels:
-                mapped = mappings.enter_context(_mapping(partial, size, create=True))
-                receives.append((t, size, _irecv(mapped, t.sender, group, tag), mapped))
-            else:
-                receives.append((t, size, None, None))
-        for work in sends:
-            work.wait()
-        for t, size, work, mapped in receives:
-            if work is not None:
-                work.wait()
-            arrived.append((t, _arrival_problem(t, size, mapped, expected[t.name])))
-        sends.clear()  # the works hold the tensors over the mappings, which cannot close while they live
-        receives.clear()
+        try:
+            _post_and_wait(mine, sizes, expected, rank, group, mappings, arrived)
+        except BaseException:
+            # a send or receive still in flight would write into unmapped memory (a tensor over a
+            # mapping does not keep it mapped): a failed call keeps its mappings to the process's end
+            _KEPT_MAPPED.append(mappings.pop_all())
+            raise
     damaged = []
     for t, problem in arrived:
         path = os.path.join(t.target_dir, t.name)
@@ -126,6 +110,42 @@ def move_files(
                 os.remove(path + ".partial")
     if damaged:
         raise CheckpointError(damaged[0] + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""))
+
+
+def _post_and_wait(
+    mine: list[tuple[int, Transfer]],
+    sizes: dict[int, int],
+    expected: dict[str, TierFile],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    mappings: contextlib.ExitStack,
+    arrived: list[tuple[Transfer, str | None]],
+) -> None:
+    """Post every send and receive of this rank at once (mappings entered on ``mappings``), wait
+    for all, and add each received file's problem (None: whole) to ``arrived``."""
+    sends: list[dist.Work] = []
+    receives: list[tuple[Transfer, int, dist.Work | None, mmap.mmap | None]] = []
+    for tag, t in mine:
+        size = sizes[tag]
+        travels = size == expected[t.name].size and size > 0  # else the receiver refuses it, or it is empty
+        if rank == t.sender:
+            if travels:
+                mapped = mappings.enter_context(_mapping(os.path.join(t.source_dir, t.name), size))
+                sends.append(_isend(mapped, t.receiver, group, tag))
+            continue
+        os.makedirs(t.target_dir, exist_ok=True)
+        partial = os.path.join(t.target_dir, t.name) + ".partial"
+        if travels:
+            mapped = mappings.enter_context(_mapping(partial, size, create=True))
+            receives.append((t, size, _irecv(mapped, t.sender, group, tag), mapped))
+        else:
+            receives.append((t, size, None, None))
+    for work in sends:
+        work.wait()
+    for t, size, work, mapped in receives:
+        if work is not None:
+            work.wait()
+        arrived.append((t, _arrival_problem(t, size, mapped, expected[t.name])))
 
 
 def _exchange_sizes(mine: list[tuple[int, Transfer]], rank: int, group: dist.ProcessGroup | None) -> dict[int, int]:

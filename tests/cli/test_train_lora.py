@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 
+from cli.lora_source import checkpoint_name
 from cli.train import main
 from mfsdp_ckpt.read.manifest import read_manifest
 from tests.hf_models import make_hf_dir
@@ -128,10 +129,7 @@ def _trained_model(source: str, state: dict) -> torch.nn.Module:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
-    canonical = {
-        n: n.replace(".base_layer", "").replace(".lora_A.default", ".lora_A").replace(".lora_B.default", ".lora_B")
-        for n, _ in model.named_parameters()
-    }
+    canonical = {n: checkpoint_name(n) for n, _ in model.named_parameters()}
     result = model.load_state_dict({n: state[f"model.{c}"] for n, c in canonical.items()}, strict=False)
     assert not result.unexpected_keys and all("rotary" in k for k in result.missing_keys), result
     return model.eval()
