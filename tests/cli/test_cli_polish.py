@@ -150,6 +150,7 @@ def test_json_field_names_are_shared_across_commands(tiny_ckpt, tmp_path):
     assert converted["path"] == str(tmp_path / "flat.pt")
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_a_destination_that_cannot_be_written_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path):
     ckpt = tiny_ckpt
     (tmp_path / "afile").write_text("not a directory")

@@ -22,6 +22,8 @@ from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.format.safety import safe_load_metadata
 from tests.torchrun import ENV, ROOT, failure, run_train
 
+pytestmark = pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
+
 NPROC = 3
 #: manifest fields that differ between any two writes of the same output
 VOLATILE = {"save_id", "created_unix", "manifest_crc32c", "metadata_crc32c"}

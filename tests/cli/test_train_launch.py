@@ -65,6 +65,7 @@ def _wait_for_step(metrics, step: int, proc: subprocess.Popen, timeout: float = 
 RUN = (*SMALL, "--steps", "400", "--save-every", "5", "--log-every", "1000")
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_ctrl_c_stops_every_rank_with_one_line_and_exit_130(tmp_path):
     ckpt, metrics = tmp_path / "run", tmp_path / "m.jsonl"
     proc = _start(tmp_path, [*RUN, "--ckpt-dir", str(ckpt), "--metrics", str(metrics)])

@@ -259,6 +259,7 @@ def mcore_exports(tmp_path_factory):
     return dirs
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_trained_mcore_checkpoint_loads_strictly_in_megatron_and_matches_transformers(kind, mcore_exports):
     """The trainer's checkpoint of a genuine MCore ``GPTModel`` (dense: 1 rank; MoE: 2 ranks with EP

@@ -21,6 +21,8 @@ from mfsdp_core import mx, mx_native
 from mfsdp_core.mx import MXFormat
 from tests.mfsdp_core.test_mx import FAMILIES, FMT_IDS, FORMATS, assert_same_bytes
 
+pytestmark = pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -473,6 +473,7 @@ def test_bad_fp8_directories_are_refused_in_one_line(case, fp8_dir, tmp_path):
     assert os.listdir(dest.parent) == []  # no checkpoint, no partial sibling
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_an_mx_directory_is_imported_in_float32_only(tmp_path):
     """MX weights stay float32 (their planes are derived from them): --dtype bfloat16 is refused
     for an MX directory, --dtype float32 is what it does anyway."""
