@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mfsdp_ckpt.write.builder import CheckpointBuilder
+
+pytestmark = pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 
 
 def _run_dir(root: str, steps: list[int], when: float = 1e9) -> str:

@@ -43,6 +43,7 @@ def test_global_aux_loss_at_w4_ep2_is_one_process_on_the_whole_batch(tmp_path):
     assert _worst(local, one, "loss") > 10 * BOUND or _worst(local, one, "grad_norm") > 10 * BOUND
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_global_aux_loss_is_refused_for_a_transformers_model(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

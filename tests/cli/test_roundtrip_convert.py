@@ -57,6 +57,7 @@ def _resolved(path: str) -> str:
     return mfsdp_ckpt.resolve_checkpoint(path)
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_a_checkpoint_without_a_model_config_is_named_by_model(trained, tmp_path):
     bare = str(tmp_path / "bare")
     write_dcp({k: v for k, v in read_full_state(trained).items() if k.startswith("model.")}, bare)
@@ -70,6 +71,7 @@ def test_a_checkpoint_without_a_model_config_is_named_by_model(trained, tmp_path
     assert run.returncode == 0, failure(run)
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_export_hf_of_a_checkpoint_without_a_model_config_takes_arch_and_model_config(trained, tmp_path):
     """The bare checkpoint is refused by ``export-hf`` with a pointer to ``--model-config``; given
     the config (here: the source's manifest) and ``--arch``, it exports the same tensors as the

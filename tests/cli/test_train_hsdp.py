@@ -93,6 +93,7 @@ def test_dp_replicate_must_divide_world_size(tmp_path):
     assert "error: --hfsdp needs --dp-replicate" in run.stderr, failure(run)
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_comm_stream_without_a_gpu_is_refused_in_one_line(tmp_path):
     run = _run(2, "--model", "tiny", "--steps", "1", "--comm-stream")

@@ -243,6 +243,7 @@ def test_text_output_and_s3_on_both_sides(dense, s3_bucket, tmp_path):
     )
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_trains_from_the_upcycled_checkpoint_on_2_ranks(dense, upcycled, tmp_path):
     """``mfsdp-train --init-from`` builds the MoE model the manifest records; step 1's loss (before
     any update) is the dense Llama's loss on the same batch, and training goes on."""

@@ -393,6 +393,7 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(run, monkeypatch):
     assert res.exit_code == 1 and res.output.strip() == f"error: {run}: Permission denied"
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 def test_resume_from_a_checkpoint_without_trainer_state_is_one_line(tmp_path):
     from mfsdp_ckpt.read.reader import CheckpointReader
     from mfsdp_ckpt.write.builder import CheckpointBuilder

@@ -390,6 +390,7 @@ def _stacked_variant(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 @pytest.mark.mcore_env
 @pytest.mark.parametrize("variant", ["tiny-deepseek", "stacked"])
 def test_our_training_checkpoint_exports_to_what_megatron_loads(variant, tmp_path):
