@@ -26,7 +26,10 @@ from tests.torchrun import failure, run_train
 
 from .util import VOCAB, hf_tensors, reference_model, save_hf, tokens
 
-LOGIT_ATOL = 1e-5
+# ours and transformers' forward in float32: the same math in another order, whose rounding depends
+# on the CPU's kernels (the chunked gated delta rule solves a triangular system per chunk); measured
+# 1.42e-5 on an AMD EPYC VM (8.3e-6 of the largest logit) where an earlier VM gave <= 1e-5
+LOGIT_ATOL = 2e-5
 
 
 def qwen3_next_model(seed: int = 0, **overrides):
