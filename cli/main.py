@@ -64,6 +64,10 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
         for m in info.mx:
             click.echo(f"  {m.fqn} {'x'.join(map(str, m.shape))} {m.format}: {', '.join(m.planes)}")
     click.echo(f"source      {describe_source(info.model_source)}")
+    if info.base:
+        click.echo(
+            f"base        {info.base['name']}: {info.base['entries']} frozen weight(s) written once, read from there"
+        )
     if info.model_config:
         click.echo(f"model       {json.dumps(info.model_config)}")
     elif (info.model_source or {}).get("kind") == "transformers":
@@ -479,7 +483,15 @@ def ls(root: str, clean: bool, as_json: bool, mem_tier: str | None) -> None:
         if below:
             click.echo(f"{run}: {len(entries)} checkpoint(s), latest {latest}")
         for e in entries:
-            state = "committed" if e.committed else "stock DCP" if e.format == "stock DCP" else "UNCOMMITTED"
+            state = (
+                "committed (base: frozen weights)"
+                if e.format == "mfsdp base"
+                else "committed"
+                if e.committed
+                else "stock DCP"
+                if e.format == "stock DCP"
+                else "UNCOMMITTED"
+            )
             step = e.step if e.step is not None else "-"
             line = f"{e.name:<32} step {step!s:>8} {_human(e.bytes):>10}  {state}{'  <- latest' if e.latest else ''}"
             click.echo(("  " if below else "") + line)

@@ -617,12 +617,14 @@ def _timed_save(path: str, *args: Any, **kwargs: Any) -> str:
 
 def _written(path: str) -> str:
     """The data-file bytes of a committed checkpoint, from its manifest, in the binary units every
-    command prints (``?`` if it cannot be read)."""
+    command prints (``?`` if it cannot be read), and the base holding its frozen weights if any."""
     try:
-        total = read_manifest(path).get("total_bytes")
+        manifest = read_manifest(path)
     except mfsdp_ckpt.CheckpointError:
-        total = None
-    return f"{_human(total)} of data files" if isinstance(total, int) else "? bytes"
+        manifest = {}
+    total, base = manifest.get("total_bytes"), (manifest.get("base") or {}).get("name")
+    written = f"{_human(total)} of data files" if isinstance(total, int) else "? bytes"
+    return f"{written} (frozen weights: in {base})" if base else written
 
 
 class _StepTimes:

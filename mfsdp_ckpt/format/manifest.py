@@ -73,7 +73,9 @@ def completed(manifest: dict[str, Any], save_id: str, chunks: dict[str, dict[str
     """``manifest`` plus what every committed checkpoint's manifest holds: format and version, the
     save id ``.metadata`` carries too, the time, every chunk's place and crc32c, total bytes."""
     return {
-        **{k: v for k, v in manifest.items() if k != "index"},  # a source's index does not describe these chunks
+        # a source's index does not describe these chunks; its base reference and role stay with
+        # it (an offline tool's output holds every entry it writes itself)
+        **{k: v for k, v in manifest.items() if k not in ("index", "base", "role")},
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "save_id": save_id,

@@ -14,6 +14,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from mfsdp_ckpt.errors import CorruptCheckpointError
+from mfsdp_ckpt.format.base_ref import BASE_ROLE, name_problem
 from mfsdp_ckpt.format.model_source import KINDS
 from mfsdp_ckpt.format.names import member_name_problem, shown
 from mfsdp_ckpt.format.record_table import table_size
@@ -423,6 +424,14 @@ def _chunks_or_index(v: dict, at: str) -> None:
     _sizes_fit(v)
 
 
+def _base_name(v: Any, at: str) -> None:
+    problem = name_problem(v)
+    if problem is not None:
+        raise _Invalid(at, problem)
+
+
+_BASE = record(required={"name": _base_name, "id": line, "save_id": line, "manifest_crc32c": _CRC})
+
 MANIFEST = record(
     required={"format": line},
     then=_chunks_or_index,
@@ -445,6 +454,8 @@ MANIFEST = record(
         "versions": dict_of(anything),
         "hf": record(optional={"architecture": nullable(line)}),
         "converted_from": nullable(string),
+        "role": _choice(BASE_ROLE),
+        "base": _BASE,
     },
 )
 

@@ -30,6 +30,7 @@ from mfsdp_ckpt.errors import (
     UnsafeCheckpointError,
     one_line,
 )
+from mfsdp_ckpt.format.base_ref import name_problem, split_base_file
 from mfsdp_ckpt.format.checksum import chunk_id, payload_crc32c
 from mfsdp_ckpt.read.records import locate_raw_tensor
 from mfsdp_ckpt.storage import fs
@@ -305,7 +306,7 @@ class ChunkFiles:
         f = self._open.get(relative_path)
         if f is None:
             try:
-                f = fs.open_member(self.directory, relative_path)
+                f = fs.open_member(*self._member(relative_path))
             except (OSError, OutsideCheckpointError) as e:
                 f = e
             self._open[relative_path] = f
@@ -337,8 +338,29 @@ class ChunkFiles:
             raise error(f"{self.path(relative_path)}: {problem}, needed for key '{key}'")
         return self.handle(relative_path)
 
+    def _member(self, relative_path: Any) -> tuple[str, Any]:
+        """(directory, name) of a data file: the checkpoint's own, or its base's
+        (:func:`~mfsdp_ckpt.format.base_ref.base_file`: a sibling directory, one path component,
+        never a link)."""
+        split = split_base_file(relative_path) if isinstance(relative_path, str) else None
+        if split is None:
+            return self.directory, relative_path
+        name, file = split
+        base = fs.join(fs.dirname(self.directory), name)
+        problem = name_problem(name)
+        if problem is None and fs.islink(base):
+            problem = "the base directory is a link"
+        if problem is not None:
+            raise OutsideCheckpointError(base, problem)
+        return base, file
+
     def path(self, relative_path: str) -> str:
-        return fs.join(self.directory, relative_path) if isinstance(relative_path, str) else f"{self.directory}/?"
+        if not isinstance(relative_path, str):
+            return f"{self.directory}/?"
+        try:
+            return fs.join(*self._member(relative_path))
+        except OutsideCheckpointError:
+            return fs.join(self.directory, relative_path)
 
     def require_present(self, chunks: Iterable[tuple[MetadataIndex, Any]]) -> None:
         """Raise :class:`CorruptCheckpointError` naming the first chunk whose file cannot be opened

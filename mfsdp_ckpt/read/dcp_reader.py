@@ -22,6 +22,7 @@ from torch.futures import Future
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.boxes import box_view, narrow
 from mfsdp_ckpt.format.checksum import chunk_id
+from mfsdp_ckpt.read.base import Either, OpenBase, open_base
 from mfsdp_ckpt.read.chunks import ChunkFiles, chunk_location, chunk_shapes
 from mfsdp_ckpt.read.direct_read import direct_chunk, read_into_place
 from mfsdp_ckpt.read.index_check import read_stock_metadata
@@ -98,6 +99,7 @@ class VerifyingReader(FileSystemReader):
         self.stored: dict[str, list[tuple[MetadataIndex, Any]]] = {}
         self._metadata: Metadata | None = None
         self.indexed: IndexedCheckpoint | None = None  # a save's checkpoint read through its index
+        self.base: OpenBase | None = None  # the base it references (frozen weights), opened and checked
 
     def apply(self, planner: LoadPlanner) -> None:
         """Copy every verified chunk into its target (after a successful ``dcp.load``)."""
@@ -162,11 +164,11 @@ class VerifyingReader(FileSystemReader):
         if has_index(self.manifest):  # a save's checkpoint: everything from its index, not .metadata
             assert self.manifest is not None
             self.indexed = IndexedCheckpoint(self.dir, self.manifest)
-            self.manifest_chunks = self.indexed.checksums
-            lazy = self.indexed.metadata()
+            self.base = open_base(self.dir, self.manifest)
+            self.manifest_chunks, lazy, shapes, stored = self._tables()
             metadata = self._canonical(lazy) if self.canonical else lazy
             if metadata is lazy:
-                self.chunk_shapes, self.stored = self.indexed.chunk_shapes, self.indexed.stored
+                self.chunk_shapes, self.stored = shapes, stored
             else:  # renamed keys: the tables follow the new names (every chunk looked up once)
                 self.chunk_shapes, self.stored = chunk_shapes(metadata), stored_by_key(metadata)
             self._metadata = metadata
@@ -178,6 +180,33 @@ class VerifyingReader(FileSystemReader):
         self.stored = stored_by_key(metadata)
         self._metadata = metadata
         return metadata
+
+    def _tables(self) -> tuple[Mapping, Metadata, Mapping, Mapping]:
+        """(checksums, metadata, chunk shapes, stored chunks) of a save's checkpoint, its base's
+        entries included when it references one (:mod:`mfsdp_ckpt.read.base`)."""
+        own = self.indexed
+        assert own is not None
+        md = own.metadata()
+        if self.base is None:
+            return own.checksums, md, own.chunk_shapes, own.stored
+        base = self.base.indexed
+        both = sorted(set(own.catalog.keys) & set(base.catalog.keys))
+        if both:
+            raise CorruptCheckpointError(
+                f"{self.dir}: key '{both[0]}' is stored both here and in its base {base.directory}"
+            )
+        base_md = base.metadata()
+        metadata = Metadata(
+            state_dict_metadata=Either(md.state_dict_metadata, base_md.state_dict_metadata),
+            storage_data=Either(md.storage_data, base_md.storage_data),
+            storage_meta=md.storage_meta,
+        )
+        return (
+            Either(own.checksums, base.checksums),
+            metadata,
+            Either(own.chunk_shapes, base.chunk_shapes),
+            Either(own.stored, base.stored),
+        )
 
     def _canonical(self, metadata: Metadata) -> Metadata:
         """``metadata`` with its entries renamed to canonical keys (the same object when nothing

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -59,8 +59,10 @@ class IndexedCheckpoint:
     """The chunks of a checkpoint with an index (see the module docstring). Thread-safe: a load's
     reader threads look chunks up concurrently."""
 
-    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+    def __init__(self, directory: str, manifest: dict[str, Any], file_name: Callable[[str], str] | None = None) -> None:
         self.directory = directory
+        # how readers name a data file (a referencing checkpoint names its base's files its own way)
+        self.file_name = file_name or (lambda name: name)
         where = f"{fs.join(directory, MANIFEST_NAME)}: field 'index'"
         try:
             plan = ModelPlan.from_dict(manifest["writer"]["plan"])
@@ -354,7 +356,7 @@ class _Storage(Mapping):
         if at is None:
             raise KeyError(index)
         name, rec = at
-        return _StorageInfo(name, rec.offset, rec.length)
+        return _StorageInfo(self.ck.file_name(name), rec.offset, rec.length)
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return self.ck.all_indices()
@@ -387,7 +389,7 @@ class _Checksums(Mapping):
         if at is None:
             raise KeyError(cid)
         name, rec = at
-        return {"file": name, "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
+        return {"file": self.ck.file_name(name), "offset": rec.offset, "length": rec.length, "crc32c": rec.crc32c}
 
     def __iter__(self) -> Iterator[str]:
         return (chunk_id(i) for i in self.ck.all_indices())

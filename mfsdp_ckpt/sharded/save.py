@@ -25,7 +25,9 @@ from mfsdp_ckpt.format.keys import (
 )
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.model_source import gpt_source, transformers_source
+from mfsdp_ckpt.sharded.base_save import base_reference, has_frozen
 from mfsdp_ckpt.sharded.in_flight import wait_for_async_save
+from mfsdp_ckpt.sharded.own_chunks import write_own_chunks
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save_layout import agree_on_layout, writes_of
 from mfsdp_ckpt.sharded.state import save_entries
@@ -35,7 +37,7 @@ from mfsdp_ckpt.write.dcp_writer import CommittingWriter
 from mfsdp_ckpt.write.destination import Destination, destination_for
 from mfsdp_ckpt.write.job import write_and_commit
 from mfsdp_ckpt.write.run_dir import after_commit
-from mfsdp_ckpt.write.save_index import RankWrites, build_index, declared_keys
+from mfsdp_ckpt.write.save_index import RankWrites, build_index
 from mfsdp_core import describe_shards
 from mfsdp_core.collectives import rank0_decides, rank_and_world
 
@@ -46,7 +48,6 @@ __all__ = [
     "check_save_arguments",
     "prepare_save",
     "save_contents",
-    "write_own_chunks",
     "write_save",
 ]
 
@@ -68,6 +69,7 @@ def save(
     thread_count: int = 1,
     run_config: dict[str, Any] | None = None,
     model_source: dict[str, Any] | None = None,
+    frozen_once: bool = True,
 ) -> str:
     """Save ``model`` (and ``optimizer``) to the directory ``path``, atomically. Collective: every
     rank of the model's mesh calls it. An asynchronous save of this process still in flight
@@ -99,6 +101,10 @@ def save(
             the manifest.
         model_source: what the weights belong to and what rebuilds the model
             (:mod:`mfsdp_ckpt.format.model_source`), recorded in the manifest.
+        frozen_once: a model with frozen parameters (``requires_grad=False``: LoRA, frozen
+            embeddings) writes their weights once, into a base checkpoint beside ``path``
+            (``base_step_<N>``), and this checkpoint references it (docs/lora.md); False writes
+            them into every checkpoint. A model without frozen parameters is not affected.
 
     Returns:
         The checkpoint directory.
@@ -120,6 +126,7 @@ def save(
             lock=lock,
             run_config=run_config,
             model_source=model_source,
+            frozen_once=frozen_once,
         )
         write_save(job, job.entries, MfsdpSavePlanner())
     return job.final
@@ -164,6 +171,7 @@ def prepare_save(
     lock: contextlib.ExitStack,
     run_config: dict[str, Any] | None = None,
     model_source: dict[str, Any] | None = None,
+    frozen_once: bool = True,
 ) -> PreparedSave:
     """Everything ``save`` does before writing: every refusal (on every rank alike), the
     destination's checks, the run directory's lock (entered into ``lock`` on rank 0; the caller
@@ -180,13 +188,16 @@ def prepare_save(
         run_config=run_config,
         model_source=model_source,
     )
+    entries, manifest = contents.entries, contents.manifest
+    if frozen_once and has_frozen(contents.catalog):  # frozen weights: in a base, written once
+        reference = base_reference(final, entries, manifest, contents.catalog, step=step, thread_count=thread_count)
+        manifest = {**manifest, "base": reference}
     # rank 0 checks the destination for all (and holds the run directory's lock until the save
     # is done): a failure on rank 0 alone would leave the others waiting in the first
     # collective of the write
     destination = destination_for(final)
     lock.callback(destination.close)  # rank 0 holds the parent's lock until the save is done
     tmp = rank0_decides(lambda: destination.open(overwrite=overwrite, clean_parent=True))
-    entries, manifest = contents.entries, contents.manifest
     writer = CommittingWriter(destination, tmp, manifest, thread_count=thread_count)
     return PreparedSave(final, tmp, entries, writer, update_latest, keep, contents.catalog, destination)
 
@@ -277,15 +288,3 @@ def write_save(
     )
     # committed; every rank hears of a failure to move ``latest`` or to prune
     (decide or rank0_decides)(after_commit, job.final, job.update_latest, job.keep)
-
-
-def write_own_chunks(
-    writer: CommittingWriter, entries: dict[str, Any], planner: MfsdpSavePlanner, rank: int
-) -> RankWrites:
-    """This rank's part of a save: its plan and its data files, written by ``writer``."""
-    planner.set_up_planner(entries, storage_meta=None, is_coordinator=rank == 0)
-    plan = planner.create_local_plan()
-    writer.set_rank(rank)
-    plan = writer.prepare_local_plan(plan)
-    results = writer.write_data(plan, planner).wait()
-    return RankWrites(results, declared_keys(plan), list(writer.files))

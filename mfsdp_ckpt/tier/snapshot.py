@@ -34,8 +34,9 @@ from torch import nn
 from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.format.manifest import indexed
 from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_write
+from mfsdp_ckpt.sharded.own_chunks import write_own_chunks
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
-from mfsdp_ckpt.sharded.save import SaveContents, save_contents, write_own_chunks
+from mfsdp_ckpt.sharded.save import SaveContents, save_contents
 from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files
 from mfsdp_ckpt.tier.layout import SHARED_FILES, TIER_INDEX_NAME, MemoryTier, TierFile, tier_index, tier_steps
 from mfsdp_ckpt.tier.promote import promote

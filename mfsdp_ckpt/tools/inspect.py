@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.format.base_ref import shown_file
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
@@ -31,6 +32,7 @@ from mfsdp_ckpt.read.locate import open_checkpoint
 from mfsdp_ckpt.read.manifest import is_protected
 from mfsdp_ckpt.read.metadata_check import entry_faults, orphan_faults
 from mfsdp_ckpt.read.stock import uncommitted_reason
+from mfsdp_ckpt.storage import fs
 
 __all__ = [
     "TensorInfo",
@@ -152,6 +154,8 @@ class CheckpointInfo:
     unknown: list[str] = field(default_factory=list)  # what a stock checkpoint cannot tell
     experts: ExpertPlacement | None = None  # the writer's expert parallelism, if it had any
     mx: list[MXInfo] = field(default_factory=list)  # MXFP8 parameters (with their planes)
+    # the base it references (frozen weights, written once): its name and the entries it holds
+    base: dict[str, Any] | None = None
 
     def totals(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -178,6 +182,7 @@ class CheckpointInfo:
                 {"fqn": m.fqn, "shape": list(m.shape), "element": m.element, "rule": m.rule, "planes": list(m.planes)}
                 for m in self.mx
             ],
+            "base": self.base,
             "totals": self.totals(),
             "tensors": len(self.tensors),
             "tensor_list": [{k: v for k, v in t.__dict__.items() if v is not None} for t in self.tensors],
@@ -203,6 +208,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         info.unknown = ["writer layout", "model config", "step", "checksums (no mfsdp.json)"]
     elif not is_protected(manifest):
         info.unknown = [UNPROTECTED]
+    if reader.base is not None:
+        held = reader.base.indexed.catalog.keys
+        info.base = {"name": fs.basename(reader.base.directory), "entries": len(held)}
     if manifest is None or manifest.get("key_layout") == "mcore-torch_dist":  # a Megatron-Core checkpoint
         mcore = describe_mcore(directory)
         if mcore is not None:
@@ -282,6 +290,14 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
             faults += index_faults(reader.indexed, stock)
         else:
             faults += _save_id_faults(manifest, metadata)
+        if reader.base is not None:  # the base's own .metadata against its index, as above
+            base = reader.base
+            stock = read_stock_metadata(base.directory, base.manifest)
+            name = fs.basename(base.directory)
+            faults += [
+                Fault(f"{name}/{f.file}" if f.file else name, f.key, f.offset, f.message)
+                for f in _save_id_faults(base.manifest, stock) + index_faults(base.indexed, stock)
+            ]
     for key, md in metadata.state_dict_metadata.items():
         faults += entry_faults(key, md, reader.stored.get(key, []), METADATA_NAME)
     faults += orphan_faults(metadata, METADATA_NAME)
@@ -297,7 +313,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
             offset = tuple(index.offset) if index.offset is not None else None
             fault = files.fault(index, info)
             if fault:
-                faults.append(Fault(info.relative_path, index.fqn, offset, fault))
+                faults.append(Fault(shown_file(info.relative_path), index.fqn, offset, fault))
     return Faults(faults, notes)
 
 

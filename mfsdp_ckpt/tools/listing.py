@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from mfsdp_ckpt.errors import CheckpointError, NotACheckpointError
+from mfsdp_ckpt.format.base_ref import is_base
 from mfsdp_ckpt.format.names import METADATA_NAME
 from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.storage import fs
@@ -26,7 +27,9 @@ class CheckpointEntry:
     bytes: int
     committed: bool
     latest: bool
-    format: str = "mfsdp"  # "mfsdp", "stock DCP" (complete, no mfsdp.json) or "partial" (not committed)
+    # "mfsdp", "mfsdp base" (frozen weights that saves reference), "stock DCP" (complete, no
+    # mfsdp.json) or "partial" (not committed)
+    format: str = "mfsdp"
 
     def to_json(self) -> dict:
         """docs/cli.md's JSON vocabulary: ``step`` absent (not null) where none is recorded."""
@@ -62,8 +65,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
         committed, step, kind = False, None, "partial"
         if is_committed(d):
             try:  # the manifest reader checks every field: a damaged one marks only its own checkpoint
-                step = read_manifest(d).get("step")
-                committed, kind = True, "mfsdp"
+                manifest = read_manifest(d)
+                step = manifest.get("step")
+                committed, kind = True, "mfsdp base" if is_base(manifest) else "mfsdp"
             except CheckpointError:
                 pass
         elif not (is_partial_name(name) or fs.isfile(fs.join(d, METADATA_NAME))):

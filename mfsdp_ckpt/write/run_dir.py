@@ -5,6 +5,7 @@ checkpoints go, each un-committed first (its ``mfsdp.json`` before anything else
 from __future__ import annotations
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.format.base_ref import is_base
 from mfsdp_ckpt.format.names import LATEST_NAME, MANIFEST_NAME
 from mfsdp_ckpt.read.locate import resolve_checkpoint
 from mfsdp_ckpt.read.manifest import read_manifest
@@ -25,8 +26,9 @@ def after_commit(final: str, update_latest: bool, keep: int | None) -> None:
 
 def prune(parent: str, keep: int, protect: str) -> None:
     """Remove all but the newest ``keep`` committed mfsdp checkpoints in ``parent`` (never
-    ``protect`` nor the one ``latest`` names), each manifest first."""
-    found = []
+    ``protect`` nor the one ``latest`` names), each manifest first; then the bases (frozen
+    weights) that no remaining checkpoint references. A base does not count as one of ``keep``."""
+    found, bases, referenced = [], [], set()
     for name in fs.listdir(parent):
         d = fs.join(parent, name)
         if name.startswith(".") or fs.islink(d) or not fs.isfile(fs.join(d, MANIFEST_NAME)):
@@ -35,10 +37,19 @@ def prune(parent: str, keep: int, protect: str) -> None:
             manifest = read_manifest(d)
         except CheckpointError:
             continue
-        found.append((manifest.get("created_unix", 0.0), d))
+        if is_base(manifest):
+            bases.append((name, d))
+        else:
+            found.append((manifest.get("created_unix", 0.0), d, (manifest.get("base") or {}).get("name")))
     found.sort()
     pointer = fs.join(parent, LATEST_NAME)
     latest = resolve_checkpoint(pointer) if fs.exists(pointer) else None
-    for _, d in found[: max(len(found) - keep, 0)]:
-        if d not in (protect, latest):
+    oldest = max(len(found) - keep, 0)
+    for i, (_, d, base) in enumerate(found):
+        if i < oldest and d not in (protect, latest):
+            destination_for(d).uncommit()
+        elif base is not None:
+            referenced.add(base)
+    for name, d in bases:
+        if name not in referenced:
             destination_for(d).uncommit()

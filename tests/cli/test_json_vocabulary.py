@@ -95,7 +95,15 @@ def test_keys_are_the_documented_ones(documents, command):
         assert not undocumented, f"{command} emits keys docs/cli.md does not list for it: {sorted(undocumented)}"
         assert all(v is not None for v in obj.values()), f"{command}: null values in {obj}"
         emitted |= set(obj)
-    optional = {"ep_size", "experts", "model_source", "run", "step", "unknown"}  # absent where they do not apply
+    optional = {
+        "base",
+        "ep_size",
+        "experts",
+        "model_source",
+        "run",
+        "step",
+        "unknown",
+    }  # absent where they do not apply
     missing = want - emitted - optional
     assert not missing, f"docs/cli.md lists keys {command} does not emit: {sorted(missing)}"
 

@@ -5,7 +5,8 @@ For each family: a 2-rank run stopped at step 3 and resumed at 3 ranks from the 
 (no ``--hf-model``, no ``--lora``) equals an uninterrupted 2-rank run: steps 1-3 bitwise (same world
 size, same math), steps 4-6 within 1e-6 relative (3 ranks sum the gradients in another order, so
 the float sums differ in the last bits). The checkpoints hold the frozen weights bitwise as the
-model directory has them, under the names the model without adapters uses, the adapters as
+model directory has them (in the base the saves reference; read with stock DCP, the save holds
+none of them), under the names the model without adapters uses, the adapters as
 ``…q_proj.lora_A.weight``, optimizer state for the adapters alone, and the adapters in the model
 record. Exports: merged (transformers loads it; each weight bitwise PEFT's own merge, logits within
 1e-5) and the adapters alone (PEFT loads them on the base model; logits bitwise the trained
@@ -87,11 +88,11 @@ def test_the_checkpoint_holds_frozen_weights_as_given_and_state_for_the_adapters
     path = str(ckpt / "step_000006")
     manifest = read_manifest(path)
     assert manifest["model_source"]["lora"] == {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    flat = ckpt / "flat.pt"
-    dcp_to_torch_save(path, str(flat))  # stock PyTorch reads it
-    state = torch.load(flat, weights_only=True)
+    save, base = _stock_parts(ckpt / "step_000006", ckpt / "flat")
+    assert base and not set(save) & set(base)
+    assert all(".lora_" in k for k in save if k.startswith("model.")), "a frozen weight written again"
+    state = {**save, **base}
     model = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     loaded = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)  # experts fused
     given = {n: p.detach() for n, p in loaded.named_parameters()}
@@ -122,6 +123,28 @@ def test_other_adapters_on_resume_are_refused_in_one_line(trained, capsys):
     ), err
 
 
+def _stock_parts(ckpt, scratch) -> tuple[dict, dict]:
+    """What stock PyTorch reads of a checkpoint (``dcp_to_torch_save``): the save's own entries,
+    and the base's it references (the frozen weights; empty when it references none)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    parts = []
+    reference = read_manifest(str(ckpt)).get("base")
+    for i, part in enumerate((ckpt, ckpt.parent / reference["name"] if reference else None)):
+        if part is None:
+            parts.append({})
+            continue
+        dcp_to_torch_save(str(part), f"{scratch}-{i}.pt")
+        parts.append(torch.load(f"{scratch}-{i}.pt", weights_only=True))
+    return parts[0], parts[1]
+
+
+def _stock_state(ckpt, scratch) -> dict:
+    """Every entry of a checkpoint as stock PyTorch reads it: the save's and its base's."""
+    save, base = _stock_parts(ckpt, scratch)
+    return {**save, **base}
+
+
 def _trained_model(source: str, state: dict) -> torch.nn.Module:
     """The run's model as the checkpoint holds it: the base class with PEFT's adapters, every
     tensor taken from the checkpoint (as stock DCP reads it) under its canonical name."""
@@ -146,12 +169,9 @@ def test_exports_merged_for_transformers_and_adapters_for_peft(trained):
     weight bitwise as PEFT's own ``merge()`` makes it; the adapter export loads in PEFT on the base
     model with the trained model's logits bitwise."""
     import peft
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     family, tmp, source, ckpt, _, _ = trained
-    flat = tmp / "flat-export.pt"
-    dcp_to_torch_save(str(ckpt / "step_000006"), str(flat))
-    trained_model = _trained_model(source, torch.load(flat, weights_only=True))
+    trained_model = _trained_model(source, _stock_state(ckpt / "step_000006", tmp / "flat-export"))
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = trained_model(tokens).logits
@@ -197,7 +217,6 @@ def test_init_from_a_checkpoint_without_adapters_starts_them_fresh(tmp_path):
     """``--init-from`` a full fine-tuning run's checkpoint: every weight it holds is loaded (the
     frozen ones stay as it has them), the adapters it lacks start as PEFT initialises them; the
     same checkpoint is refused for ``--resume`` (its optimizer state would not match)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source = make_hf_dir(tmp_path / "src", "llama")
     full, tuned = tmp_path / "full", tmp_path / "tuned"
@@ -206,8 +225,7 @@ def test_init_from_a_checkpoint_without_adapters_starts_them_fresh(tmp_path):
     assert "8 adapter tensors it does not hold start fresh" in run.stdout, run.stdout
     states = {}
     for name, ckpt in (("full", full / "step_000002"), ("tuned", tuned / "step_000002")):
-        dcp_to_torch_save(str(ckpt), str(tmp_path / f"{name}.pt"))
-        states[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        states[name] = _stock_state(ckpt, tmp_path / name)
     base = {k: v for k, v in states["full"].items() if k.startswith("model.")}
     tuned_model = {k: v for k, v in states["tuned"].items() if k.startswith("model.")}
     assert sorted(set(tuned_model) - set(base)) == sorted(k for k in tuned_model if ".lora_" in k) and len(base) > 0
