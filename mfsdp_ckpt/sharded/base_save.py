@@ -40,11 +40,12 @@ def has_frozen(catalog: Catalog) -> bool:
 
 
 def frozen_keys(catalog: Catalog, keys: Any) -> set[str]:
-    """Those of ``keys`` that hold a frozen parameter's weights (``model.<p>``, ``mx.<p>.<plane>``):
-    what a base holds. A function of the names and the plan, so every rank agrees."""
+    """Those of ``keys`` that hold a frozen parameter's weights (``model.<p>``): what a base holds.
+    A function of the names and the plan, so every rank agrees. A frozen MXFP8 weight's planes
+    (``mx.<p>.<plane>``) stay in every save: the base holds weights only."""
     out = set()
     for key in keys:
-        if group_of(key) not in ("model", "mx"):
+        if group_of(key) != "model":
             continue
         fqn = param_of_key(key)
         where = catalog.param(fqn) if fqn is not None else None

@@ -16,6 +16,8 @@ a checkpoint without adapters."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +27,7 @@ import transformers
 
 from cli.lora_source import checkpoint_name
 from cli.train import main
+from mfsdp_ckpt.format.manifest import manifest_checksum
 from mfsdp_ckpt.read.manifest import read_manifest
 from tests.hf_models import make_hf_dir
 from tests.torchrun import ENV, ROOT, failure, read_metrics, run_train
@@ -198,6 +201,31 @@ def test_exports_merged_for_transformers_and_adapters_for_peft(trained):
     adapted = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     with torch.no_grad():
         assert torch.equal(adapted(tokens).logits, want)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "altered"])
+def test_a_save_whose_base_is_gone_or_changed_is_refused_by_every_export(trained, tmp_path, damage):
+    """The frozen weights live in the base the saves reference: without it (or with another manifest
+    under its name) ``verify``, ``export-hf`` and ``export-hf --adapter`` each refuse in one line
+    naming it, and write nothing."""
+    family, _, _, ckpt, _, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run, symlinks=True)
+    base = run / read_manifest(str(run / "step_000006"))["base"]["name"]
+    if damage == "deleted":
+        shutil.rmtree(base)
+    else:  # a field of its manifest changed, its checksum made anew: no longer the base referenced
+        manifest = json.loads((base / "mfsdp.json").read_text())
+        manifest["step"] = 7
+        manifest["manifest_crc32c"] = manifest_checksum(manifest)
+        (base / "mfsdp.json").write_text(json.dumps(manifest))
+    for args in (("verify",), ("export-hf",), ("export-hf", "--adapter")):
+        out = tmp_path / f"out-{len(args)}-{args[-1]}"
+        command = (args[0], str(run / "latest"), *([str(out)] if args[0] == "export-hf" else []), *args[1:])
+        refused = _cli(*command)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode != 0 and len(lines) == 1 and base.name in lines[0], (family, args, refused.stderr)
+        assert not out.exists()
 
 
 def test_adapter_export_of_a_checkpoint_without_adapters_is_refused(tmp_path):

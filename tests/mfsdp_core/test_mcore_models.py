@@ -19,6 +19,8 @@ from mfsdp_core.expert_parallel import EDP_GROUP, init_expert_mesh
 from mfsdp_core.models import mcore
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
+
 VOCAB, SEQ, BATCH, LR, SEED = 64, 16, 4, 1e-2, 5
 DENSE = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=64

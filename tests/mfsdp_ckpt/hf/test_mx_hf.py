@@ -178,6 +178,7 @@ def test_from_mx_export_is_the_dequantized_rowwise_planes(ckpt, tmp_path):
     assert n_mx == 2 * 4  # qkv, proj, fc1, fc2 in each of 2 layers
 
 
+@pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
 @pytest.mark.parametrize(
     "preset,fmt,header",
     [("tiny", MXFormat("e4m3", "floor"), "F8_E4M3"), ("mixtral-like-small", MXFormat("e5m2", "rceil"), "F8_E5M2")],

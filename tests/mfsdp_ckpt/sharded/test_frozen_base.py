@@ -239,3 +239,21 @@ def test_bases_on_an_object_store(s3_endpoint, s3_bucket, tmp_path):
 def _loaded_differ_s3(path: str, full: str, endpoint: str) -> list[str]:
     use_endpoint(endpoint)
     return _loaded_differ(path, full, "optim_grads")
+
+
+def _bases_after_three_saves(root: str, strategy: str) -> None:
+    model, optim = _build(strategy=strategy)
+    for s in range(3):
+        train_steps(model, optim, s, s + 1)
+        mfsdp_ckpt.save(f"{root}/step_{s + 1:06d}", model, optim, step=s + 1)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_every_strategy_writes_one_base_per_run(tmp_path, strategy):
+    """Training between saves leaves the frozen tensors as they were under every strategy (the
+    all-gathers and the optimizer step write elsewhere), so the base is written once."""
+    root = str(tmp_path / "run")
+    run_ranks(_bases_after_three_saves, 3, root, strategy)
+    assert sorted(n for n in os.listdir(root) if n.startswith("base_")) == ["base_step_000001"]
+    assert all(_manifest(f"{root}/step_{s:06d}")["base"]["name"] == "base_step_000001" for s in (1, 2, 3))
+    assert verify_checkpoint(f"{root}/step_000003") == []

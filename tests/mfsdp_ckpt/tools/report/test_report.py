@@ -20,6 +20,8 @@ from mfsdp_ckpt.tools.report.layout import checkpoint_layout
 from mfsdp_ckpt.tools.report.svg import rank_color, rank_strips
 from tests.torchrun import ENV, ROOT, failure, run_train
 
+pytestmark = pytest.mark.heavy  # slow (the inner loop's 8 minutes); CI runs it
+
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "snapshots", "strips_model.svg")
 EVIL = "<img src=x onerror=alert(1)>"
 MOE6 = {
