@@ -138,7 +138,12 @@ def _write_base(
         destination = destination_for(final)
         lock.callback(destination.close)
         tmp = rank0_decides(lambda: destination.open(clean_parent=True))
-        writer = CommittingWriter(destination, tmp, {**manifest, "role": BASE_ROLE}, thread_count=thread_count)
+        writer = CommittingWriter(
+            destination,
+            tmp,
+            {**manifest, "role": BASE_ROLE, "has_optimizer": False, "include_grads": False},
+            thread_count=thread_count,
+        )
 
         def conclude(parts: list[RankWrites]) -> None:
             writer.commit(*build_index(catalog, parts))

@@ -72,7 +72,7 @@ def test_keep_two_over_six_saves_leaves_the_base_and_two_saves_that_load_elsewhe
     names = sorted(n for n in os.listdir(root) if not n.startswith("."))
     assert names == ["base_step_000001", "latest", "latest-checkpoint", "step_000005", "step_000006"], names
     base = _manifest(f"{root}/base_step_000001")
-    assert base["role"] == "base"
+    assert base["role"] == "base" and base["has_optimizer"] is False and base["include_grads"] is False
     keys = set(base["index"]["keys"])
     assert keys and all(k.startswith("model.") and any(f in k for f in FROZEN) for k in keys), keys
     for step in ("step_000005", "step_000006"):
