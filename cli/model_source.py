@@ -25,6 +25,7 @@ from mfsdp_ckpt.format.model_source import (
 )
 from mfsdp_ckpt.mcore.config_check import check_fits_memory as fits_memory
 from mfsdp_ckpt.mcore.config_check import estimate_parameters
+from mfsdp_ckpt.read.base_manifest import stored_bytes
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_core.models.config import PRESETS, GPTConfig, get_preset
 
@@ -238,7 +239,7 @@ def _base_source_of_run(
     if family is None:
         raise ValueError(f"{flag}: {resolved}: model_source.kind {record.get('kind')!r} is not one this trainer builds")
     source = family.from_record(record, f"{flag}: {resolved}")
-    check_fits_checkpoint(source, manifest, f"{flag}: {resolved}")
+    check_fits_checkpoint(source, manifest, resolved, f"{flag}: {resolved}")
     if source.name == "custom":
         source.name = recorded_name(manifest, resolved)
     return source, (record, f"{flag}: {resolved}")
@@ -270,16 +271,25 @@ def check_fits_memory(config: GPTConfig, where: str) -> None:
         raise ValueError(str(e)) from None
 
 
-def check_fits_checkpoint(source: ModelSource, manifest: dict[str, Any], where: str) -> None:
-    """ValueError naming ``where`` when the model a checkpoint records has more parameters (a lower
-    bound, :meth:`ModelSource.min_params`) than the checkpoint holds bytes of tensors (its manifest's
-    ``total_bytes``; every parameter is stored in at least one byte): a recorded config changed
-    after the save would otherwise be built, at whatever size it asks, before the load refused it."""
-    stored, need = manifest.get("total_bytes"), source.min_params()
-    if type(stored) is int and need is not None and need > stored:
+def check_fits_checkpoint(source: ModelSource, manifest: dict[str, Any], directory: str, where: str) -> None:
+    """ValueError naming ``where`` when the model the checkpoint in ``directory`` records has more
+    parameters (a lower bound, :meth:`ModelSource.min_params`) than the checkpoint holds bytes of
+    tensors (its manifest's ``total_bytes``, plus its base's when it references one: a LoRA save
+    holds only the adapters, its frozen weights are in the base; every parameter is stored in at
+    least one byte): a recorded config changed after the save would otherwise be built, at
+    whatever size it asks, before the load refused it."""
+    need = source.min_params()
+    if need is None:
+        return
+    try:
+        stored = stored_bytes(directory, manifest)
+    except mfsdp_ckpt.CheckpointError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if stored is not None and need > stored:
+        held = "its base and it hold" if manifest.get("base") is not None else "the checkpoint holds"
         raise ValueError(
             f"{where}: model_source describes at least {need:,} parameters, more than the {stored:,} bytes "
-            "of tensors the checkpoint holds"
+            f"of tensors {held}"
         )
 
 

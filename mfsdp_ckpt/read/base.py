@@ -13,11 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from mfsdp_ckpt.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from mfsdp_ckpt.format.base_ref import base_file, name_problem, reference_problem
-from mfsdp_ckpt.format.names import MANIFEST_NAME
-from mfsdp_ckpt.read.indexed import IndexedCheckpoint, has_index
-from mfsdp_ckpt.read.manifest import read_manifest
+from mfsdp_ckpt.format.base_ref import base_file
+from mfsdp_ckpt.read.base_manifest import checked_base
+from mfsdp_ckpt.read.indexed import IndexedCheckpoint
 from mfsdp_ckpt.storage import fs
 
 __all__ = ["OpenBase", "open_base", "Either"]
@@ -38,32 +36,11 @@ def open_base(directory: str, manifest: dict[str, Any] | None) -> OpenBase | Non
     """The base that the checkpoint in ``directory`` (its ``manifest``) references, opened and
     checked; None when it references none. One-line errors name the base: missing, a link, not
     committed, or not the base the reference pins (replaced or changed)."""
-    reference = (manifest or {}).get("base")
-    if reference is None:
+    found = checked_base(directory, manifest)
+    if found is None:
         return None
-    name = reference["name"]
-    problem = name_problem(name)  # the schema checked it too: a reader never trusts one check
-    where = f"{fs.join(directory, MANIFEST_NAME)}: field 'base.name'"
-    if problem is not None:
-        raise UnsafeCheckpointError(f"{where}: {problem}")
-    base = fs.join(fs.dirname(directory), name)
-    if fs.islink(base):
-        raise UnsafeCheckpointError(f"{base}: the base of {directory} is a link; a base must be a directory of the run")
-    if not fs.isdir(base):
-        raise CorruptCheckpointError(
-            f"{base}: missing: the base checkpoint (frozen weights) that {directory} references"
-        )
-    try:
-        base_manifest = read_manifest(base)
-    except CheckpointError as e:
-        raise type(e)(f"{e} (the base that {directory} references)") from None
-    problem = reference_problem(reference, base_manifest)
-    if problem is None and not has_index(base_manifest):
-        problem = "it has no index"
-    if problem is not None:
-        raise CorruptCheckpointError(f"{base}: {problem} (the base that {directory} references)")
-    if base_manifest.get("base") is not None:
-        raise CorruptCheckpointError(f"{base}: references a base itself; a base holds its weights")
+    base, base_manifest = found
+    name = fs.basename(base)
     indexed = IndexedCheckpoint(base, base_manifest, file_name=lambda file: base_file(name, file))
     return OpenBase(base, base_manifest, indexed)
 
