@@ -24,6 +24,7 @@ __all__ = [
     "allowed_changes",
     "changed_settings",
     "start_checkpoint",
+    "newest_state",
     "recorded_settings",
     "local_missing",
     "is_local",
@@ -111,19 +112,45 @@ def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
-def start_checkpoint(resume: str | None, init_from: str | None, ckpt_dir: str | None) -> tuple[str, str] | None:
+def start_checkpoint(
+    resume: str | None, init_from: str | None, ckpt_dir: str | None, mem_tier: str | None = None
+) -> tuple[str, str] | None:
     """``(flag, checkpoint)`` the run starts from, as far as the flags tell before rank 0 picks it:
-    ``--init-from``'s, or ``resume``'s (a path, or :data:`LATEST` / :data:`AUTO`:
-    ``<ckpt_dir>/latest``, if it exists)."""
+    ``--init-from``'s, or ``resume``'s (a path, or :data:`LATEST` / :data:`AUTO`: the newest state
+    of the run, :func:`newest_state`)."""
     if init_from:
         return "--init-from", init_from
     if resume in (LATEST, AUTO):
-        import mfsdp_ckpt
-        from mfsdp_ckpt.storage import fs as mfsdp_fs
-
-        latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-        return ("--resume", latest) if mfsdp_fs.exists(latest) else None
+        newest = newest_state(ckpt_dir, mem_tier)
+        return ("--resume", newest[0]) if newest is not None else None
     return ("--resume", resume) if resume else None
+
+
+def newest_state(ckpt_dir: str | None, mem_tier: str | None) -> tuple[str, bool] | None:
+    """``(checkpoint, in memory)``: what ``--resume`` / ``--resume auto`` / a restart continues,
+    the newer of ``<ckpt_dir>/latest`` and (with a local ``--mem-tier``) the run's newest
+    snapshot this machine holds (:func:`mfsdp_ckpt.tier.newest_snapshot`; a snapshot at least as
+    new as ``latest`` wins, as the recovery decides); None: neither exists. A ``latest`` whose
+    manifest cannot be read counts as older than any snapshot (its own checks say why when it is
+    the one resumed)."""
+    import mfsdp_ckpt
+    from mfsdp_ckpt.read.manifest import read_manifest
+    from mfsdp_ckpt.storage import fs as mfsdp_fs
+    from mfsdp_ckpt.tier import newest_snapshot
+
+    latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME) if ckpt_dir else None
+    durable = latest if latest is not None and mfsdp_fs.exists(latest) else None
+    snapshot = newest_snapshot(mem_tier, ckpt_dir) if ckpt_dir and mem_tier and is_local(mem_tier) else None
+    if snapshot is not None and durable is not None:
+        try:
+            step = read_manifest(mfsdp_ckpt.resolve_checkpoint(durable)).get("step")
+        except mfsdp_ckpt.CheckpointError:
+            step = None
+        if isinstance(step, int) and step > snapshot[0]:
+            snapshot = None
+    if snapshot is not None:
+        return snapshot[1], True
+    return (durable, False) if durable is not None else None
 
 
 def is_local(path: str | None) -> bool:
@@ -143,14 +170,15 @@ def recorded_settings(args: argparse.Namespace) -> tuple[str | None, dict[str, A
     does not exist)."""
     if not args.resume or (args.resume in (LATEST, AUTO) and not args.ckpt_dir):
         return None, {}
-    if local_missing(args.ckpt_dir if args.resume in (LATEST, AUTO) else args.resume):
+    in_tier = args.resume in (LATEST, AUTO) and args.mem_tier  # a snapshot needs no --ckpt-dir on disk yet
+    if not in_tier and local_missing(args.ckpt_dir if args.resume in (LATEST, AUTO) else args.resume):
         return None, {}
     import mfsdp_ckpt
     from mfsdp_ckpt.read.manifest import MANIFEST_NAME, read_manifest
     from mfsdp_ckpt.storage import fs as mfsdp_fs
 
     try:
-        start = start_checkpoint(args.resume, args.init_from, args.ckpt_dir)
+        start = start_checkpoint(args.resume, args.init_from, args.ckpt_dir, args.mem_tier)
         if start is None:
             return None, {}
         path = mfsdp_ckpt.resolve_checkpoint(start[1])

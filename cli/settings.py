@@ -238,10 +238,13 @@ class StartPoint:
     move meanwhile) and checked (written for this model, and under ``--resume`` with this run's
     recorded settings): ``flag`` ``"--resume"`` (continue it: weights, optimizer, step, data
     position) or ``"--init-from"`` (its weights only), ``path`` the checkpoint directory; both None
-    for a fresh start."""
+    for a fresh start. ``snapshot``: under ``--mem-tier``, the run's newest snapshot in memory when
+    it is at least as new as ``path`` (then None when the run has no durable checkpoint yet): the
+    ranks recover the newest whole snapshot and fall back to ``path``."""
 
     flag: str | None = None
     path: str | None = None
+    snapshot: str | None = None
 
     @property
     def resumes(self) -> bool:

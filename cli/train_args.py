@@ -482,6 +482,7 @@ def check_flags(args: argparse.Namespace, world: int | None) -> Settings:
         raise UsageError(refused)
     if world is not None:
         _check_layout(settings, world)
+        _check_tier_layout(settings, world)
     _check_lora(settings)
     if settings.parallelism.hfsdp and settings.parallelism.dp_replicate == 1:
         raise UsageError("--hfsdp needs --dp-replicate R with R > 1 (it shards the optimizer across the replicas)")
@@ -529,9 +530,12 @@ def _check_destination(settings: Settings) -> None:
             if getattr(ckpt, dest):
                 named = flag if dest == "async_save" else settings.shown(dest, flag)
                 raise UsageError(f"{named} needs --ckpt-dir (without one the run saves nothing)")
+        _refuse_tier_flags_without_tier(settings)
         return
     if ckpt.mem_tier is not None:
         _check_mem_tier(settings)
+    else:
+        _refuse_tier_flags_without_tier(settings)
     if "://" not in ckpt.ckpt_dir or ckpt.ckpt_dir.startswith("file://"):
         check_local_writable(ckpt.ckpt_dir.removeprefix("file://"), "--ckpt-dir")
 
@@ -551,6 +555,56 @@ def _check_mem_tier(settings: Settings) -> None:
     if "://" in ckpt.mem_tier:
         raise UsageError(f"--mem-tier {ckpt.mem_tier}: must be a local directory (a tmpfs such as /dev/shm/...)")
     check_local_writable(ckpt.mem_tier, "--mem-tier")
+
+
+#: the memory tier's flags that mean nothing without ``--mem-tier``, and their defaults
+TIER_FLAGS = {
+    "mem_every": ("--mem-every", 1),
+    "mem_keep": ("--mem-keep", 2),
+    "mem_replicas": ("--mem-replicas", 1),
+    "node_size": ("--node-size", None),
+    "mem_keep_on_exit": ("--mem-keep-on-exit", False),
+}
+
+
+def _refuse_tier_flags_without_tier(settings: Settings) -> None:
+    """A memory tier's flag given without ``--mem-tier`` cannot take effect: refused, as
+    ``--save-every`` without ``--ckpt-dir`` is."""
+    for dest, (flag, default) in TIER_FLAGS.items():
+        if getattr(settings.checkpoint, dest) != default:
+            named = flag if dest == "mem_keep_on_exit" else settings.shown(dest, flag)
+            raise UsageError(f"{named} needs --mem-tier (without one the run keeps no snapshots in memory)")
+
+
+def _check_tier_layout(settings: Settings, world: int) -> None:
+    """The memory tier's nodes over a job of ``world`` ranks: ``--node-size`` must be at most the
+    ranks of a machine, and divide them when the job has several machines (a node's ranks share its
+    tier directory, so a node cannot span machines; on one machine the last node may be smaller), and
+    ``--mem-replicas`` must be a number of peer nodes the job has (R > 1 with fewer than R + 1
+    nodes would keep fewer copies than asked; the default 1 on one node keeps none, as the header
+    says)."""
+    ckpt = settings.checkpoint
+    if ckpt.mem_tier is None or not ckpt.ckpt_dir:
+        return
+    per_machine = settings.launch.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    node_size = ckpt.node_size or per_machine
+    if ckpt.node_size is not None and ckpt.node_size > per_machine:
+        raise UsageError(
+            f"{settings.shown('node_size', '--node-size')}: more than the {per_machine} ranks of a machine "
+            "(a node's ranks share its tier directory, so a node cannot span machines)"
+        )
+    if ckpt.node_size is not None and world > per_machine and per_machine % ckpt.node_size:
+        raise UsageError(
+            f"{settings.shown('node_size', '--node-size')}: must divide the {per_machine} ranks of each machine "
+            "(a node's ranks share its tier directory, so a node cannot span machines)"
+        )
+    nodes = -(-world // node_size)
+    if ckpt.mem_replicas > max(nodes - 1, 1):
+        peers = "no peer" if nodes == 1 else f"{nodes - 1} peer node{'s' if nodes > 2 else ''}"
+        raise UsageError(
+            f"{settings.shown('mem_replicas', '--mem-replicas')}: the job has {nodes} node(s) of {node_size} ranks, "
+            f"so {peers} can keep a copy of a node's files (--node-size makes one machine play several nodes)"
+        )
 
 
 def check_local_writable(path: str, flag: str) -> None:
@@ -586,7 +640,7 @@ def _check_start(settings: Settings) -> None:
                 f"{flag} {path}: a Hugging Face model directory (config.json, *.safetensors), not a checkpoint; "
                 f"train it with --hf-model {path}, or make a checkpoint of it with 'mfsdp-ckpt import-hf {path} OUT'"
             )
-    if ckpt.resume == _LATEST and ckpt.ckpt_dir and local_missing(ckpt.ckpt_dir):
+    if ckpt.resume == _LATEST and ckpt.ckpt_dir and not ckpt.mem_tier and local_missing(ckpt.ckpt_dir):
         raise UsageError(f"--resume: no checkpoint to resume from (--ckpt-dir {ckpt.ckpt_dir} does not exist)")
 
 

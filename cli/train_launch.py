@@ -18,9 +18,9 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from .train_restarts import RestartReport, failure_cause
 from .train_signals import (
     LAUNCHED_ENV,
-    PEER_LOST_EXIT,
     STOP_SAID_ENV,
     exit_interrupted,
     note_sigint,
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LAUNCH_DESTS", "add_launch_arguments", "launch", "unblock_sigint"]
 
-# the trainer's own exit codes, which rank 0 explains itself
-_EXPLAINED = {1, 2, 130, 143}
 _LAUNCH_FLAGS = {  # dest -> (torchrun's flag, help)
     "nnodes": ("--nnodes", "machines (or MIN:MAX), as torchrun's --nnodes"),
     "node_rank": ("--node-rank", "this machine's rank, as torchrun's --node-rank"),
@@ -107,10 +105,14 @@ def launch(settings: Settings, module: str, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its warning
     with tempfile.TemporaryDirectory(prefix="mfsdp-train-") as tmp:
         said = os.environ[STOP_SAID_ENV] = os.path.join(tmp, "stop-said")
+        restarts = RestartReport(tmp)
+        restarts.install()  # --max-restarts: one line per restart
         try:
             torchrun.run(torchrun.get_args_parser().parse_args(_torchrun_argv(settings.launch, module, argv)))
+            restarts.finish()
             return 0
         except ChildFailedError as e:
+            restarts.finish()
             return _report_failure(settings.checkpoint.ckpt_dir, e.failures)
         except SignalException as e:  # the ranks were sent the same signal
             if e.sigval != signal.SIGINT:
@@ -177,30 +179,16 @@ def unblock_sigint() -> None:
 
 
 def _report_failure(ckpt_dir: str | None, failures: dict[int, Any]) -> int:
-    """The job's exit code, with one line naming the rank that failed first unless rank 0 stopped
-    with a code of the trainer's own and nothing else went wrong (it has printed why, and the
-    other ranks stopped with it). A rank killed by a signal other than SIGTERM, or exiting with a
-    code of no meaning to the trainer, is a cause; one killed by SIGTERM is one the launcher
-    stopped once another had failed (so a dying rank 1 is not masked by the 143 of rank 0), and one
-    that exited with ``PEER_LOST_EXIT`` stopped because another rank died under a collective: a
-    cause only when no rank of this machine is one (the one that died was elsewhere)."""
+    """The job's exit code, with one line naming the rank that failed first
+    (:func:`cli.train_restarts.failure_cause`) unless rank 0 stopped with a code of the trainer's
+    own and nothing else went wrong (it has printed why, and the other ranks stopped with it)."""
     codes = {rank: f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for rank, f in failures.items()}
-    causes = [r for r, f in sorted(failures.items()) if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
-    causes += [
-        r for r, f in sorted(failures.items()) if f.exitcode > 0 and f.exitcode not in (*_EXPLAINED, PEER_LOST_EXIT)
-    ]
-    if not causes and codes.get(0) in _EXPLAINED:
+    cause = failure_cause(failures)
+    if cause is None:
         refused = sorted(c for c in codes.values() if c in (1, 2))  # ranks refusing alike; rank 0 said why
         return refused[0] if refused else codes[0]
-    rank = causes[0] if causes else min(failures)
-    first = failures[rank]
-    if first.exitcode < 0:
-        how = f"was killed by {first.signal_name()}"
-    elif first.exitcode == PEER_LOST_EXIT:  # its peer was on another machine: that launcher names it
-        how = "stopped: a rank on another machine failed under a collective"
-    else:
-        how = f"exited with code {codes[rank]}"
-    print(f"error: rank {rank} {how}; {resume_hint(ckpt_dir)}", file=sys.stderr, flush=True)
+    rank, how = cause
+    print(f"error: {how}; {resume_hint(ckpt_dir)}", file=sys.stderr, flush=True)
     return codes[rank]
 
 

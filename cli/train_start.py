@@ -31,8 +31,8 @@ from mfsdp_core.token_files import token_windows
 
 from .model_base import ModelSource
 from .model_source import source_of_run
-from .run_config import allowed_changes, changed_settings, is_local, run_config, start_checkpoint
-from .settings import FRESH, Settings, StartPoint
+from .run_config import allowed_changes, changed_settings, is_local, newest_state, run_config, start_checkpoint
+from .settings import FRESH, CheckpointSettings, Settings, StartPoint
 from .train_args import _AUTO, _LATEST, UsageError
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ __all__ = [
     "open_data",
     "refuse_locked",
     "resume_point",
+    "checked_resume",
     "resolve_auto_resume",
     "checked_checkpoint",
     "decide_start",
@@ -62,7 +63,7 @@ def check_model(settings: Settings, world: int | None, resume: str | None) -> Mo
     one the start checkpoint records)."""
     ckpt, parallel = settings.checkpoint, settings.parallelism
     try:
-        source = source_of_run(settings.model, start_checkpoint(resume, ckpt.init_from, ckpt.ckpt_dir))
+        source = source_of_run(settings.model, start_checkpoint(resume, ckpt.init_from, ckpt.ckpt_dir, ckpt.mem_tier))
         parse_strategy(parallel.strategy)
         parse_policy(parallel.policy)
     except ValueError as e:
@@ -136,44 +137,59 @@ def open_data(settings: Settings, source: ModelSource) -> SyntheticText | TokenF
         raise UsageError(str(e)) from None
 
 
-def resume_point(settings: Settings, resume: str, source: ModelSource) -> str:
-    """The checkpoint ``resume`` (a path, or ``LATEST``: ``<ckpt-dir>/latest``) names, after checking
-    it was written for this model and with the settings of this run (:mod:`cli.run_config`;
-    ``--allow-change`` lifts the check per flag)."""
+def resume_point(settings: Settings, resume: str, source: ModelSource) -> StartPoint:
+    """What ``resume`` (a path, or ``LATEST``: the run's newest state) continues, checked: written
+    for this model and with the settings of this run (:mod:`cli.run_config`; ``--allow-change``
+    lifts the check per flag). For ``LATEST``: ``<ckpt-dir>/latest`` and, with ``--mem-tier``,
+    the run's newest snapshot in memory when it is at least as new (both checked: the ranks
+    recover the snapshot when it is whole, else load ``latest``)."""
     ckpt = settings.checkpoint
     if resume != _LATEST:
-        path = checked_checkpoint(resume, source, "--resume")
-    else:
-        latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-        if not mfsdp_fs.exists(latest):
-            raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist)")
-        path = checked_checkpoint(latest, source, "--resume")
+        return StartPoint("--resume", checked_resume(settings, resume, source))
+    latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt.ckpt_dir), mfsdp_ckpt.LATEST_NAME)
+    newest = newest_state(ckpt.ckpt_dir, ckpt.mem_tier)
+    if newest is None:
+        tier = f", nor a snapshot of this run in the memory tier {ckpt.mem_tier}" if ckpt.mem_tier else ""
+        raise UsageError(f"--resume: no checkpoint to resume from ({latest} does not exist{tier})")
+    durable = latest if mfsdp_fs.exists(latest) else None
+    snapshot = newest[0] if newest[1] else None
+    return StartPoint(
+        "--resume",
+        None if durable is None else checked_resume(settings, durable, source),
+        None if snapshot is None else checked_resume(settings, snapshot, source, "--resume (memory tier)"),
+    )
+
+
+def checked_resume(settings: Settings, where: str, source: ModelSource, flag: str = "--resume") -> str:
+    """The checkpoint directory ``where`` names, after checking it was written for this model
+    (:func:`checked_checkpoint`) and with this run's recorded settings, unless ``--allow-change``
+    names the flag (``flag``: how the refusal names what was resumed)."""
+    path = checked_checkpoint(where, source, flag)
     saved = read_manifest(path).get("run_config")
     if saved is not None:  # a checkpoint from before settings were recorded has nothing to compare
         ours = run_config(settings, source.name)
-        changed = changed_settings(saved, ours, allowed_changes(list(ckpt.allow_change)))
+        changed = changed_settings(saved, ours, allowed_changes(list(settings.checkpoint.allow_change)))
         if changed:
             flags = " ".join(f"--allow-change {c.split()[0].lstrip('-')}" for c in changed)
             raise UsageError(
-                f"--resume: {path} was written with other settings: {', '.join(changed)}; "
+                f"{flag}: {path} was written with other settings: {', '.join(changed)}; "
                 f"pass {flags} to resume with this run's values"
             )
     return path
 
 
-def resolve_auto_resume(ckpt_dir: str) -> str | None:
-    """``--resume auto``: ``LATEST`` (resume from ``<ckpt-dir>/latest``) when it exists, else None
-    (start fresh)."""
-    latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME)
-    return _LATEST if mfsdp_fs.exists(latest) else None
+def resolve_auto_resume(ckpt: CheckpointSettings) -> str | None:
+    """``--resume auto``: ``LATEST`` (resume from the run's newest state: ``<ckpt-dir>/latest``,
+    or a snapshot in ``--mem-tier``) when there is one, else None (start fresh)."""
+    return _LATEST if newest_state(ckpt.ckpt_dir, ckpt.mem_tier) is not None else None
 
 
 def decide_start(settings: Settings, resume: str | None, source: ModelSource) -> StartPoint:
-    """What the run starts from, checked: the checkpoint ``resume`` names (``--resume`` with
-    ``AUTO`` already resolved: a path, ``LATEST`` or None), else ``--init-from``'s, else nothing.
-    Rank 0 decides it for every rank (``cli.trainer``)."""
+    """What the run starts from, checked: what ``resume`` names (``--resume`` with ``AUTO``
+    already resolved: a path, ``LATEST`` or None), else ``--init-from``'s checkpoint, else
+    nothing. Rank 0 decides it for every rank (``cli.trainer``)."""
     if resume:
-        return StartPoint("--resume", resume_point(settings, resume, source))
+        return resume_point(settings, resume, source)
     if settings.checkpoint.init_from:
         return StartPoint("--init-from", checked_checkpoint(settings.checkpoint.init_from, source, "--init-from"))
     return FRESH
@@ -217,7 +233,7 @@ def preflight(settings: Settings, world: int | None) -> None:
     if resume and not is_local(ckpt.ckpt_dir if resume in (_LATEST, _AUTO) else resume):
         resume = None  # an object store's: read by the ranks (only the --hf-model is checked here)
     if resume == _AUTO:
-        resume = resolve_auto_resume(ckpt.ckpt_dir)
+        resume = resolve_auto_resume(ckpt)
     if settings.model.hf_model is not None:
         check_hf_dir(settings)
     source = check_model(settings, world, resume)

@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 
-from mfsdp_ckpt import AsyncSaveHandle
+from mfsdp_ckpt import AsyncSaveHandle, CheckpointError
+from mfsdp_ckpt.errors import JobLostError
 from mfsdp_ckpt.tier import MemoryTier, async_snapshot, run_id_of
 from mfsdp_core.collectives import rank_and_world
 
 from .settings import CheckpointSettings
+from .train_args import UsageError
 
 __all__ = ["TierSnapshots", "memory_tier", "restarted"]
 
@@ -94,7 +96,12 @@ class TierSnapshots:
         if self.handle is None:
             return
         handle, self.handle = self.handle, None
-        self.last_bytes = _tree_bytes(handle.result())
+        try:
+            self.last_bytes = _tree_bytes(handle.result())
+        except JobLostError:
+            raise  # another rank died: not this rank's to report (the trainer ends it quietly)
+        except CheckpointError as e:
+            raise UsageError(f"memory tier: {e}") from None
         if self.promoting is not None and self.rank == 0:
             self.log(
                 f"saved {os.path.basename(self.promoting)} (promoted from the memory tier): total "

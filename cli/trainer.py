@@ -41,8 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mfsdp_ckpt
-from mfsdp_ckpt.errors import shown_list
+from mfsdp_ckpt.errors import JobLostError, shown_list
 from mfsdp_ckpt.read.manifest import read_manifest
+from mfsdp_ckpt.sharded.load import PARTLY_LOADED
 from mfsdp_ckpt.storage import fs as mfsdp_fs
 from mfsdp_ckpt.tier import MemoryTier, recover
 from mfsdp_ckpt.tools import list_checkpoints
@@ -67,6 +68,7 @@ from .model_base import ModelSource
 from .run_config import run_config
 from .settings import CheckpointSettings, Settings, StartPoint, TrainingSettings
 from .train_args import _AUTO, _LATEST, UsageError, check_flags
+from .train_restarts import note_first_step
 from .train_signals import (
     EXIT_CODES,
     PEER_LOST_EXIT,
@@ -78,6 +80,7 @@ from .train_signals import (
 )
 from .train_start import (
     check_model,
+    checked_resume,
     decide_start,
     open_data,
     refuse_locked,
@@ -256,8 +259,8 @@ def start_point(settings: Settings, source: ModelSource, rank: int) -> StartPoin
     if resume is None and ckpt.mem_tier and restarted():
         resume = _AUTO  # restarted after a failure: continue the run (from memory, or --ckpt-dir)
     if resume == _AUTO:
-        resume = rank0_decides(resolve_auto_resume, ckpt.ckpt_dir)
-        if rank == 0 and resume is None:
+        resume = rank0_decides(resolve_auto_resume, ckpt)
+        if rank == 0 and resume is None and not ckpt.mem_tier:  # (with a tier, said once the ranks looked in it)
             print(f"--resume auto: no checkpoint in {ckpt.ckpt_dir}, starting fresh", flush=True)
     rank0_decides(refuse_held_dir, ckpt.ckpt_dir, bool(resume))
     return rank0_decides(decide_start, settings, resume, source)
@@ -265,16 +268,18 @@ def start_point(settings: Settings, source: ModelSource, rank: int) -> StartPoin
 
 def _start(
     start: StartPoint,
+    settings: Settings,
     source: ModelSource,
     model: torch.nn.Module,
     optim: Any,
     rank: int,
     world: int,
     tier: MemoryTier | None = None,
-) -> tuple[int, int, bool]:
+) -> tuple[int, int, bool, str]:
     """Load what the run starts from into the fresh model: the memory tier's newest whole
-    snapshot when ``tier`` is given and it is at least as new as the durable checkpoint, else
-    ``--resume`` / ``--init-from``'s checked checkpoint; ``(step, data position, resumed)``.
+    snapshot when ``tier`` is given and it is at least as new as the durable checkpoint (checked
+    for this model and settings as a durable resume is), else ``--resume`` / ``--init-from``'s
+    checked checkpoint; ``(step, data position, resumed, where it started from in words)``.
 
     Every load is ``atomic=False`` (read straight into place, one pass over the bytes): the model
     is freshly initialised, so a failed load loses nothing, and the run stops with its error."""
@@ -283,8 +288,9 @@ def _start(
         try:
             recovery = recover(tier, model, optim, not_before=_durable_step(start))
         except mfsdp_ckpt.CheckpointError as e:
-            raise UsageError(f"--mem-tier: {e}") from None
+            raise _refusal("--mem-tier", e) from None
         if recovery.step is not None:
+            rank0_decides(checked_resume, settings, recovery.path, source, "--resume (memory tier)")
             source.resumed(recovery.extra)
             if rank == 0:
                 passed = f"; passed over {recovery.why}" if recovery.why else ""
@@ -293,15 +299,26 @@ def _start(
                     f"(world size {world}){passed}",
                     flush=True,
                 )
-            return recovery.extra["step"], recovery.extra["data_position"], True
-        if rank == 0:
-            then = f"resuming from {start.path}" if start.resumes else "starting fresh"
-            print(f"memory tier: nothing recovered ({recovery.why}); {then}", flush=True)
-    if start.resumes:
+            where = f"the memory tier at step {recovery.step}"
+            return recovery.extra["step"], recovery.extra["data_position"], True, where
+        if start.resumes and start.path is None and settings.checkpoint.resume == _LATEST:
+            raise UsageError(
+                f"--resume: no checkpoint to resume from: the memory tier holds no whole snapshot ({recovery.why}) "
+                f"and {settings.checkpoint.ckpt_dir} no committed checkpoint"
+            )
+        if rank == 0 and start.path:
+            print(f"memory tier: nothing recovered ({recovery.why}); resuming from {start.path}", flush=True)
+        elif rank == 0:
+            print(
+                f"no checkpoint in {settings.checkpoint.ckpt_dir} and nothing recovered from the memory tier "
+                f"({recovery.why}); starting fresh",
+                flush=True,
+            )
+    if start.resumes and start.path:
         try:
             extra = mfsdp_ckpt.load(start.path, model, optim, atomic=False)
         except mfsdp_ckpt.CheckpointError as e:
-            raise UsageError(f"--resume: {e}") from None
+            raise _refusal("--resume", e) from None
         if not isinstance(extra.get("step"), int) or not isinstance(extra.get("data_position"), int):
             raise UsageError(
                 f"--resume: {start.path} holds no trainer state (extra.step, extra.data_position); "
@@ -311,16 +328,30 @@ def _start(
         source.resumed(extra)
         if rank == 0:
             print(f"resumed from {start.path} at step {step} (world size {world})", flush=True)
-    elif start.flag == "--init-from":
+        return step, position, True, f"{start.path} at step {step}"
+    if start.flag == "--init-from":
         fresh = source.starts_fresh(read_manifest(start.path))
         try:  # model weights only; the optimizer, step and data position start fresh
             mfsdp_ckpt.load(start.path, model, None, restore_rng=False, atomic=False, fresh=fresh)
         except mfsdp_ckpt.CheckpointError as e:
-            raise UsageError(f"--init-from: {e}") from None
+            raise _refusal("--init-from", e) from None
         if rank == 0:
             also = f"; {len(fresh)} adapter tensors it does not hold start fresh" if fresh else ""
             print(f"initialised from the weights of {start.path} (world size {world}){also}", flush=True)
-    return step, position, start.resumes
+    return step, position, False, f"the weights of {start.path}" if start.flag == "--init-from" else "a fresh start"
+
+
+def _refusal(what: str, error: mfsdp_ckpt.CheckpointError) -> Exception:
+    """What a checkpoint error stops the run with: one line, ``what: error`` (a load's note that
+    the model is partly loaded left out: the run built that model and stops before training it);
+    a lost peer (:class:`~mfsdp_ckpt.errors.JobLostError`) stays what it is, since another rank's
+    failure is not this rank's to report (:func:`run` ends such a rank quietly)."""
+    if isinstance(error, JobLostError):
+        return error
+    message = str(error).removesuffix(f"; {PARTLY_LOADED}")
+    if message != str(error):
+        message += "; the run stopped before training (nothing was written)"
+    return UsageError(f"{what}: {message}")
 
 
 def _durable_step(start: StartPoint) -> int | None:
@@ -342,10 +373,12 @@ def _train(
     recovering = tier is not None and (settings.checkpoint.resume in (_AUTO, _LATEST) or restarted())
     if tier is not None and not recovering:
         TierSnapshots(tier, settings.checkpoint.mem_every, rank).remove()  # a fresh run: nothing of an earlier one
-    step, position, resumed = _start(start, source, model, optim, rank, world, tier if recovering else None)
+    step, position, resumed, where = _start(
+        start, settings, source, model, optim, rank, world, tier if recovering else None
+    )
     with contextlib.ExitStack() as run:
         rank0_decides(claim_run_dir, settings.checkpoint.ckpt_dir, resumed, run)
-        return _loop(settings, source, rank, world, stops, (model, optim, data, device), step, position)
+        return _loop(settings, source, rank, world, stops, (model, optim, data, device), step, position, where)
 
 
 def _loop(
@@ -357,8 +390,10 @@ def _loop(
     built: tuple[torch.nn.Module, Any, SyntheticText | TokenFile, torch.device],
     step: int,
     position: int,
+    started_from: str,
 ) -> int:
-    """The accepted run, from ``step``: its header, the steps, the saves, its last line."""
+    """The accepted run, from ``step`` (what ``started_from`` says): its header, the steps, the
+    saves, its last line."""
     model, optim, data, device = built
     if rank == 0:
         for line in run_header(settings, source, world):
@@ -368,6 +403,7 @@ def _loop(
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if settings.checkpoint.async_save else None
     loop = _Loop(settings, source, rank, world, model, optim, data, device, bar, saving, stops)
+    loop.started_from = started_from
     tier = memory_tier(settings.checkpoint, world)
     if tier is not None:
         loop.snapshots = TierSnapshots(tier, settings.checkpoint.mem_every, rank, log=lambda line: _log(bar, line))
@@ -417,7 +453,8 @@ def run_header(settings: Settings, source: ModelSource, world: int) -> list[str]
         f"data {settings.data.data or 'synthetic'}, batch {t.batch_size} x {t.seq_len} tokens"
         f"{f' in {t.micro_batches} micro-batches' if t.micro_batches > 1 else ''}, {t.steps} steps, "
         f"seed {t.seed}",
-        _checkpoint_line(settings.checkpoint),
+        _checkpoint_line(settings.checkpoint, world),
+        *([f"tensorboard: {settings.logging.tensorboard}"] if settings.logging.tensorboard else []),
     ]
 
 
@@ -429,19 +466,22 @@ def _optimizer_words(settings: Settings) -> str:
     return f"{opt.optimizer} (lr {lr:g})"
 
 
-def _checkpoint_line(ckpt: CheckpointSettings) -> str:
+def _checkpoint_line(ckpt: CheckpointSettings, world: int) -> str:
     """Where the run saves: said once, so that a run without ``--ckpt-dir`` (a resume from a path,
-    say) does not look as if it saved."""
+    say) does not look as if it saved; the memory tier with the copies it really keeps."""
     if not ckpt.ckpt_dir:
         return "checkpoints: none (no --ckpt-dir: this run saves nothing)"
     every = f"every {ckpt.save_every} steps and at the end" if ckpt.save_every else "at the end"
     keep = f", keeping the newest {ckpt.keep}" if ckpt.keep else ""
     line = f"checkpoints: {ckpt.ckpt_dir}, {every}{keep}{' (async)' if ckpt.async_save else ''}"
-    if ckpt.mem_tier:
-        nodes = f"nodes of {ckpt.node_size} ranks" if ckpt.node_size else "a node per machine"
+    tier = memory_tier(ckpt, world)
+    if tier is not None:
+        nodes = tier.nodes(world)
+        copies = len(tier.replica_holders(0, nodes))
+        replicas = f"{copies} replica(s) on peer nodes" if copies else "no replica (one node)"
         line += (
             f"; memory tier {ckpt.mem_tier}, every {ckpt.mem_every} steps, keeping {ckpt.mem_keep}, "
-            f"{ckpt.mem_replicas} replica(s), {nodes}"
+            f"{replicas}, {nodes} node(s) of {tier.node_size} ranks"
         )
     return line
 
@@ -493,6 +533,7 @@ class _Loop:
 
     tb: TensorBoard | None = None  # --tensorboard's writer (rank 0)
     snapshots: TierSnapshots | None = None  # --mem-tier's
+    started_from = "a fresh start"  # what the launcher is told after a restart's first step
 
     def __init__(
         self,
@@ -512,6 +553,7 @@ class _Loop:
         self.model, self.optim, self.data, self.device = model, optim, data, device
         self.bar, self.saving, self.stops = bar, saving, stops
         self.window = _StepTimes()
+        self.first_step = True
 
     def run(self, step: int, position: int, last: int) -> tuple[int, signal.Signals | None]:
         """Train to ``last``; the last step done, and the signal that stopped the run early if one did."""
@@ -528,6 +570,9 @@ class _Loop:
                 _report(settings, self.bar, step, last, mean_loss, lr, grad_norm, self.window)
             if self.tb is not None:
                 self.tb.step(step, mean_loss, lr, grad_norm, seconds)
+            if self.first_step and restarted():  # --max-restarts: the launcher's line on this restart
+                note_first_step(self.started_from)
+            self.first_step = False
             if self.saving is not None:
                 self.saving.poll()
             due = ckpt.ckpt_dir and ((ckpt.save_every and step % ckpt.save_every == 0) or step == last)
@@ -600,7 +645,7 @@ class _Loop:
                 overwrite=True,
             )
         except mfsdp_ckpt.CheckpointError as e:
-            raise UsageError(f"saving step {step}: {e}") from None
+            raise _refusal(f"saving step {step}", e) from None
         if line is not None and self.rank == 0:
             _log(self.bar, line)
         if line is not None and self.tb is not None:
@@ -676,7 +721,7 @@ class _AsyncSaves:
             self.handle.result()
         except mfsdp_ckpt.CheckpointError as e:
             name, self.handle = os.path.basename(self.handle.path), None
-            raise UsageError(f"saving {name}: {e}") from None
+            raise _refusal(f"saving {name}", e) from None
         self._log()
 
     def wait(self) -> None:
@@ -763,6 +808,10 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # a peer died under a collective: our launcher names it, in one line
         if not (launched_by_us() and peer_lost(e)):
             raise
+        return PEER_LOST_EXIT
+    except JobLostError as e:  # the same, met by the checkpoint layer (a snapshot or save in flight)
+        if not launched_by_us():  # a plain torchrun job: one line from each rank that met it
+            print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return PEER_LOST_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C: stopped where it was (our launcher says it for the job)
         if rank == 0 and not launched_by_us():

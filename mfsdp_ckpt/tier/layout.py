@@ -24,6 +24,7 @@ from typing import Any
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, is_dcp_data_file
+from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.storage import fs
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "MemoryTier",
     "TierSnapshot",
     "list_snapshots",
+    "newest_snapshot",
     "node_dirs",
     "read_tier_index",
     "run_id_of",
@@ -222,3 +224,29 @@ def list_snapshots(tier_root: str, ckpt_dir: str) -> list[TierSnapshot]:
             held = sum(1 for n, f in data.items() if n in names and os.path.getsize(os.path.join(path, n)) == f.size)
             out.append(TierSnapshot(node, step, path, size, held, len(data), None))
     return out
+
+
+def newest_snapshot(tier_root: str, ckpt_dir: str) -> tuple[int, str] | None:
+    """``(step, directory)`` of the newest snapshot of the run whose ``--ckpt-dir`` is
+    ``ckpt_dir`` that this machine holds committed (its ``tier.json`` names the step, its
+    manifest reads): what a restart here resumes at best, and so whose recorded model and settings
+    it takes. None: no such snapshot. Which step is recovered is the ranks' collective decision
+    (:func:`mfsdp_ckpt.tier.recover`: every file whole on some node, crc32c checked); every node's
+    copy of a step holds the same manifest, so any one of them speaks for it."""
+    found: dict[int, str] = {}
+    for _, directory in node_dirs(os.path.join(os.path.abspath(tier_root), run_id_of(ckpt_dir))):
+        for step in tier_steps(directory):
+            path = os.path.join(directory, f"step_{step:06d}")
+            if step in found:
+                continue
+            try:
+                if read_tier_index(path)[0] != step:
+                    continue
+                read_manifest(path)
+            except CheckpointError:
+                continue
+            found[step] = path
+    if not found:
+        return None
+    step = max(found)
+    return step, found[step]

@@ -139,6 +139,43 @@ def test_recovery_onto_three_ranks_equals_a_resume_from_the_offline_reshard(tmp_
             ["--ckpt-dir", "D", "--mem-tier", "s3://b/t"],
             "error: --mem-tier s3://b/t: must be a local directory (a tmpfs such as /dev/shm/...)",
         ),
+        # flags that could not take effect, which used to run silently
+        (
+            ["--ckpt-dir", "D", "--mem-tier", "T", "--node-size", "1", "--mem-replicas", "2"],
+            "error: --mem-replicas 2: the job has 2 node(s) of 1 ranks, so 1 peer node can keep a copy of a node's "
+            "files (--node-size makes one machine play several nodes)",
+        ),
+        (
+            ["--ckpt-dir", "D", "--mem-tier", "T", "--mem-replicas", "2"],
+            "error: --mem-replicas 2: the job has 1 node(s) of 2 ranks, so no peer can keep a copy of a node's "
+            "files (--node-size makes one machine play several nodes)",
+        ),
+        (
+            ["--ckpt-dir", "D", "--mem-tier", "T", "--node-size", "5"],
+            "error: --node-size 5: more than the 2 ranks of a machine (a node's ranks share its tier "
+            "directory, so a node cannot span machines)",
+        ),
+        (
+            ["--nnodes", "2", "--ckpt-dir", "D", "--mem-tier", "T", "--node-size", "2", "--nproc-per-node", "3"],
+            "error: --node-size 2: must divide the 3 ranks of each machine (a node's ranks share its tier "
+            "directory, so a node cannot span machines)",
+        ),
+        (
+            ["--ckpt-dir", "D", "--mem-every", "5"],
+            "error: --mem-every 5 needs --mem-tier (without one the run keeps no snapshots in memory)",
+        ),
+        (
+            ["--node-size", "1"],
+            "error: --node-size 1 needs --mem-tier (without one the run keeps no snapshots in memory)",
+        ),
+        (
+            ["--ckpt-dir", "D", "--mem-keep", "3"],
+            "error: --mem-keep 3 needs --mem-tier (without one the run keeps no snapshots in memory)",
+        ),
+        (
+            ["--ckpt-dir", "D", "--mem-keep-on-exit"],
+            "error: --mem-keep-on-exit needs --mem-tier (without one the run keeps no snapshots in memory)",
+        ),
     ],
 )
 def test_memory_tier_flags_are_refused_in_one_line_before_any_rank_starts(tmp_path, flags, said):
