@@ -30,6 +30,17 @@ class TensorDiff:
     max_abs: float | None = None
     rel: float | None = None  # ||a - b||_2 / ||b||_2 over the finite differences (inf when b is all zero)
     histogram: list[int] | None = None  # elements per bin of |a - b| (HISTOGRAM_BINS)
+    # (a, b) where each side is one number (a one-element tensor, an int or float object): how a
+    # counter such as Adam's ``step`` moved. For the pages (``diff --html``); not in ``--json``
+    numbers: tuple[float, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as ``diff --json`` gives it: what does not apply is absent, not null."""
+        return {k: v for k, v in self.__dict__.items() if v is not None and k not in _PAGE_ONLY}
+
+
+#: fields of :class:`TensorDiff` that only the pages show
+_PAGE_ONLY = ("numbers",)
 
 
 @dataclass
@@ -38,6 +49,9 @@ class CheckpointDiff:
     only_in_b: list[str] = field(default_factory=list)
     different: list[TensorDiff] = field(default_factory=list)
     compared: int = 0
+    #: every common entry compared, in order, with A's shape (None: an object): for the pages,
+    #: which tell what was found equal and which entries are one number (a counter)
+    shapes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
@@ -51,7 +65,7 @@ class CheckpointDiff:
             "compared": self.compared,
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
-            "different": [{k: v for k, v in d.__dict__.items() if v is not None} for d in self.different],
+            "different": [d.to_json() for d in self.different],
             "counts": self.counts,
         }
 
@@ -98,6 +112,7 @@ def diff_checkpoints(
         common = sorted(keys_a & keys_b)
         for done, key in enumerate(common, 1):
             out.compared += 1
+            out.shapes[key] = tuple(ra.shape(key)) if ra.is_tensor(key) else None
             problem = _compare(ra, rb, key, atol, rtol)
             if problem is not None:
                 out.different.append(problem)
@@ -117,7 +132,8 @@ def _compare(ra: Any, rb: Any, key: str, atol: float, rtol: float) -> TensorDiff
         if _same_object(va, vb):
             return None
         where, da, db = _first_difference(va, vb)
-        return TensorDiff(key, "object", f"{where + ': ' if where else ''}{_repr(da)} vs {_repr(db)}")
+        detail = f"{where + ': ' if where else ''}{_repr(da)} vs {_repr(db)}"
+        return TensorDiff(key, "object", detail, numbers=_numbers(va, vb))
     if va.dtype != vb.dtype:
         return _compare_cast(key, va, vb, atol, rtol)
     return _compare_values(key, va, vb, atol, rtol)
@@ -134,10 +150,14 @@ def _compare_cast(key: str, va: torch.Tensor, vb: torch.Tensor, atol: float, rto
     values = _compare_values(key, wide, other, atol, rtol)
     if atol == 0 and rtol == 0:
         said = f"; {values.detail}" if values is not None else "; values equal after casting"
-        return TensorDiff(key, "dtype", dtypes + said, *(() if values is None else (values.max_abs, values.rel)))
+        if values is None:
+            return TensorDiff(key, "dtype", dtypes + said)
+        return TensorDiff(key, "dtype", dtypes + said, values.max_abs, values.rel, numbers=values.numbers)
     if values is None:
         return None
-    return TensorDiff(key, "values", f"{dtypes}; {values.detail}", values.max_abs, values.rel, values.histogram)
+    return TensorDiff(
+        key, "values", f"{dtypes}; {values.detail}", values.max_abs, values.rel, values.histogram, values.numbers
+    )
 
 
 def _compare_values(key: str, va: torch.Tensor, vb: torch.Tensor, atol: float, rtol: float) -> TensorDiff | None:
@@ -166,7 +186,17 @@ def _compare_values(key: str, va: torch.Tensor, vb: torch.Tensor, atol: float, r
         max_abs,
         rel,
         _histogram(delta),
+        (float(va.reshape(-1)[0]), float(vb.reshape(-1)[0])) if va.numel() == 1 else None,
     )
+
+
+def _numbers(a: Any, b: Any) -> tuple[float, float] | None:
+    """``(a, b)`` as floats when both are plain numbers (an int or float, not a bool), else None:
+    an object entry that is a counter (``extra.step``)."""
+    plain = (int, float)
+    if isinstance(a, plain) and isinstance(b, plain) and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a), float(b)
+    return None
 
 
 def _histogram(delta: torch.Tensor) -> list[int]:

@@ -1,12 +1,16 @@
-"""``inspect --html``: one page showing where every chunk of a checkpoint lives."""
+"""``inspect --html``: one page showing where every chunk of a checkpoint lives, what model it
+holds and, for a LoRA fine-tune or any checkpoint that reads frozen weights from a base, what
+trains and what is frozen."""
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
 
+from mfsdp_ckpt.format.base_ref import shown_file, split_base_file
 from mfsdp_ckpt.format.keys import GROUPS
 from mfsdp_ckpt.tools.inspect import compact_ranges
+from mfsdp_ckpt.tools.report.frozen import Frozen, frozen_of, frozen_section, frozen_summary
 from mfsdp_ckpt.tools.report.layout import CheckpointLayout, checkpoint_layout
 from mfsdp_ckpt.tools.report.model_table import ModelSummary, model_section, model_summary
 from mfsdp_ckpt.tools.report.output import check_report_out
@@ -42,7 +46,13 @@ def rank_labels(layout: CheckpointLayout) -> dict[int, str]:
 def render_inspect(layout: CheckpointLayout) -> str:
     info = layout.info
     model = model_summary(info, layout.manifest)
-    body = [f"<h1>checkpoint <code>{esc(info.path)}</code></h1>", _summary(layout, model), model_section(model)]
+    frozen = frozen_of(layout)
+    body = [
+        f"<h1>checkpoint <code>{esc(info.path)}</code></h1>",
+        _summary(layout, model, frozen),
+        model_section(model),
+        frozen_section(frozen),
+    ]
     body += _files(layout) + _experts(layout) + _mx(layout) + _padding(layout)
     by_group: dict[str, list] = defaultdict(list)
     for c in layout.chunks:
@@ -68,25 +78,35 @@ def render_inspect(layout: CheckpointLayout) -> str:
                 f'<div class="tensor-card" data-key="{esc(key)}"><span class="key">{esc(key)}</span>'
                 f"{tensor_boxes(key, t.shape, per_key[key], is_mx)}"
                 f'<span class="note">{esc("x".join(map(str, t.shape)))} {esc(t.dtype)}, {len(per_key[key])} chunk(s)'
-                f"{', MXFP8: 32-row blocks' if is_mx else ''}</span></div>"
+                f"{', MXFP8: 32-row blocks' if is_mx else ''}{esc(_role(key, frozen))}</span></div>"
             )
         body.append(f'<div class="tensors">{"".join(cards)}</div>')
         rest = len([k for k in per_key if tensors.get(k) and tensors[k].shape]) - len(drawn)
         if rest > 0:
             body.append(f'<p class="note">{rest} more tensors of this group are listed in the table below.</p>')
-    body += _table(layout)
+    body += _table(layout, frozen)
     return page(f"checkpoint {info.path}", "".join(body))
 
 
-def _summary(layout: CheckpointLayout, model: ModelSummary) -> str:
+def _role(key: str, frozen: Frozen) -> str:
+    """``, frozen (in the base)`` / ``, LoRA adapter`` for a tensor's card; else nothing."""
+    if key in frozen.base_keys:
+        return ", frozen (in the base)"
+    if key in frozen.adapter_keys:
+        return ", LoRA adapter"
+    return ""
+
+
+def _summary(layout: CheckpointLayout, model: ModelSummary, frozen: Frozen) -> str:
     """Format, step, a one-line model (its table and raw config follow in the "model" section),
-    the writer's layout."""
+    its LoRA adapters and base (the "LoRA fine-tune" section has them in full), the writer's layout."""
     info = layout.info
     facts = dict(model.facts)
     rows = [
         ("format", info.format + ("" if info.committed else " (no mfsdp.json)")),
         ("step", info.step if info.step is not None else "unknown"),
         ("model", f"{facts['family']} · {facts['architecture']} · {model.params:,} parameters"),
+        *frozen_summary(frozen),
     ]
     if info.writer:
         layouts = "; ".join(
@@ -103,12 +123,15 @@ def _summary(layout: CheckpointLayout, model: ModelSummary) -> str:
 
 
 def _files(layout: CheckpointLayout) -> list[str]:
+    """Every data file, with the rank that wrote it; a base's files under its directory's name."""
     rows = []
     for name, f in layout.files().items():
         c = next(c for c in layout.chunks if c.file == name)
         replica = layout.replica_of(c.rank) if c.rank is not None else None
+        base = split_base_file(name)
+        held = ' <span class="note">(the base: frozen weights)</span>' if base else ""
         rows.append(
-            f"<tr><td><code>{esc(name)}</code></td><td class=num>{esc(c.rank)}</td>"
+            f"<tr><td><code>{esc(shown_file(name))}</code>{held}</td><td class=num>{esc(c.rank)}</td>"
             f"<td class=num>{esc('' if replica is None else replica)}</td><td class=num>{f['chunks']}</td>"
             f"<td class=num>{esc(human_bytes(f['bytes']))}</td></tr>"
         )
@@ -159,20 +182,36 @@ def _padding(layout: CheckpointLayout) -> list[str]:
     return ["<h2>flat buffers and their padding</h2>", f"<table>{head}{rows}</table>"]
 
 
-def _table(layout: CheckpointLayout) -> list[str]:
+def _table(layout: CheckpointLayout, frozen: Frozen) -> list[str]:
+    """Every entry; with a base, where each is stored (this checkpoint or the base) and, where
+    known, whether a weight trains."""
     writers: dict[str, set[int]] = defaultdict(set)
     for c in layout.chunks:
         if c.rank is not None:
             writers[c.key].add(c.rank)
+    base_name = (frozen.base or {}).get("name", "the base")
+    with_base = frozen.base is not None
+    weights = {t.key for t in frozen.weights}
+
+    def stored(key: str) -> str:
+        """The "stored in" cell (none without a base): here or in the base, trainable or frozen."""
+        if not with_base:
+            return ""
+        where = f"base {base_name}" if key in frozen.base_keys else "this checkpoint"
+        trains = ""
+        if frozen.trainable is not None and key in weights:
+            trains = " (trainable)" if key in frozen.trainable else " (frozen)"
+        return f"<td>{esc(where + trains)}</td>"
+
     rows = "".join(
         f'<tr data-key="{esc(t.key)}"><td class=key>{esc(t.key)}</td><td>{esc(t.group)}</td>'
         f"<td>{esc(t.dtype or 'object')}</td><td>{esc('x'.join(map(str, t.shape)) if t.shape else '-')}</td>"
         f"<td class=num>{esc(human_bytes(t.bytes))}</td><td class=num>{t.chunks}</td>"
-        f"<td>{esc(compact_ranges(sorted(writers[t.key])))}</td></tr>"
+        f"<td>{esc(compact_ranges(sorted(writers[t.key])))}</td>{stored(t.key)}</tr>"
         for t in layout.info.tensors
     )
     head = (
         "<tr><th>key</th><th>group</th><th>dtype</th><th>shape</th><th>size</th><th>chunks</th>"
-        "<th>written by ranks</th></tr>"
+        f"<th>written by ranks</th>{'<th>stored in</th>' if with_base else ''}</tr>"
     )
     return [f"<h2>every entry ({len(layout.info.tensors)})</h2>", f'<table id="entries">{head}{rows}</table>']

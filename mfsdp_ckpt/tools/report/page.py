@@ -40,6 +40,13 @@ table.matrix td, table.matrix th { padding: 2px 3px; min-width: 16px; } .scroll 
 .share { display: inline-block; height: 10px; background: #1f77b4; vertical-align: middle; }
 details.raw-config { margin: 4px 0 10px; } details.raw-config summary { cursor: pointer; color: #1f5fa8; }
 details.raw-config pre { max-height: 420px; overflow: auto; background: #f8f8f8; padding: 6px 8px; font-size: 12px; }
+#by-kind td.diff { color: #8b1a1a; } #by-kind td.eq { color: #2a7a2a; }
+#by-kind .sub { display: block; font-size: 11px; color: #777; white-space: nowrap; }
+#by-kind th.part-group { text-align: center; border-bottom: 1px solid #ccc; }
+#by-kind tr.all td { font-weight: 600; border-top: 2px solid #ccc; }
+#by-kind td.counters { font-family: ui-monospace, monospace; font-size: 12px; white-space: nowrap; }
+table.hists th { vertical-align: middle; min-width: 90px; } table.hists td { padding: 0 8px; } .block { display: block; }
+#entries td.key { min-width: 240px; } table.lora th, .nowrap { white-space: nowrap; }
 """
 
 _SCRIPT = """

@@ -13,6 +13,7 @@ import html
 import math
 from typing import Sequence
 
+from mfsdp_ckpt.format.base_ref import shown_file
 from mfsdp_ckpt.tools.report.layout import ChunkView
 
 __all__ = [
@@ -112,7 +113,8 @@ def _strip_cells(cs: list[ChunkView]) -> list[tuple[str, str, int]]:
     if len(cs) <= MAX_RECTS_PER_STRIP:
         return [
             (
-                f"{c.key} {_box(c)}: {c.file} bytes {c.file_offset}-{c.file_offset + c.length} ({human_bytes(c.length)})",
+                f"{c.key} {_box(c)}: {shown_file(c.file)} bytes {c.file_offset}-{c.file_offset + c.length} "
+                f"({human_bytes(c.length)})",
                 tensor_color(c.key),
                 c.length,
             )
@@ -123,7 +125,9 @@ def _strip_cells(cs: list[ChunkView]) -> list[tuple[str, str, int]]:
     for i in range(0, len(cs), per_bin):
         part = cs[i : i + per_bin]
         length = sum(c.length for c in part)
-        title = f"{len(part)} chunks, {human_bytes(length)}: {part[0].key} ... {part[-1].key} ({part[0].file})"
+        title = (
+            f"{len(part)} chunks, {human_bytes(length)}: {part[0].key} ... {part[-1].key} ({shown_file(part[0].file)})"
+        )
         cells.append((title, "#c8ccd2" if (i // per_bin) % 2 else "#b4b9c1", length))
     return cells
 
@@ -152,7 +156,7 @@ def tensor_boxes(key: str, shape: Sequence[int], chunks: Sequence[ChunkView], mx
         parts.append(
             f'<rect class="box" data-rank="{c.rank}" x="{1 + x:.2f}" y="{1 + y:.2f}" width="{max(w, 0.5):.2f}" '
             f'height="{max(h, 0.5):.2f}" fill="{rank_color(c.rank)}" fill-opacity="0.85" stroke="#ffffff" '
-            f'stroke-width="0.5"><title>{esc(f"rank {c.rank}: {_box(c)} in {c.file}")}</title></rect>'
+            f'stroke-width="0.5"><title>{esc(f"rank {c.rank}: {_box(c)} in {shown_file(c.file)}")}</title></rect>'
         )
     if mx and len(shape) >= 2 and rows > MX_BLOCK_ROWS and rows // MX_BLOCK_ROWS <= 64:
         for b in range(MX_BLOCK_ROWS, rows, MX_BLOCK_ROWS):
