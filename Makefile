@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test lint clean browser smoke-torch
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,5 +51,12 @@ browser:
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
+# the wheel as users install it, beside another torch than the suite's: built, installed into its own venv
+# after torch $(SMOKE_TORCH) (which pip keeps), and run from outside the checkout (tests/packaging/wheel_smoke.py;
+# torch 2.14.1 is a CUDA build of about 5.5 GB in the venv, taken from this machine's disk; it runs on the CPU)
+SMOKE_TORCH ?= 2.14.1
+smoke-torch: $(VENV)/.installed
+	$(PY) tests/packaging/wheel_smoke.py --torch $(SMOKE_TORCH) --venv $(VENV)-torch$(SMOKE_TORCH)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-torch* .pytest_cache .hypothesis

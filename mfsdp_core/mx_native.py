@@ -60,8 +60,11 @@ _tables: dict[str, torch.Tensor] = {}
 
 
 def source_dir() -> Path:
-    """``csrc/`` of this checkout (present in a source tree or an editable install)."""
-    return Path(__file__).resolve().parent.parent / "csrc"
+    """The kernels' sources: ``mfsdp_core/_csrc/`` of an installed wheel (``csrc/`` packaged as
+    data, setup.py), else ``csrc/`` of this checkout (a source tree or an editable install)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "_csrc"
+    return installed if installed.is_dir() else here.parent / "csrc"
 
 
 def build_dir(device: str = "cpu") -> Path:
