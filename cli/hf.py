@@ -4,12 +4,23 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING
 
 import click
 
-from .common import LazyChoice, _human, _run, cast_choices
-from .job import run_offline
+from .common import (
+    CAST_CHOICES,
+    _human,
+    _run,
+    check_arch,
+    check_size,
+    is_local,
+    refuse_existing_output,
+    refuse_missing_checkpoint,
+    refuse_missing_mcore_config,
+)
+from .job import begin, run_offline
 
 if TYPE_CHECKING:
     from mfsdp_ckpt.hf import ExportResult, ImportResult
@@ -43,7 +54,7 @@ MAX_FILE_SIZE = click.option(
 )
 @click.option(
     "--dtype",
-    type=LazyChoice(cast_choices),
+    type=click.Choice(CAST_CHOICES),
     default=None,
     help="dtype of the exported tensors; default: the checkpoint's",
 )
@@ -107,10 +118,6 @@ def export_hf(
     (safetensors shards, index, config.json), loadable by transformers; a LoRA run's with its
     adapters merged, or (--adapter) the adapters alone for PEFT. CKPT may be a Megatron-Core
     torch_dist checkpoint (with --mcore-config)."""
-    from mfsdp_ckpt.hf import export, export_adapter
-    from mfsdp_ckpt.mcore import export_hf_from_mcore
-    from mfsdp_ckpt.tools import check_apart, is_mcore
-
     if adapter:
         given = {
             "--arch": arch is not None,
@@ -124,26 +131,68 @@ def export_hf(
         }
         if clash := [flag for flag, on in given.items() if on]:
             raise click.UsageError(f"--adapter writes the adapters alone; {', '.join(clash)} is for a model export")
+        begin(lambda: _check_adapter_export(ckpt, out, overwrite), output=out)
+        from mfsdp_ckpt.hf import export_adapter
+
         result = run_offline("export-hf", lambda bar: export_adapter(ckpt, out, dtype=dtype, overwrite=overwrite))
         return _report_export(result, as_json)
     if from_mx and mx:
         raise click.UsageError("--from-mx and --mx exclude each other")
+    from mfsdp_ckpt.tools import check_apart, is_mcore
+
+    # the config files are read: never written over (every process of a job checks, the library does not)
     _run(lambda: check_apart(out, {"the --model-config file": model_config, "the --mcore-config file": mcore_config}))
+    mcore = is_mcore(ckpt)
+    if model_config is not None and mcore:
+        raise click.UsageError("--model-config is for a canonical CKPT; a Megatron-Core one takes --mcore-config")
+    begin(lambda: _check_export(ckpt, out, mcore, arch, max_shard_size, model_config, mcore_config, overwrite), out)
+    from mfsdp_ckpt.hf import export
+    from mfsdp_ckpt.mcore import export_hf_from_mcore
+
     mode = "mx" if mx else "from-mx" if from_mx else "weights"
     options = dict(
         arch=arch, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, mode=mode, workers=workers
     )
     if model_config is not None:
-        if is_mcore(ckpt):
-            raise click.UsageError("--model-config is for a canonical CKPT; a Megatron-Core one takes --mcore-config")
         options["model_config"] = _run(lambda: _model_config_file(model_config))
-    if is_mcore(ckpt):  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
+    if mcore:  # a Megatron-Core checkpoint: --mcore-config holds MCore's arguments (docs/mcore.md)
         result = run_offline(
             "export-hf", lambda bar: export_hf_from_mcore(ckpt, out, mcore_config, progress=bar, **options)
         )
     else:
         result = run_offline("export-hf", lambda bar: export(ckpt, out, progress=bar, **options))
     _report_export(result, as_json)
+
+
+def _check_adapter_export(ckpt: str, out: str, overwrite: bool) -> None:
+    """``export-hf --adapter``'s refusals before torch, in :func:`mfsdp_ckpt.hf.export_adapter`'s
+    order: OUT, then CKPT."""
+    refuse_existing_output(out, overwrite=overwrite, kind="hf")
+    refuse_missing_checkpoint(ckpt)
+
+
+def _check_export(
+    ckpt: str,
+    out: str,
+    mcore: bool,
+    arch: str | None,
+    max_shard_size: str,
+    model_config: str | None,
+    mcore_config: str | None,
+    overwrite: bool,
+) -> None:
+    """``export-hf``'s refusals before torch, in the order the export makes them: a
+    ``--model-config`` file that cannot be read, then (:func:`mfsdp_ckpt.hf.export`) OUT,
+    ``--max-shard-size``, CKPT and ``--arch``. A Megatron-Core CKPT is imported first: a missing
+    ``--mcore-config`` file is refused before OUT is checked."""
+    if model_config is not None:
+        _check_model_config_file(model_config)
+    if mcore:
+        refuse_missing_mcore_config(mcore_config)
+    refuse_existing_output(out, overwrite=overwrite, kind="hf")
+    check_size(max_shard_size, "--max-shard-size")
+    refuse_missing_checkpoint(ckpt)
+    check_arch(arch)
 
 
 def _report_export(result: ExportResult, as_json: bool) -> None:
@@ -190,6 +239,7 @@ def import_hf(
     """Convert the Hugging Face model directory HF_DIR (config.json + safetensors) into a committed
     checkpoint CKPT with the model weights and config (train from it with --init-from). Block-scaled
     FP8 weights (DeepSeek-V3's format) and MXFP8 exports are dequantized on the way."""
+    begin(lambda: _check_import(hf_dir, ckpt, arch, max_file_size, overwrite), output=ckpt)
     from mfsdp_ckpt.hf import import_
 
     result = run_offline(
@@ -216,6 +266,20 @@ def import_hf(
         )
 
 
+def _check_import(hf_dir: str, ckpt: str, arch: str | None, max_file_size: str, overwrite: bool) -> None:
+    """``import-hf``'s refusals before torch, in :func:`mfsdp_ckpt.hf.import_`'s order:
+    ``--max-file-size``, HF_DIR (a directory, in :class:`~mfsdp_ckpt.hf.files.HFDirectory`'s
+    words), ``--arch``, CKPT."""
+    from mfsdp_ckpt.errors import ConversionError
+
+    check_size(max_file_size, "--max-file-size")
+    directory = os.path.abspath(hf_dir)
+    if is_local(hf_dir) and not os.path.isdir(directory):
+        raise ConversionError(f"{directory}: not a directory")
+    check_arch(arch)
+    refuse_existing_output(ckpt, overwrite=overwrite)
+
+
 def _import_dtypes(result: ImportResult) -> str:
     """What ``import-hf`` wrote, in words: the dtypes (``bfloat16``, or ``bfloat16 x20, float32 x3``)
     and, for a quantized source, that its weights were dequantized from it."""
@@ -226,10 +290,28 @@ def _import_dtypes(result: ImportResult) -> str:
     return text
 
 
+def _check_model_config_file(path: str) -> None:
+    """Refuse a ``--model-config`` file that cannot be opened, as :func:`_model_config_file` does
+    (its reader imports numpy and the model's modules)."""
+    from mfsdp_ckpt.errors import CheckpointError
+
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"--model-config {path}: {e.strerror or e}") from None
+
+
 def _model_config_file(path: str) -> dict:
-    """``--model-config``'s file as the ``model_config`` a manifest records (the trainer's reader)."""
+    """``--model-config``'s file as the ``model_config`` a manifest records (the trainer's reader;
+    its refusal, a ValueError naming the file, is one line, not an internal error)."""
     import dataclasses
+
+    from mfsdp_ckpt.errors import CheckpointError
 
     from .model_source import config_from_file
 
-    return dataclasses.asdict(config_from_file(path))
+    try:
+        return dataclasses.asdict(config_from_file(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None

@@ -26,9 +26,9 @@ import signal
 import sys
 from typing import Any, Callable, Iterator, TypeVar
 
-from .common import _Progress, _run, _run_with_progress
+from .common import _Progress, _run, _run_with_progress, guard_output, import_torch
 
-__all__ = ["job_world_size", "one_process", "run_offline"]
+__all__ = ["job_world_size", "one_process", "run_offline", "begin"]
 
 T = TypeVar("T")
 
@@ -41,6 +41,21 @@ def job_world_size() -> int:
         return 1
     needed = ("RANK", "MASTER_ADDR", "MASTER_PORT")
     return world if world > 1 and all(os.environ.get(k) for k in needed) else 1
+
+
+def begin(check: Callable[[], None] | None = None, output: str | None = None, torch: bool = True) -> None:
+    """A command's start: ``check()``, the refusals it makes from its arguments and local paths
+    alone (one line, exit 1, as the library would say them later), answered before torch is
+    imported; the destination ``output`` it writes noted (:func:`~cli.common.guard_output`: an
+    interrupt after its commit is no failure); then, with ``torch``, torch, with SIGINT held back
+    (:func:`~cli.common.import_torch`). In a torchrun job the library refuses instead: every
+    process would say a refusal here, process 0 alone says it there."""
+    if check is not None and job_world_size() == 1:
+        _run(check)
+    if output is not None:
+        guard_output(output)
+    if torch:
+        import_torch()
 
 
 class _Terminated(BaseException):

@@ -1,18 +1,68 @@
 """``mfsdp-ckpt``: the command line. It parses, calls the Python API, and prints; errors are one
-line on stderr with exit code 1 (usage errors: 2)."""
+line on stderr with exit code 1 (usage errors: 2). Each command first makes the refusals its
+arguments and local paths decide (a missing input, an existing destination, a bad flag value), in
+the library's words, and only then imports torch (about 2 s): ``--help`` and those refusals answer
+at once (``tests/cli/test_ckpt_cli_fast_refusals.py``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
-import click
 
-from .common import LazyChoice, _as_json, _human, _run, _run_with_progress, cast_choices
-from .interrupt import InterruptibleGroup
-from .job import one_process, run_offline
+def _exit_on_escaped_interrupt() -> None:
+    """From now on a ``KeyboardInterrupt`` that escapes every handler (one raised while this
+    module's imports below run, before the command line takes SIGINT) ends the process as the
+    command line does (``error: interrupted``, said by process 0 of a torchrun job only; 130),
+    not with a traceback of the import machinery. Installed first thing, before click's import:
+    what remains before it is the interpreter's own start-up."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, tb)
+            return
+        try:
+            if os.environ.get("RANK", "0") == "0":
+                print("error: interrupted", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+    sys.excepthook = excepthook
+
+
+_exit_on_escaped_interrupt()
+
+import click  # noqa: E402
+
+from .common import (  # noqa: E402
+    CAST_CHOICES,
+    _as_json,
+    _human,
+    _run,
+    _run_with_progress,
+    check_key_map,
+    check_size,
+    is_local,
+    refuse_any_output,
+    refuse_existing_output,
+    refuse_missing_checkpoint,
+    refuse_output_among_inputs,
+    refuse_unlistable,
+    settle,
+)
+from .interrupt import InterruptibleGroup  # noqa: E402
+from .job import begin, one_process, run_offline  # noqa: E402
+
+#: ``reshard --world-size``'s bound, :data:`mfsdp_ckpt.sharded.reshard.MAX_WORLD_SIZE` (which imports torch)
+MAX_WORLD_SIZE = 1 << 16
+#: ``upcycle --num-experts``'s bound, :data:`mfsdp_ckpt.tools.upcycle.MAX_EXPERTS` (which imports torch)
+MAX_EXPERTS = 1 << 16
 
 
 @click.group(cls=InterruptibleGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -31,14 +81,16 @@ def main(debug: bool) -> None:
 def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None) -> None:
     """Format, step, writer layout, model config and the tensors of the checkpoint at PATH.
     --html draws, per tensor group, a strip per rank of what it wrote and where in which file."""
-    if html_out or png_out:  # refused before torch is imported: at once
-        _check_report_outputs([path], html_out, png_out)
+    _check_report_outputs([path], html_out, png_out)
+    begin(lambda: refuse_missing_checkpoint(path))
+    if html_out or png_out:
         _write_report(lambda out: _inspect_html(path, out), html_out, png_out)
         return
     from mfsdp_ckpt.errors import shown_list
     from mfsdp_ckpt.tools import GROUPS, compact_ranges, describe_source, inspect_checkpoint
 
     info = _run(lambda: inspect_checkpoint(path))
+    settle()  # what follows reports it: a Ctrl-C no longer changes the outcome
     if as_json:
         click.echo(json.dumps(info.to_json(), indent=1))
         return
@@ -161,10 +213,12 @@ def _resolved(path: str) -> str:
 def verify(path: str, as_json: bool) -> None:
     """Check every tensor is covered exactly once and every chunk's bytes match their checksum.
     Exit 0 only if all holds; otherwise list each fault (file, key, offset)."""
+    begin(lambda: refuse_missing_checkpoint(path))
     from mfsdp_ckpt.tools import verify_checkpoint
 
     start = time.perf_counter()
     faults = _run_with_progress("verify", lambda bar: verify_checkpoint(path, progress=bar))
+    settle()
     if as_json:
         click.echo(
             json.dumps(
@@ -223,6 +277,7 @@ def diff(
     world size.)"""
     start = time.perf_counter()
     _check_report_outputs([a, b], html_out, png_out)  # before the comparison (and torch): at once
+    begin(lambda: _check_diff(a, b, key_map_a, key_map_b))
     from mfsdp_ckpt.tools import diff_checkpoints
 
     result = _run_with_progress(
@@ -234,6 +289,7 @@ def diff(
     )
     if html_out or png_out:
         _write_report(lambda out: _diff_html(a, b, result, out), html_out, png_out)
+    settle()
     if as_json:  # "ok" as verify has it; "equal" is the same flag under its earlier name (deprecated)
         seconds = time.perf_counter() - start
         doc = {"a": _resolved(a), "b": _resolved(b), "ok": result.equal, **result.to_json(), "seconds": seconds}
@@ -251,6 +307,15 @@ def diff(
             f"{n['only_in_a']} only in A, {n['only_in_b']} only in B; {result.compared} common entries compared"
         )
     sys.exit(0 if result.equal else 1)
+
+
+def _check_diff(a: str, b: str, key_map_a: tuple[str, ...], key_map_b: tuple[str, ...]) -> None:
+    """``diff``'s refusals before torch, in the order :func:`mfsdp_ckpt.tools.diff.diff_checkpoints`
+    makes them: the key maps, then A and B."""
+    check_key_map(key_map_a)
+    check_key_map(key_map_b)
+    refuse_missing_checkpoint(a)
+    refuse_missing_checkpoint(b)
 
 
 @main.command(short_help="Convert between a checkpoint and one .pt or .safetensors file, or FSDP2's key layout.")
@@ -282,6 +347,7 @@ def diff(
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size: str, as_json: bool) -> None:
     """Convert SRC to DST (which must not exist): full tensors, canonical keys (dcp-fsdp2: FSDP2's keys)."""
+    begin(lambda: _check_convert(src, dst, to, key_map, max_file_size), output=dst)
     from mfsdp_ckpt.tools import convert as run_convert
     from mfsdp_ckpt.tools import normalize
 
@@ -293,6 +359,26 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size
     )
     doc = {"path": normalize(out), "format": to, "seconds": time.perf_counter() - start}
     click.echo(json.dumps(doc, indent=1) if as_json else f"wrote {out}")
+
+
+def _check_convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size: str) -> None:
+    """``convert``'s refusals before torch, as :func:`mfsdp_ckpt.tools.convert.convert` makes them
+    (the same checks, in its order; with an object store on either side, the key map only)."""
+    from mfsdp_ckpt.errors import CheckpointError, NotACheckpointError
+    from mfsdp_ckpt.tools import normalize
+
+    src, dst = normalize(src), normalize(dst)
+    if check_key_map(key_map) and to != "dcp-fsdp2":
+        raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
+    if not (is_local(src) and is_local(dst)):
+        return
+    refuse_any_output(dst, src, kind="checkpoint" if to.startswith("dcp") else "file")
+    if to == "dcp" and not os.path.isfile(src):
+        raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
+    if to != "dcp":
+        refuse_missing_checkpoint(src)
+    if to == "dcp-fsdp2":
+        check_size(max_file_size, "--max-file-size")
 
 
 @main.command(short_help="Rewrite a checkpoint for another world size, strategy, policy or EP size.")
@@ -316,7 +402,7 @@ def convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_file_size
     help="take the placement plan from CKPT (a checkpoint of the same model), for a SRC that records none",
 )
 @click.option("--model-only", is_flag=True, help="drop optimizer and gradient state")
-@click.option("--dtype", type=LazyChoice(cast_choices), default=None, help="cast the model weights")
+@click.option("--dtype", type=click.Choice(CAST_CHOICES), default=None, help="cast the model weights")
 @click.option(
     "--workers",
     type=int,
@@ -353,6 +439,8 @@ def reshard(
     exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
     a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
     committed canonical checkpoint."""
+    flags = dict(world_size=world_size, ep=ep, strategy=strategy, policy=policy, workers=workers, key_map=key_map)
+    begin(lambda: _check_reshard(src, dst, plan_from, overwrite, **flags), output=dst)
     from mfsdp_ckpt.tools import reshard as run_reshard
 
     start = time.perf_counter()
@@ -390,6 +478,43 @@ def reshard(
         click.echo(f"dropped {len(result.dropped)} entries ({shown_list(result.dropped, 4)})")
 
 
+def _check_reshard(src: str, dst: str, plan_from: str | None, overwrite: bool, **flags: Any) -> None:
+    """``reshard``'s refusals before torch, as :func:`mfsdp_ckpt.sharded.reshard.reshard` makes
+    them, in its order: ``--plan-from`` apart from DST, the flags, the key map, SRC and the
+    ``--plan-from`` checkpoint, ``--ep``, DST."""
+    from mfsdp_ckpt.errors import CheckpointError
+
+    refuse_output_among_inputs(dst, "the --plan-from checkpoint", plan_from)
+    _check_reshard_flags(flags["world_size"], flags["workers"], flags["strategy"], flags["policy"])
+    check_key_map(flags["key_map"])
+    refuse_missing_checkpoint(src)
+    refuse_missing_checkpoint(plan_from)
+    if flags["ep"] is not None and flags["ep"] < 1:
+        raise CheckpointError(f"--ep must be >= 1, got {flags['ep']}")
+    refuse_existing_output(dst, overwrite=overwrite)
+
+
+def _check_reshard_flags(world_size: int, workers: int | None, strategy: str | None, policy: str | None) -> None:
+    """The refusals of ``reshard``'s flags, in its words (``_check_arguments`` of
+    :mod:`mfsdp_ckpt.sharded.reshard`; the strategy and policy parsers import no torch)."""
+    from mfsdp_ckpt.errors import CheckpointError
+    from mfsdp_core.policy import parse_policy
+    from mfsdp_core.strategy import parse_strategy
+
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise CheckpointError(f"--world-size must be <= {MAX_WORLD_SIZE}, got {world_size}")
+    if workers is not None and workers < 1:
+        raise CheckpointError(f"--workers must be >= 1, got {workers}")
+    for flag, value, parse in (("--strategy", strategy, parse_strategy), ("--policy", policy, parse_policy)):
+        try:
+            if value is not None:
+                parse(value)
+        except ValueError as e:
+            raise CheckpointError(f"{flag}: {e}") from None
+
+
 @main.command(short_help="Make an MoE checkpoint whose experts are copies of a dense checkpoint's MLP (upcycling).")
 @click.argument("src")
 @click.argument("dst")
@@ -419,6 +544,7 @@ def upcycle(
     every expert a copy of the dense MLP (or one of G slices of it), softmax top-K routing
     renormalised, routers drawn at random (seeded). Weights only: the optimizer state is
     dropped; train from DST with mfsdp-train --init-from DST."""
+    begin(lambda: _check_upcycle(src, dst, num_experts, topk, granularity, overwrite), output=dst)
     from mfsdp_ckpt.tools import upcycle as run_upcycle
 
     result = run_offline(
@@ -447,6 +573,30 @@ def upcycle(
     )
 
 
+def _check_upcycle(src: str, dst: str, num_experts: int, topk: int, granularity: int, overwrite: bool) -> None:
+    """``upcycle``'s refusals before torch, as :func:`mfsdp_ckpt.tools.upcycle.upcycle` makes them
+    (its ``_check_spec``, naming SRC), then SRC and DST."""
+    from mfsdp_ckpt.errors import ConversionError
+    from mfsdp_ckpt.tools import normalize
+
+    where, e, k, g = normalize(src), num_experts, topk, granularity
+    if e < 1:
+        raise ConversionError(f"{where}: --num-experts {e}: must be at least 1")
+    if e > MAX_EXPERTS:
+        raise ConversionError(f"{where}: --num-experts {e}: must be at most {MAX_EXPERTS} (a model config's limit)")
+    if not 1 <= k <= e:
+        raise ConversionError(f"{where}: --topk {k}: must be in [1, --num-experts {e}]")
+    if g < 1:
+        raise ConversionError(f"{where}: --granularity {g}: must be at least 1")
+    if e % g or k % g:
+        raise ConversionError(
+            f"{where}: --granularity {g} must divide --num-experts {e} and --topk {k} "
+            "(the router must pick whole groups of G experts for the MoE model to compute the dense one)"
+        )
+    refuse_missing_checkpoint(src)
+    refuse_existing_output(dst, overwrite=overwrite)
+
+
 @main.command(name="ls", short_help="List the checkpoints under a folder, by run, and which is latest.")
 @click.argument("root")
 @click.option("--clean", is_flag=True, help="first remove what killed writers left behind (.partial-*, .replaced-*)")
@@ -462,14 +612,16 @@ def ls(root: str, clean: bool, as_json: bool, mem_tier: str | None) -> None:
     directory or a folder of runs (up to 3 levels down, ROOT's own checkpoints included): each
     run's checkpoints are then grouped under it, the run written last first. With ``--mem-tier``,
     the run's snapshots in node memory follow, by node."""
-    from mfsdp_ckpt.tools import clean_run_dir, list_runs, list_snapshots
+    begin(lambda: refuse_unlistable(root, mem_tier), torch=mem_tier is not None)  # ls imports torch only for the tier
+    from mfsdp_ckpt.tools import clean_run_dir, list_runs
     from mfsdp_ckpt.tools import normalize as fs_normalize
 
     if clean:
         for path in _run(lambda: clean_run_dir(root)):
             click.echo(f"removed {path}", err=True)
     runs = _run(lambda: list_runs(root))
-    snapshots = _run(lambda: list_snapshots(mem_tier, root)) if mem_tier else []
+    snapshots = _run(lambda: _snapshots(mem_tier, root)) if mem_tier else []
+    settle()
     below = not (len(runs) == 1 and runs[0][0] == fs_normalize(root))  # run dirs found under ROOT
     if as_json:  # entries gain "run" (the run directory) only when ROOT holds runs, not checkpoints
         rows = [{**e.to_json(), **({"run": run} if below else {})} for run, entries in runs for e in entries]
@@ -500,6 +652,13 @@ def ls(root: str, clean: bool, as_json: bool, mem_tier: str | None) -> None:
     for s in snapshots:
         state = s.problem or f"{s.held} of {s.files} data files"
         click.echo(f"  node{s.node} {s.path.rsplit('/', 1)[-1]:<26} step {s.step:>8} {_human(s.bytes):>10}  {state}")
+
+
+def _snapshots(mem_tier: str, root: str) -> list:
+    """The memory-tier snapshots of the run ``root`` that ``mem_tier`` holds (the tier's module imports torch)."""
+    from mfsdp_ckpt.tools import list_snapshots
+
+    return list_snapshots(mem_tier, root)
 
 
 from .hf import export_hf, import_hf  # noqa: E402

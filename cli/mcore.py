@@ -7,9 +7,16 @@ import json
 
 import click
 
-from .common import _human, _run
+from .common import (
+    _human,
+    _run,
+    check_size,
+    refuse_existing_output,
+    refuse_missing_checkpoint,
+    refuse_missing_mcore_config,
+)
 from .hf import MAX_FILE_SIZE
-from .job import one_process, run_offline
+from .job import begin, one_process, run_offline
 
 
 @click.command(name="import-mcore", short_help="Make a checkpoint of a Megatron-Core torch_dist checkpoint.")
@@ -37,10 +44,12 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
     """Convert the Megatron-Core torch_dist checkpoint SRC into a committed canonical checkpoint
     DST (model weights, fully_reshardable optimizer state, common state as extra.*), streaming
     one layer slice at a time."""
-    from mfsdp_ckpt.mcore import import_mcore as run
     from mfsdp_ckpt.tools import check_apart
 
     _run(lambda: check_apart(dst, {"the --config file": config}))  # read first: never replaced with DST
+    begin(lambda: _check_import(src, dst, config, overwrite), output=dst)
+    from mfsdp_ckpt.mcore import import_mcore as run
+
     result = run_offline(
         "import-mcore",
         lambda bar: (
@@ -58,6 +67,15 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
         + (f", iteration {result.step}" if result.step is not None else "")
         + f", {result.seconds:.1f} s"
     )
+
+
+def _check_import(src: str, dst: str, config: str | None, overwrite: bool) -> None:
+    """``import-mcore``'s refusals before torch, in the order the import makes them: SRC, a
+    ``--config`` file that is not there (:func:`~mfsdp_ckpt.mcore.config_check.read_mcore_args`'
+    words), DST."""
+    refuse_missing_checkpoint(src)
+    refuse_missing_mcore_config(config)
+    refuse_existing_output(dst, overwrite=overwrite)
 
 
 @click.command(name="export-mcore", short_help="Write a checkpoint as a Megatron-Core torch_dist checkpoint.")
@@ -78,6 +96,7 @@ def import_mcore(src: str, dst: str, world_size: int, config: str | None, overwr
 def export_mcore(src: str, dst: str, moe_norm: str, max_file_size: str, overwrite: bool, as_json: bool) -> None:
     """Write the canonical checkpoint SRC as the Megatron-Core torch_dist checkpoint DST
     (layer-stacked keys, metadata.json, common.pt), which megatron.core.dist_checkpointing.load reads."""
+    begin(lambda: _check_export(src, dst, max_file_size, overwrite), output=dst)
     from mfsdp_ckpt.mcore import export_mcore as run
 
     result = run_offline(
@@ -90,3 +109,11 @@ def export_mcore(src: str, dst: str, moe_norm: str, max_file_size: str, overwrit
         click.echo(
             f"wrote {result.path}: {result.tensors} tensors, {_human(result.bytes)} of data files, {result.seconds:.1f} s"
         )
+
+
+def _check_export(src: str, dst: str, max_file_size: str, overwrite: bool) -> None:
+    """``export-mcore``'s refusals before torch, in :func:`mfsdp_ckpt.mcore.export_mcore`'s order:
+    SRC, ``--max-file-size``, DST."""
+    refuse_missing_checkpoint(src)
+    check_size(max_file_size, "--max-file-size")
+    refuse_existing_output(dst, overwrite=overwrite)

@@ -1,5 +1,7 @@
 """The checkpoints under a run directory: step, size, committed or not (or a stock DCP checkpoint,
-which has no commit marker), which one is ``latest``; and every run under a folder of runs."""
+which has no commit marker), which one is ``latest``; and every run under a folder of runs.
+Importing this module imports no torch or numpy: ``ls`` refuses a wrong path at once
+(:func:`check_root`, :func:`check_mem_tier`)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,11 @@ from dataclasses import asdict, dataclass
 from mfsdp_ckpt.errors import CheckpointError, NotACheckpointError
 from mfsdp_ckpt.format.base_ref import is_base
 from mfsdp_ckpt.format.names import METADATA_NAME
-from mfsdp_ckpt.read.manifest import is_committed, read_manifest
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.storage.staging import is_partial_name
 from mfsdp_ckpt.write.destination import destination_for
 
-__all__ = ["CheckpointEntry", "list_checkpoints", "list_runs", "RUN_SEARCH_DEPTH"]
+__all__ = ["CheckpointEntry", "list_checkpoints", "list_runs", "RUN_SEARCH_DEPTH", "check_root", "check_mem_tier"]
 
 #: how many directory levels below ``ls ROOT`` are searched for run directories
 RUN_SEARCH_DEPTH = 3
@@ -36,16 +37,35 @@ class CheckpointEntry:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+def check_root(root: str | os.PathLike) -> str:
+    """``root`` normalized, once it is known to be a directory (NotACheckpointError otherwise)."""
+    root = fs.normalize(root)
+    if not fs.isdir(root):
+        raise NotACheckpointError(f"{root}: no such directory")
+    return root
+
+
+def check_mem_tier(tier: str) -> None:
+    """Refuse a memory tier (``ls --mem-tier``) that is not a local directory: an object store
+    (refused as the trainer refuses it, before any of its libraries is imported) or a path where
+    no directory is."""
+    if not fs.is_local(tier):
+        raise CheckpointError(f"--mem-tier {tier}: must be a local directory (a tmpfs such as /dev/shm/...)")
+    path = fs.normalize(tier)
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.lexists(path) else "no such directory"
+        raise NotACheckpointError(f"--mem-tier {tier}: {what}")
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointEntry]:
     """Every checkpoint directory under ``root`` (committed, stock DCP ones without
     ``mfsdp.json``, and half-written ``.partial`` ones or ones whose manifest is refused), oldest
     step first."""
     from mfsdp_ckpt.format.names import LATEST_NAME
-    from mfsdp_ckpt.read.locate import read_pointer
+    from mfsdp_ckpt.read.manifest import is_committed, read_manifest  # numpy: not for a refusal
+    from mfsdp_ckpt.read.resolve import read_pointer
 
-    root = fs.normalize(root)
-    if not fs.isdir(root):
-        raise NotACheckpointError(f"{root}: no such directory")
+    root = check_root(root)
     latest = None
     pointer = fs.join(root, LATEST_NAME)
     if fs.isfile(pointer):

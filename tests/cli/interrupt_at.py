@@ -5,8 +5,15 @@ names, the process sends SIGINT to its own process group, as Ctrl-C in a termina
 * ``write:N`` -- inside the N-th write of output bytes: a call of the stream ``torch.save``
   writes a checkpoint's data file through (:class:`~mfsdp_ckpt.storage.write_errors.RecordingStream`,
   so the interrupt lands inside ``torch.save``), or a positional write of a safetensors file;
+* ``staged`` -- just after the staging directory (``.<name>.partial-<id>``) is made, before its
+  writer has taken charge of it;
 * ``commit`` -- just before the staged output (a ``.partial-`` directory or file) is renamed into
-  place.
+  place;
+* ``committed`` -- just after that rename (the output is committed: the command must say so and
+  exit 0);
+* ``timeline:FILE`` -- no interrupt: the moment (``time.monotonic()``, the same clock in every
+  process) at which the command renamed its staged output into place is appended to FILE, as a
+  line ``commit <seconds>``, so that a test can send a timed SIGINT from outside around it.
 
 Deterministic where a timed signal is not: the signal is sent from inside the moment, and the
 hook then waits for Python to run the handler there. Nothing in the package knows of it: the hook
@@ -25,13 +32,14 @@ from typing import Any, Callable
 INTERRUPT_ENV = "MFSDP_TEST_INTERRUPT"
 
 
-def _interrupt() -> None:
+def _interrupt(wait: float = 30.0) -> None:
     """SIGINT to the process group. On the main thread the handler raises ``KeyboardInterrupt``
-    here, at the latest when the sleep is cut short by the signal; a worker thread goes on (the
-    interrupt is raised in the main thread, wherever it is), as it would after a real Ctrl-C."""
+    here, at the latest when the sleep (``wait`` seconds) is cut short by the signal; a worker
+    thread goes on (the interrupt is raised in the main thread, wherever it is), as it would
+    after a real Ctrl-C. A handler that raises nothing lets the sleep run to its end."""
     os.killpg(os.getpgrp(), signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
-        time.sleep(30)
+        time.sleep(wait)
 
 
 def _on_call(fn: Callable[..., Any], at: int, when: Callable[..., bool] = lambda *a: True) -> Callable[..., Any]:
@@ -55,6 +63,27 @@ def _staged(src: Any, *rest: Any) -> bool:
     return is_partial_name(os.path.basename(os.fspath(src)))
 
 
+def _commits(src: Any, dst: Any, *rest: Any) -> bool:
+    """Whether renaming ``src`` to ``dst`` commits an output: a staged one renamed to a place in no
+    staging directory (not a file inside a staged output, such as its manifest)."""
+    from mfsdp_ckpt.storage.staging import is_partial_name
+
+    return _staged(src) and not any(is_partial_name(part) for part in os.path.abspath(os.fspath(dst)).split(os.sep))
+
+
+def _after_call(fn: Callable[..., Any], when: Callable[..., bool], then: Callable[[], None]) -> Callable[..., Any]:
+    """``fn``, with ``then()`` after each call that ``when`` accepts."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if when(*args):
+            then()
+        return out
+
+    return wrapper
+
+
 def arm(moment: str) -> None:
     """Wrap what ``moment`` names (see the module docstring)."""
     if moment.startswith("write:"):
@@ -66,11 +95,27 @@ def arm(moment: str) -> None:
         stream_write, pwrite = RecordingStream.write, hf_files.pwrite_tensor
         RecordingStream.write = lambda self, data: stream_write(self, counted(data))  # type: ignore[method-assign]
         hf_files.pwrite_tensor = lambda fd, tensor, offset: pwrite(fd, counted(tensor), offset)
+    elif moment == "staged":
+        import mfsdp_ckpt.write.destination as destination
+
+        destination.make_partial_dir = _after_call(destination.make_partial_dir, lambda *a: True, _interrupt)
     elif moment == "commit":
         os.rename = _on_call(os.rename, 1, _staged)
         os.replace = _on_call(os.replace, 1, _staged)
+    elif moment == "committed":
+        os.rename = _after_call(os.rename, _commits, lambda: _interrupt(wait=1.0))
+        os.replace = _after_call(os.replace, _commits, lambda: _interrupt(wait=1.0))
+    elif moment.startswith("timeline:"):
+        path = moment.split(":", 1)[1]
+
+        def note() -> None:
+            with open(path, "a") as f:
+                f.write(f"commit {time.monotonic()}\n")
+
+        os.rename = _after_call(os.rename, _commits, note)
+        os.replace = _after_call(os.replace, _commits, note)
     else:
-        raise ValueError(f"{INTERRUPT_ENV}={moment!r}: expected write:N or commit")
+        raise ValueError(f"{INTERRUPT_ENV}={moment!r}: expected write:N, staged, commit, committed or timeline:FILE")
 
 
 if __name__ == "__main__":

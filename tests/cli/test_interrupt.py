@@ -97,6 +97,7 @@ def test_ctrl_c_during_start_up(tmp_path: Path) -> None:
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(INTERRUPT_ON_TORCH)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(ROOT)]))
-    proc = _spawn("reshard", str(tmp_path / "none"), str(tmp_path / "dst"), "--world-size", "3", env=env)
+    # a source that is there: a missing one is refused before torch is imported (no interrupt then)
+    proc = _spawn("reshard", str(hook), str(tmp_path / "dst"), "--world-size", "3", env=env)
     _assert_interrupted(proc)
     assert not (tmp_path / "dst").exists()

@@ -1,10 +1,15 @@
 """Ctrl-C of every offline ``mfsdp-ckpt`` tool, at several moments of its work, is one line
 ``error: interrupted``, exit code 130, and nothing at the destination (no directory or file, no
-staging ``.partial-`` leftovers): inside ``torch.save``'s writes of a data file (or a safetensors
-file's positional writes), a few writes later, and just before the staged output is renamed into
-place. The moments are hit deterministically (``tests/cli/interrupt_at.py`` sends the SIGINT to
-the process group from inside them). Inside ``torch.save`` the interrupt used to surface as
-``RuntimeError: [enforce fail at inline_container.cc:672] ... unexpected pos``, exit 1."""
+staging ``.partial-`` leftovers): just after the staging directory is made (before its writer has
+taken charge of it: it used to stay behind), inside ``torch.save``'s writes of a data file (or a
+safetensors file's positional writes), a few writes later, and just before the staged output is
+renamed into place. The moments are hit deterministically (``tests/cli/interrupt_at.py`` sends
+the SIGINT to the process group from inside them). Inside ``torch.save`` the interrupt used to surface as
+``RuntimeError: [enforce fail at inline_container.cc:672] ... unexpected pos``, exit 1.
+
+Just after that rename the output is committed: a Ctrl-C then is no failure, the command says
+what it wrote and exits 0 (it used to say ``error: interrupted``, exit 130, and leave the
+complete output behind, which a rerun then refused as existing)."""
 
 from __future__ import annotations
 
@@ -27,17 +32,18 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 #: case -> (command, source in the ``sources`` fixture, destination name, extra arguments, moments that apply)
 WRITES, COMMIT = ("write:1", "write:3"), ("commit",)
+STAGED = ("staged",)  # the staging directory made, not yet in its writer's charge: it used to stay behind
 TOOLS = {
-    "reshard": ("reshard", "ckpt", "dst", ("--world-size", "1", "--workers", "1"), WRITES + COMMIT),
-    "export-hf": ("export-hf", "ckpt", "dst", (), WRITES + COMMIT),
-    "import-hf": ("import-hf", "hf", "dst", (), WRITES + COMMIT),
-    "export-mcore": ("export-mcore", "ckpt", "dst", (), WRITES + COMMIT),
-    "import-mcore": ("import-mcore", "mc", "dst", ("--world-size", "1"), WRITES + COMMIT),
-    "convert-dcp-fsdp2": ("convert", "ckpt", "dst", ("--to", "dcp-fsdp2"), WRITES + COMMIT),
-    "convert-dcp": ("convert", "safetensors", "dst", ("--to", "dcp"), WRITES + COMMIT),
+    "reshard": ("reshard", "ckpt", "dst", ("--world-size", "1", "--workers", "1"), STAGED + WRITES + COMMIT),
+    "export-hf": ("export-hf", "ckpt", "dst", (), STAGED + WRITES + COMMIT),
+    "import-hf": ("import-hf", "hf", "dst", (), STAGED + WRITES + COMMIT),
+    "export-mcore": ("export-mcore", "ckpt", "dst", (), STAGED + WRITES + COMMIT),
+    "import-mcore": ("import-mcore", "mc", "dst", ("--world-size", "1"), STAGED + WRITES + COMMIT),
+    "convert-dcp-fsdp2": ("convert", "ckpt", "dst", ("--to", "dcp-fsdp2"), STAGED + WRITES + COMMIT),
+    "convert-dcp": ("convert", "safetensors", "dst", ("--to", "dcp"), STAGED + WRITES + COMMIT),
     # the file is made in memory and written at once: only the commit is a moment of its own
     "convert-safetensors": ("convert", "ckpt", "dst.safetensors", ("--to", "safetensors"), COMMIT),
-    "upcycle": ("upcycle", "ckpt", "dst", ("--num-experts", "2", "--topk", "1"), WRITES + COMMIT),
+    "upcycle": ("upcycle", "ckpt", "dst", ("--num-experts", "2", "--topk", "1"), STAGED + WRITES + COMMIT),
 }
 CASES = [(tool, moment) for tool, (*_, moments) in TOOLS.items() for moment in moments]
 
@@ -79,6 +85,31 @@ def test_ctrl_c_leaves_nothing(sources: dict[str, str], tmp_path: Path, tool: st
     stdout, stderr = proc.communicate(timeout=300)
     assert (proc.returncode, stderr, stdout) == (130, "error: interrupted\n", ""), (args, moment, stderr[-3000:])
     assert sorted(os.listdir(out)) == [], [(r, d, f) for r, d, f in os.walk(out)]
+
+
+#: tools whose ``committed`` case runs always; the others' are heavy (about 3 s a case)
+COMMITTED_CORE = ("reshard", "export-hf", "convert-safetensors")
+
+
+@pytest.mark.parametrize(
+    "tool", [pytest.param(t, marks=() if t in COMMITTED_CORE else pytest.mark.heavy) for t in TOOLS]
+)
+def test_ctrl_c_after_the_commit_reports_the_output_written(sources: dict[str, str], tmp_path: Path, tool: str) -> None:
+    command, source, name, extra, _ = TOOLS[tool]
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{INTERRUPT_ENV: "committed"})
+    args = [command, sources[source], str(out / name), *extra]
+    proc = start_in_own_session([sys.executable, "-m", "tests.cli.interrupt_at", *args], ROOT, env)
+    stdout, stderr = proc.communicate(timeout=300)
+    notes = [line for line in stderr.splitlines() if not line.startswith("note: ")]  # import-mcore's
+    assert (proc.returncode, notes) == (0, []), (args, proc.returncode, stderr[-3000:])
+    assert stdout.startswith(f"wrote {out / name}"), stdout
+    assert sorted(os.listdir(out)) == [name]
+    if name == "dst" and command != "export-hf":
+        from mfsdp_ckpt.tools import verify_checkpoint
+
+        assert not verify_checkpoint(str(out / name))
 
 
 def test_an_interrupt_at_write_n_is_reached(sources: dict[str, str], tmp_path: Path) -> None:
