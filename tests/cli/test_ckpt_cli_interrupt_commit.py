@@ -9,8 +9,8 @@ SIGINT to the process group (as Ctrl-C does) at random moments over the whole ru
 them, within a moment of that commit. Before the fix, a SIGINT just after the rename was reported
 as ``error: interrupted`` (130) with a complete output left behind (users saw it in 3 of 8 tries
 of a 470 MiB reshard; ``test_interrupt_tools.py``'s ``committed`` moment hits it every time), and
-one after the command's last line killed the process by the signal (exit status -2: 5 of these
-24 tries). The moments start after the interpreter's own start-up (the first few hundredths of a
+one after the command's last line killed the process by the signal (exit status -2: 5 of 24
+such tries). Reshard gets 20 tries, the other seven commands 3 each. The moments start after the interpreter's own start-up (the first few hundredths of a
 second, before ``mfsdp-ckpt``'s code runs, are Python's)."""
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ CASES = {
     "import-mcore": ("import-mcore", "mc", "dst", ("--config", f"{DENSE}.config.json"), "checkpoint"),
     "upcycle": ("upcycle", "ckpt", "dst", ("--num-experts", "2", "--topk", "1"), "checkpoint"),
 }
-AROUND_COMMIT, OVER_THE_RUN = 2, 1  # interrupted tries per case: 8 cases, 24 tries
+AROUND_COMMIT, OVER_THE_RUN = 2, 1  # interrupted tries per case ...
+TRIES = {"reshard": (10, 10)}  # ... but reshard's: 20 of the 41 tries
 EARLIEST = 0.5  # seconds: well after the interpreter's own start-up (some 0.05 s; more on a busy machine)
 
 
@@ -131,6 +132,7 @@ def _problem(run: dict) -> str | None:
     return None
 
 
+@pytest.mark.heavy  # 49 runs of the commands, two at a time (about 70 s)
 def test_a_ctrl_c_at_any_moment_commits_all_or_nothing(sources: dict[str, str], tmp_path: Path) -> None:
     rng = random.Random(os.environ.get("MFSDP_TEST_SEED", "commit"))
     counter = iter(range(10**6))
@@ -144,13 +146,16 @@ def test_a_ctrl_c_at_any_moment_commits_all_or_nothing(sources: dict[str, str], 
             assert _problem(r) is None and r["code"] == 0 and r["commit"] is not None, r
         tries = []
         for r in plain:
-            tries += [(r["case"], r["commit"] + rng.uniform(-0.08, 0.08)) for _ in range(AROUND_COMMIT)]
-            tries += [(r["case"], rng.uniform(EARLIEST, r["end"] + 0.05)) for _ in range(OVER_THE_RUN)]
+            around, over = TRIES.get(r["case"], (AROUND_COMMIT, OVER_THE_RUN))
+            tries += [(r["case"], r["commit"] + rng.uniform(-0.08, 0.08)) for _ in range(around)]
+            tries += [(r["case"], rng.uniform(EARLIEST, r["end"] + 0.05)) for _ in range(over)]
         runs = list(pool.map(lambda t: run(*t), tries))
     bad = [(_problem(r), r) for r in runs if _problem(r) is not None]
     assert not bad, "\n".join(f"{p}: {r}" for p, r in bad)
     codes = sorted(r["code"] for r in runs)
     assert len(runs) >= 20 and 130 in codes, codes  # the interrupts did land
+    reshards = sorted(r["code"] for r in runs if r["case"] == "reshard")
+    assert len(reshards) == 20 and 130 in reshards, reshards
 
 
 @pytest.mark.parametrize("command", ["reshard", "verify"])
