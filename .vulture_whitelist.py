@@ -53,6 +53,7 @@ _.register  # mfsdp_ckpt.hf: registers an architecture; tests/mfsdp_ckpt/hf/test
 _.shared_expert  # the architecture tables' predicates, for a registered architecture; test_mapping.py
 _.estimated_param_bytes  # docs/guarantees.md
 _.write_dcp  # the Python API of convert; tests/cli/test_roundtrip_convert.py and others
+_.load_with_state_dict_hooks  # docs/torchtitan.md; tests/titan/test_torchtitan.py
 _.simulate  # tools/plan_sim.py: tests/mfsdp_ckpt/format/test_plan_derivation.py, bench/plan_scale.py
 _.same_plan_as_dcp
 _.prime_adamw_state

@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,mcore]'  # mcore: the Megatron-Core tests run in CI, not skip
+	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 einops==0.8.2 spmd_types==0.2.3  # tests/titan: genuine torchtitan, without its heavy dependencies (triton: stubbed there)
+	$(PY) -m pip install --quiet docstring-parser==0.18.0 typeguard==4.6.1  # tyro's small dependencies
 	$(PY) -m pip install --quiet --no-deps --target $(VENV)/torchao-ref 'torchao==0.18.0'  # off the path: tests/torchao_ref.py
 	touch $@
 

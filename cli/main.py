@@ -103,7 +103,7 @@ def inspect(path: str, as_json: bool, html_out: str | None, png_out: str | None)
             + (f" ({b['group']})" if b.get("group", "dp") != "dp" else "")
             for b in info.writer.get("buffers", [])
         )
-        click.echo(f"writer      world size {info.writer.get('world_size')}; {layouts}")
+        click.echo(f"writer      world size {info.writer.get('world_size')}" + (f"; {layouts}" if layouts else ""))
     if info.experts:
         x = info.experts
         click.echo(f"experts     EP size {x.ep_size}, {x.num_experts} experts")
@@ -254,7 +254,7 @@ def verify(path: str, as_json: bool) -> None:
     "key_map_a",
     multiple=True,
     metavar="OLD=NEW",
-    help="rename A's key prefix OLD to NEW before comparing (repeatable; '=model.' for torchtitan's bare FQNs)",
+    help="rename A's key prefix OLD to NEW before comparing (repeatable; '=model.' for bare model names alone)",
 )
 @click.option("--key-map-b", "key_map_b", multiple=True, metavar="OLD=NEW", help="the same for B")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -324,10 +324,11 @@ def _check_diff(a: str, b: str, key_map_a: tuple[str, ...], key_map_b: tuple[str
 @click.option(
     "--to",
     "to",
-    type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2"]),
+    type=click.Choice(["torch", "safetensors", "dcp", "dcp-fsdp2", "torchtitan"]),
     required=True,
     help="torch / safetensors: one file from a DCP checkpoint; dcp: a checkpoint from a .pt or .safetensors file; "
-    "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict)",
+    "dcp-fsdp2: a DCP checkpoint in the key layout of FSDP2's get_state_dict (for set_state_dict); "
+    "torchtitan: a DCP checkpoint in torchtitan's layout at the source's world size (reshard --to torchtitan)",
 )
 @click.option(
     "--key-map",
@@ -335,7 +336,7 @@ def _check_diff(a: str, b: str, key_map_a: tuple[str, ...], key_map_b: tuple[str
     multiple=True,
     metavar="OLD=NEW",
     help="with --to dcp-fsdp2: rename the output keys' prefix OLD to NEW (repeatable, first match wins), "
-    "e.g. 'model.=' for torchtitan's bare FQNs",
+    "e.g. 'model.=' for bare model names",
 )
 @click.option(
     "--max-file-size",
@@ -372,7 +373,7 @@ def _check_convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_fi
         raise CheckpointError(f"--key-map: applies to --to dcp-fsdp2 only, not --to {to}")
     if not (is_local(src) and is_local(dst)):
         return
-    refuse_any_output(dst, src, kind="checkpoint" if to.startswith("dcp") else "file")
+    refuse_any_output(dst, src, kind="file" if to in ("torch", "safetensors") else "checkpoint")
     if to == "dcp" and not os.path.isfile(src):
         raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
     if to != "dcp":
@@ -416,7 +417,16 @@ def _check_convert(src: str, dst: str, to: str, key_map: tuple[str, ...], max_fi
     multiple=True,
     metavar="OLD=NEW",
     help="rename the key prefix OLD to NEW before anything else (repeatable, first match wins): "
-    "'=model.' adds 'model.' (torchtitan's bare FQNs), 'model.=' strips it",
+    "'=model.' adds 'model.' (bare model names alone; a torchtitan checkpoint needs none), 'model.=' strips it",
+)
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["mfsdp", "torchtitan"]),
+    default="mfsdp",
+    show_default=True,
+    help="the key layout written: mfsdp (canonical keys) or torchtitan (its CheckpointManager's names, every "
+    "tensor's rows as FSDP2 shards them over the ranks; torchtitan's load reads it)",
 )
 @click.option("--overwrite", is_flag=True, help="replace DST if it exists")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
@@ -432,14 +442,17 @@ def reshard(
     dtype: str | None,
     workers: int | None,
     key_map: tuple[str, ...],
+    to: str,
     overwrite: bool,
     as_json: bool,
 ) -> None:
     """Rewrite checkpoint SRC as DST for a target layout: one data file per target rank holding
     exactly what that rank reads. Streams one tensor range at a time (bounded memory). SRC may be
     a stock DCP checkpoint (FSDP2 get_state_dict, torchtitan, any dcp.save): DST is then a
-    committed canonical checkpoint."""
-    flags = dict(world_size=world_size, ep=ep, strategy=strategy, policy=policy, workers=workers, key_map=key_map)
+    committed canonical checkpoint, or with --to torchtitan one torchtitan's load reads."""
+    flags = dict(
+        world_size=world_size, ep=ep, strategy=strategy, policy=policy, workers=workers, key_map=key_map, to=to
+    )
     begin(lambda: _check_reshard(src, dst, plan_from, overwrite, **flags), output=dst)
     from mfsdp_ckpt.tools import reshard as run_reshard
 
@@ -460,6 +473,7 @@ def reshard(
             overwrite=overwrite,
             key_map=key_map,
             progress=bar,
+            to=to,
         ),
     )
     seconds = time.perf_counter() - start
@@ -486,6 +500,14 @@ def _check_reshard(src: str, dst: str, plan_from: str | None, overwrite: bool, *
 
     refuse_output_among_inputs(dst, "the --plan-from checkpoint", plan_from)
     _check_reshard_flags(flags["world_size"], flags["workers"], flags["strategy"], flags["policy"])
+    if flags["to"] == "torchtitan":  # its layout is FSDP2's, fixed by the world size
+        given = dict(strategy=flags["strategy"], policy=flags["policy"], ep=flags["ep"], plan_from=plan_from)
+        for name, value in given.items():
+            if value is not None:
+                flag = "--" + name.replace("_", "-")
+                raise CheckpointError(
+                    f"{flag}: does not apply to --to torchtitan (FSDP2's layout: every tensor's rows over the ranks)"
+                )
     check_key_map(flags["key_map"])
     refuse_missing_checkpoint(src)
     refuse_missing_checkpoint(plan_from)

@@ -27,6 +27,7 @@ __all__ = [
     "async_save",
     "AsyncSaveHandle",
     "load",
+    "load_with_state_dict_hooks",
     "resolve_checkpoint",
     "LATEST_NAME",
     "LATEST_LINK_NAME",
@@ -44,16 +45,18 @@ __all__ = [
 #: the public names imported on first use (PEP 562): they import ``torch.distributed.checkpoint``,
 #: DTensor and sympy (~0.5 s), which what reads a manifest or resolves a path (the launcher's
 #: pre-flight, the offline tools' start) does not need
-_SHARDED = ("save", "async_save", "AsyncSaveHandle", "load")
+_SHARDED = ("save", "async_save", "AsyncSaveHandle", "load", "load_with_state_dict_hooks")
 
 
 def _sharded() -> dict[str, Any]:
     """The collective save and load entry points, imported now."""
     from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_save
+    from mfsdp_ckpt.sharded.hooked import load_with_state_dict_hooks
     from mfsdp_ckpt.sharded.load import load
     from mfsdp_ckpt.sharded.save import save
 
-    return {"save": save, "async_save": async_save, "AsyncSaveHandle": AsyncSaveHandle, "load": load}
+    found = {"save": save, "async_save": async_save, "AsyncSaveHandle": AsyncSaveHandle, "load": load}
+    return {**found, "load_with_state_dict_hooks": load_with_state_dict_hooks}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """A :class:`~mfsdp_ckpt.read.reader.CheckpointReader` that shows any DCP checkpoint under
-canonical keys: a stock one (no ``mfsdp.json``) through its key layout, any one through the
-user's ``--key-map`` rules (:mod:`mfsdp_ckpt.read.stock`). Offline tools (``reshard``) read through
-it, so that they plan and write canonical keys whatever wrote the source."""
+canonical keys: a stock one (no ``mfsdp.json``: FSDP2's, torchtitan's) through its key layout,
+any one through the user's ``--key-map`` rules (:mod:`mfsdp_ckpt.read.stock`). Offline tools
+(``reshard``) read through it, so that they plan and write canonical keys whatever wrote the
+source."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.keys import PARAM_GROUPS
+from mfsdp_ckpt.format.titan import TITAN_LAYOUT
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.read.stock import KeyRule, canonical_names, is_stock, stock_param_groups
 
@@ -49,6 +51,12 @@ class MappedReader:
     @property
     def stock(self) -> bool:
         return is_stock(self.manifest)
+
+    @property
+    def titan(self) -> bool:
+        """Whether the entries are named in torchtitan's layout (its own checkpoint, or one we
+        wrote in it), mapped to canonical names (:mod:`mfsdp_ckpt.format.titan`)."""
+        return self.names.layout == TITAN_LAYOUT
 
     def source_key(self, key: str) -> str:
         """The stored key of canonical ``key``."""

@@ -7,8 +7,11 @@ A DCP checkpoint written without us names its entries as its writer's state dict
   ``optim.param_groups.<i>.<hp>`` (``<i>`` the group's index, ``…<i>.params`` its parameters by
   name), or with ``flatten_optimizer_state_dict`` ``optim.param_groups.<fqn>.<hp>`` (one entry per
   parameter and hyper-parameter);
-- torchtitan: the model's bare FQNs at the top level (``--key-map '=model.'`` names them);
-- a plain ``dcp.save`` of a state dict: whatever its keys are.
+- torchtitan's ``CheckpointManager``: the model's bare names, ``optimizer.state.<fqn>.<state>``,
+  ``optimizer.param_groups.<fqn>.<hp>`` and the trainer's ``lr_scheduler.*``, ``train_state.*``,
+  ``dataloader.*`` (:mod:`mfsdp_ckpt.format.titan`), recognised from the names;
+- a plain ``dcp.save`` of a state dict: whatever its keys are (a bare model, e.g. torchtitan's
+  model-only save: ``--key-map '=model.'``).
 
 Ours (:mod:`mfsdp_ckpt.format.keys`) are ``model.<fqn>``, ``optim.<fqn>.<state>`` and one
 ``optim.param_groups`` object (a list of groups naming their parameters). This module maps the
@@ -19,13 +22,21 @@ It is pure: names and small objects in, names and small objects out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, model_key
+from mfsdp_ckpt.format.titan import (
+    TITAN_GROUPS,
+    TITAN_LAYOUT,
+    is_titan_layout,
+    non_model_entries,
+    titan_to_canonical,
+)
 
 __all__ = [
     "KeyRule",
+    "hiding",
     "parse_key_map",
     "apply_key_map",
     "is_stock",
@@ -46,13 +57,25 @@ STOCK_GROUPS = "optim.param_groups."  # get_state_dict's hyper-parameters, one e
 @dataclass(frozen=True)
 class KeyRule:
     """Rename the prefix ``old`` of a key to ``new`` (``old`` empty: add ``new``; ``new`` empty:
-    strip ``old``). Written ``OLD=NEW`` on the command line."""
+    strip ``old``). Written ``OLD=NEW`` on the command line. With ``hide``, the entry named
+    exactly ``old`` is left out of the canonical names (:func:`hiding`)."""
 
     old: str
     new: str
+    hide: bool = False
 
     def __str__(self) -> str:
-        return f"{self.old}={self.new}"
+        return f"{self.old}=(hidden)" if self.hide else f"{self.old}={self.new}"
+
+    def matches(self, key: str) -> bool:
+        return key == self.old if self.hide else key.startswith(self.old)
+
+
+def hiding(keys: Iterable[str]) -> tuple[KeyRule, ...]:
+    """Rules leaving the stored entries ``keys`` out of the canonical names: what a load does
+    with entries another step consumes (:mod:`mfsdp_ckpt.sharded.hooked`: the entries a module's
+    state-dict hook turns into a parameter). No command line spelling."""
+    return tuple(KeyRule(key, "", hide=True) for key in keys)
 
 
 def parse_key_map(specs: Iterable[str] | None) -> tuple[KeyRule, ...]:
@@ -75,17 +98,19 @@ def parse_key_map(specs: Iterable[str] | None) -> tuple[KeyRule, ...]:
 
 
 def apply_key_map(key: str, rules: Sequence[KeyRule]) -> str:
-    """``key`` renamed by the first rule whose prefix it has (unchanged when none)."""
+    """``key`` renamed by the first rule whose prefix it has (unchanged when none; a hidden
+    entry keeps its name: :func:`canonical_names` leaves it out)."""
     for rule in rules:
-        if key.startswith(rule.old):
-            return rule.new + key[len(rule.old) :]
+        if rule.matches(key):
+            return key if rule.hide else rule.new + key[len(rule.old) :]
     return key
 
 
 def is_stock(manifest: dict[str, Any] | None) -> bool:
-    """Whether entries are named in the stock ``get_state_dict`` layout: a checkpoint without
-    ``mfsdp.json``, or one ``convert --to dcp-fsdp2`` wrote (its manifest says so)."""
-    return manifest is None or manifest.get("key_layout") == "dcp-fsdp2"
+    """Whether entries are named in a stock layout (``get_state_dict``'s, torchtitan's): a
+    checkpoint without ``mfsdp.json``, or one we wrote in such a layout (``convert --to
+    dcp-fsdp2``, ``reshard --to torchtitan``: the manifest's ``key_layout`` says so)."""
+    return manifest is None or manifest.get("key_layout") in ("dcp-fsdp2", TITAN_LAYOUT)
 
 
 @dataclass
@@ -96,23 +121,36 @@ class StockNames:
 
     sources: dict[str, str] = field(default_factory=dict)
     group_parts: list[str] = field(default_factory=list)
+    layout: str | None = None  # "torchtitan" when its layout was recognised and mapped
 
     def keys(self) -> list[str]:
         return sorted([*self.sources, *([PARAM_GROUPS] if self.group_parts else [])])
 
 
-def canonical_names(stored: Iterable[str], rules: Sequence[KeyRule] = (), *, stock_layout: bool = True) -> StockNames:
+def canonical_names(
+    stored: Iterable[str] | Mapping[str, Any], rules: Sequence[KeyRule] = (), *, stock_layout: bool = True
+) -> StockNames:
     """The canonical name of every stored key: first ``rules`` (the user's ``--key-map``), then,
-    with ``stock_layout`` (a checkpoint without ``mfsdp.json``), ``optim.state.<fqn>.<state>`` →
-    ``optim.<fqn>.<state>`` and the ``optim.param_groups.<…>.<hp>`` entries gathered into one
-    ``optim.param_groups``. Two stored keys that would get one name are refused, naming both."""
-    names = StockNames()
-    for key in sorted(stored):
-        name = apply_key_map(key, rules)
-        if stock_layout and name.startswith(STOCK_GROUPS):
+    with ``stock_layout`` (a checkpoint without ``mfsdp.json``), the stock layout's mapping:
+    torchtitan's when the names are its (:func:`~mfsdp_ckpt.format.titan.is_titan_layout`: bare
+    names → ``model.*``, ``optimizer.state.<fqn>.<state>`` → ``optim.<fqn>.<state>``, the
+    trainer's entries as they are), else ``get_state_dict``'s (``optim.state.<fqn>.<state>`` →
+    ``optim.<fqn>.<state>``); either's per-group or per-parameter hyper-parameter entries are
+    gathered into one ``optim.param_groups``. Refused in one line: a rule filing entries that
+    are not model weights (the optimizer's, the trainer's, objects: ``stored`` given as the
+    metadata's mapping tells those) as ``model.*`` (:func:`check_model_rules`), and two stored
+    keys that would get one name, naming both."""
+    renamed = [(key, apply_key_map(key, rules)) for key in sorted(stored) if not _hidden(key, rules)]
+    _check_model_rules(renamed, rules, _objects(stored))
+    titan = stock_layout and is_titan_layout({name for _, name in renamed})
+    names = StockNames(layout=TITAN_LAYOUT if titan else None)
+    for key, name in renamed:
+        if stock_layout and name.startswith(TITAN_GROUPS if titan else STOCK_GROUPS):
             names.group_parts.append(key)
             continue
-        if stock_layout and name.startswith(STOCK_STATE):
+        if titan:
+            name = titan_to_canonical(name)
+        elif stock_layout and name.startswith(STOCK_STATE):
             name = "optim." + name[len(STOCK_STATE) :]
         if name in names.sources:
             raise CheckpointError(f"keys '{names.sources[name]}' and '{key}' both map to '{name}' (check --key-map)")
@@ -125,18 +163,56 @@ def canonical_names(stored: Iterable[str], rules: Sequence[KeyRule] = (), *, sto
     return names
 
 
+def _hidden(key: str, rules: Sequence[KeyRule]) -> bool:
+    """Whether the first rule ``key`` matches hides it."""
+    rule = next((r for r in rules if r.matches(key)), None)
+    return rule is not None and rule.hide
+
+
+def _objects(stored: Iterable[str] | Mapping[str, Any]) -> set[str]:
+    """The stored keys that are objects, not tensors (none known when only names are given): DCP's
+    metadata of an object (``BytesStorageMetadata``) has no chunks; a tensor's has (read by that
+    attribute, so that this module stays free of torch)."""
+    if not isinstance(stored, Mapping):
+        return set()
+    return {key for key, md in stored.items() if not hasattr(md, "chunks")}
+
+
+def _check_model_rules(renamed: Sequence[tuple[str, str]], rules: Sequence[KeyRule], objects: set[str]) -> None:
+    """Refuse, in one line naming the entries and the rules, key-map rules that file entries
+    which are not model weights (``(stored key, renamed)`` pairs) as ``model.*``: e.g. ``=model.``
+    on a whole torchtitan checkpoint would make its optimizer state and trainer state weights."""
+    bad = non_model_entries(renamed, objects)
+    if not bad:
+        return
+    used = {next(r for r in rules if r.matches(k)) for k in bad}
+    culprits = ", ".join(f"'{r}'" for r in rules if r in used)
+    heads: dict[str, int] = {}
+    for key in bad:
+        head = key.split(".", 1)[0] + ".*" if "." in key else key
+        heads[head] = heads.get(head, 0) + 1
+    kinds = ", ".join(f"{head} ({n})" for head, n in sorted(heads.items(), key=lambda kv: (-kv[1], kv[0])))
+    titan = is_titan_layout({key for key, _ in renamed})
+    hint = "; a torchtitan checkpoint is read without a key map" if titan else ""
+    what = "entry that is not a model weight" if len(bad) == 1 else "entries that are not model weights"
+    raise CheckpointError(f"--key-map {culprits} would file {len(bad)} {what} as model.*: {kinds}, e.g. {bad[0]}{hint}")
+
+
 def stock_param_groups(
     parts: Sequence[str], read: Callable[[str], Any], rules: Sequence[KeyRule] = ()
 ) -> list[dict[str, Any]]:
     """The canonical ``optim.param_groups`` (a list of groups, each naming its parameters) from
     stock entries ``optim.param_groups.<i>.<hp>`` (``<i>.params`` the group's parameters) or
     ``optim.param_groups.<fqn>.<hp>`` (flattened: parameters with equal hyper-parameters form one
-    group, in the order they come). ``read`` returns a stored object; ``rules`` rename its keys."""
+    group, in the order they come), or torchtitan's ``optimizer.param_groups.<fqn>.<hp>`` (flattened
+    too). ``read`` returns a stored object; ``rules`` rename its keys."""
     values: dict[str, dict[str, Any]] = {}
     for key in parts:
-        rest = apply_key_map(key, rules)[len(STOCK_GROUPS) :]
+        name = apply_key_map(key, rules)
+        prefix = TITAN_GROUPS if name.startswith(TITAN_GROUPS) else STOCK_GROUPS
+        rest = name[len(prefix) :]
         if "." not in rest:
-            raise CheckpointError(f"key '{key}': expected {STOCK_GROUPS}<group or parameter>.<hyper-parameter>")
+            raise CheckpointError(f"key '{key}': expected {prefix}<group or parameter>.<hyper-parameter>")
         owner, hp = rest.rsplit(".", 1)
         values.setdefault(owner, {})[hp] = read(key)
     indexed = all(owner.isdigit() for owner in values) and all("params" in v for v in values.values())

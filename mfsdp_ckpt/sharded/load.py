@@ -91,8 +91,8 @@ def load(
         thread_count: reader threads per rank (see :mod:`mfsdp_ckpt.read.staged_read`).
         key_map: ``OLD=NEW`` prefix renames of a stock checkpoint's keys, which are read in
             canonical form (FSDP2's ``get_state_dict`` layout: ``optim.state.<fqn>.<state>``,
-            ``optim.param_groups.<…>.<hp>``): e.g. ``['=model.']`` for torchtitan's bare FQNs
-            (see :mod:`mfsdp_ckpt.read.stock`).
+            ``optim.param_groups.<…>.<hp>``; torchtitan's needs none): ``['=model.']`` for bare
+            model names alone (:mod:`mfsdp_ckpt.read.stock`; see also ``load_with_state_dict_hooks``).
         atomic: nothing in the model or optimizer changes unless the whole load succeeds (every
             rank reads and verifies all its chunks before any is copied into place). ``False`` is
             for a model with nothing to protect (freshly initialised, as when a trainer resumes):

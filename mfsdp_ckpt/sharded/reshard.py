@@ -11,6 +11,12 @@ Streaming: a worker holds one target rank's range of one tensor plus one source 
 whatever the checkpoint's size. Source chunks are read whole (their crc32c is checked) and, where
 they fall inside the range, straight into place.
 
+``to="torchtitan"`` writes torchtitan's layout instead (:mod:`mfsdp_ckpt.format.titan`: bare model
+names, ``optimizer.state.<fqn>.<state>``, one ``optimizer.param_groups.<fqn>.<hp>`` per parameter,
+the trainer's entries unchanged), each tensor's rows cut as FSDP2 shards them over the target
+ranks, so that torchtitan's own ``CheckpointManager.load`` at that world size finds every rank's
+rows in one file.
+
 Workers are threads of this process, each writing whole target files (:func:`default_workers`);
 each keeps the disk reading the sources of its next jobs while it writes (:class:`_Readahead`),
 so reading the source and writing the target overlap, as ``dd``'s do. Under ``torchrun``
@@ -34,9 +40,27 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mfsdp_ckpt.errors import CheckpointError, OutsideCheckpointError, UncommittedCheckpointError, raise_key_problems
 from mfsdp_ckpt.format.boxes import box_view, flat_range_to_boxes
-from mfsdp_ckpt.format.keys import fqn_of_model_key, group_of, is_rng, mx_key, mx_plane_of, param_of
+from mfsdp_ckpt.format.keys import (
+    MAIN_PARAM,
+    PARAM_GROUPS,
+    fqn_of_model_key,
+    group_of,
+    is_rng,
+    mx_key,
+    mx_plane_of,
+    param_of,
+)
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.names import MANIFEST_NAME
+from mfsdp_ckpt.format.titan import (
+    STEP_KEY,
+    TITAN_GROUPS,
+    TITAN_LAYOUT,
+    is_trainer_entry,
+    row_chunks,
+    titan_param_group_entries,
+    to_titan_key,
+)
 from mfsdp_ckpt.model.experts import is_expert_buffer, num_experts_of, regroup_experts
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
@@ -63,11 +87,13 @@ from mfsdp_core.plan import (
 )
 from mfsdp_core.strategy import parse_strategy
 
-__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE", "default_workers"]
+__all__ = ["reshard", "ReshardResult", "MAX_WORLD_SIZE", "TARGETS", "default_workers"]
 
 MAX_WORLD_SIZE = 1 << 16  # planning is linear in it; a typo of a few zeros must not run for hours
 #: the most worker threads ``reshard`` starts by default
 MAX_DEFAULT_WORKERS = 4
+#: the key layouts ``reshard`` writes (``to=``): ours (canonical keys), torchtitan's
+TARGETS = ("mfsdp", TITAN_LAYOUT)
 
 
 def default_workers(files: int) -> int:
@@ -104,7 +130,9 @@ class ReshardResult:
 @dataclass(frozen=True)
 class _Job:
     """Write elements ``[start, end)`` of ``key`` into data file ``file``; ``start is None``
-    means the whole entry (objects and tensors that belong to no parameter group)."""
+    means the whole entry (objects and tensors that belong to no parameter group). ``out``: the
+    key written (None: ``key``); :data:`~mfsdp_ckpt.format.titan.TITAN_GROUPS` for
+    ``optim.param_groups`` written as torchtitan's per-parameter entries, ``entries`` of them."""
 
     key: str
     file: int
@@ -112,6 +140,8 @@ class _Job:
     end: int | None = None
     cast: torch.dtype | None = None
     nbytes: int = 0
+    out: str | None = None
+    entries: int = 1
 
 
 def _stock_plan(reader: MappedReader) -> ModelPlan:
@@ -140,15 +170,24 @@ def _stock_plan(reader: MappedReader) -> ModelPlan:
 
 
 def _stock_manifest(reader: MappedReader) -> dict[str, Any]:
-    """The manifest fields ``save`` writes, for a source that has no manifest."""
+    """The manifest fields ``save`` writes, for a source that has no manifest (a torchtitan
+    checkpoint's step: its trainer's)."""
     groups = {group_of(k) for k in reader.keys()}
     return {
         "model_config": None,
-        "step": None,
+        "step": _trainer_step(reader),
         "include_grads": "grad" in groups,
         "has_optimizer": "optim" in groups,
         "versions": versions(),
     }
+
+
+def _trainer_step(reader: MappedReader) -> int | None:
+    """torchtitan's ``train_state.step`` (an int), or None where there is none."""
+    if not reader.titan or STEP_KEY not in reader.keys():
+        return None
+    step = reader.read(STEP_KEY)
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _source_plan(reader: CheckpointReader | MappedReader, plan_from: str | None) -> ModelPlan:
@@ -298,7 +337,7 @@ def _plan_jobs(
     into the file of the global rank holding it; everything else whole into file 0."""
     jobs, dropped = [], []
     for key in reader.keys():
-        if model_only and group_of(key) in ("optim", "grad"):
+        if model_only and (group_of(key) in ("optim", "grad") or is_trainer_entry(key)):
             dropped.append(key)
             continue
         if is_rng(key) and not keep_rng:
@@ -321,6 +360,45 @@ def _plan_jobs(
             piece = layout.piece(index, r)
             if piece.numel:
                 jobs.append(_Job(key, ranks[r], piece.start, piece.end, key_cast, piece.numel * itemsize))
+    return jobs, dropped
+
+
+def _plan_titan_jobs(
+    reader: MappedReader, world_size: int, *, model_only: bool, cast: torch.dtype | None
+) -> tuple[list[_Job], list[str]]:
+    """Every write of a torchtitan-layout target (:func:`~mfsdp_ckpt.format.titan.to_titan_key`):
+    each tensor's rows as FSDP2 shards them over ``world_size`` ranks, rank r's into file r
+    (:func:`~mfsdp_ckpt.format.titan.row_chunks`); scalars, objects and the per-parameter
+    hyper-parameters whole into file 0. ``model_only`` drops the optimizer's and the trainer's
+    state; ``cast`` applies to the floating model weights (the fp32 main params standing in for
+    a low-precision model's among them)."""
+    keys = reader.keys()
+    mains = {to_titan_key(k) for k in keys if k.startswith("optim.") and k.endswith(f".{MAIN_PARAM}")}
+    jobs, dropped = [], []
+    for key in keys:
+        out = TITAN_GROUPS if key == PARAM_GROUPS else to_titan_key(key)
+        weights = group_of(key) == "model" or (group_of(key) == "optim" and out in mains)
+        training = group_of(key) in ("optim", "grad") or is_trainer_entry(key)
+        if out is None or fqn_of_model_key(key) in mains or (model_only and training and not weights):
+            dropped.append(key)  # nowhere in torchtitan's layout, stood in for, or training state
+            continue
+        if out == TITAN_GROUPS:  # read now: its entries counted, a malformed one refused before writing
+            jobs.append(
+                _Job(key, 0, out=out, entries=len(titan_param_group_entries(reader.read(key), reader.directory)))
+            )
+            continue
+        if not reader.is_tensor(key):
+            jobs.append(_Job(key, 0, out=out))
+            continue
+        key_cast = cast if cast is not None and weights and reader.dtype(key).is_floating_point else None
+        shape, itemsize = reader.shape(key), (key_cast or reader.dtype(key)).itemsize
+        if shape.numel() == 0 or len(shape) == 0:
+            jobs.append(_Job(key, 0, cast=key_cast, nbytes=shape.numel() * itemsize, out=out))
+            continue
+        row = shape.numel() // shape[0]
+        for r, (lo, hi) in enumerate(row_chunks(shape[0], world_size)):
+            if hi > lo:
+                jobs.append(_Job(key, r, lo * row, hi * row, key_cast, (hi - lo) * row * itemsize, out))
     return jobs, dropped
 
 
@@ -481,19 +559,23 @@ class _Scratch:
 def _run_job(reader: MappedReader, writer: ChunkFileWriter, job: _Job, scratch: _Scratch) -> list[ChunkRecord]:
     """One job: read (every chunk crc32c-checked) into ``scratch`` and append the result to its
     file (written before the next job reads)."""
+    out = job.out or job.key
     if job.start is None:
         value = reader.read(job.key)
+        if out == TITAN_GROUPS:
+            entries = titan_param_group_entries(value, reader.directory)
+            return [writer.write_object(k, v, job.file) for k, v in entries.items()]
         if not isinstance(value, torch.Tensor):
-            return [writer.write_object(job.key, value, job.file)]
+            return [writer.write_object(out, value, job.file)]
         if job.cast is not None:
             value = value.to(job.cast)
-        return [writer.write_chunk(job.key, value, (0,) * value.dim(), value.shape, job.file)]
+        return [writer.write_chunk(out, value, (0,) * value.dim(), value.shape, job.file)]
     flat = reader.read_flat(job.key, job.start, job.end, out=scratch.take(job.end - job.start, reader.dtype(job.key)))
     if job.cast is not None:
         flat = flat.to(job.cast)
     shape = reader.shape(job.key)
     return [
-        writer.write_chunk(job.key, box_view(flat, job.start, box), box.offsets, shape, job.file)
+        writer.write_chunk(out, box_view(flat, job.start, box), box.offsets, shape, job.file)
         for box in flat_range_to_boxes(shape, job.start, job.end)
     ]
 
@@ -578,6 +660,7 @@ def reshard(
     overwrite: bool = False,
     key_map: Sequence[str | KeyRule] = (),
     progress: Callable[[int, int], None] | None = None,
+    to: str = "mfsdp",
 ) -> ReshardResult:
     """Rewrite the committed checkpoint ``src`` as ``dst`` for ``world_size`` ranks with
     ``strategy`` / ``policy`` (default: the writer's, per parameter group) and EP size ``ep``
@@ -588,8 +671,8 @@ def reshard(
     ``src`` may be a stock DCP checkpoint (no ``mfsdp.json``; :mod:`mfsdp_ckpt.read.stock` maps its
     keys, ``key_map``'s ``OLD=NEW`` prefix renames first, e.g. ``'=model.'`` for bare FQNs); its
     plan is ``plan_from``'s or one ``even`` buffer of its ``model.*`` tensors. ``model_only``
-    drops optimizer and gradient state; ``dtype`` casts the ``model.*`` weights. Per-rank RNG
-    states are kept only when the world size is unchanged. ``workers`` threads write disjoint
+    drops optimizer, gradient and torchtitan's trainer state; ``dtype`` casts the ``model.*`` weights;
+    RNG states stay only at the same world size. ``to``: ``"mfsdp"`` or ``"torchtitan"`` (:func:`_plan_titan_jobs`). ``workers`` threads write disjoint
     target files (default: :func:`default_workers`). ``progress(done, total)`` gets bytes.
     ``dst`` appears only when complete (replacing one only with ``overwrite``).
 
@@ -618,6 +701,7 @@ def reshard(
             model_only=model_only,
             dtype=dtype,
             key_map=key_map,
+            to=to,
         ),
     )
     jobs = planned.jobs
@@ -639,7 +723,7 @@ def reshard(
         rules=rules,
     )
     ep_size = planned.experts["ep_size"] if planned.experts else None
-    keys = len({j.key for j in jobs})
+    keys = sum({j.key: j.entries for j in jobs}.values())
     return ReshardResult(path, world_size, files, keys, written, planned.dropped, ep_size)
 
 
@@ -657,6 +741,7 @@ def _checked_plan(src: str, args: dict[str, Any]) -> tuple[list[KeyRule], _Plann
     """The arguments checked (one line naming the flag) and the whole reshard planned from the
     source's metadata: the key rules and :class:`_Planned` (the same on every process of a job)."""
     cast = _check_arguments(args["world_size"], args["workers"], args["strategy"], args["policy"], args["dtype"])
+    _check_target(args)
     rules = parse_key_map(args["key_map"])
     _refuse_mcore(src, args["world_size"], rules)
     planned = _plan_reshard(
@@ -669,8 +754,28 @@ def _checked_plan(src: str, args: dict[str, Any]) -> tuple[list[KeyRule], _Plann
         plan_from=args["plan_from"],
         model_only=args["model_only"],
         cast=cast,
+        to=args["to"],
     )
     return rules, planned
+
+
+def _check_target(args: dict[str, Any]) -> None:
+    """Refuse an unknown ``--to``, and what a torchtitan target has no use for (its layout is
+    FSDP2's, fixed by the world size), in one line naming the flag."""
+    if args["to"] not in TARGETS:
+        raise CheckpointError(f"--to {args['to']!r}: expected one of {', '.join(TARGETS)}")
+    if args["to"] != TITAN_LAYOUT:
+        return
+    for flag, value in (
+        ("--strategy", "strategy"),
+        ("--policy", "policy"),
+        ("--ep", "ep"),
+        ("--plan-from", "plan_from"),
+    ):
+        if args[value] is not None:
+            raise CheckpointError(
+                f"{flag}: does not apply to --to {TITAN_LAYOUT} (FSDP2's layout: every tensor's rows over the ranks)"
+            )
 
 
 def _check_arguments(
@@ -720,6 +825,8 @@ class _Planned:
     src_dir: str
     manifest: dict[str, Any]
     stock: bool
+    titan: bool  # the source is in torchtitan's layout
+    target: str  # "mfsdp" or "torchtitan" (TARGETS)
     source_world: int | None
     source_ep: int | None
     plan: ModelPlan
@@ -739,27 +846,33 @@ def _plan_reshard(
     plan_from: str | os.PathLike | None,
     model_only: bool,
     cast: torch.dtype | None,
+    to: str = "mfsdp",
 ) -> _Planned:
     """Open the source once and plan everything from its manifest and metadata: the source plan
-    (recorded, ``plan_from``'s, or a stock checkpoint's), its target layout, and every write."""
+    (recorded, ``plan_from``'s, or a stock checkpoint's), its target layout, and every write (a
+    torchtitan target: :func:`_plan_titan_jobs`)."""
     with MappedReader(src, rules) as reader:
         _refuse_uncommitted(reader)
         stock = reader.manifest is None
         manifest = reader.manifest if not stock else _stock_manifest(reader)
         source_ep = ((manifest.get("writer") or {}).get("experts") or {}).get("ep_size")
-        if stock and plan_from is None:
-            source_plan = _stock_plan(reader)
-        else:
-            source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
-        plan, params, experts = _target_plan(
-            source_plan, world_size, strategy, policy, cast, ep, source_ep or source_plan.group_sizes.get(EP_GROUP)
-        )
         source_world = manifest.get("writer", {}).get("world_size")
-        jobs, dropped = _plan_jobs(
-            reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size
-        )
-        src_dir = reader.directory
-    return _Planned(src_dir, manifest, stock, source_world, source_ep, plan, experts, jobs, dropped)
+        if to == TITAN_LAYOUT:
+            plan, experts = ModelPlan({DEFAULT_GROUP: world_size}, ()), None
+            jobs, dropped = _plan_titan_jobs(reader, world_size, model_only=model_only, cast=cast)
+        else:
+            if (stock or manifest.get("key_layout") == TITAN_LAYOUT) and plan_from is None:
+                source_plan = _stock_plan(reader)  # names alone: a stock source, or ours in torchtitan's layout
+            else:
+                source_plan = _source_plan(reader, None if plan_from is None else os.fspath(plan_from))
+            plan, params, experts = _target_plan(
+                source_plan, world_size, strategy, policy, cast, ep, source_ep or source_plan.group_sizes.get(EP_GROUP)
+            )
+            jobs, dropped = _plan_jobs(
+                reader, params, model_only=model_only, cast=cast, keep_rng=source_world == world_size
+            )
+        src_dir, titan = reader.directory, reader.titan
+    return _Planned(src_dir, manifest, stock, titan, to, source_world, source_ep, plan, experts, jobs, dropped)
 
 
 def _refuse_uncommitted(reader: MappedReader) -> None:
@@ -786,6 +899,10 @@ def _output_manifest(
     out_manifest["writer"] = writer_layout(world_size, planned.plan, planned.experts)
     if model_only:
         out_manifest.update(has_optimizer=False, include_grads=False)
+    if planned.target == TITAN_LAYOUT:
+        out_manifest.update(key_layout=TITAN_LAYOUT, include_grads=False)
+    else:
+        out_manifest.pop("key_layout", None)  # canonical keys now, whatever the source's layout
     out_manifest["resharded_from"] = {
         "path": planned.src_dir,
         "save_id": manifest.get("save_id"),
@@ -793,7 +910,7 @@ def _output_manifest(
         "ep_size": planned.source_ep,
         "model_only": model_only,
         "dtype": dtype,
-        "format": "stock DCP" if planned.stock else "mfsdp",
+        "format": TITAN_LAYOUT if planned.titan else "stock DCP" if planned.stock else "mfsdp",
         "key_map": [str(r) for r in rules],
     }
     return out_manifest

@@ -2,7 +2,8 @@
 one ``torch.save`` file, or one flat safetensors file. Keys stay canonical (``model.<fqn>``,
 ``optim.<fqn>.<state>``, …); tensors are full logical tensors. And one DCP-to-DCP conversion:
 ``dcp-fsdp2`` renames the keys to the layout ``get_state_dict`` gives a stock FSDP2 model and
-optimizer, so that ``dcp.load`` + ``set_state_dict`` read it (:func:`write_fsdp2`).
+optimizer, so that ``dcp.load`` + ``set_state_dict`` read it (:func:`write_fsdp2`); ``torchtitan``
+writes torchtitan's layout at the source's world size (:func:`write_titan`).
 
 A single file holds everything at once, so these conversions hold the whole checkpoint in memory
 (the format requires it). Reading a DCP checkpoint goes one tensor at a time; writing one uses the
@@ -26,7 +27,8 @@ from mfsdp_ckpt.errors import CheckpointError, CheckpointExistsError, NotACheckp
 from mfsdp_ckpt.format.keys import MAIN_PARAM, PARAM_GROUPS, fqn_of_model_key, optim_key
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.manifest_schema import key_problem
-from mfsdp_ckpt.format.names import dcp_data_file, shown
+from mfsdp_ckpt.format.names import dcp_data_file, dcp_data_file_rank, shown
+from mfsdp_ckpt.format.titan import TITAN_LAYOUT
 from mfsdp_ckpt.hf.workers import DEFAULT_MAX_FILE_SIZE, max_file_bytes
 from mfsdp_ckpt.read.inputs import checkpoint_inputs
 from mfsdp_ckpt.read.mapped import MappedReader
@@ -38,6 +40,7 @@ from mfsdp_ckpt.read.stock import (
     parse_key_map,
     to_fsdp2_key,
 )
+from mfsdp_ckpt.sharded.reshard import reshard
 from mfsdp_ckpt.storage import fs
 from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.builder import ChunkFileWriter, ChunkRecord
@@ -45,9 +48,9 @@ from mfsdp_ckpt.write.destination import destination_for
 from mfsdp_ckpt.write.job import split_by_size, write_and_commit, write_checkpoint
 from mfsdp_core.plan import DEFAULT_GROUP, ModelPlan
 
-__all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "convert"]
+__all__ = ["FORMATS", "read_full_state", "write_dcp", "write_fsdp2", "write_titan", "convert"]
 
-FORMATS = ("torch", "safetensors", "dcp", "dcp-fsdp2")
+FORMATS = ("torch", "safetensors", "dcp", "dcp-fsdp2", TITAN_LAYOUT)
 # safetensors metadata entry holding the non-tensor entries: base64 of a torch.save archive
 # (keeps tuples and other plain types exactly; read back with weights_only=True)
 _OBJECTS_KEY = "mfsdp.objects"
@@ -243,6 +246,26 @@ def _write_fsdp2_entries(
     return records
 
 
+def write_titan(src: str, dst: str, *, progress: Callable[[int, int], None] | None = None) -> str:
+    """Write the checkpoint ``src`` as ``dst`` in torchtitan's layout at the world size that wrote
+    ``src`` (:func:`source_world_size`): ``reshard --to torchtitan`` at that size, one data file
+    per rank, committed and checksummed; ``progress(done, total)`` gets bytes."""
+    with MappedReader(src) as reader:
+        world_size = source_world_size(reader)
+    return reshard(src, dst, world_size=world_size, to=TITAN_LAYOUT, progress=progress).path
+
+
+def source_world_size(reader: MappedReader) -> int:
+    """The world size that wrote a checkpoint: its manifest's, else (a stock checkpoint, whose
+    ranks each write their own ``__<rank>_<n>.distcp``) the number of writer ranks its data
+    files name; 1 when none does."""
+    recorded = ((reader.manifest or {}).get("writer") or {}).get("world_size")
+    if isinstance(recorded, int) and recorded >= 1:
+        return recorded
+    ranks = {dcp_data_file_rank(info.relative_path) for info in reader.raw.metadata.storage_data.values()}
+    return max((r for r in ranks if r is not None), default=0) + 1
+
+
 def _pack_objects(objects: dict[str, Any]) -> str:
     buf = io.BytesIO()
     torch.save(objects, buf)
@@ -295,7 +318,8 @@ def convert(
     """Convert ``src`` to format ``to`` at ``dst`` (which must not exist). ``torch`` and
     ``safetensors`` read a DCP checkpoint; ``dcp`` reads a ``.pt`` / ``.safetensors`` file;
     ``dcp-fsdp2`` writes a DCP checkpoint in FSDP2's ``get_state_dict`` key layout
-    (:func:`write_fsdp2`; ``key_map`` and ``max_file_size`` apply to it only). Either side may be
+    (:func:`write_fsdp2`; ``key_map`` and ``max_file_size`` apply to it only), ``torchtitan`` one
+    in torchtitan's layout at the source's world size (:func:`write_titan`). Either side may be
     an fsspec URL.
 
     Collective when ``torch.distributed`` is initialised: ``dcp-fsdp2`` shares its data files
@@ -307,6 +331,8 @@ def convert(
     rules = job.run(f"{dst}: not written", _check_convert, src, dst, to, key_map)
     if to == "dcp-fsdp2":
         return write_fsdp2(src, dst, key_map=rules, progress=progress, max_file_size=max_file_size)
+    if to == TITAN_LAYOUT:
+        return write_titan(src, dst)
     if to == "dcp":
         return _file_to_dcp(job, src, dst)
     return _dcp_to_file(job, src, dst, to, progress)
@@ -322,7 +348,7 @@ def _check_convert(src: str, dst: str, to: str, key_map: Sequence[str | KeyRule]
     if fs.exists(dst):
         raise CheckpointExistsError(f"{dst}: already exists")
     sources = tuple(checkpoint_inputs(src))  # a `latest` pointer or run directory: what it leads to too
-    destination_for(dst, kind="checkpoint" if to.startswith("dcp") else "file").check(sources=sources)
+    destination_for(dst, kind="file" if to in ("torch", "safetensors") else "checkpoint").check(sources=sources)
     if to == "dcp" and not fs.isfile(src):
         raise NotACheckpointError(f"{src}: not a file (convert --to dcp reads a .pt or .safetensors file)")
     return rules

@@ -2,7 +2,8 @@
 
 ``inspect_checkpoint`` reads only metadata (``.metadata`` through the safe unpickler, and
 ``mfsdp.json`` when there is one), so it works on any DCP checkpoint, including ones written by
-stock PyTorch, where it says what it cannot know. ``verify_checkpoint`` reads every chunk.
+stock PyTorch, where it says what it cannot know; of a torchtitan checkpoint it also reads the
+one small entry holding the trainer's step. ``verify_checkpoint`` reads every chunk.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.base_ref import shown_file
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
+from mfsdp_ckpt.format.titan import STEP_KEY, TITAN_LAYOUT, is_titan_layout
 from mfsdp_ckpt.mcore.describe import describe_mcore
 from mfsdp_ckpt.model.experts import ep_owner_ranks
 from mfsdp_ckpt.read.chunks import ChunkFiles, Fault
@@ -31,7 +34,8 @@ from mfsdp_ckpt.read.index_check import index_faults, read_stock_metadata
 from mfsdp_ckpt.read.locate import open_checkpoint
 from mfsdp_ckpt.read.manifest import is_protected
 from mfsdp_ckpt.read.metadata_check import entry_faults, orphan_faults
-from mfsdp_ckpt.read.stock import uncommitted_reason
+from mfsdp_ckpt.read.reader import CheckpointReader
+from mfsdp_ckpt.read.stock import canonical_names, is_stock, uncommitted_reason
 from mfsdp_ckpt.storage import fs
 
 __all__ = [
@@ -144,7 +148,7 @@ def mx_tensors(writer: dict[str, Any] | None, keys: dict[str, Any]) -> list[MXIn
 @dataclass
 class CheckpointInfo:
     path: str
-    format: str  # "mfsdp" or "stock DCP"
+    format: str  # "mfsdp", "stock DCP", "torchtitan" (its layout, ours or its own), Megatron-Core's
     committed: bool
     step: int | None
     writer: dict[str, Any] | None
@@ -218,14 +222,18 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             info.model_config = info.model_config or mcore["model_config"]
             info.model_source = info.model_source or {"kind": MEGATRON_CORE}  # written by MCore itself
             info.unknown = [u for u in info.unknown if u not in ("model config", "step")] + mcore["unknown"]
+    groups = _titan_groups(manifest, metadata)
+    if groups is not None:
+        _describe_titan(info, directory, manifest)
     for key in sorted(metadata.state_dict_metadata):
         md = metadata.state_dict_metadata[key]
+        group = groups[key] if groups is not None else group_of(key)
         if isinstance(md, TensorStorageMetadata):
             numel = math.prod(md.size)
             info.tensors.append(
                 TensorInfo(
                     key,
-                    group_of(key),
+                    group,
                     str(md.properties.dtype).replace("torch.", ""),
                     tuple(md.size),
                     numel * md.properties.dtype.itemsize,
@@ -234,8 +242,36 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             )
         else:
             length = sum(v.length for _, v in reader.stored.get(key, []))
-            info.tensors.append(TensorInfo(key, group_of(key), None, None, length, 1))
+            info.tensors.append(TensorInfo(key, group, None, None, length, 1))
     return info
+
+
+def _titan_groups(manifest: dict[str, Any] | None, metadata: Metadata) -> dict[str, str] | None:
+    """Each stored key's group in a torchtitan-layout checkpoint (its own, or one we wrote in its
+    layout): the model's bare names ``model``, ``optimizer.*`` ``optim``, the trainer's entries
+    ``other``; None for any other checkpoint."""
+    if not is_stock(manifest) or not is_titan_layout(set(metadata.state_dict_metadata)):
+        return None
+    names = canonical_names(metadata.state_dict_metadata)
+    groups = {stored: group_of(name) for name, stored in names.sources.items()}
+    groups.update((stored, "optim") for stored in names.group_parts)
+    return groups
+
+
+def _describe_titan(info: CheckpointInfo, directory: str, manifest: dict[str, Any] | None) -> None:
+    """A torchtitan-layout checkpoint's format, and for torchtitan's own its step: the trainer's
+    ``train_state.step`` (one small entry read, through the checked reader)."""
+    info.format = TITAN_LAYOUT
+    if manifest is not None:
+        return
+    try:
+        with CheckpointReader(directory) as reader:
+            step = reader.read(STEP_KEY) if STEP_KEY in reader.metadata.state_dict_metadata else None
+    except CheckpointError:
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        info.step = step
+        info.unknown = [u for u in info.unknown if u != "step"]
 
 
 UNPROTECTED = "manifest checksum (format version 1: written before manifests carried manifest_crc32c)"
