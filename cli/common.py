@@ -4,13 +4,11 @@ local paths alone, before torch is imported (about 2 s), in the one line the lib
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import pkgutil
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -126,38 +124,14 @@ class _Output:
 
     def remove_new_partials(self) -> None:
         """Remove the staging siblings this command made and left (an interrupt can come between a
-        staging directory's creation and its writer's taking charge of it), holding the parent's
-        writer lock (re-entrant: this process may hold it still); nothing when another process
-        holds it, or when there is nothing to remove (no lock file is made then)."""
-        from mfsdp_ckpt.errors import CheckpointError
-        from mfsdp_ckpt.storage.lock import run_lock
+        staging directory's creation and its writer's taking charge of it), through the output's
+        destination (under the parent's writer lock; nothing when another process holds it)."""
+        from mfsdp_ckpt.write.destination import destination_for
 
-        parent, name = os.path.split(self.path)
-        new = [n for n in _partial_names(parent, name) if n not in self.partials]
-        if not new:
-            return
-        with contextlib.suppress(CheckpointError, OSError), run_lock(parent):
-            for n in new:
-                path = os.path.join(parent, n)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(path)
+        destination_for(self.path).discard_staging(keep=self.partials)
 
 
 _output: _Output | None = None  # what the running command writes (:func:`guard_output`)
-
-
-def _partial_names(parent: str, name: str) -> list[str]:
-    """The staging siblings of ``parent/name`` (``.<name>.partial-*``) there now."""
-    from mfsdp_ckpt.format.names import PARTIAL_MARK
-
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    return [n for n in names if n.startswith(f".{name}{PARTIAL_MARK}")]
 
 
 def guard_output(path: str) -> None:
@@ -168,6 +142,7 @@ def guard_output(path: str) -> None:
     is committed by its manifest, written last, which nothing here can see."""
     global _output
     from mfsdp_ckpt.storage.fs import normalize
+    from mfsdp_ckpt.write.destination import destination_for
 
     if not is_local(path):
         return
@@ -177,8 +152,7 @@ def guard_output(path: str) -> None:
         before: tuple[int, int] | None = (st.st_dev, st.st_ino)
     except OSError:
         before = None
-    parent, name = os.path.split(final)
-    _output = _Output(final, before, frozenset(_partial_names(parent, name)))
+    _output = _Output(final, before, destination_for(final).staged_siblings())
 
 
 def _committed() -> bool:
@@ -290,9 +264,9 @@ def refuse_existing_output(path: str, *, overwrite: bool, kind: str = "checkpoin
     from mfsdp_ckpt.storage.fs import normalize
 
     if not overwrite and is_local(path) and os.path.lexists(normalize(path)):
-        from mfsdp_ckpt.storage.staging import check_destination
+        from mfsdp_ckpt.write.destination import destination_for
 
-        check_destination(normalize(path), overwrite=False, kind=kind)  # raises: something is there
+        destination_for(normalize(path), kind=kind).check(overwrite=False)  # raises: something is there
 
 
 def refuse_any_output(dst: str, src: str, kind: str) -> None:

@@ -165,6 +165,17 @@ class Destination:
         """Refuse (RunLockedError) a run directory another live process holds the lock of;
         creates nothing."""
 
+    def staged_siblings(self) -> frozenset[str]:
+        """The names of this output's staging siblings there now (``.<name>.partial-*``: a
+        writer's, live or killed); none where staging leaves no sibling (an object store)."""
+        return frozenset()
+
+    def discard_staging(self, keep: frozenset[str] = frozenset()) -> None:
+        """Remove this output's staging siblings but ``keep`` (names), holding the parent's
+        writer lock (re-entrant in this process); nothing when another live process holds it
+        (it is writing). For a writer interrupted between making its staging directory and
+        taking charge of it."""
+
 
 class LocalDestination(Destination):
     """A path on this machine: staged in a ``.partial-`` sibling, committed by one rename, the
@@ -236,6 +247,28 @@ class LocalDestination(Destination):
 
     def hold(self) -> contextlib.AbstractContextManager[None]:
         return run_lock(self.final)
+
+    def staged_siblings(self) -> frozenset[str]:
+        parent, name = os.path.split(self.final)
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return frozenset()
+        return frozenset(n for n in names if n.startswith(f".{name}{PARTIAL_MARK}"))
+
+    def discard_staging(self, keep: frozenset[str] = frozenset()) -> None:
+        parent = os.path.dirname(self.final)
+        left = self.staged_siblings() - keep
+        if not left:
+            return  # (no lock file is made then)
+        with contextlib.suppress(CheckpointError, OSError), run_lock(parent):
+            for name in sorted(left):
+                path = os.path.join(parent, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
 
     def check_unlocked(self) -> None:
         check_unlocked(self.final)
