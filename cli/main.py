@@ -61,8 +61,6 @@ from .job import begin, one_process, run_offline  # noqa: E402
 
 #: ``reshard --world-size``'s bound, :data:`mfsdp_ckpt.sharded.reshard.MAX_WORLD_SIZE` (which imports torch)
 MAX_WORLD_SIZE = 1 << 16
-#: ``upcycle --num-experts``'s bound, :data:`mfsdp_ckpt.tools.upcycle.MAX_EXPERTS` (which imports torch)
-MAX_EXPERTS = 1 << 16
 
 
 @click.group(cls=InterruptibleGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -597,24 +595,11 @@ def upcycle(
 
 def _check_upcycle(src: str, dst: str, num_experts: int, topk: int, granularity: int, overwrite: bool) -> None:
     """``upcycle``'s refusals before torch, as :func:`mfsdp_ckpt.tools.upcycle.upcycle` makes them
-    (its ``_check_spec``, naming SRC), then SRC and DST."""
-    from mfsdp_ckpt.errors import ConversionError
+    (the spec's, naming SRC), then SRC and DST."""
     from mfsdp_ckpt.tools import normalize
+    from mfsdp_ckpt.tools.upcycle_spec import UpcycleSpec, check_spec
 
-    where, e, k, g = normalize(src), num_experts, topk, granularity
-    if e < 1:
-        raise ConversionError(f"{where}: --num-experts {e}: must be at least 1")
-    if e > MAX_EXPERTS:
-        raise ConversionError(f"{where}: --num-experts {e}: must be at most {MAX_EXPERTS} (a model config's limit)")
-    if not 1 <= k <= e:
-        raise ConversionError(f"{where}: --topk {k}: must be in [1, --num-experts {e}]")
-    if g < 1:
-        raise ConversionError(f"{where}: --granularity {g}: must be at least 1")
-    if e % g or k % g:
-        raise ConversionError(
-            f"{where}: --granularity {g} must divide --num-experts {e} and --topk {k} "
-            "(the router must pick whole groups of G experts for the MoE model to compute the dense one)"
-        )
+    check_spec(normalize(src), UpcycleSpec(num_experts, topk, granularity))
     refuse_missing_checkpoint(src)
     refuse_existing_output(dst, overwrite=overwrite)
 

@@ -41,13 +41,13 @@ from mfsdp_ckpt.format.checksum import payload_crc32c
 from mfsdp_ckpt.format.keys import MAIN_PARAM, group_of, model_key, optim_key
 from mfsdp_ckpt.format.manifest import versions, writer_layout
 from mfsdp_ckpt.format.model_source import gpt_source
-from mfsdp_ckpt.hf.config import MAX_COUNT
 from mfsdp_ckpt.hf.registry import architectures
 from mfsdp_ckpt.model.shape import ModelShape, default_plan, meta_model, recorded_shape
 from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.tools.upcycle_spec import MAX_EXPERTS, UpcycleSpec, check_spec
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_ckpt.write.destination import destination_for
 
@@ -64,10 +64,6 @@ __all__ = [
 #: standard deviation of the routers' normal initialisation (Megatron-Core's ``init_method_std``
 #: default, and the reference model's initialisation of every 2-D weight)
 ROUTER_INIT_STD = 0.02
-
-#: the most experts per layer: as many as a model config may declare (``mfsdp_ckpt.hf.config``);
-#: the plan holds a key per expert, so the bound comes before it is built
-MAX_EXPERTS = MAX_COUNT
 
 #: a dense MLP's parameters: ``<layer>.mlp.linear_fc1.layer_norm_weight`` (its fused norm) and
 #: ``<layer>.mlp.linear_fc{1,2}.weight``, ``<layer>`` the transformer layer holding it
@@ -88,17 +84,6 @@ EXACT_MOE_FIELDS: dict[str, Any] = {
     "moe_router_enable_expert_bias": False,
     "first_k_dense_replace": 0,
 }
-
-
-@dataclass(frozen=True)
-class UpcycleSpec:
-    """What the MoE model is to be: ``num_experts`` E, ``topk`` K, ``granularity`` G (each expert
-    one of G slices of the FFN dimension; 1: whole copies) and the routers' ``seed``."""
-
-    num_experts: int
-    topk: int
-    granularity: int = 1
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,24 +121,6 @@ def _moe_shape(src: str, dense: ModelShape, spec: UpcycleSpec) -> ModelShape:
         return moe_config(dense, spec)
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{src}: the upcycled model config is not valid: {e}") from None
-
-
-def _check_spec(src: str, spec: UpcycleSpec) -> None:
-    """Refuse, naming ``src``, numbers no MoE model can have (before the source is read)."""
-    e, k, g = spec.num_experts, spec.topk, spec.granularity
-    if e < 1:
-        raise ConversionError(f"{src}: --num-experts {e}: must be at least 1")
-    if e > MAX_EXPERTS:
-        raise ConversionError(f"{src}: --num-experts {e}: must be at most {MAX_EXPERTS} (a model config's limit)")
-    if not 1 <= k <= e:
-        raise ConversionError(f"{src}: --topk {k}: must be in [1, --num-experts {e}]")
-    if g < 1:
-        raise ConversionError(f"{src}: --granularity {g}: must be at least 1")
-    if e % g or k % g:
-        raise ConversionError(
-            f"{src}: --granularity {g} must divide --num-experts {e} and --topk {k} "
-            "(the router must pick whole groups of G experts for the MoE model to compute the dense one)"
-        )
 
 
 def _upcycled_bytes(reader: MappedReader, sources: dict[str, str], moe: ModelShape, spec: UpcycleSpec) -> int:
@@ -419,7 +386,7 @@ def upcycle(
     bytes written. Memory: one source tensor and one expert slice."""
     start = time.perf_counter()
     spec = UpcycleSpec(num_experts, topk, granularity, seed)
-    _check_spec(fs.normalize(src), spec)
+    check_spec(fs.normalize(src), spec)
     with MappedReader(src) as reader:
         dense = _dense_shape(reader, spec)
         moe = _moe_shape(reader.directory, dense, spec)

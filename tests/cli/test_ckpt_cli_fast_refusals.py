@@ -229,6 +229,7 @@ def test_what_the_refusals_copy_from_modules_that_import_torch_agrees() -> None:
     torch are those of the library's modules (which import it)."""
     from cli import common
     from cli import main as cli_main
+    from mfsdp_ckpt.hf.config import MAX_COUNT
     from mfsdp_ckpt.hf.files import parse_size
     from mfsdp_ckpt.hf.registry import architectures
     from mfsdp_ckpt.hf.workers import max_file_bytes
@@ -237,7 +238,7 @@ def test_what_the_refusals_copy_from_modules_that_import_torch_agrees() -> None:
     from mfsdp_ckpt.tools.upcycle import MAX_EXPERTS
     from mfsdp_core.dtypes import CAST_CHOICES
 
-    assert (cli_main.MAX_WORLD_SIZE, cli_main.MAX_EXPERTS) == (MAX_WORLD_SIZE, MAX_EXPERTS)
+    assert cli_main.MAX_WORLD_SIZE == MAX_WORLD_SIZE and MAX_EXPERTS == MAX_COUNT
     assert common.CAST_CHOICES == CAST_CHOICES
     assert common.arch_names() == sorted(architectures())
     for rule in ["=model.", "model.=", "a=b=c", "=", "bad", "", "model."]:
