@@ -596,10 +596,9 @@ def upcycle(
 def _check_upcycle(src: str, dst: str, num_experts: int, topk: int, granularity: int, overwrite: bool) -> None:
     """``upcycle``'s refusals before torch, as :func:`mfsdp_ckpt.tools.upcycle.upcycle` makes them
     (the spec's, naming SRC), then SRC and DST."""
-    from mfsdp_ckpt.tools import normalize
-    from mfsdp_ckpt.tools.upcycle_spec import UpcycleSpec, check_spec
+    from mfsdp_ckpt.tools import UpcycleSpec, check_upcycle_spec, normalize
 
-    check_spec(normalize(src), UpcycleSpec(num_experts, topk, granularity))
+    check_upcycle_spec(normalize(src), UpcycleSpec(num_experts, topk, granularity))
     refuse_missing_checkpoint(src)
     refuse_existing_output(dst, overwrite=overwrite)
 

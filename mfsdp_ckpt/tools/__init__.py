@@ -22,6 +22,8 @@ __all__ = [
     "diff_checkpoints",
     "convert",
     "upcycle",
+    "UpcycleSpec",
+    "check_upcycle_spec",
     "reshard",
     "list_runs",
     "list_checkpoints",
@@ -53,6 +55,8 @@ def _module_of(name: str) -> types.ModuleType:
         from mfsdp_ckpt.tools import listing as module
     elif name == "list_snapshots":  # a run's memory-tier snapshots
         from mfsdp_ckpt.tier import layout as module
+    elif name in ("UpcycleSpec", "check_upcycle_spec"):
+        from mfsdp_ckpt.tools import upcycle_spec as module
     elif name == "reshard":
         from mfsdp_ckpt.sharded import reshard as module
     elif name in ("inspect_html", "diff_html", "check_report_out", "find_browser", "screenshot"):

@@ -47,7 +47,7 @@ from mfsdp_ckpt.progress import progress_adder
 from mfsdp_ckpt.read.mapped import MappedReader
 from mfsdp_ckpt.read.reader import compact
 from mfsdp_ckpt.storage import fs
-from mfsdp_ckpt.tools.upcycle_spec import MAX_EXPERTS, UpcycleSpec, check_spec
+from mfsdp_ckpt.tools.upcycle_spec import MAX_EXPERTS, UpcycleSpec, check_upcycle_spec
 from mfsdp_ckpt.write.builder import CheckpointBuilder
 from mfsdp_ckpt.write.destination import destination_for
 
@@ -386,7 +386,7 @@ def upcycle(
     bytes written. Memory: one source tensor and one expert slice."""
     start = time.perf_counter()
     spec = UpcycleSpec(num_experts, topk, granularity, seed)
-    check_spec(fs.normalize(src), spec)
+    check_upcycle_spec(fs.normalize(src), spec)
     with MappedReader(src) as reader:
         dense = _dense_shape(reader, spec)
         moe = _moe_shape(reader.directory, dense, spec)

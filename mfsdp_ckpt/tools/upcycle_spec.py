@@ -1,5 +1,5 @@
 """What an upcycled MoE model is to be (:class:`UpcycleSpec`) and the refusal of numbers no MoE
-model can have (:func:`check_spec`), without torch: ``mfsdp-ckpt upcycle`` refuses them before it
+model can have (:func:`check_upcycle_spec`), without torch: ``mfsdp-ckpt upcycle`` refuses them before it
 imports it, and :func:`mfsdp_ckpt.tools.upcycle.upcycle` before it reads the source."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mfsdp_ckpt.errors import ConversionError
 
-__all__ = ["MAX_EXPERTS", "UpcycleSpec", "check_spec"]
+__all__ = ["MAX_EXPERTS", "UpcycleSpec", "check_upcycle_spec"]
 
 #: the most experts per layer: as many as a model config may declare (``mfsdp_ckpt.hf.config``'s
 #: ``MAX_COUNT``, a module that imports torch; a test holds the two equal); the plan holds a key
@@ -27,7 +27,7 @@ class UpcycleSpec:
     seed: int = 0
 
 
-def check_spec(src: str, spec: UpcycleSpec) -> None:
+def check_upcycle_spec(src: str, spec: UpcycleSpec) -> None:
     """Refuse, naming ``src``, numbers no MoE model can have (before the source is read)."""
     e, k, g = spec.num_experts, spec.topk, spec.granularity
     if e < 1:
