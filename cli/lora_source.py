@@ -52,11 +52,12 @@ class LoraSource(ModelSource):
     """``inner`` (a transformers model's source) with the LoRA adapters of ``spec``;
     ``adapter_params``: their parameter count, ``adapter_keys``: their checkpoint keys."""
 
-    def __init__(self, inner: HFSource, spec: LoraSpec) -> None:
-        """ValueError naming ``--lora`` when PEFT cannot adapt the model so (no module matches the
-        targets, or one it does not support): found on the model's ``meta`` copy, before anything
-        is built."""
-        self.inner, self.spec = inner, spec
+    def __init__(self, inner: HFSource, spec: LoraSpec, where: str = "--lora") -> None:
+        """ValueError naming ``where`` (``--lora``, or the checkpoint whose ``model_source.lora``
+        the spec comes from) when PEFT cannot adapt the model so (no module matches the targets,
+        or one it does not support) or ``r`` exceeds a targeted layer's smaller dimension: found
+        on the model's ``meta`` copy, before any adapter tensor is made."""
+        self.inner, self.spec, self.where = inner, spec, where
         self.kind, self.name = inner.kind, inner.name
         self.vocab_size, self.seq_length, self.num_experts = inner.vocab_size, inner.seq_length, inner.num_experts
         meta = self._adapted(inner.meta_model())
@@ -117,20 +118,26 @@ class LoraSource(ModelSource):
         exported model are a linear layer's)."""
         from torch import nn
 
-        targets = self.spec.targets
+        targets, where = self.spec.targets, self.where
         matched = [(n, m) for n, m in model.named_modules() if n.rpartition(".")[2] in targets]
         found = {n.rpartition(".")[2] for n, _ in matched}
         if missing := [t for t in targets if t not in found]:
-            raise ValueError(f"--lora targets: {type(model).__name__} has no module named {missing[0]!r}")
+            raise ValueError(f"{where} targets: {type(model).__name__} has no module named {missing[0]!r}")
         for name, module in matched:
             if not isinstance(module, nn.Linear):
                 raise ValueError(
-                    f"--lora targets: {name} ({type(module).__name__}) is not an nn.Linear (LoRA adapts linear layers)"
+                    f"{where} targets: {name} ({type(module).__name__}) is not an nn.Linear (LoRA adapts linear layers)"
+                )
+            smaller = min(module.in_features, module.out_features)
+            if self.spec.r > smaller:  # checked before PEFT makes any adapter tensor
+                raise ValueError(
+                    f"{where}: r={self.spec.r} exceeds {name} ({module.in_features} in, {module.out_features} out): "
+                    f"the rank is at most a targeted layer's smaller dimension, here {smaller}"
                 )
         try:
             import peft
         except ImportError:
-            raise ValueError(f"--lora: the peft package is not installed ({PEFT_HINT})") from None
+            raise ValueError(f"{where}: the peft package is not installed ({PEFT_HINT})") from None
         config = peft.LoraConfig(
             r=self.spec.r,
             lora_alpha=self.spec.alpha,
@@ -141,7 +148,7 @@ class LoraSource(ModelSource):
         try:
             return peft.inject_adapter_in_model(config, model)
         except (ValueError, TypeError, RuntimeError) as e:  # PEFT's: no module matches, or one it cannot adapt
-            raise ValueError(f"--lora targets={','.join(self.spec.targets)}: {one_line(e)}") from None
+            raise ValueError(f"{where} targets={','.join(self.spec.targets)}: {one_line(e)}") from None
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:
         return self.inner.shard_units(model)

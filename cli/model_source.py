@@ -193,7 +193,7 @@ def with_lora(source: ModelSource, flag: str | None, record: tuple[dict[str, Any
         )
     from .lora_source import LoraSource
 
-    return LoraSource(source, spec)
+    return LoraSource(source, spec, "--lora" if wanted else f"{record[1]}: model_source.lora")
 
 
 def _start_record(start_from: tuple[str, str] | None) -> tuple[dict[str, Any], str] | None:

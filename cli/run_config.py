@@ -61,15 +61,20 @@ _ONLY_WITH = {"muon-lr": ("optimizer", "muon"), "ns-dtype": ("optimizer", "muon"
 SETTINGS_KEY = "settings"  # every resolved setting, the defaults of a resumed run (not compared)
 
 
-def run_config(settings: Settings, model_name: str) -> dict[str, Any]:
+def run_config(settings: Settings, model_name: str, identity: str | None = None) -> dict[str, Any]:
     """The recorded settings of this run, by flag name (``data``: where the samples come from),
     and under ``settings`` all of the run's resolved settings (``--resume`` takes them as defaults)
-    with ``model_name``, what a run started from this checkpoint calls the model (the source's name)."""
+    with ``model_name``, what a run started from this checkpoint calls the model (the source's name);
+    with ``identity``, the run's identity too (:mod:`mfsdp_ckpt.format.run_identity`: no setting,
+    never compared as one)."""
+    from mfsdp_ckpt.format.run_identity import RUN_IDENTITY_KEY
     from mfsdp_core.token_files import describe_token_file  # (numpy: this module is imported by the light parser)
 
     values = settings.values()
     # ``model_name``: not a flag (no default), so that no resumed run takes it as one
     out: dict[str, Any] = {SETTINGS_KEY: {**resolved_settings(values), "model_name": model_name}}
+    if identity is not None:
+        out[RUN_IDENTITY_KEY] = identity
     for flag, attr in RECORDED_FLAGS.items():
         if flag == "data":  # a token file, or the trainer's generated token stream (seeded by --seed)
             data = settings.data
@@ -97,10 +102,14 @@ def allowed_changes(names: list[str]) -> set[str]:
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any], allowed: set[str]) -> list[str]:
-    """``--flag SAVED (this run: NOW)`` for each recorded setting that differs and is not allowed."""
+    """``--flag SAVED (this run: NOW)`` for each recorded setting that differs and is not allowed
+    (the run's identity is no setting: left out)."""
+    from mfsdp_ckpt.format.run_identity import RUN_IDENTITY_KEY
+
     out = []
-    saved = {_RENAMED.get(flag, flag): value for flag, value in saved.items() if flag != SETTINGS_KEY}
-    current = {flag: value for flag, value in current.items() if flag != SETTINGS_KEY}
+    skipped = (SETTINGS_KEY, RUN_IDENTITY_KEY)
+    saved = {_RENAMED.get(flag, flag): value for flag, value in saved.items() if flag not in skipped}
+    current = {flag: value for flag, value in current.items() if flag not in skipped}
     for flag in sorted(set(saved) | set(current)):
         if flag in allowed or saved.get(flag) == current.get(flag):
             continue
@@ -129,25 +138,34 @@ def start_checkpoint(
 def newest_state(ckpt_dir: str | None, mem_tier: str | None) -> tuple[str, bool] | None:
     """``(checkpoint, in memory)``: what ``--resume`` / ``--resume auto`` / a restart continues,
     the newer of ``<ckpt_dir>/latest`` and (with a local ``--mem-tier``) the run's newest
-    snapshot this machine holds (:func:`mfsdp_ckpt.tier.newest_snapshot`; a snapshot at least as
-    new as ``latest`` wins, as the recovery decides); None: neither exists. A ``latest`` whose
-    manifest cannot be read counts as older than any snapshot (its own checks say why when it is
-    the one resumed)."""
+    snapshot this machine holds (:func:`mfsdp_ckpt.tier.newest_snapshot`, by the step its records
+    say); None: neither exists. A snapshot competes with ``latest`` only when it carries the same
+    run identity (:mod:`mfsdp_ckpt.format.run_identity`: another run that used this ``--ckpt-dir``
+    left it otherwise), and wins when it is at least as new, by the step each manifest records, as
+    the recovery decides. A ``latest`` whose manifest cannot be read counts as older than any
+    snapshot (its own checks say why when it is the one resumed)."""
     import mfsdp_ckpt
+    from mfsdp_ckpt.format.run_identity import identity_of
     from mfsdp_ckpt.read.manifest import read_manifest
     from mfsdp_ckpt.storage import fs as mfsdp_fs
     from mfsdp_ckpt.tier import newest_snapshot
 
     latest = mfsdp_fs.join(mfsdp_fs.normalize(ckpt_dir), mfsdp_ckpt.LATEST_NAME) if ckpt_dir else None
     durable = latest if latest is not None and mfsdp_fs.exists(latest) else None
-    snapshot = newest_snapshot(mem_tier, ckpt_dir) if ckpt_dir and mem_tier and is_local(mem_tier) else None
-    if snapshot is not None and durable is not None:
+    in_tier = bool(ckpt_dir and mem_tier and is_local(mem_tier))
+    if durable is not None and in_tier:
         try:
-            step = read_manifest(mfsdp_ckpt.resolve_checkpoint(durable)).get("step")
+            manifest: dict[str, Any] | None = read_manifest(mfsdp_ckpt.resolve_checkpoint(durable))
         except mfsdp_ckpt.CheckpointError:
-            step = None
-        if isinstance(step, int) and step > snapshot[0]:
-            snapshot = None
+            manifest = None
+        step = manifest.get("step") if manifest is not None else None
+        snapshot = newest_snapshot(mem_tier, ckpt_dir, identity=identity_of(manifest)) if manifest else None
+        if snapshot is None and manifest is None:
+            snapshot = newest_snapshot(mem_tier, ckpt_dir)
+        if snapshot is not None and not (isinstance(step, int) and step > snapshot[0]):
+            return snapshot[1], True
+        return durable, False
+    snapshot = newest_snapshot(mem_tier, ckpt_dir) if in_tier else None
     if snapshot is not None:
         return snapshot[1], True
     return (durable, False) if durable is not None else None

@@ -209,7 +209,35 @@ def checked_checkpoint(where: str, source: ModelSource, flag: str) -> str:
     )
     if diffs:
         raise UsageError(f"{flag}: {path} was written for another model config: {', '.join(diffs)}")
+    _check_adapters(path, manifest, flag)
     return path
+
+
+def _check_adapters(path: str, manifest: dict, flag: str) -> None:
+    """A LoRA checkpoint's record against the adapters it holds, before any is built or loaded:
+    each factor's shape composes with the weight it adapts (kept in the checkpoint's base) at the
+    recorded rank (:func:`mfsdp_ckpt.format.lora.adapter_pairs`; the manifest schema already
+    checked the targets and the factors' rank). Torch-free: from the indexes of the checkpoint and
+    of its base (a checkpoint without an index is checked by its load)."""
+    from mfsdp_ckpt.format.lora import adapter_pairs, lora_of_record
+    from mfsdp_ckpt.format.model_source import model_source_of
+    from mfsdp_ckpt.read.base_manifest import checked_base
+
+    record = model_source_of(manifest) or {}
+    if record.get("lora") is None or "index" not in manifest:
+        return
+    try:
+        spec = lora_of_record(record, path)
+        base = checked_base(path, manifest)
+    except (ValueError, mfsdp_ckpt.CheckpointError) as e:
+        raise UsageError(f"{flag}: {e}") from None
+    shapes = {}
+    for m in [manifest] + ([base[1]] if base is not None else []):
+        shapes.update({k: tuple(v[1]) for k, v in m["index"]["keys"].items() if k.startswith("model.") and v[1]})
+    try:
+        adapter_pairs(shapes, spec, path)
+    except ConversionError as e:
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def refuse_locked(ckpt_dir: str | None) -> None:

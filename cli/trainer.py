@@ -42,10 +42,11 @@ import torch.nn.functional as F
 
 import mfsdp_ckpt
 from mfsdp_ckpt.errors import JobLostError, shown_list
+from mfsdp_ckpt.format.run_identity import identity_of, new_identity
 from mfsdp_ckpt.read.manifest import read_manifest
 from mfsdp_ckpt.sharded.load import PARTLY_LOADED
 from mfsdp_ckpt.storage import fs as mfsdp_fs
-from mfsdp_ckpt.tier import MemoryTier, recover
+from mfsdp_ckpt.tier import MemoryTier
 from mfsdp_ckpt.tools import list_checkpoints
 from mfsdp_ckpt.write.destination import destination_for
 from mfsdp_core import (
@@ -80,14 +81,13 @@ from .train_signals import (
 )
 from .train_start import (
     check_model,
-    checked_resume,
     decide_start,
     open_data,
     refuse_locked,
     resolve_auto_resume,
 )
 from .train_tensorboard import TensorBoard, open_tensorboard
-from .train_tier import TierSnapshots, memory_tier, restarted
+from .train_tier import TierSnapshots, memory_tier, recover_run, restarted
 
 
 def check_args(args: argparse.Namespace, world: int) -> tuple[Settings, ModelSource]:
@@ -270,27 +270,29 @@ def _start(
     start: StartPoint,
     settings: Settings,
     source: ModelSource,
-    model: torch.nn.Module,
-    optim: Any,
+    built: tuple[torch.nn.Module, Any],
     rank: int,
     world: int,
     tier: MemoryTier | None = None,
-) -> tuple[int, int, bool, str]:
+) -> tuple[int, int, bool, str, str, tuple[torch.nn.Module, Any]]:
     """Load what the run starts from into the fresh model: the memory tier's newest whole
-    snapshot when ``tier`` is given and it is at least as new as the durable checkpoint (checked
-    for this model and settings as a durable resume is), else ``--resume`` / ``--init-from``'s
-    checked checkpoint; ``(step, data position, resumed, where it started from in words)``.
+    snapshot of this run when ``tier`` is given and it is at least as new as the durable
+    checkpoint (:func:`cli.train_tier.recover_run`: its run identity, model and settings checked;
+    one whose load fails passed over for the next whole state, the model rebuilt), else
+    ``--resume`` / ``--init-from``'s checked checkpoint; ``(step, data position, resumed, where
+    it started from in words, the run's identity, the model and optimizer to train)``.
 
     Every load is ``atomic=False`` (read straight into place, one pass over the bytes): the model
-    is freshly initialised, so a failed load loses nothing, and the run stops with its error."""
+    is freshly initialised, so a failed load loses nothing, and the run stops with its error
+    (a snapshot's: it falls back)."""
     step, position = 0, 0
+    model, optim = built
     if tier is not None:
-        try:
-            recovery = recover(tier, model, optim, not_before=_durable_step(start))
-        except mfsdp_ckpt.CheckpointError as e:
-            raise _refusal("--mem-tier", e) from None
+        durable = start.path if start.resumes else None
+        recovery, (model, optim) = recover_run(
+            tier, settings, source, durable, (model, optim), lambda: build(source, settings)
+        )
         if recovery.step is not None:
-            rank0_decides(checked_resume, settings, recovery.path, source, "--resume (memory tier)")
             source.resumed(recovery.extra)
             if rank == 0:
                 passed = f"; passed over {recovery.why}" if recovery.why else ""
@@ -300,7 +302,8 @@ def _start(
                     flush=True,
                 )
             where = f"the memory tier at step {recovery.step}"
-            return recovery.extra["step"], recovery.extra["data_position"], True, where
+            identity = _identity_of(recovery.path)
+            return recovery.extra["step"], recovery.extra["data_position"], True, where, identity, (model, optim)
         if start.resumes and start.path is None and settings.checkpoint.resume == _LATEST:
             raise UsageError(
                 f"--resume: no checkpoint to resume from: the memory tier holds no whole snapshot ({recovery.why}) "
@@ -328,7 +331,8 @@ def _start(
         source.resumed(extra)
         if rank == 0:
             print(f"resumed from {start.path} at step {step} (world size {world})", flush=True)
-        return step, position, True, f"{start.path} at step {step}"
+        where = f"{start.path} at step {step}"
+        return step, position, True, where, _identity_of(start.path), (model, optim)
     if start.flag == "--init-from":
         fresh = source.starts_fresh(read_manifest(start.path))
         try:  # model weights only; the optimizer, step and data position start fresh
@@ -338,7 +342,23 @@ def _start(
         if rank == 0:
             also = f"; {len(fresh)} adapter tensors it does not hold start fresh" if fresh else ""
             print(f"initialised from the weights of {start.path} (world size {world}){also}", flush=True)
-    return step, position, False, f"the weights of {start.path}" if start.flag == "--init-from" else "a fresh start"
+    where = f"the weights of {start.path}" if start.flag == "--init-from" else "a fresh start"
+    return step, position, False, where, rank0_decides(new_identity), (model, optim)
+
+
+def _identity_of(path: str | None) -> str:
+    """The run identity the checkpoint at ``path`` records, carried over by the run that
+    continues it (rank 0 reads it for all); a new one when it records none (written before
+    identities were recorded)."""
+
+    def read() -> str:
+        try:
+            found = identity_of(read_manifest(path)) if path else None
+        except mfsdp_ckpt.CheckpointError:
+            found = None
+        return found or new_identity()
+
+    return rank0_decides(read)
 
 
 def _refusal(what: str, error: mfsdp_ckpt.CheckpointError) -> Exception:
@@ -354,12 +374,6 @@ def _refusal(what: str, error: mfsdp_ckpt.CheckpointError) -> Exception:
     return UsageError(f"{what}: {message}")
 
 
-def _durable_step(start: StartPoint) -> int | None:
-    """The step of the durable checkpoint a resume would load (None: none)."""
-    step = read_manifest(start.path).get("step") if start.resumes and start.path else None
-    return step if isinstance(step, int) else None
-
-
 def _train(
     settings: Settings, source: ModelSource, start: StartPoint, rank: int, world: int, stops: StopRequests
 ) -> int:
@@ -373,12 +387,13 @@ def _train(
     recovering = tier is not None and (settings.checkpoint.resume in (_AUTO, _LATEST) or restarted())
     if tier is not None and not recovering:
         TierSnapshots(tier, settings.checkpoint.mem_every, rank).remove()  # a fresh run: nothing of an earlier one
-    step, position, resumed, where = _start(
-        start, settings, source, model, optim, rank, world, tier if recovering else None
+    step, position, resumed, where, identity, (model, optim) = _start(
+        start, settings, source, (model, optim), rank, world, tier if recovering else None
     )
     with contextlib.ExitStack() as run:
         rank0_decides(claim_run_dir, settings.checkpoint.ckpt_dir, resumed, run)
-        return _loop(settings, source, rank, world, stops, (model, optim, data, device), step, position, where)
+        built = (model, optim, data, device)
+        return _loop(settings, source, rank, world, stops, built, step, position, (where, identity))
 
 
 def _loop(
@@ -390,11 +405,13 @@ def _loop(
     built: tuple[torch.nn.Module, Any, SyntheticText | TokenFile, torch.device],
     step: int,
     position: int,
-    started_from: str,
+    started: tuple[str, str],
 ) -> int:
-    """The accepted run, from ``step`` (what ``started_from`` says): its header, the steps, the
-    saves, its last line."""
+    """The accepted run, from ``step`` (``started``: where it started from in words, and the
+    run's identity, which every checkpoint it writes records): its header, the steps, the saves,
+    its last line."""
     model, optim, data, device = built
+    started_from, identity = started
     if rank == 0:
         for line in run_header(settings, source, world):
             print(line, flush=True)
@@ -403,7 +420,7 @@ def _loop(
     bar = _progress(rank, step, last)
     saving = _AsyncSaves(rank, bar) if settings.checkpoint.async_save else None
     loop = _Loop(settings, source, rank, world, model, optim, data, device, bar, saving, stops)
-    loop.started_from = started_from
+    loop.started_from, loop.identity = started_from, identity
     tier = memory_tier(settings.checkpoint, world)
     if tier is not None:
         loop.snapshots = TierSnapshots(tier, settings.checkpoint.mem_every, rank, log=lambda line: _log(bar, line))
@@ -534,6 +551,7 @@ class _Loop:
     tb: TensorBoard | None = None  # --tensorboard's writer (rank 0)
     snapshots: TierSnapshots | None = None  # --mem-tier's
     started_from = "a fresh start"  # what the launcher is told after a restart's first step
+    identity: str | None = None  # the run's identity, recorded in every checkpoint (run_config)
 
     def __init__(
         self,
@@ -626,7 +644,7 @@ class _Loop:
             "extra": {"step": step, "data_position": position, "model": source.name, **source.extra()},
             "model_config": source.model_config(),
             "model_source": source.record(),
-            "run_config": run_config(self.settings, source.name),
+            "run_config": run_config(self.settings, source.name, self.identity),
         }
 
     def save(self, step: int, position: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from mfsdp_ckpt.errors import CorruptCheckpointError
 from mfsdp_ckpt.format.base_ref import BASE_ROLE, name_problem
+from mfsdp_ckpt.format.lora import MAX_LORA_R, checked_spec, factor_problem
 from mfsdp_ckpt.format.model_source import KINDS
 from mfsdp_ckpt.format.names import member_name_problem, shown
 from mfsdp_ckpt.format.record_table import table_size
@@ -221,7 +222,20 @@ def _choice(*allowed: str) -> Check:
     return check
 
 
-_LORA = record(required={"r": _COUNT, "alpha": number, "targets": list_of(line)}, optional={"dropout": number})
+def _lora_spec(v: dict, at: str) -> None:
+    """The LoRA record as ``--lora`` would accept it: ``r`` within :data:`MAX_LORA_R`, targets
+    module names (no ``../``, no dots), each once, a positive alpha, a dropout in [0, 1)."""
+    try:
+        checked_spec(v["r"], v["alpha"], v["targets"], v.get("dropout", 0.0), "")
+    except ValueError as e:
+        raise _Invalid(at, str(e).removeprefix(": ")) from None
+
+
+_LORA = record(
+    required={"r": integer(1, MAX_LORA_R), "alpha": number, "targets": list_of(line)},
+    optional={"dropout": number},
+    then=_lora_spec,
+)
 _MODEL_SOURCE = record(
     required={"kind": _choice(*KINDS)},
     optional={
@@ -416,12 +430,34 @@ def _sizes_fit(v: dict) -> None:
 
 def _chunks_or_index(v: dict, at: str) -> None:
     """A manifest lists every chunk (``chunks``: older saves, the offline tools) or holds an
-    index of the save's layout, which needs the writer's plan; and its sizes fit (:func:`_sizes_fit`)."""
+    index of the save's layout, which needs the writer's plan; its sizes fit (:func:`_sizes_fit`);
+    and its LoRA record says the adapters it holds (:func:`_lora_fits`)."""
     if "chunks" not in v and "index" not in v:
         raise _Invalid("chunks", "missing")
     if "index" in v and "plan" not in (v.get("writer") or {}):
         raise _Invalid("writer.plan", "missing: the index is derived from it")
     _sizes_fit(v)
+    _lora_fits(v)
+
+
+def _lora_fits(v: dict) -> None:
+    """A save's ``model_source.lora`` against the LoRA factors its own entries hold (the index's
+    keys with their shapes, or the chunk table's keys): the modules adapted are the record's
+    targets, every target is adapted, every factor has its partner and the recorded rank
+    (:func:`~mfsdp_ckpt.format.lora.factor_problem`). A base holds frozen weights only: not
+    checked. Every reader (``verify``, the exports, ``--resume``) refuses a record that disagrees."""
+    source = v.get("model_source")
+    if v.get("role") == BASE_ROLE or not isinstance(source, dict) or source.get("lora") is None:
+        return
+    lora = source["lora"]
+    spec = checked_spec(lora["r"], lora["alpha"], lora["targets"], lora.get("dropout", 0.0), "")
+    if "index" in v:
+        shapes = {k: shape for k, (_, shape, _) in v["index"]["keys"].items() if k.startswith("model.")}
+    else:
+        shapes = dict.fromkeys({cid.partition("@")[0] for cid in v["chunks"] if cid.startswith("model.")})
+    problem = factor_problem(shapes, spec)
+    if problem is not None:
+        raise _Invalid("model_source.lora", problem)
 
 
 def _base_name(v: Any, at: str) -> None:

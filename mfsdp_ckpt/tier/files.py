@@ -7,6 +7,10 @@ list of transfers in the same order and takes part only in its own, so the sends
 pair up without a deadlock whatever the list. A received file lands in ``<name>.partial``, is
 checked against the crc32c the sender computed, and only then renamed: a file under its own name
 is always whole.
+
+Nothing is opened through a link (:mod:`mfsdp_ckpt.tier.entries`): a file is read only when it
+is a regular file itself, a ``.partial`` is created new (``O_EXCL | O_NOFOLLOW``, whatever was
+under its name unlinked first), and a file's size is checked before any byte of it is hashed.
 """
 
 from __future__ import annotations
@@ -22,38 +26,46 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.tier.entries import FILE, create_new, dir_problem, file_problem, kind_of, open_regular_nofollow
 from mfsdp_ckpt.tier.layout import TierFile
 
-__all__ = ["Transfer", "file_crc32c", "check_file", "move_files"]
+__all__ = ["Transfer", "file_crc32c", "check_file", "move_files", "target_dirs"]
 
 _KEPT_MAPPED: list[contextlib.ExitStack] = []  # the mappings of failed calls (see move_files)
 
 
-def file_crc32c(path: str) -> tuple[int, int]:
-    """``(size, crc32c)`` of the file at ``path`` (read through a mapping: no copy of its bytes)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+def file_crc32c(path: str, size: int | None = None) -> tuple[int, int]:
+    """``(size, crc32c)`` of the regular file at ``path`` (not through a link; read through a
+    mapping: no copy of its bytes). With ``size``: a file of another size is not hashed at all
+    (its crc32c is returned as -1), so a file grown to a terabyte costs one ``fstat``."""
+    fd = open_regular_nofollow(path)
+    with os.fdopen(fd, "rb") as f:
+        actual = os.fstat(f.fileno()).st_size
+        if size is not None and actual != size:
+            return actual, -1
+        if actual == 0:
             return 0, _crc32c.crc32c(b"")
-        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+        with mmap.mmap(f.fileno(), actual, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return size, _crc32c.crc32c(view)
+                return actual, _crc32c.crc32c(view)
             finally:
                 view.release()
 
 
 def check_file(directory: str, name: str, expected: TierFile, checksum: bool = True) -> str | None:
-    """Why the copy of ``name`` in ``directory`` cannot be used (missing, another size, a crc32c
-    mismatch), or None when it is whole (``checksum=False``: when it has the recorded size)."""
+    """Why the copy of ``name`` in ``directory`` cannot be used (missing, a link or no regular
+    file, another size, a crc32c mismatch), or None when it is whole (``checksum=False``: when it
+    has the recorded size). The size is checked before any byte is read."""
     path = os.path.join(directory, name)
-    if os.path.islink(path) or not os.path.isfile(path):
-        return "missing"
+    problem = file_problem(path)
+    if problem is not None:
+        return problem
     try:
         if not checksum:
-            size = os.path.getsize(path)
+            size = os.lstat(path).st_size
             return None if size == expected.size else f"{size} bytes, not {expected.size}"
-        size, crc = file_crc32c(path)
+        size, crc = file_crc32c(path, expected.size)
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
     if size != expected.size:
@@ -101,9 +113,9 @@ def move_files(
     for t, problem in arrived:
         path = os.path.join(t.target_dir, t.name)
         if problem is None:
-            if not os.path.exists(path + ".partial"):  # empty: nothing was mapped
-                open(path + ".partial", "wb").close()
-            os.replace(path + ".partial", path)
+            if kind_of(path + ".partial") != FILE:  # empty: nothing was mapped
+                os.close(create_new(path + ".partial"))
+            os.replace(path + ".partial", path)  # over a link under that name: the link goes, not its target
         else:
             damaged.append(problem)
             with contextlib.suppress(FileNotFoundError):
@@ -133,7 +145,6 @@ def _post_and_wait(
                 mapped = mappings.enter_context(_mapping(os.path.join(t.source_dir, t.name), size))
                 sends.append(_isend(mapped, t.receiver, group, tag))
             continue
-        os.makedirs(t.target_dir, exist_ok=True)
         partial = os.path.join(t.target_dir, t.name) + ".partial"
         if travels:
             mapped = mappings.enter_context(_mapping(partial, size, create=True))
@@ -154,10 +165,8 @@ def _exchange_sizes(mine: list[tuple[int, Transfer]], rank: int, group: dist.Pro
     works = []
     for tag, t in mine:
         if rank == t.sender:
-            try:
-                size = os.path.getsize(os.path.join(t.source_dir, t.name))
-            except OSError:
-                size = -1
+            path = os.path.join(t.source_dir, t.name)
+            size = os.lstat(path).st_size if kind_of(path) == FILE else -1  # a link is not sent
             sizes[tag] = torch.tensor([size], dtype=torch.int64)
             works.append(dist.isend(sizes[tag], dst=t.receiver, group=group, tag=tag))
         else:
@@ -168,11 +177,26 @@ def _exchange_sizes(mine: list[tuple[int, Transfer]], rank: int, group: dist.Pro
     return {tag: int(size.item()) for tag, size in sizes.items()}
 
 
+def target_dirs(transfers: list[Transfer], rank: int) -> None:
+    """Check the directories this rank receives into (before any transfer is posted, so that a
+    refusal leaves no send without its receive): each must be a real directory of the tier (a
+    link is never written through); :class:`CheckpointError` naming the first that is not."""
+    for t in transfers:
+        if t.receiver == rank and t.sender != rank:
+            problem = dir_problem(t.target_dir)
+            if problem is None and not os.path.isdir(t.target_dir):
+                problem = f"{t.target_dir}: missing"
+            if problem is not None:
+                raise CheckpointError(problem)
+
+
 @contextlib.contextmanager
 def _mapping(path: str, size: int, create: bool = False) -> Iterator[mmap.mmap]:
     """``size`` bytes of the file at ``path`` mapped: to send (a private mapping: nothing written
-    back), or, with ``create``, a new file of that size to receive into."""
-    with open(path, "w+b" if create else "rb") as f:
+    back; the file itself, not a link), or, with ``create``, a new file of that size to receive
+    into (created new: never written through a link left under its name)."""
+    fd = create_new(path) if create else open_regular_nofollow(path)
+    with os.fdopen(fd, "w+b" if create else "rb") as f:
         if create:
             f.truncate(size)
         access = mmap.ACCESS_WRITE if create else mmap.ACCESS_COPY

@@ -6,7 +6,8 @@ data files, ``.metadata`` and ``mfsdp.json``), so the durable checkpoint is thos
 through the one write path: rank 0 opens the destination (its lock, refusals and staging
 place), every rank copies the data files it wrote itself from its node's tier directory, rank 0
 copies ``.metadata`` and commits with ``mfsdp.json`` last, then ``latest`` moves and old
-checkpoints are pruned, as after a save. Collective.
+checkpoints are pruned, as after a save. Collective. The snapshot's files are read only as
+regular files themselves (never through a link planted in the tier).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import os
 import shutil
 
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME, dcp_data_file_rank
 from mfsdp_ckpt.storage import fs
+from mfsdp_ckpt.tier.entries import FILE, dir_problem, kind_of, open_regular_nofollow
 from mfsdp_ckpt.tier.layout import MemoryTier
 from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.destination import Destination, destination_for
@@ -63,6 +66,9 @@ def promote(
 
 def _copy_own(source: str, staging: str, rank: int, destination: Destination) -> list[str]:
     """This rank's data files (``__<rank>_<k>.distcp``) from its node's snapshot into ``staging``."""
+    problem = dir_problem(source)
+    if problem is not None:
+        raise CheckpointError(problem)
     names = sorted(n for n in os.listdir(source) if dcp_data_file_rank(n) == rank)
     for name in names:
         _copy(os.path.join(source, name), fs.join(staging, name), destination)
@@ -78,6 +84,8 @@ def _commit(source: str, staging: str, destination: Destination) -> str:
 
 
 def _copy(src: str, dst: str, destination: Destination) -> None:
-    with open(src, "rb") as f, fs.open_file(dst, "wb") as out:
+    if kind_of(src) != FILE:
+        raise CheckpointError(f"{src}: not a regular file of the memory tier (a link is never followed)")
+    with os.fdopen(open_regular_nofollow(src), "rb") as f, fs.open_file(dst, "wb") as out:
         shutil.copyfileobj(f, out, _PIECE)
         destination.sync_file(out)

@@ -18,27 +18,41 @@ one-line error and each node's staging directory is removed; what was committed 
 4. each node's files are sent to the leaders of its ``replicas`` peer nodes, checked on arrival;
 5. each leader writes the shared files and ``tier.json``, renames the staging directory to
    ``step_<n>`` and removes all but the newest ``keep`` snapshots of its node.
+
+Nothing is written through a link (:mod:`mfsdp_ckpt.tier.entries`): the run's and the node's
+directories must be real directories of the tier (a link there fails the snapshot in one line,
+naming it), files are created new, and the pruning removes real directories only, keeping the
+newest ``keep`` whose records say the step their name says (:func:`prune_node`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfsdp_ckpt.errors import CheckpointError
 from mfsdp_ckpt.format.checksum import crc32c
 from mfsdp_ckpt.format.manifest import indexed
 from mfsdp_ckpt.sharded.async_save import AsyncSaveHandle, async_write
 from mfsdp_ckpt.sharded.own_chunks import write_own_chunks
 from mfsdp_ckpt.sharded.planner import MfsdpSavePlanner
 from mfsdp_ckpt.sharded.save import SaveContents, save_contents
-from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files
-from mfsdp_ckpt.tier.layout import SHARED_FILES, TIER_INDEX_NAME, MemoryTier, TierFile, tier_index, tier_steps
+from mfsdp_ckpt.tier.entries import DIRECTORY, dir_problem, ensure_dir, kind_of, remove_dir, write_new
+from mfsdp_ckpt.tier.files import Transfer, file_crc32c, move_files, target_dirs
+from mfsdp_ckpt.tier.layout import (
+    SHARED_FILES,
+    TIER_INDEX_NAME,
+    MemoryTier,
+    TierFile,
+    recorded_step_problem,
+    tier_index,
+    tier_steps,
+)
 from mfsdp_ckpt.tier.promote import promote
 from mfsdp_ckpt.write.agreement import Job
 from mfsdp_ckpt.write.dcp_writer import CommittingWriter
@@ -47,7 +61,7 @@ from mfsdp_ckpt.write.manifest import write_manifest
 from mfsdp_ckpt.write.save_index import build_index
 from mfsdp_core.collectives import rank_and_world
 
-__all__ = ["async_snapshot", "snapshot", "write_snapshot"]
+__all__ = ["async_snapshot", "prune_node", "snapshot", "write_snapshot"]
 
 
 def snapshot(
@@ -124,7 +138,7 @@ def write_snapshot(
     what = f"memory tier step {step}: not snapshotted"
     committed = False
     try:
-        job.run(what, _open_staging if leader else _nothing, staging)
+        job.run(what, _open_staging if leader else _nothing, tier, staging)
         writer = CommittingWriter(destination_for(final), staging, contents.manifest, sync_files=False)
         part = job.run(what, _write_part, writer, entries, planner, rank)
         gathered = job.gather_to_main(part)
@@ -133,22 +147,30 @@ def write_snapshot(
             name: TierFile(size, crc, tier.node_of(r)) for r, own in enumerate(per_rank) for name, size, crc in own
         }
         files.update({name: TierFile(len(data), crc32c(data)) for name, data in shared})
-        job.run(what, move_files, _replication(tier, files, step, nodes), files, rank, job.group)
+        replication = _replication(tier, files, step, nodes)
+        job.run(what, target_dirs, replication, rank)
+        job.run(what, move_files, replication, files, rank, job.group)
         job.run(what, _commit if leader else _nothing, tier, node, step, staging, shared, files, nodes)
         committed = True
         return final
     finally:
-        if not committed and leader:
-            shutil.rmtree(staging, ignore_errors=True)
+        if not committed and leader and dir_problem(tier.node_dir(node)) is None:
+            remove_dir(staging)
 
 
 def _nothing(*_: Any) -> None:
     """A rank's share of a phase that only the node leaders act in (it still agrees on the outcome)."""
 
 
-def _open_staging(staging: str) -> None:
-    shutil.rmtree(staging, ignore_errors=True)  # a leftover of an earlier try at this step
-    os.makedirs(staging)
+def _open_staging(tier: MemoryTier, staging: str) -> None:
+    """A leader: its node's staging directory, new (a leftover of an earlier try at this step
+    removed; the run's and node's directories real directories of the tier, else one line)."""
+    ensure_dir(os.path.dirname(staging), tier.root)
+    if kind_of(staging) == DIRECTORY:
+        remove_dir(staging)  # a leftover of an earlier try at this step
+    elif kind_of(staging) is not None:
+        os.unlink(staging)  # a file or a link under the staging name: removed as itself, never followed
+    os.mkdir(staging)
 
 
 def _write_part(
@@ -173,7 +195,7 @@ def _shared_files(
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # rank 0's own staging directory, just written
         return f.read()
 
 
@@ -206,22 +228,37 @@ def _commit(
     nodes: int,
 ) -> None:
     """A node leader: the shared files and ``tier.json`` into the staging directory, the rename
-    (replacing a snapshot of the same step: a step redone after a restart), then the oldest
-    snapshots beyond ``keep`` removed, and what killed snapshots left (``step_<n>.partial``: one
-    snapshot is in flight at a time, so any other is a leftover)."""
+    (replacing a snapshot of the same step: a step redone after a restart), then the pruning
+    (:func:`prune_node`)."""
     for name, data in shared:
         path = os.path.join(staging, name)
-        if not os.path.exists(path):  # rank 0 wrote its own already
-            with open(path, "wb") as f:
-                f.write(data)
-    with open(os.path.join(staging, TIER_INDEX_NAME), "w") as f:
-        json.dump(tier_index(step, nodes, files), f)
+        if kind_of(path) is None:  # rank 0 wrote its own already
+            write_new(path, data)
+    write_new(os.path.join(staging, TIER_INDEX_NAME), json.dumps(tier_index(step, nodes, files)).encode())
     final = tier.step_dir(node, step)
-    if os.path.isdir(final):
-        shutil.rmtree(final)
+    kind = kind_of(final)
+    if kind == DIRECTORY:
+        remove_dir(final)
+    elif kind is not None:
+        raise CheckpointError(dir_problem(final) or f"{final}: not a directory")
     os.rename(staging, final)
-    for old in tier_steps(tier.node_dir(node))[: -tier.keep]:
-        shutil.rmtree(tier.step_dir(node, old), ignore_errors=True)
-    for name in os.listdir(tier.node_dir(node)):
+    prune_node(tier.node_dir(node), tier.keep, step)
+
+
+def prune_node(node_dir: str, keep: int, current: int) -> None:
+    """Keep the newest ``keep`` snapshots of a node (``current``, just committed, among them)
+    whose ``tier.json`` and manifest record the step their name says; remove the older ones,
+    those whose records name another step (never used: kept, one renamed to a high step would
+    stay forever), and what killed snapshots left (``step_<n>.partial``: one snapshot is in
+    flight at a time, so any other is a leftover). Real directories only: a link (or a file)
+    under such a name is left as it is and never followed."""
+    kept = 0
+    for step in reversed(tier_steps(node_dir)):
+        path = os.path.join(node_dir, f"step_{step:06d}")
+        if kept < keep and (step == current or recorded_step_problem(path, step) is None):
+            kept += 1
+            continue
+        remove_dir(path)
+    for name in os.listdir(node_dir):
         if name.startswith("step_") and name.endswith(".partial"):
-            shutil.rmtree(os.path.join(tier.node_dir(node), name), ignore_errors=True)
+            remove_dir(os.path.join(node_dir, name))

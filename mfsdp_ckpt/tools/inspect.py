@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mfsdp_ckpt.errors import CheckpointError
+from mfsdp_ckpt.errors import CheckpointError, ConversionError
 from mfsdp_ckpt.format.base_ref import shown_file
 from mfsdp_ckpt.format.checksum import chunk_id
 from mfsdp_ckpt.format.keys import GROUPS, group_of, mx_plane_of
+from mfsdp_ckpt.format.lora import adapter_pairs, lora_of_record
 from mfsdp_ckpt.format.model_source import MEGATRON_CORE, model_source_of
 from mfsdp_ckpt.format.names import MANIFEST_NAME, METADATA_NAME
 from mfsdp_ckpt.format.titan import STEP_KEY, TITAN_LAYOUT, is_titan_layout
@@ -339,6 +340,8 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
     faults += orphan_faults(metadata, METADATA_NAME)
     if manifest is not None and reader.indexed is None:
         faults += _manifest_chunk_faults(manifest, metadata)
+    if manifest is not None:
+        faults += _lora_faults(manifest, metadata)
     storage = metadata.storage_data
     total, done = sum(info.length for info in storage.values()), 0
     with ChunkFiles(directory, reader.manifest_chunks, reader.chunk_shapes) as files:
@@ -351,6 +354,24 @@ def verify_checkpoint(path: str | os.PathLike, progress: Callable[[int, int], No
             if fault:
                 faults.append(Fault(shown_file(info.relative_path), index.fqn, offset, fault))
     return Faults(faults, notes)
+
+
+def _lora_faults(manifest: dict[str, Any], metadata: Metadata) -> list[Fault]:
+    """The LoRA record (``model_source.lora``) against the adapters the checkpoint holds, each
+    factor against the weight it adapts (read from the base when it references one), as the
+    exports and ``--resume`` check it (the schema checked the targets and the factors' rank)."""
+    record = model_source_of(manifest) or {}
+    try:
+        spec = lora_of_record(record, MANIFEST_NAME)
+        shapes = {
+            k: tuple(md.size)
+            for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and group_of(k) == "model"
+        }
+        adapter_pairs(shapes, spec, MANIFEST_NAME)
+    except (ValueError, ConversionError) as e:
+        return [Fault(MANIFEST_NAME, "model_source.lora", None, str(e).removeprefix(f"{MANIFEST_NAME}: "))]
+    return []
 
 
 def _save_id_faults(manifest: dict[str, Any], metadata: Metadata) -> list[Fault]:

@@ -41,6 +41,10 @@ def test_a_spec_parses_with_targets_running_to_the_next_key():
         ("r=8,alpha=1,targets=", "--lora: targets: '' is not a module name (letters, digits, _)"),
         ("r=8,alpha=1,targets=q.proj", "--lora: targets: 'q.proj' is not a module name (letters, digits, _)"),
         ("r=8,alpha=1,targets=q,q", "--lora: targets: a module name is given twice"),
+        (
+            f"r={2**22},alpha=1,targets=q",
+            f"--lora: r='{2**22}': more than 65536 (docs/lora.md: the adapters' rank is bounded)",
+        ),
     ],
 )
 def test_a_bad_spec_is_named_in_one_line(spec, why):
@@ -87,6 +91,16 @@ def test_targets_must_be_linear_modules_of_the_model(capsys, tmp_path):
     )
     assert _refused(capsys, tmp_path, "--hf-model", llama, "--lora", "r=4,alpha=8,targets=mlp") == (
         "--lora targets: model.layers.0.mlp (LlamaMLP) is not an nn.Linear (LoRA adapts linear layers)"
+    )
+
+
+def test_a_rank_over_a_targeted_layers_smaller_dimension_is_refused_before_any_adapter_is_made(capsys, tmp_path):
+    """``r`` is at most the smaller dimension of every layer it adapts (docs/lora.md), checked on the
+    model's meta copy before PEFT makes any adapter tensor (issue 65: ``r=2**22`` was accepted)."""
+    llama = make_hf_dir(tmp_path / "llama", "llama")
+    assert _refused(capsys, tmp_path, "--hf-model", llama, "--lora", "r=17,alpha=8,targets=q_proj,v_proj") == (
+        "--lora: r=17 exceeds model.layers.0.self_attn.v_proj (32 in, 16 out): the rank is at most a targeted "
+        "layer's smaller dimension, here 16"
     )
 
 

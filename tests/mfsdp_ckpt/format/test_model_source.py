@@ -71,8 +71,12 @@ def test_older_manifests_and_unknown_kinds():
 
 def test_lora_adapters_in_the_record():
     lora = {"r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
-    base = {"format": "mfsdp-ckpt", "chunks": {}}
+    chunk = {"file": "__0_0.distcp", "offset": 0, "length": 1, "crc32c": 0}
+    factors = {f"model.l.{t}.lora_{f}.weight": chunk for t in ("q_proj", "v_proj") for f in "AB"}
+    base = {"format": "mfsdp-ckpt", "chunks": factors}
     check_manifest({**base, "model_source": {**HF_RECORD, "lora": lora}}, "m")
+    with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.lora': model_source records LoRA"):
+        check_manifest({**base, "chunks": {}, "model_source": {**HF_RECORD, "lora": lora}}, "m")  # no adapters
     assert describe_source({**HF_RECORD, "lora": lora}).endswith(", LoRA r=4,alpha=8,targets=q_proj,v_proj")
     assert describe_source({**HF_RECORD, "lora": {"r": 0}}).endswith(", LoRA (model_source.lora does not parse)")
     with pytest.raises(CorruptCheckpointError, match=r"field 'model_source.lora.r'"):
