@@ -26,10 +26,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: imports every module of the installed packages; prints how many, and fails on one that does
-#: not import or that comes from the checkout instead of the venv
+#: not import or that comes from anywhere but the venv's site-packages (the checkout, say: the venv
+#: itself may live inside the checkout, so the test is where a module is, not where it is not)
 IMPORT_ALL = """
-import importlib, os, pkgutil, sys
-root, n, bad = sys.argv[1], 0, []
+import importlib, os, pkgutil, sys, sysconfig
+paths = sysconfig.get_paths()
+installed = {os.path.realpath(paths[key]) + os.sep for key in ("purelib", "platlib")}
+n, bad = 0, []
 for top in ("mfsdp_core", "mfsdp_ckpt", "mfsdp_cli"):
     package = importlib.import_module(top)
     for info in [None, *pkgutil.walk_packages(package.__path__, top + ".")]:
@@ -41,8 +44,8 @@ for top in ("mfsdp_core", "mfsdp_ckpt", "mfsdp_cli"):
             bad.append(f"{name}: {type(e).__name__}: {e}")
             continue
         where = os.path.realpath(module.__file__)
-        if where.startswith(root + os.sep):
-            bad.append(f"{name}: imported from the checkout ({where})")
+        if not any(where.startswith(prefix) for prefix in installed):
+            bad.append(f"{name}: imported from outside the venv's site-packages ({where})")
 print(f"{n} modules imported from the installed wheel" if not bad else "\\n".join(bad))
 sys.exit(1 if bad else 0)
 """
@@ -98,7 +101,7 @@ def tour(venv: str, work: str) -> None:
     env = _clean_env()
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     python, train, ckpt = (os.path.join(bin_dir, name) for name in ("python", "mfsdp-train", "mfsdp-ckpt"))
-    run([python, "-c", IMPORT_ALL, os.path.realpath(ROOT)], work, env)
+    run([python, "-c", IMPORT_ALL], work, env)
     common = ["--model", "tiny", "--steps", "6", "--batch-size", "6", "--seq-len", "32", "--log-every", "2"]
     run(
         [train, "--nproc-per-node", "2", *common, "--stop-at", "4", "--save-every", "2", "--ckpt-dir", "run"], work, env
