@@ -22,12 +22,14 @@ import copy
 import json
 import os
 import pickle
+import pickletools
 import shutil
 import warnings
 from collections import Counter, defaultdict
 from pathlib import PurePosixPath
 from typing import Any, Callable
 
+import google_crc32c
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -43,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import mfsdp_ckpt
 from mfsdp_ckpt import CheckpointError
+from mfsdp_ckpt.format.safety import memo_problem
 from mfsdp_ckpt.read.reader import CheckpointReader
 from mfsdp_ckpt.tools.diff import diff_checkpoints
 from mfsdp_ckpt.tools.inspect import inspect_checkpoint, verify_checkpoint
@@ -655,8 +658,6 @@ def _metadata_case(base: Base, ops: list, seal: str, raw: Any, file_op: Any) -> 
     elif seal != "stale":
         manifest = read_json(ckpt)
         if seal == "reseal":
-            import google_crc32c
-
             manifest["metadata_crc32c"] = google_crc32c.value(data)
         os.remove(os.path.join(ckpt, "mfsdp.json"))
         write_json(ckpt, manifest, seal)
@@ -694,6 +695,57 @@ def test_hostile_metadata_fuzz(base, ops, seal, raw, file_op):
 )
 def test_hostile_metadata_fuzz_heavy(base, ops, seal, raw, file_op):
     _metadata_case(base, ops, seal, raw, file_op)
+
+
+# ---- a case the fuzz found ---------------------------------------------------------------------------
+
+
+def _builds_to_long_binput(data: bytes) -> list[tuple[int, int]]:
+    """(memo index, byte) of every one-bit flip of a ``BUILD`` opcode (``b``, bit 4 -> ``r``:
+    ``LONG_BINPUT``, whose index is the next four bytes) that stores past the end of ``data``,
+    smallest index first."""
+    flips = [
+        (int.from_bytes(data[pos + 1 : pos + 5], "little"), pos)
+        for op, _, pos in pickletools.genops(data)
+        if op.name == "BUILD" and pos + 5 <= len(data)
+    ]
+    return sorted((index, pos) for index, pos in flips if index >= len(data))
+
+
+def test_a_flipped_bit_storing_at_a_huge_memo_index_is_refused_at_once(base):
+    """Issue 66: with seed 154443929500631921493285507984276680308 the fuzz's 10-s deadline fired
+    inside ``inspect`` on a fresh clone. A ``raw`` flip turns a ``BUILD`` of ``.metadata`` into a
+    ``LONG_BINPUT`` whose index is the next four bytes, often near 2**29, and CPython's unpickler
+    grew its memo array to twice the index and cleared it slot by slot (~10 GiB, tens of seconds)
+    before refusing anything. Which flip does that depends on the base's bytes (its save_id and
+    path differ per run), so the seed alone did not reproduce it. Every such flip of this run's
+    base is refused by the scan, naming its index; the one with the smallest index (so that a
+    regression fails on the message, not by exhausting memory) is written, resealed so that
+    every reader reaches the unpickler, and the readers run as the fuzz runs them (deadline,
+    file audit): each refuses it with one line naming the index and the bound."""
+    data = pickle.dumps(pickle.loads(base.metadata_bytes))  # what _metadata_case writes when no edit applies
+    flips = _builds_to_long_binput(data)
+    assert flips and flips[-1][0] >= 2**24, flips  # the four bytes after a BUILD make large indices
+    for index, pos in flips:
+        problem = memo_problem(_raw(data, ("flip", pos, 4)))
+        assert problem == f"memo index {index} at byte {pos}: past the end of a {len(data)}-byte pickle", problem
+    index, pos = flips[0]
+    case, ckpt = base.case()
+    flipped = _raw(data, ("flip", pos, 4))
+    assert flipped[pos : pos + 1] == b"r"
+    _replace(os.path.join(ckpt, ".metadata"), flipped)
+    manifest = read_json(ckpt)
+    manifest["metadata_crc32c"] = google_crc32c.value(flipped)
+    write_json(ckpt, manifest, "reseal")
+    out = _run_readers(base, case, ckpt, "metadata")
+    for name in ("inspect", "verify", "read", "diff", "load"):
+        assert isinstance(out[name], CheckpointError), (name, out[name])
+        message = str(out[name])
+        assert (
+            f"unreadable metadata (memo index {index} at byte {pos}: past the end of a {len(flipped)}-byte pickle)"
+            in message
+        ), (name, message)
+    shutil.rmtree(case)
 
 
 def test_hostile_fuzz_counts(base):
