@@ -121,18 +121,23 @@ def test_twenty_kills_are_twenty_lines_no_traceback_and_the_uninterrupted_run(tm
     rng = random.Random()
     killed: list[int] = []
     deadline = time.time() + 600
-    seen = 0
+    seen, gone = 0, set()
     for _ in range(KILLS):
-        while max(read_metrics(metrics), default=0) <= seen:  # the restarted ranks made progress
+        # this attempt's two ranks are up (none of the last one's), and have gone past every step
+        # logged before they started (a survivor of the last attempt may log one more step)
+        while len(ranks := _rank_pids(proc.pid)) < 2 or set(ranks.values()) & gone:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
+        seen = max(seen, *read_metrics(metrics), 0)
+        while max(read_metrics(metrics), default=0) <= seen:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 0.3))
-        ranks = _rank_pids(proc.pid)
         victim = rng.randrange(2)
         os.kill(ranks[victim], signal.SIGKILL)
         killed.append(victim)
-        seen = max(read_metrics(metrics), default=0)
-        while set(_rank_pids(proc.pid).values()) & set(ranks.values()):  # the launcher stopped that attempt
+        gone = set(ranks.values())
+        while set(_rank_pids(proc.pid).values()) & gone:  # the launcher stopped that attempt
             assert time.time() < deadline
             time.sleep(0.01)
     out, err = proc.communicate(timeout=600)
