@@ -807,21 +807,32 @@ def _log(bar: Any, line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """One rank of the trainer (or the whole of a one-process run), on parsed flags; the exit code
     (1 a refused run, 130 interrupted, 143 stopped by SIGTERM after saving; under our launcher,
-    3 and no traceback when a collective failed because another rank died)."""
+    3 and no traceback when a collective failed because another rank died). A rank of a torchrun
+    job (``RANK`` set) joins the job's process group after its flags pass, and leaves it at the end."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    return run_rank(args, rank, world, join="RANK" in os.environ)
+
+
+def run_rank(
+    args: argparse.Namespace, rank: int, world: int, join: bool = False, refusal_grace: float | None = None
+) -> int:
+    """:func:`run` on a given rank: with ``join``, this rank joins the process group (after its flags
+    pass) and destroys it at the end; without, the caller owns a group already joined (a test
+    harness's warm ranks run the trainer so). ``refusal_grace`` replaces :data:`REFUSAL_GRACE_S`
+    (see :func:`_report_refusal`) where no launcher stops the ranks after rank 0."""
     stops = StopRequests()
     stops.install()
     try:
         settings, source = check_args(args, world)
-        if "RANK" in os.environ:
+        if join:
             init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return train(settings, source, rank, world, stops)
     except UsageError as e:
         stops.uninstall()  # torchrun's SIGTERM must end a waiting rank (see _report_refusal)
-        _report_refusal(str(e), rank)
+        _report_refusal(str(e), rank, REFUSAL_GRACE_S if refusal_grace is None else refusal_grace)
         return 1
     except RuntimeError as e:  # a peer died under a collective: our launcher names it, in one line
         if not (launched_by_us() and peer_lost(e)):
@@ -841,7 +852,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CODES[signal.SIGINT]
     finally:
         stops.uninstall()
-        if dist.is_initialized():
+        if join and dist.is_initialized():
             _destroy_process_group()
 
 
@@ -870,14 +881,14 @@ def init_process_group(backend: str) -> None:
     interruptible(join)
 
 
-def _report_refusal(message: str, rank: int) -> None:
+def _report_refusal(message: str, rank: int, grace: float) -> None:
     """Print a refusal once per job: rank 0 prints it. Every rank of a job refuses the same flags,
     and the first rank to exit makes torchrun stop the others, so a rank other than 0 that exited
     at once could take rank 0 down before it printed (the job would end without a word). It waits
     instead, and torchrun stops it when rank 0 exits; still alive after the grace period, the
     refusal was its own (rank 0 went on), and it prints it."""
     if rank != 0:
-        time.sleep(REFUSAL_GRACE_S)
+        time.sleep(grace)
         message = f"rank {rank}: {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
 

@@ -1,4 +1,11 @@
-"""Run ``python -m cli.train`` the way users do, under ``torchrun``, from tests.
+"""Run the trainer from tests: on the harness's warm ranks (:func:`run_train`, the default), or
+as users start it, ``python -m cli.train`` under ``torchrun`` or our own launcher, from the
+launcher tests alone (:data:`LAUNCHER_TESTS`).
+
+Starting a torchrun job costs a launcher and a fresh interpreter per rank, each importing torch
+(2-4 s before any model); warm ranks are forks of a server that imported it once. What needs a
+real launcher: its pre-flight refusals and quiet output, signals to a job, a rank that dies,
+restarts (``--max-restarts``), the installed entry points and the commands the docs paste.
 
 Two things about torchrun that tests must not get wrong:
 
@@ -12,18 +19,63 @@ Two things about torchrun that tests must not get wrong:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from tests.warm_train import warm_train
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 
 
+#: the test files that may start the trainer as a process of its own (what they test is the
+#: launcher, a signal to the job, or a command as users paste it); every other trainer test runs
+#: on warm ranks. tests/test_launcher_allowlist.py holds this list to the files that do.
+LAUNCHER_TESTS = frozenset(
+    {
+        "tests/cli/test_offline_torchrun.py",
+        "tests/cli/test_train.py",
+        "tests/cli/test_train_ctrl_c.py",
+        "tests/cli/test_train_flows.py",
+        "tests/cli/test_train_inputs.py",
+        "tests/cli/test_train_launch.py",
+        "tests/cli/test_train_mem_tier.py",
+        "tests/cli/test_train_mem_tier_resume.py",
+        "tests/cli/test_train_quiet.py",
+        "tests/cli/test_train_rank_dies.py",
+        "tests/cli/test_train_restarts.py",
+        "tests/cli/test_train_s3.py",
+        "tests/cli/test_train_transformers_inputs.py",
+        "tests/reliability/test_outputs_inside_inputs.py",
+        "tests/reliability/test_writers.py",
+        "tests/test_launcher_allowlist.py",
+    }
+)
+
+
+def current_test_file() -> str | None:
+    """The file of the test running now (pytest's ``PYTEST_CURRENT_TEST``), or None outside one."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    return current.split("::", 1)[0] if current else None
+
+
+def _check_launcher_test() -> None:
+    where = current_test_file()
+    if where is not None and where not in LAUNCHER_TESTS:
+        raise AssertionError(
+            f"{where} starts the trainer as a process of its own: run it on warm ranks (run_train), "
+            "or, where the launcher is what it tests, add the file to tests/torchrun.py's LAUNCHER_TESTS"
+        )
+
+
 def train_cmd(nproc: int | None, *args: str) -> list[str]:
-    """The command line: ``nproc`` ranks under torchrun, or one plain process for ``None``."""
+    """The command line: ``nproc`` ranks under torchrun, or one plain process for ``None`` (from a
+    launcher test only: :data:`LAUNCHER_TESTS`)."""
+    _check_launcher_test()
     if nproc is None:
         return [sys.executable, "-m", "cli.train", *args]
     return [
@@ -39,9 +91,13 @@ def train_cmd(nproc: int | None, *args: str) -> list[str]:
 
 
 def run_train(
-    nproc: int | None, *args: str, timeout: int = 600, env: dict[str, str] | None = None
+    nproc: int | None, *args: str, timeout: int = 600, env: dict[str, str] | None = None, launcher: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run the trainer (see :func:`train_cmd`) to its end; ``env`` replaces :data:`ENV`."""
+    """Run the trainer to its end on ``nproc`` warm ranks (one for ``None``: :func:`warm_train`),
+    ``env`` over the ranks' environment; or, with ``launcher`` or ``--nproc-per-node`` among the
+    flags, as a process of its own (:func:`train_cmd`) whose environment ``env`` replaces (:data:`ENV`)."""
+    if not launcher and "--nproc-per-node" not in args:
+        return warm_train(nproc or 1, *args, env=env, timeout=timeout)
     return subprocess.run(
         train_cmd(nproc, *args),
         cwd=ROOT,
@@ -116,8 +172,6 @@ def kill_job(proc: subprocess.Popen, patience: float = 60.0) -> None:
 def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
     """Step -> record of a trainer's ``--metrics`` file; a resumed run re-logs the steps after its
     checkpoint: the last record wins."""
-    import json
-
     out: dict[int, dict] = {}
     if os.path.exists(path):
         with open(path) as f:

@@ -1,11 +1,14 @@
-"""Run the trainer's own code (flags parsed and checked, then ``cli.trainer.train``) on the test
-harness's warm ranks instead of a torchrun job: the same functions a rank of ``mfsdp-train`` runs
-after it joined its process group, in processes forked from a server that has already imported
-torch, DCP and our packages. What only the launcher does (its pre-flight, restarts, signals to a
-job) is not exercised here; those tests keep a real ``torchrun``.
+"""Run the trainer's own code (``cli.train``'s flags parsed, then ``cli.trainer.run_rank``, what a
+rank of ``mfsdp-train`` or of a torchrun job runs) on the test harness's warm ranks instead of a
+torchrun job: the same functions, in processes forked from a server that has already imported
+torch, DCP and our packages, inside a process group the harness joined. What only the launcher
+does (its pre-flight, restarts, signals to a job, joining the group) is not exercised here; those
+tests keep a real ``torchrun`` (:data:`tests.torchrun.LAUNCHER_TESTS`).
 
-Each rank returns its exit code and what it printed; :func:`warm_train` gives rank 0's, as a
-``subprocess.CompletedProcess`` the torchrun helpers' callers already read.
+Each rank returns its exit code and what it printed, as its process would have: a usage error is
+argparse's message and exit code 2, an exception escaping the trainer its traceback on stderr and
+exit code 1. :func:`warm_train` gives rank 0's, as the ``subprocess.CompletedProcess`` the torchrun
+helpers' callers already read.
 """
 
 from __future__ import annotations
@@ -15,39 +18,48 @@ import io
 import os
 import subprocess
 import sys
+import traceback
 from typing import Any
 
 from tests.harness import run_ranks
 
 __all__ = ["warm_train"]
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _rank_train(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    """One rank of the trainer on ``argv`` (``env`` added to its environment): exit code, stdout, stderr."""
+    """One rank of the trainer on ``argv`` (``env`` over its environment, the repository its
+    working directory, as :func:`tests.torchrun.run_train` starts one): exit code, stdout, stderr."""
     import torch.distributed as dist
 
     from cli.quiet import quiet_third_party
-    from cli.train_args import UsageError, parse_args
-    from cli.train_signals import StopRequests
-    from cli.trainer import check_args, train
+    from cli.train_args import parse_args
+    from cli.trainer import run_rank
 
-    os.environ.update(env)
+    os.environ.update({k: v for k, v in env.items() if k not in _HARNESS_KEYS})
+    os.chdir(ROOT)
     rank, world = dist.get_rank(), dist.get_world_size()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        args = parse_args(argv)
-        quiet_third_party(args.verbose)
-        stops = StopRequests()
-        stops.install()
         try:
-            settings, source = check_args(args, world)
-            code = train(settings, source, rank, world, stops)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            args = parse_args(argv)
+            quiet_third_party(args.verbose)
+            # no launcher stops the other ranks once rank 0 refused: they need not wait for it
+            code = run_rank(args, rank, world, refusal_grace=0.0)
+        except SystemExit as e:  # argparse's usage error (2), --help (0)
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 - what would end the process with a traceback
+            traceback.print_exc()
             code = 1
-        finally:
-            stops.uninstall()
+        sys.stdout.flush()
+        sys.stderr.flush()
     return code, out.getvalue(), err.getvalue()
+
+
+#: the harness's own rendezvous variables: a caller's environment (often a copy of the test
+#: process's) must not replace them
+_HARNESS_KEYS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"})
 
 
 def warm_train(world: int, *argv: str, env: dict[str, str] | None = None, timeout: float = 600) -> Any:

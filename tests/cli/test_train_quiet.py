@@ -60,7 +60,10 @@ def test_a_two_rank_run_prints_our_lines_only(kind, tmp_path):
     lines = run.stdout.splitlines()
     assert len(lines) == len(OURS) and all(re.match(p, line) for p, line in zip(OURS, lines)), run.stdout
     if kind in THEIRS:
-        loud = run_train(None, *model, *COMMON, "--ckpt-dir", str(tmp_path / "loud"), "--verbose", env=env)
+        # a process of its own: what a library says while it is first imported is the point
+        loud = run_train(
+            None, *model, *COMMON, "--ckpt-dir", str(tmp_path / "loud"), "--verbose", env=env, launcher=True
+        )
         assert loud.returncode == 0, failure(loud)
         assert THEIRS[kind] in loud.stderr, loud.stderr
         theirs = [line for line in (loud.stdout + loud.stderr).splitlines() if not any(re.match(p, line) for p in OURS)]
