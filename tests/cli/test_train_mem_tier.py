@@ -20,6 +20,7 @@ import pytest
 
 from tests.cli.test_train_rank_dies import _rank_pids
 from tests.torchrun import ENV, read_metrics, start_in_own_session
+from tests.warm_train import warm_train
 
 TRAINER = [sys.executable, "-m", "mfsdp_cli.train"]
 CKPT = [sys.executable, "-m", "mfsdp_cli.main"]
@@ -28,10 +29,9 @@ RUN = ("--model", "tiny", "--batch-size", "12", "--seq-len", "32", "--steps", st
 TIER = ("--node-size", "2", "--mem-every", "1")
 
 
-def _train(cwd, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [*TRAINER, "--nproc-per-node", str(nproc), *RUN, *args], cwd=cwd, env=ENV, capture_output=True, text=True
-    )
+def _train(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """A run to its end on ``nproc`` warm ranks (the kills need the launcher: ``_kill_and_finish``)."""
+    done = warm_train(nproc, *RUN, *args)
     assert done.returncode == 0, (done.stdout, done.stderr)
     return done
 
@@ -43,7 +43,7 @@ def _losses(metrics) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("whole")
-    _train(tmp, 4, "--metrics", str(tmp / "m.jsonl"))
+    _train(4, "--metrics", str(tmp / "m.jsonl"))
     losses = _losses(tmp / "m.jsonl")
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
@@ -91,7 +91,7 @@ def test_a_killed_rank_or_node_recovers_from_memory_bitwise(tmp_path, uninterrup
 def test_no_whole_copy_falls_back_to_the_durable_checkpoint_in_one_line(tmp_path, uninterrupted):
     D, tier, metrics = tmp_path / "D", tmp_path / "tier", tmp_path / "m.jsonl"
     base = [*TIER, "--ckpt-dir", str(D), "--mem-tier", str(tier), "--metrics", str(metrics), "--mem-keep-on-exit"]
-    _train(tmp_path, 4, *base, "--save-every", "4", "--stop-at", "10")  # durable 4, 8, 10; tier 9, 10
+    _train(4, *base, "--save-every", "4", "--stop-at", "10")  # durable 4, 8, 10; tier 9, 10
     listed = subprocess.run([*CKPT, "ls", str(D), "--mem-tier", str(tier)], env=ENV, capture_output=True, text=True)
     lines = listed.stdout.splitlines()
     assert lines[3] == f"memory tier {tier}: 4 snapshot(s) of this run on this machine", listed.stdout
@@ -103,7 +103,7 @@ def test_no_whole_copy_falls_back_to_the_durable_checkpoint_in_one_line(tmp_path
         with open(copy, "r+b") as f:
             f.seek(64)
             f.write(b"\xff\xfe")
-    done = _train(tmp_path, 4, *base, "--resume", "auto")
+    done = _train(4, *base, "--resume", "auto")
     said = [line for line in done.stdout.splitlines() if line.startswith("memory tier: ")]
     assert said == [
         "memory tier: nothing recovered (step 10: no whole copy of __2_0.distcp (node0 crc32c mismatch, "
@@ -117,13 +117,13 @@ def test_no_whole_copy_falls_back_to_the_durable_checkpoint_in_one_line(tmp_path
 def test_recovery_onto_three_ranks_equals_a_resume_from_the_offline_reshard(tmp_path, uninterrupted):
     D, tier = tmp_path / "D", tmp_path / "tier"
     base = [*TIER, "--ckpt-dir", str(D), "--mem-tier", str(tier), "--mem-keep-on-exit"]
-    _train(tmp_path, 4, *base, "--stop-at", "8", "--metrics", str(tmp_path / "first.jsonl"))
+    _train(4, *base, "--stop-at", "8", "--metrics", str(tmp_path / "first.jsonl"))
     subprocess.run(
         [*CKPT, "reshard", str(D / "step_000008"), str(tmp_path / "w3"), "--world-size", "3"], check=True, env=ENV
     )
-    from_tier = _train(tmp_path, 3, *base, "--resume", "auto", "--metrics", str(tmp_path / "tier.jsonl"))
+    from_tier = _train(3, *base, "--resume", "auto", "--metrics", str(tmp_path / "tier.jsonl"))
     assert "recovered from the memory tier at step 8 " in from_tier.stdout, from_tier.stdout
-    _train(tmp_path, 3, "--resume", str(tmp_path / "w3"), "--metrics", str(tmp_path / "reshard.jsonl"))
+    _train(3, "--resume", str(tmp_path / "w3"), "--metrics", str(tmp_path / "reshard.jsonl"))
     from_reshard = _losses(tmp_path / "reshard.jsonl")
     assert sorted(from_reshard) == list(range(9, STEPS + 1))
     assert _losses(tmp_path / "tier.jsonl") == from_reshard
@@ -216,7 +216,7 @@ def test_durable_saves_are_promoted_snapshots_that_verify_and_resume_bitwise(tmp
     follow it, and a resume from it continues the uninterrupted run bitwise."""
     D, tier = tmp_path / "D", tmp_path / "tier"
     base = [*TIER, "--ckpt-dir", str(D), "--mem-tier", str(tier), "--save-every", "4", "--keep", "2"]
-    run = _train(tmp_path, 4, *base, "--stop-at", "12", "--metrics", str(tmp_path / "first.jsonl"))
+    run = _train(4, *base, "--stop-at", "12", "--metrics", str(tmp_path / "first.jsonl"))
     promoted = [line.split()[1] for line in run.stdout.splitlines() if "(promoted from the memory tier)" in line]
     assert promoted == ["step_000004", "step_000008", "step_000012"], run.stdout
     assert not [line for line in run.stdout.splitlines() if line.startswith("saved ") and "promoted" not in line]
@@ -225,7 +225,7 @@ def test_durable_saves_are_promoted_snapshots_that_verify_and_resume_bitwise(tmp
     for step in ("step_000008", "step_000012"):
         verified = subprocess.run([*CKPT, "verify", str(D / step)], env=ENV, capture_output=True, text=True)
         assert verified.returncode == 0, verified.stdout + verified.stderr
-    _train(tmp_path, 4, "--resume", str(D / "step_000008"), "--metrics", str(tmp_path / "resumed.jsonl"))
+    _train(4, "--resume", str(D / "step_000008"), "--metrics", str(tmp_path / "resumed.jsonl"))
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(9, STEPS + 1))
     assert resumed == {s: loss for s, loss in uninterrupted.items() if s > 8}
