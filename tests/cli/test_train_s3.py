@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from cli.main import main
 from tests.s3 import S3_ENV
 from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, train_cmd
+from tests.warm_train import warm_train
 
 COMMON = ("--model", "tiny-moe", "--steps", "40", "--save-every", "10", "--batch-size", "12")
 
@@ -26,9 +27,9 @@ def _env(endpoint: str) -> dict[str, str]:
 
 
 def _run(endpoint: str, nproc: int | None, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        train_cmd(nproc, *args), cwd=ROOT, env=_env(endpoint), capture_output=True, text=True, timeout=timeout
-    )
+    """A run to its end on warm ranks, the endpoint and credentials in their environment (the
+    killed run keeps a process of its own: the kill takes its whole process tree)."""
+    return warm_train(nproc or 1, *args, env=_env(endpoint), timeout=timeout)
 
 
 def test_missing_bucket_fails_at_start_up_in_one_line(s3_endpoint, tmp_path):
