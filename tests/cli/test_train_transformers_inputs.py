@@ -15,7 +15,7 @@ import transformers
 
 from cli.train import main
 from tests.hf_models import make_hf_dir
-from tests.torchrun import ENV, ROOT
+from tests.torchrun import ENV, ROOT, run_train
 
 
 @pytest.fixture(scope="module")
@@ -134,26 +134,18 @@ def test_a_directory_without_weights_trains_from_transformers_initialisation(tmp
     from mfsdp_ckpt.read.manifest import read_manifest
 
     src = make_hf_dir(tmp_path / "m", "qwen3", weights=False)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cli.train",
-            "--hf-model",
-            src,
-            "--steps",
-            "1",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "8",
-            "--ckpt-dir",
-            str(tmp_path / "ck"),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
+    run = run_train(
+        None,
+        "--hf-model",
+        src,
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--ckpt-dir",
+        str(tmp_path / "ck"),
     )
     assert run.returncode == 0, run.stderr
     assert "model m (transformers), " in run.stdout
