@@ -19,14 +19,13 @@ Two things about torchrun that tests must not get wrong:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from tests.warm_train import warm_train
+from tests.warm_train import read_metrics, warm_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -35,20 +34,19 @@ ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH
 #: the test files that may start the trainer as a process of its own (what they test is the
 #: launcher, a signal to the job, or a command as users paste it); every other trainer test runs
 #: on warm ranks. tests/test_launcher_allowlist.py holds this list to the files that do.
+__all__ = ["read_metrics", "run_train", "train_cmd", "warm_train"]
+
 LAUNCHER_TESTS = frozenset(
     {
         "tests/cli/test_offline_torchrun.py",
-        "tests/cli/test_train.py",
         "tests/cli/test_train_ctrl_c.py",
         "tests/cli/test_train_flows.py",
-        "tests/cli/test_train_inputs.py",
         "tests/cli/test_train_launch.py",
         "tests/cli/test_train_mem_tier.py",
         "tests/cli/test_train_mem_tier_resume.py",
         "tests/cli/test_train_quiet.py",
         "tests/cli/test_train_rank_dies.py",
         "tests/cli/test_train_restarts.py",
-        "tests/cli/test_train_s3.py",
         "tests/cli/test_train_transformers_inputs.py",
         "tests/reliability/test_outputs_inside_inputs.py",
         "tests/reliability/test_writers.py",
@@ -167,19 +165,6 @@ def kill_job(proc: subprocess.Popen, patience: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"processes {[p for p in tree[1:] if _alive(p)]} outlived SIGKILL")
         time.sleep(0.05)
-
-
-def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
-    """Step -> record of a trainer's ``--metrics`` file; a resumed run re-logs the steps after its
-    checkpoint: the last record wins."""
-    out: dict[int, dict] = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    out[record["step"]] = record
-    return out
 
 
 def kill_past_step(proc: subprocess.Popen, metrics: str | os.PathLike, step: int, timeout: float = 300.0) -> int:

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
-from tests.harness import run_ranks
+from tests.harness import RankFailure, run_ranks
 
-__all__ = ["warm_train"]
+__all__ = ["read_metrics", "warm_train", "warm_train_killed"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,3 +74,48 @@ def warm_train(world: int, *argv: str, env: dict[str, str] | None = None, timeou
     assert len(codes) == 1, f"the ranks ended differently: {[r[0] for r in results]}\n{results}"
     code, out, err = results[0]
     return subprocess.CompletedProcess(["warm_train", str(world), *argv], code, out, err)
+
+
+def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
+    """Step -> record of a trainer's ``--metrics`` file; a resumed run re-logs the steps after its
+    checkpoint: the last record wins."""
+    out: dict[int, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    out[record["step"]] = record
+    return out
+
+
+def _die_past_step(metrics: str, step: int) -> None:
+    """SIGKILL this process once ``metrics`` holds ``step`` (polled every 10 ms)."""
+    while max(read_metrics(metrics), default=0) < step:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank_train_killed(argv: list[str], env: dict[str, str], metrics: str, step: int) -> tuple[int, str, str]:
+    """:func:`_rank_train`, with a watcher that SIGKILLs the rank once ``step`` is logged."""
+    threading.Thread(target=_die_past_step, args=(metrics, step), daemon=True).start()
+    return _rank_train(argv, env)
+
+
+def warm_train_killed(
+    world: int,
+    metrics: str | os.PathLike,
+    step: int,
+    *argv: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> int:
+    """The trainer on ``world`` warm ranks, every rank SIGKILLed once ``metrics`` (the run's
+    ``--metrics`` file) holds ``step``, as a node crash would take a job; the last step logged.
+    A run that ends without being killed fails the test."""
+    try:
+        results = run_ranks(_rank_train_killed, world, list(argv), dict(env or {}), str(metrics), step, timeout=timeout)
+    except RankFailure as e:
+        assert "(SIGKILL)" in str(e), e
+        return max(read_metrics(metrics), default=0)
+    raise AssertionError(f"the run ended before step {step} was logged: {results[0]}")

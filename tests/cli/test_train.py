@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, train_cmd
+from tests.torchrun import failure, read_metrics
 from tests.torchrun import run_train as _run
+from tests.warm_train import warm_train_killed
 
 
 def _full_state(ckpt: str, out: str) -> dict:
@@ -42,16 +42,9 @@ def test_kill_and_resume_bitwise_and_resume_at_another_world_size(tmp_path):
     # A: uninterrupted
     run = _run(2, *COMMON, "--ckpt-dir", str(a), "--metrics", str(tmp_path / "a.jsonl"))
     assert run.returncode == 0, failure(run)
-    # B: killed (SIGKILL to torchrun and every worker, as a node crash would) once past the checkpoint at step 10
-    proc = subprocess.Popen(
-        train_cmd(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl")),
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
+    # B: killed (SIGKILL to every rank, as a node crash would) once past the checkpoint at step 10
+    b_metrics = tmp_path / "b.jsonl"
+    killed_at = warm_train_killed(2, b_metrics, 13, *COMMON, "--ckpt-dir", str(b), "--metrics", str(b_metrics))
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     run = _run(2, *COMMON, "--ckpt-dir", str(b), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
     assert run.returncode == 0, failure(run)
@@ -162,11 +155,7 @@ def test_bad_expert_parallel_sizes_are_one_line_naming_the_numbers():
         ),
     ]
     for world, args, message in cases:
-        env = {**ENV, "WORLD_SIZE": str(world)}
-        env.pop("RANK", None)
-        run = subprocess.run(
-            train_cmd(None, *args, "--steps", "1"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-        )
+        run = _run(world, *args, "--steps", "1", timeout=120)
         assert run.returncode == 1 and run.stderr.strip() == f"error: {message}", (args, run.stderr)
 
 

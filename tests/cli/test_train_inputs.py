@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,14 +15,11 @@ import torch.nn.functional as F
 from mfsdp_core.data import SyntheticText, TokenFile
 from mfsdp_core.models.gpt import PRESETS, GPTConfig
 from tests.torchrun import (
-    ENV,
-    ROOT,
     failure,
-    kill_past_step,
     read_metrics,
     run_train,
-    train_cmd,
 )
+from tests.warm_train import warm_train_killed
 
 VOCAB = PRESETS["tiny"].vocab_size
 
@@ -102,15 +98,10 @@ def test_data_run_killed_and_resumed_is_bitwise_an_uninterrupted_one(tmp_path):
         for line in a.stdout.splitlines()
     ), a.stdout
     assert " ms/step | " in a.stdout
-    proc = subprocess.Popen(
-        train_cmd(2, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl")),
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    b_metrics = tmp_path / "b.jsonl"
+    killed_at = warm_train_killed(
+        2, b_metrics, 5, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(b_metrics)
     )
-    killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 5)
     assert 5 <= killed_at < 8, f"the run was not interrupted mid-way (last step {killed_at})"
     b = run_train(2, *common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl"), "--resume")
     assert b.returncode == 0, failure(b)

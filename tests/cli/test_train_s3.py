@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from tests.s3 import S3_ENV
-from tests.torchrun import ENV, ROOT, failure, kill_past_step, read_metrics, train_cmd
-from tests.warm_train import warm_train
+from tests.torchrun import ENV, failure, read_metrics
+from tests.warm_train import warm_train, warm_train_killed
 
 COMMON = ("--model", "tiny-moe", "--steps", "40", "--save-every", "10", "--batch-size", "12")
 
@@ -89,16 +89,11 @@ def test_kill_and_resume_from_s3_bitwise_and_at_another_world_size(s3_endpoint, 
     # A: uninterrupted, local
     run = _run(s3_endpoint, 2, *COMMON, "--ckpt-dir", str(local), "--metrics", str(tmp_path / "a.jsonl"))
     assert run.returncode == 0, failure(run)
-    # B: on S3, killed (the whole process tree) once past the checkpoint at step 10
-    proc = subprocess.Popen(
-        train_cmd(2, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(tmp_path / "b.jsonl")),
-        cwd=ROOT,
-        env=_env(s3_endpoint),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    # B: on S3, killed (SIGKILL to every rank, as a node crash would) once past the checkpoint at step 10
+    b_metrics = tmp_path / "b.jsonl"
+    killed_at = warm_train_killed(
+        2, b_metrics, 13, *COMMON, "--ckpt-dir", url, "--keep", "2", "--metrics", str(b_metrics), env=_env(s3_endpoint)
     )
-    killed_at = kill_past_step(proc, tmp_path / "b.jsonl", 13)
     assert 13 <= killed_at < 40, f"the run was not interrupted mid-way (last step {killed_at})"
     # C: B's latest checkpoint on S3, resumed on 3 ranks into another prefix
     run = _run(
