@@ -811,16 +811,21 @@ def run(args: argparse.Namespace) -> int:
     job (``RANK`` set) joins the job's process group after its flags pass, and leaves it at the end."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return run_rank(args, rank, world, join="RANK" in os.environ)
+    try:
+        return run_rank(args, rank, world, join="RANK" in os.environ)
+    finally:  # the job's group, or the one-rank group a lone process may start (MCore's parallel state)
+        if dist.is_initialized():
+            _destroy_process_group()
 
 
 def run_rank(
     args: argparse.Namespace, rank: int, world: int, join: bool = False, refusal_grace: float | None = None
 ) -> int:
     """:func:`run` on a given rank: with ``join``, this rank joins the process group (after its flags
-    pass) and destroys it at the end; without, the caller owns a group already joined (a test
-    harness's warm ranks run the trainer so). ``refusal_grace`` replaces :data:`REFUSAL_GRACE_S`
-    (see :func:`_report_refusal`) where no launcher stops the ranks after rank 0."""
+    pass); without, the caller owns a group already joined (a test harness's warm ranks run the
+    trainer so). Whoever owns the process destroys the group at its end (:func:`run` does).
+    ``refusal_grace`` replaces :data:`REFUSAL_GRACE_S` (see :func:`_report_refusal`) where no
+    launcher stops the ranks after rank 0."""
     stops = StopRequests()
     stops.install()
     try:
@@ -852,8 +857,6 @@ def run_rank(
         return EXIT_CODES[signal.SIGINT]
     finally:
         stops.uninstall()
-        if join and dist.is_initialized():
-            _destroy_process_group()
 
 
 #: how long a rank other than 0 waits before reporting a refusal itself (see _report_refusal)
