@@ -21,18 +21,17 @@ import os
 import sys
 from collections.abc import Callable
 
+# first: importing it makes a Ctrl-C during the imports below one line and exit 130
 from .train_signals import (
     exit_interrupted,
-    exit_on_escaped_interrupt,
     launched_by_us,
     says_for_the_job,
     with_sigint_held,
 )
 
-exit_on_escaped_interrupt()  # before the imports below: a Ctrl-C during them is one line, 130
-
-from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of  # noqa: E402
-from .train_launch import launch, unblock_sigint  # noqa: E402
+# isort: split
+from .train_args import UsageError, build_parser, check_flags, parse_args, world_size_of
+from .train_launch import launch, unblock_sigint
 
 __all__ = ["main", "parse_args", "build_parser"]
 

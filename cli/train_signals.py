@@ -129,8 +129,8 @@ def exit_on_escaped_interrupt() -> None:
     """From now on a ``KeyboardInterrupt`` that escapes every handler (one raised while the
     trainer's own modules are still being imported, before ``main`` runs) ends the process as
     :func:`exit_interrupted` does, not with a traceback of the import machinery. Installed
-    first thing in the trainer's entry module: what remains before it is the interpreter's own
-    start-up."""
+    as this module's import ends (below), which is the first thing the trainer's entry module
+    does: what remains before it is the interpreter's own start-up and this module's body."""
     previous = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -240,3 +240,8 @@ def stop_signal(summed: list[float]) -> signal.Signals | None:
     if summed[0] > 0:
         return signal.SIGINT
     return None
+
+
+# at the end of this module's import, not by its importer after it: a Ctrl-C between the two
+# (a test that signals the moment the import is complete met it there) escaped as a traceback
+exit_on_escaped_interrupt()

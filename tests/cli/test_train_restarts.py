@@ -31,9 +31,9 @@ RUN = ("--model", "tiny", "--batch-size", "6", "--seq-len", "16", "--steps", "30
 TIER = ("--node-size", "1", "--mem-every", "1", "--save-every", "7", "--keep", "2")
 
 
-def _failure(exitcode: int) -> SimpleNamespace:
+def _failure(exitcode: int, timestamp: int = 0) -> SimpleNamespace:
     name = signal.Signals(-exitcode).name if exitcode < 0 else ""
-    return SimpleNamespace(exitcode=exitcode, signal_name=lambda: name)
+    return SimpleNamespace(exitcode=exitcode, signal_name=lambda: name, timestamp=timestamp)
 
 
 def test_the_cause_of_a_failed_attempt():
@@ -44,6 +44,9 @@ def test_the_cause_of_a_failed_attempt():
         "rank 0 stopped: a rank on another machine failed under a collective",
     )
     assert failure_cause({0: _failure(1), 1: _failure(-15)}) is None  # rank 0 refused and said why
+    # rank 0 outlived the SIGTERM that stopped the attempt and was SIGKILLed 30 s after rank 1 died
+    assert failure_cause({0: _failure(-9, 1030), 1: _failure(-9, 1000)}) == (1, "rank 1 was killed by SIGKILL")
+    assert failure_cause({0: _failure(-9, 1000), 1: _failure(-9, 1000)}) == (0, "rank 0 was killed by SIGKILL")
 
 
 def test_one_line_per_restart_with_where_it_resumed_from(tmp_path, capsys, monkeypatch):
