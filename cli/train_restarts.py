@@ -44,7 +44,7 @@ def failure_cause(failures: dict[int, Any]) -> tuple[int, str] | None:
     # first seen first: torch records the failed rank, stops the others (SIGTERM, then SIGKILL for
     # one still alive after its grace period) and records them too, later; a rank killed by that
     # SIGKILL is not the cause, though its exit code is the same as the victim's
-    seen = sorted(failures.items(), key=lambda item: (getattr(item[1], "timestamp", 0), item[0]))
+    seen = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     causes = [r for r, f in seen if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
     causes += [r for r, f in seen if f.exitcode > 0 and f.exitcode not in (*_EXPLAINED, PEER_LOST_EXIT)]
     if not causes and codes.get(0) in _EXPLAINED:

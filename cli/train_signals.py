@@ -39,7 +39,6 @@ __all__ = [
     "peer_lost",
     "LAUNCHED_ENV",
     "exit_interrupted",
-    "exit_on_escaped_interrupt",
     "interruptible",
     "with_sigint_held",
     "launched_by_us",
@@ -125,7 +124,7 @@ def exit_interrupted(say: bool) -> NoReturn:
     os._exit(128 + signal.SIGINT)
 
 
-def exit_on_escaped_interrupt() -> None:
+def _exit_on_escaped_interrupt() -> None:
     """From now on a ``KeyboardInterrupt`` that escapes every handler (one raised while the
     trainer's own modules are still being imported, before ``main`` runs) ends the process as
     :func:`exit_interrupted` does, not with a traceback of the import machinery. Installed
@@ -244,4 +243,4 @@ def stop_signal(summed: list[float]) -> signal.Signals | None:
 
 # at the end of this module's import, not by its importer after it: a Ctrl-C between the two
 # (a test that signals the moment the import is complete met it there) escaped as a traceback
-exit_on_escaped_interrupt()
+_exit_on_escaped_interrupt()

@@ -31,11 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 
 
+__all__ = ["read_metrics", "run_train", "train_cmd", "warm_train"]
+
 #: the test files that may start the trainer as a process of its own (what they test is the
 #: launcher, a signal to the job, or a command as users paste it); every other trainer test runs
 #: on warm ranks. tests/test_launcher_allowlist.py holds this list to the files that do.
-__all__ = ["read_metrics", "run_train", "train_cmd", "warm_train"]
-
 LAUNCHER_TESTS = frozenset(
     {
         "tests/cli/test_offline_torchrun.py",

@@ -160,7 +160,7 @@ def test_the_scan_sees_every_memo_store_past_the_end_in_every_one_bit_flip(proto
         storage_data={MetadataIndex("model.w", c.offsets): None for c in chunks},
     )
     data = pickle.dumps(md, protocol=protocol)
-    flips = refused = 0
+    flips = 0
     for pos in range(len(data)):
         for bit in range(8):
             flipped = data[:pos] + bytes([data[pos] ^ (1 << bit)]) + data[pos + 1 :]
@@ -168,6 +168,5 @@ def test_the_scan_sees_every_memo_store_past_the_end_in_every_one_bit_flip(proto
                 flips += 1
                 problem = memo_problem(flipped)
                 assert problem is not None and problem.startswith("memo index"), (pos, bit, problem)
-            refused += memo_problem(flipped) is not None
     assert flips > 0  # the flips do reach the memo
     assert memo_problem(data) is None
