@@ -105,6 +105,7 @@ class _Exit:
 
     def __init__(self, exitcode: int) -> None:
         self.exitcode = exitcode
+        self.timestamp = 0  # seconds since the epoch when torch recorded it: all at once here
 
     def signal_name(self) -> str:
         return signal.Signals(-self.exitcode).name
